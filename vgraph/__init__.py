@@ -1,0 +1,52 @@
+"""vgraph: dynamic networks declared once, unrolled per input, differentiated exactly."""
+from __future__ import annotations
+
+from . import ops
+from .compute import (
+    ComputeGraph,
+    ComputeNode,
+    ForwardReport,
+    NodeKey,
+    get_default_dtype,
+    is_grad_enabled,
+    no_grad,
+    set_default_dtype,
+)
+from .errors import (
+    BuildError,
+    CheckpointError,
+    FeedError,
+    GradcheckError,
+    GraphStateError,
+    LoopLimitError,
+    RenderError,
+    SelectorError,
+    ShapeError,
+    StructureChangedError,
+    VGraphError,
+)
+from .functions import (
+    abs,
+    concat,
+    detach,
+    exp,
+    log,
+    log_softmax,
+    matmul,
+    max,
+    mean,
+    relu,
+    reshape,
+    sigmoid,
+    sign,
+    softmax,
+    softplus,
+    stack,
+    step,
+    sum,
+    tanh,
+    transpose,
+    where,
+)
+
+__version__ = "0.1.0"

@@ -1,0 +1,724 @@
+"""The concrete graph: :class:`ComputeGraph` and :class:`ComputeNode`.
+
+A ComputeGraph is an append-only DAG. Each node is a leaf (``Input``, ``Parameter``,
+``Constant``) or the result of a primitive from :mod:`vgraph.ops` applied to earlier nodes; its
+value is computed when it is added. Because parents always exist before their children, creation
+order is a topological order: every traversal here sorts by a creation serial and never recurses,
+so a 100,000-node chain is as easy as a 10-node one.
+
+Forward (seed 001): every node keeps ``value``, ``version`` (bumped each time the value is set or
+recomputed) and the versions of its parents at its last computation. ``forward(target)``
+recomputes only nodes whose parents' versions changed.
+
+Backward (seed 000): vector-Jacobian products in reverse creation order over the nodes between the
+loss and the leaves that require gradients; everything else is pruned. Leaf gradients accumulate
+into ``.grad`` until ``zero_grad()``; intermediate gradients are freed as soon as they are passed on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from dataclasses import dataclass, field
+from functools import partial
+from operator import attrgetter
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
+
+import numpy as np
+
+from .errors import GraphStateError, ShapeError, StructureChangedError, VGraphError
+from .functions import Operand
+from .ops import OPS, Op, unbroadcast
+
+# ---------------------------------------------------------------------------- settings
+
+_default_dtype = np.dtype(np.float32)
+
+
+def set_default_dtype(dtype: Any) -> None:
+    """Set the float dtype new graphs use when none is given (float32 unless changed).
+
+    Raises:
+        TypeError: if ``dtype`` is not a floating-point dtype.
+    """
+    global _default_dtype
+    dt = np.dtype(dtype)
+    if dt.kind != "f":
+        raise TypeError(f"the default dtype must be a float dtype, got {dt}")
+    _default_dtype = dt
+
+
+def get_default_dtype() -> np.dtype:
+    """The float dtype new graphs use when none is given."""
+    return _default_dtype
+
+
+class _GradMode:
+    enabled = True
+
+
+@contextlib.contextmanager
+def no_grad() -> Iterator[None]:
+    """Nodes created inside this block record nothing for backward (``requires_grad=False``).
+
+    Use it for evaluation and for updates that must not be differentiated. The previous mode is
+    restored on exit, also when the block raises.
+    """
+    previous = _GradMode.enabled
+    _GradMode.enabled = False
+    try:
+        yield
+    finally:
+        _GradMode.enabled = previous
+
+
+def is_grad_enabled() -> bool:
+    """Whether nodes created now record what backward needs (``False`` inside ``no_grad()``)."""
+    return _GradMode.enabled
+
+
+# ---------------------------------------------------------------------------- keys and nodes
+
+
+class NodeKey(NamedTuple):
+    """The identity ``<type, id, idx>`` of a compute node.
+
+    ``type`` is the node's kind (``MatMul``, ``Parameter`` …), ``id`` tells apart nodes of one type,
+    ``idx`` is the loop iteration path: ``()`` outside loops, ``(2, 5)`` in iteration 5 of an inner
+    loop during iteration 2 of the outer one. Printed compactly: ``MatMul:1@2.5``.
+    """
+
+    type: str
+    id: int
+    idx: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        base = f"{self.type}:{self.id}"
+        return f"{base}@{'.'.join(map(str, self.idx))}" if self.idx else base
+
+    @classmethod
+    def parse(cls, text: str) -> NodeKey:
+        """Read a key printed by ``str(key)``, e.g. ``"MatMul:1@2.5"``.
+
+        Raises:
+            ValueError: if ``text`` is not of that form.
+        """
+        try:
+            head, _, idx = text.partition("@")
+            type_, id_ = head.rsplit(":", 1)
+            return cls(type_, int(id_), tuple(int(i) for i in idx.split(".")) if idx else ())
+        except ValueError:
+            raise ValueError(f"not a node key: {text!r} (expected e.g. 'MatMul:1' or 'Tanh:2@3')") from None
+
+
+LEAF_TYPES = ("Input", "Parameter", "Constant")
+_serials = itertools.count()
+
+
+def _as_value(value: Any, float_dtype: np.dtype) -> np.ndarray:
+    """A node value: floats in the graph's dtype; integer and bool arrays (indices, masks) kept."""
+    if isinstance(value, (bool, np.bool_)):
+        return np.asarray(value)
+    if isinstance(value, (int, float)):
+        return np.asarray(value, dtype=float_dtype)
+    arr = np.asarray(value)
+    if arr.dtype.kind == "f" and arr.dtype != float_dtype:
+        arr = arr.astype(float_dtype)
+    elif arr.dtype.kind not in "fiub":
+        raise TypeError(f"a node value must be numeric, got dtype {arr.dtype}")
+    return arr
+
+
+class ComputeNode(Operand):
+    """One node of a :class:`ComputeGraph`: a leaf or one primitive applied to parent nodes.
+
+    Attributes:
+        key: the node's ``<type, id, idx>`` identity.
+        name: the user's display name, or ``None``.
+        op: the primitive computing it (``None`` for leaves).
+        parents: the input nodes, in the op's argument order.
+        version: bumped each time the value is set or recomputed.
+        requires_grad: whether backward computes a gradient for this node.
+        grad: the accumulated gradient (leaves, and nodes that called ``retain_grad()``).
+    """
+
+    __slots__ = (
+        "key", "name", "op", "parents", "attrs", "vjps", "_value", "version", "parent_versions",
+        "requires_grad", "grad", "retains_grad", "graph", "serial", "_g", "_gown",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        key: NodeKey,
+        value: np.ndarray,
+        op: Op | None = None,
+        parents: tuple[ComputeNode, ...] = (),
+        attrs: dict[str, Any] | None = None,
+        requires_grad: bool = False,
+        name: str | None = None,
+        graph: ComputeGraph | None = None,
+    ) -> None:
+        self.key = key
+        self.name = name
+        self.op = op
+        self.parents = parents
+        self.attrs = attrs if attrs else _NO_ATTRS
+        if op is None or not op.variadic:
+            self.vjps = op.vjps if op is not None else ()
+        else:
+            self.vjps = tuple(partial(op.vjps, i) for i in range(len(parents)))
+        self._value = value
+        self.version = 0
+        self.parent_versions = [p.version for p in parents]
+        self.requires_grad = requires_grad
+        self.grad: np.ndarray | None = None
+        self.retains_grad = False
+        self.graph = graph
+        self.serial = next(_serials)
+        self._g: Any = None  # gradient being accumulated during one backward pass
+        self._gown = False  # whether _g is an array this pass allocated (safe to add into)
+
+    # -- value
+    @property
+    def value(self) -> np.ndarray:
+        """The node's current value (as of its last computation)."""
+        return self._value
+
+    @value.setter
+    def value(self, value: Any) -> None:
+        self.set_value(value)
+
+    def set_value(self, value: Any) -> None:
+        """Give a leaf a new value and bump its version, so dependent nodes recompute.
+
+        Augmented assignment (``p.value -= lr * p.grad``) goes through here too.
+
+        Raises:
+            GraphStateError: if the node is computed by an op (set its inputs instead).
+            ShapeError: if a parameter's new value has a different shape.
+        """
+        if self.op is not None:
+            raise GraphStateError(
+                f"{self.describe()} is computed by {self.op.name}; only inputs, parameters and "
+                "constants can be set (set the inputs it depends on, then call forward)"
+            )
+        dtype = self._value.dtype if self._value.dtype.kind == "f" else _default_dtype
+        arr = _as_value(value, dtype)
+        if self.key.type == "Parameter" and arr.shape != self._value.shape:
+            raise ShapeError(
+                f"{self.describe()}: new value has shape {arr.shape}, the parameter has "
+                f"shape {self._value.shape}"
+            )
+        self._value = arr
+        self.version += 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the value."""
+        return np.shape(self._value)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The dtype of the value."""
+        return np.asarray(self._value).dtype
+
+    @property
+    def is_leaf(self) -> bool:
+        """Whether the node is an input, parameter or constant (not computed by an op)."""
+        return self.op is None
+
+    def retain_grad(self) -> ComputeNode:
+        """Keep this intermediate node's gradient in ``.grad`` after backward (for inspection)."""
+        self.retains_grad = True
+        return self
+
+    def describe(self) -> str:
+        """``<key>`` and the display name, as used in error messages."""
+        return f"<{self.key}>" + (f" '{self.name}'" if self.name else "")
+
+    def __repr__(self) -> str:
+        return f"ComputeNode({self.describe()}, shape={self.shape}, version={self.version})"
+
+    def _apply(self, op: str, inputs: tuple[Any, ...], attrs: dict[str, Any]) -> ComputeNode:
+        graph = self.graph
+        if graph is None:  # a free leaf (e.g. from a parameter store): use another input's graph
+            graph = next((x.graph for x in inputs if isinstance(x, ComputeNode) and x.graph), None)
+            if graph is None:
+                raise GraphStateError(f"{self.describe()} belongs to no ComputeGraph; add it with add_leaf")
+        return graph.apply(op, inputs, attrs)
+
+
+_NO_ATTRS: dict[str, Any] = {}
+
+
+@dataclass
+class ForwardReport:
+    """What the last :meth:`ComputeGraph.forward` did.
+
+    Attributes:
+        visited: op nodes checked (the target's ancestors, plus structure checks).
+        recomputed: op nodes whose parents had changed and were computed again.
+        explanation: with ``explain=True``, one ``(node key, changed parent keys)`` per
+            recomputed node, in the order they were computed.
+    """
+
+    visited: int = 0
+    recomputed: int = 0
+    explanation: list[tuple[NodeKey, tuple[NodeKey, ...]]] | None = field(default=None)
+
+    def __str__(self) -> str:
+        lines = [f"recomputed {self.recomputed} of {self.visited} nodes"]
+        for key, changed in self.explanation or ():
+            lines.append(f"  {key}  <- changed: {', '.join(map(str, changed))}")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- the graph
+
+
+class ComputeGraph:
+    """A concrete DAG of compute nodes with dirty-checked forward and VJP backward.
+
+    Build it imperatively (``cg.input``, ``cg.parameter``, Python operators and ``vgraph``
+    functions on its nodes) or get one from ``build_compute_graph``.
+
+    Args:
+        dtype: the float dtype of values (default: :func:`get_default_dtype`, float32).
+    """
+
+    def __init__(self, dtype: Any = None) -> None:
+        self.dtype = np.dtype(dtype) if dtype is not None else _default_dtype
+        if self.dtype.kind != "f":
+            raise TypeError(f"a ComputeGraph's dtype must be a float dtype, got {self.dtype}")
+        self._nodes: dict[NodeKey, ComputeNode] = {}
+        self._counters: dict[str, int] = {}
+        self._guards: list[ComputeNode] = []
+        self._forward_plans: dict[tuple[Any, ...], list[ComputeNode]] = {}
+        self._backward_plans: dict[tuple[int, ...], list[ComputeNode]] = {}
+        self._released = False  # a backward without retain_graph ran since the last forward
+        self._stale: str | None = None  # set when a structure check failed
+        self.last_forward: ForwardReport | None = None
+
+    # -- building
+    def _next_key(self, type_: str) -> NodeKey:
+        return NodeKey(type_, self._counters.get(type_, 0) + 1, ())
+
+    def _register(self, node: ComputeNode) -> ComputeNode:
+        key = node.key
+        if key in self._nodes:
+            raise GraphStateError(f"the graph already has a node <{key}>")
+        self._nodes[key] = node
+        if not key.idx and key.id > self._counters.get(key.type, 0):
+            self._counters[key.type] = key.id  # ids are taken only by nodes actually added
+        return node
+
+    def _leaf(self, type_: str, value: Any, name: str | None, key: NodeKey | None, requires_grad: bool):
+        key = key if key is not None else self._next_key(type_)
+        node = ComputeNode(key, _as_value(value, self.dtype), None, (), None, requires_grad, name, self)
+        return self._register(node)
+
+    def input(
+        self, value: Any, name: str | None = None, key: NodeKey | None = None, requires_grad: bool = False
+    ) -> ComputeNode:
+        """Add an input leaf. Floats are stored in the graph's dtype; integer arrays are kept.
+
+        Args:
+            value: the input's value; change it later with ``node.value = ...``.
+            name: a display name.
+            key: the node's key (default ``<Input, n, ()>``).
+            requires_grad: compute a gradient for this input too (e.g. for saliency).
+        """
+        return self._leaf("Input", value, name, key, requires_grad)
+
+    def parameter(self, value: Any, name: str | None = None, key: NodeKey | None = None) -> ComputeNode:
+        """Add a trainable leaf (``requires_grad=True``) holding a copy of ``value``."""
+        return self._leaf("Parameter", np.array(value, dtype=self.dtype), name, key, True)
+
+    def constant(self, value: Any, name: str | None = None, key: NodeKey | None = None) -> ComputeNode:
+        """Add a leaf that never needs a gradient."""
+        return self._leaf("Constant", value, name, key, False)
+
+    def add_leaf(self, node: ComputeNode) -> ComputeNode:
+        """Make an existing graph-less leaf (e.g. a parameter from a store) usable in this graph.
+
+        Leaves may be shared by several graphs; op nodes belong to one.
+
+        Raises:
+            GraphStateError: if ``node`` is not a leaf or its key is taken.
+        """
+        if node.op is not None:
+            raise GraphStateError(f"{node.describe()} is not a leaf; only leaves can be shared")
+        if self._nodes.get(node.key) is node:
+            return node
+        return self._register(node)
+
+    def apply(
+        self,
+        op: str | Op,
+        inputs: Sequence[Any],
+        attrs: dict[str, Any] | None = None,
+        key: NodeKey | None = None,
+        name: str | None = None,
+    ) -> ComputeNode:
+        """Add a node computing primitive ``op`` on ``inputs`` and compute its value now.
+
+        Args:
+            op: a primitive name from :data:`vgraph.ops.OPS` (e.g. ``"MatMul"``) or an ``Op``.
+            inputs: parent nodes; numbers and arrays become constants.
+            attrs: the op's static arguments (``axis``, ``index`` …).
+            key: the node's key (default ``<op, n, ()>``).
+            name: a display name.
+
+        Raises:
+            ShapeError: numpy cannot apply the op to the inputs' shapes; names the node and shapes.
+            GraphStateError: an input is an op node of another graph.
+        """
+        if isinstance(op, str):
+            try:
+                op = OPS[op]
+            except KeyError:
+                raise VGraphError(f"unknown op {op!r}; known ops: {', '.join(sorted(OPS))}") from None
+        parents = []
+        for x in inputs:
+            if not isinstance(x, ComputeNode):
+                x = self.constant(x)
+            elif x.graph is not self and x.op is not None:
+                raise GraphStateError(f"{x.describe()} belongs to another ComputeGraph")
+            parents.append(x)
+        parents = tuple(parents)
+        if op.arity is not None and op.arity != len(parents):
+            raise VGraphError(f"{op.name} takes {op.arity} inputs, got {len(parents)}")
+        if key is None:
+            key = self._next_key(op.name)
+        requires_grad = False
+        if _GradMode.enabled:
+            vjps = op.vjps
+            if op.variadic:
+                requires_grad = any(p.requires_grad for p in parents)
+            else:
+                requires_grad = any(p.requires_grad and f is not None for p, f in zip(parents, vjps))
+        node = ComputeNode(key, None, op, parents, attrs, requires_grad, name, self)
+        node._value = self._run(node)
+        return self._register(node)
+
+    def guard(
+        self,
+        inputs: Sequence[ComputeNode],
+        check: Callable[..., Any],
+        key: NodeKey,
+        name: str | None = None,
+    ) -> ComputeNode:
+        """Record a data-dependent structural decision so that forward re-checks it.
+
+        ``check(*input_values)`` runs now and on every forward in which an input changed; it
+        returns the decision (kept as the node's value) or raises
+        :class:`~vgraph.errors.StructureChangedError` if new values would change it. Every forward
+        runs the graph's guards, so a stale structure is never silently computed.
+        """
+        op = Op(key.type, check, (None,) * len(inputs), arity=len(inputs))
+        node = self.apply(op, inputs, None, key, name)
+        self._guards.append(node)
+        return node
+
+    def _run(self, node: ComputeNode) -> Any:
+        """Compute ``node``'s value from its parents' current values."""
+        values = [p._value for p in node.parents]
+        try:
+            return node.op.forward(*values, **node.attrs)
+        except StructureChangedError as e:
+            self._stale = str(e)
+            raise
+        except VGraphError:
+            raise
+        except (ValueError, IndexError, TypeError) as e:
+            shapes = ", ".join(f"{p.describe()} {np.shape(v)}" for p, v in zip(node.parents, values))
+            raise ShapeError(f"{node.describe()}: cannot compute {node.op.name} of {shapes}: {e}") from e
+
+    # -- look-up
+    def node(self, key: NodeKey | str) -> ComputeNode:
+        """The node with ``key`` (a :class:`NodeKey` or its printed form, e.g. ``"Tanh:1@3"``).
+
+        Raises:
+            VGraphError: if the graph has no such node.
+        """
+        k = NodeKey.parse(key) if isinstance(key, str) else key
+        try:
+            return self._nodes[k]
+        except KeyError:
+            raise VGraphError(f"the graph has no node <{k}>") from None
+
+    def __getitem__(self, key: NodeKey | str) -> ComputeNode:
+        return self.node(key)
+
+    def __contains__(self, key: NodeKey | str) -> bool:
+        return (NodeKey.parse(key) if isinstance(key, str) else key) in self._nodes
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def nodes(self) -> list[ComputeNode]:
+        """All nodes, in creation (topological) order."""
+        return sorted(self._nodes.values(), key=_by_serial)
+
+    def parameters(self) -> list[ComputeNode]:
+        """The leaves that require gradients, in creation order."""
+        return [n for n in self.nodes() if n.op is None and n.requires_grad]
+
+    # -- traversal
+    @staticmethod
+    def _ancestors(targets: Iterable[ComputeNode]) -> list[ComputeNode]:
+        """``targets`` and everything they depend on, in topological (creation) order."""
+        seen: set[ComputeNode] = set()
+        stack = list(targets)
+        while stack:
+            n = stack.pop()
+            if n not in seen:
+                seen.add(n)
+                stack.extend(n.parents)
+        return sorted(seen, key=_by_serial)
+
+    def _forward_plan(self, targets: tuple[ComputeNode, ...]) -> list[ComputeNode]:
+        cache_key = (*targets, len(self._guards))
+        plan = self._forward_plans.get(cache_key)
+        if plan is None:
+            plan = [n for n in self._ancestors((*targets, *self._guards)) if n.op is not None]
+            self._forward_plans[cache_key] = plan
+        return plan
+
+    def _backward_plan(self, roots: tuple[ComputeNode, ...]) -> list[ComputeNode]:
+        cache_key = tuple(r.serial for r in roots)
+        plan = self._backward_plans.get(cache_key)
+        if plan is None:
+            plan = [n for n in self._ancestors(roots) if n.requires_grad]
+            plan.reverse()
+            self._backward_plans[cache_key] = plan
+        return plan
+
+    # -- forward
+    def forward(
+        self, target: ComputeNode | Sequence[ComputeNode], explain: bool = False
+    ) -> np.ndarray | list[np.ndarray]:
+        """Bring ``target`` up to date, recomputing only nodes whose parents changed.
+
+        Also re-checks the graph's recorded structural decisions (see :meth:`guard`). What was
+        done is in :attr:`last_forward`.
+
+        Args:
+            target: a node or a list of nodes.
+            explain: record, for each recomputed node, which parents had changed.
+
+        Returns:
+            The target's value (a list of values for a list of targets).
+
+        Raises:
+            StructureChangedError: new values would change a loop's trip count or a branch choice;
+                the graph must be rebuilt for them. Backward is refused until a forward succeeds
+                again (e.g. after the old values are restored).
+        """
+        targets = (target,) if isinstance(target, ComputeNode) else tuple(target)
+        plan = self._forward_plan(targets)
+        report = ForwardReport(visited=len(plan), explanation=[] if explain else None)
+        recomputed = 0
+        run = self._run
+        for n in plan:
+            versions = [p.version for p in n.parents]
+            if versions != n.parent_versions:
+                if explain:
+                    changed = tuple(
+                        p.key for p, old, new in zip(n.parents, n.parent_versions, versions) if old != new
+                    )
+                    report.explanation.append((n.key, changed))
+                n._value = run(n)
+                n.parent_versions = versions
+                n.version += 1
+                recomputed += 1
+        report.recomputed = recomputed
+        self.last_forward = report
+        self._released = False
+        self._stale = None  # every structure check passed: values and structure agree again
+        if isinstance(target, ComputeNode):
+            return target._value
+        return [t._value for t in targets]
+
+    def _check_fresh(self) -> None:
+        if self._stale is not None:
+            raise StructureChangedError(
+                f"this compute graph's values are from a forward that failed ({self._stale}); "
+                "rebuild the graph for the new inputs, or restore them and run forward"
+            )
+
+    # -- backward
+    def backward(self, loss: ComputeNode, seed: Any = None) -> float | None:
+        """Backpropagate from ``loss`` and accumulate gradients into the leaves' ``.grad``.
+
+        Shorthand for ``backward_ex(loss, seed, retain_graph=False)``. Gradients accumulate across
+        calls: call :meth:`zero_grad` (or the optimiser's) between steps.
+
+        Args:
+            loss: a scalar node; or any node together with ``seed``.
+            seed: the gradient of the final objective with respect to ``loss`` (shape of ``loss``);
+                required when ``loss`` is not a scalar.
+
+        Returns:
+            The loss value as a float (``None`` for a non-scalar ``loss``).
+
+        Raises:
+            ShapeError: ``loss`` is not a scalar and no seed was given, or the seed's shape differs.
+            GraphStateError: a second backward without a forward in between, or ``loss`` does not
+                depend on anything that requires a gradient.
+        """
+        return self.backward_ex(loss, seed, retain_graph=False)
+
+    def backward_ex(self, loss: ComputeNode, seed: Any = None, retain_graph: bool = False) -> float | None:
+        """Like :meth:`backward`; with ``retain_graph=True`` the graph can be backpropagated again
+        without a new forward (e.g. to accumulate the gradients of several losses)."""
+        self._check_can_backward(loss)
+        g = self._seed(loss, seed)
+        self._backprop(self._backward_plan((loss,)), [(loss, g)], accumulate=True)
+        self._released = not retain_graph
+        return float(loss._value) if np.size(loss._value) == 1 else None
+
+    def grad(
+        self,
+        outputs: ComputeNode | Sequence[ComputeNode],
+        inputs: ComputeNode | Sequence[ComputeNode],
+        seeds: Any = None,
+        retain_graph: bool = False,
+    ) -> list[np.ndarray]:
+        """Gradients of ``outputs`` with respect to ``inputs``, returned and not accumulated.
+
+        Like ``torch.autograd.grad``: no ``.grad`` is touched. Inputs may be leaves or
+        intermediate nodes; an input the outputs do not depend on gets zeros.
+
+        Args:
+            outputs: a node or nodes (scalars, or with ``seeds``).
+            inputs: nodes that require gradients.
+            seeds: one seed per output (``None`` for scalar outputs).
+            retain_graph: allow another backward without a new forward.
+
+        Returns:
+            One array per input, shaped like the input's value.
+
+        Raises:
+            GraphStateError: an input does not require gradients, or the graph was released.
+        """
+        outs = (outputs,) if isinstance(outputs, ComputeNode) else tuple(outputs)
+        ins = (inputs,) if isinstance(inputs, ComputeNode) else tuple(inputs)
+        if seeds is None:
+            seeds = [None] * len(outs)
+        elif len(outs) == 1 and not isinstance(seeds, (list, tuple)):
+            seeds = [seeds]
+        for x in ins:
+            if not x.requires_grad:
+                raise GraphStateError(
+                    f"{x.describe()} does not require a gradient; create it with requires_grad=True "
+                    "(inputs) or outside no_grad()"
+                )
+        self._check_fresh()
+        if self._released:
+            self._raise_released(outs[0])
+        roots = [(o, self._seed(o, s)) for o, s in zip(outs, seeds) if o.requires_grad]
+        wanted = set(ins)
+        plan = self._backward_plan(tuple(o for o, _ in roots)) if roots else []
+        # Prune to the nodes on a path to a wanted input.
+        reach = set(wanted)
+        for n in reversed(plan):
+            if n not in reach and any(p in reach for p in n.parents):
+                reach.add(n)
+        plan = [n for n in plan if n in reach]
+        found = self._backprop(plan, roots, accumulate=False, wanted=wanted)
+        self._released = not retain_graph
+        return [found[x] if x in found else np.zeros(np.shape(x._value), dtype=self.dtype) for x in ins]
+
+    def _check_can_backward(self, loss: ComputeNode) -> None:
+        self._check_fresh()
+        if self._released:
+            self._raise_released(loss)
+        if not loss.requires_grad:
+            raise GraphStateError(
+                f"{loss.describe()} does not depend on any node that requires a gradient "
+                "(all detached, frozen, or built under no_grad)"
+            )
+
+    def _raise_released(self, loss: ComputeNode) -> None:
+        raise GraphStateError(
+            f"backward from {loss.describe()} again: the previous backward released the graph. "
+            "Run forward first, or pass retain_graph=True to backward_ex to backpropagate twice."
+        )
+
+    def _seed(self, out: ComputeNode, seed: Any) -> np.ndarray:
+        shape = np.shape(out._value)
+        if seed is None:
+            if np.size(out._value) != 1:
+                raise ShapeError(
+                    f"{out.describe()} has shape {shape}, not a scalar: pass seed= (the gradient "
+                    "with respect to it, same shape), or reduce it with sum()/mean() first"
+                )
+            return np.ones(shape, dtype=np.asarray(out._value).dtype)
+        g = np.asarray(seed, dtype=np.asarray(out._value).dtype)
+        if g.shape != shape:
+            raise ShapeError(f"seed for {out.describe()} has shape {g.shape}, the node has shape {shape}")
+        return g
+
+    def _backprop(
+        self,
+        plan: list[ComputeNode],
+        roots: list[tuple[ComputeNode, np.ndarray]],
+        accumulate: bool,
+        wanted: set[ComputeNode] | None = None,
+    ) -> dict[ComputeNode, np.ndarray]:
+        """One reverse sweep over ``plan`` (nodes in reverse topological order)."""
+        found: dict[ComputeNode, np.ndarray] = {}
+        for r, g in roots:
+            r._g = g if r._g is None else r._g + g
+        try:
+            for n in plan:
+                g = n._g
+                if g is None:
+                    continue  # no gradient reached this node
+                n._g = None
+                if wanted is not None and n in wanted:
+                    found[n] = g if n._gown else np.array(g)
+                if n.op is None:
+                    if accumulate:
+                        if n.grad is None:
+                            n.grad = g if n._gown else np.array(g)
+                        else:
+                            n.grad += g
+                    n._gown = False
+                    continue
+                n._gown = False
+                if n.retains_grad:
+                    n.grad = np.array(g) if n.grad is None else n.grad + g
+                parents = n.parents
+                ans = n._value
+                values = [p._value for p in parents]
+                attrs = n.attrs
+                for p, vjp in zip(parents, n.vjps):
+                    if vjp is None or not p.requires_grad:
+                        continue
+                    pg = vjp(g, ans, *values, **attrs)
+                    pshape = np.shape(p._value)
+                    if np.shape(pg) != pshape:
+                        pg = unbroadcast(pg, pshape)
+                    acc = p._g
+                    if acc is None:
+                        p._g = pg
+                    elif p._gown and type(acc) is np.ndarray:
+                        np.add(acc, pg, out=acc)
+                    else:
+                        p._g = acc + pg
+                        p._gown = True
+        finally:  # leave no half-accumulated gradients behind if a VJP raised
+            for n in plan:
+                n._g = None
+                n._gown = False
+        return found
+
+    def zero_grad(self) -> None:
+        """Clear ``.grad`` of every node of this graph (sets it to ``None``)."""
+        for n in self._nodes.values():
+            n.grad = None
+
+
+_by_serial = attrgetter("serial")

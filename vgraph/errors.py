@@ -1,0 +1,56 @@
+"""The one exception hierarchy of vgraph.
+
+Every error a user can cause is a :class:`VGraphError`. Errors about a node name it by its
+``<type,id,idx>`` key (and the user's display name, when there is one). Where a standard exception
+type fits too, the error also derives from it (``ShapeError`` and ``FeedError`` are
+``ValueError``s, ``GraphStateError`` a ``RuntimeError``), so generic handlers keep working.
+"""
+
+from __future__ import annotations
+
+
+class VGraphError(Exception):
+    """Base class of every error vgraph raises for a user mistake."""
+
+
+class ShapeError(VGraphError, ValueError):
+    """Shapes that cannot be combined, or a value whose shape is not the declared one."""
+
+
+class BuildError(VGraphError):
+    """A virtual graph that cannot be declared or unrolled as written."""
+
+
+class FeedError(BuildError, ValueError):
+    """Missing, unknown or ill-shaped values fed to a graph's inputs."""
+
+
+class LoopLimitError(BuildError):
+    """A loop ran past its ``max_iters`` guard."""
+
+
+class SelectorError(BuildError):
+    """A branch selector returned something that is not a valid option index."""
+
+
+class GraphStateError(VGraphError, RuntimeError):
+    """An operation that the graph's current state does not allow (e.g. a second backward)."""
+
+
+class StructureChangedError(GraphStateError):
+    """New values would change a data-dependent decision (a trip count, a branch choice).
+
+    The compute graph was unrolled for the old values; rebuild it for the new ones.
+    """
+
+
+class GradcheckError(VGraphError, AssertionError):
+    """Analytic (VJP) and numeric (finite-difference) gradients disagree."""
+
+
+class CheckpointError(VGraphError):
+    """A checkpoint file that is corrupt or does not match the model."""
+
+
+class RenderError(VGraphError):
+    """A graph that cannot be drawn, e.g. because Graphviz's ``dot`` program is missing."""
