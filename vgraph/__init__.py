@@ -1,7 +1,8 @@
 """vgraph: dynamic networks declared once, unrolled per input, differentiated exactly."""
 from __future__ import annotations
 
-from . import ops
+from . import init, ops
+from .check import gradcheck, jacobian
 from .compute import (
     ComputeGraph,
     ComputeNode,
@@ -47,6 +48,16 @@ from .functions import (
     tanh,
     transpose,
     where,
+)
+from .virtual import (
+    BranchNode,
+    Decision,
+    LoopNode,
+    ParameterStore,
+    UnrolledGraph,
+    VirtualGraph,
+    VirtualNode,
+    build_compute_graph,
 )
 
 __version__ = "0.1.0"
