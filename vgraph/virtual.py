@@ -11,13 +11,14 @@ The whole module builds ComputeGraphs through the public API of :mod:`vgraph.com
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from . import init as initializers
-from .compute import ComputeGraph, ComputeNode, NodeKey, _as_value, get_default_dtype
+from .compute import ComputeGraph, ComputeNode, NodeKey, _as_value, get_default_dtype, no_grad
 from .errors import (
     BuildError,
     FeedError,
@@ -61,7 +62,7 @@ class VirtualNode(Operand):
     ) -> None:
         self.graph = graph
         self.type = type_
-        self.kind = kind  # input, parameter, constant, op, carry, item, final, stacked, loop, branch
+        self.kind = kind  # input parameter constant sample op carry item final stacked loop branch
         self.inputs = inputs
         self.attrs = attrs or {}
         self.name = name
@@ -323,6 +324,19 @@ class VirtualGraph:
         self._scopes: list[LoopNode] = []
         self._inputs: dict[str, VirtualNode] = {}
         self._param_decls: dict[str, VirtualNode] = {}
+        self._builds = 0  # seeds the generator of sampled nodes, build after build
+        self.training = True
+
+    def train(self, mode: bool = True) -> VirtualGraph:
+        """Training mode (the default): builds record what backward needs; sampled nodes
+        (e.g. dropout masks) are drawn."""
+        self.training = mode
+        return self
+
+    def eval(self) -> VirtualGraph:
+        """Evaluation mode: builds record nothing for backward (as under ``no_grad``) and sampled
+        nodes take their evaluation value (dropout passes values through)."""
+        return self.train(False)
 
     # -- declaration helpers
     def _register(self, node: VirtualNode) -> int:
@@ -384,6 +398,15 @@ class VirtualGraph:
     def constant(self, value: Any, name: str | None = None) -> VirtualNode:
         """Declare a constant (no gradient). Always top-level: one compute node per build."""
         return VirtualNode(self, "Constant", "constant", (), {"value": _as_value(value, self.dtype)}, name, None)
+
+    def sample(self, fn: Callable[[np.random.Generator, np.ndarray, bool], Any], like: Any, name: str | None = None) -> VirtualNode:
+        """Declare a constant drawn anew at each build (and in each iteration), e.g. a dropout mask.
+
+        At build time ``fn(rng, like_value, training)`` gives the value; ``rng`` is derived from the
+        graph's seed and a build counter, so a sequence of builds is reproducible.
+        """
+        node = self._as_node(like)
+        return VirtualNode(self, "Sample", "sample", (node,), {"fn": fn}, name, self._scope())
 
     def parameter(
         self,
@@ -748,6 +771,7 @@ class _Builder:
         self.plan = plan
         self.cg = UnrolledGraph(graph)
         self.new_params: dict[str, ComputeNode] = {}
+        self.rng = np.random.default_rng([graph.seed, graph._builds])
 
     # -- building one node whose dependencies are built
     def build_node(self, v: VirtualNode, frame: _Frame) -> None:
@@ -764,6 +788,9 @@ class _Builder:
             env[v] = node
         elif kind == "constant":
             env[v] = cg.constant(v.attrs["value"], v.name, NodeKey("Constant", v.id, ()))
+        elif kind == "sample":
+            value = v.attrs["fn"](self.rng, env[v.inputs[0]].value, self.graph.training)
+            env[v] = cg.constant(value, v.name, NodeKey("Sample", v.id, frame.idx))
         elif kind == "loop":
             self.run_loop(v, frame)
         elif kind == "branch":
@@ -986,11 +1013,13 @@ def build_compute_graph(
 
     builder = _Builder(graph, values, plan)
     top = _Frame(None, (), {}, None)
-    builder.run_scope(top)
+    with contextlib.nullcontext() if graph.training else no_grad():
+        builder.run_scope(top)
     cg = builder.cg
     cg._envs[(None, ())] = top.env
     cg.outputs = [top.env[o] for o in outs]
     for name, node in builder.new_params.items():  # commit only after success
         graph.params._add(name, node)
     graph.latest_build = cg
+    graph._builds += 1
     return cg
