@@ -35,7 +35,9 @@ class GradcheckResult:
 
 def _objective(output: ComputeNode, projection: np.ndarray | None) -> float:
     value = output.graph.forward(output)
-    return float(value) if projection is None else float(np.sum(value * projection))
+    if projection is None:  # a size-1 output, possibly of shape (1,) or (1, 1): not float()-able
+        return float(np.reshape(value, ()))
+    return float(np.sum(value * projection))
 
 
 def gradcheck(

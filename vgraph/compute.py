@@ -181,8 +181,12 @@ class ComputeNode(Operand):
     # -- value
     @property
     def value(self) -> np.ndarray:
-        """The node's current value (as of its last computation)."""
-        return self._value
+        """The node's current value (as of its last computation).
+
+        For a computed node it is a read-only view: changing it in place would silently
+        desynchronise the graph. Set inputs and parameters instead.
+        """
+        return self._value if self.op is None else _readonly(self._value)
 
     @value.setter
     def value(self, value: Any) -> None:
@@ -202,8 +206,13 @@ class ComputeNode(Operand):
                 f"{self.describe()} is computed by {self.op.name}; only inputs, parameters and "
                 "constants can be set (set the inputs it depends on, then call forward)"
             )
-        dtype = self._value.dtype if self._value.dtype.kind == "f" else _default_dtype
+        if self.graph is not None:
+            dtype = self.graph.dtype
+        else:
+            dtype = self._value.dtype if self._value.dtype.kind == "f" else _default_dtype
         arr = _as_value(value, dtype)
+        if self.key.type == "Parameter":
+            arr = arr.astype(dtype, copy=False)  # parameters are always floats
         if self.key.type == "Parameter" and arr.shape != self._value.shape:
             raise ShapeError(
                 f"{self.describe()}: new value has shape {arr.shape}, the parameter has "
@@ -249,6 +258,13 @@ class ComputeNode(Operand):
 
 
 _NO_ATTRS: dict[str, Any] = {}
+
+
+def _readonly(value: Any) -> Any:
+    if type(value) is np.ndarray:
+        value = value.view()
+        value.flags.writeable = False
+    return value
 
 
 @dataclass
@@ -379,9 +395,11 @@ class ComputeGraph:
             except KeyError:
                 raise VGraphError(f"unknown op {op!r}; known ops: {', '.join(sorted(OPS))}") from None
         parents = []
+        new_constants = []
         for x in inputs:
             if not isinstance(x, ComputeNode):
                 x = self.constant(x)
+                new_constants.append(x)
             elif x.graph is not self and x.op is not None:
                 raise GraphStateError(f"{x.describe()} belongs to another ComputeGraph")
             parents.append(x)
@@ -398,7 +416,14 @@ class ComputeGraph:
             else:
                 requires_grad = any(p.requires_grad and f is not None for p, f in zip(parents, vjps))
         node = ComputeNode(key, None, op, parents, attrs, requires_grad, name, self)
-        node._value = self._run(node)
+        try:
+            node._value = self._run(node)
+        except Exception:
+            for c in new_constants:  # leave the graph as it was
+                del self._nodes[c.key]
+            if new_constants:
+                self._counters["Constant"] = new_constants[0].key.id - 1
+            raise
         return self._register(node)
 
     def guard(
@@ -441,7 +466,10 @@ class ComputeGraph:
         Raises:
             VGraphError: if the graph has no such node.
         """
-        k = NodeKey.parse(key) if isinstance(key, str) else key
+        try:
+            k = NodeKey.parse(key) if isinstance(key, str) else key
+        except ValueError as e:
+            raise VGraphError(str(e)) from None
         try:
             return self._nodes[k]
         except KeyError:
@@ -537,8 +565,8 @@ class ComputeGraph:
         self._released = False
         self._stale = None  # every structure check passed: values and structure agree again
         if isinstance(target, ComputeNode):
-            return target._value
-        return [t._value for t in targets]
+            return _readonly(target._value)
+        return [_readonly(t._value) for t in targets]
 
     def _check_fresh(self) -> None:
         if self._stale is not None:
@@ -576,7 +604,7 @@ class ComputeGraph:
         g = self._seed(loss, seed)
         self._backprop(self._backward_plan((loss,)), [(loss, g)], accumulate=True)
         self._released = not retain_graph
-        return float(loss._value) if np.size(loss._value) == 1 else None
+        return float(np.reshape(loss._value, ())) if np.size(loss._value) == 1 else None
 
     def grad(
         self,
@@ -626,7 +654,7 @@ class ComputeGraph:
             if n not in reach and any(p in reach for p in n.parents):
                 reach.add(n)
         plan = [n for n in plan if n in reach]
-        found = self._backprop(plan, roots, accumulate=False, wanted=wanted)
+        found = self._backprop(plan, [r for r in roots if r[0] in reach], accumulate=False, wanted=wanted, reach=reach)
         self._released = not retain_graph
         return [found[x] if x in found else np.zeros(np.shape(x._value), dtype=self.dtype) for x in ins]
 
@@ -666,8 +694,14 @@ class ComputeGraph:
         roots: list[tuple[ComputeNode, np.ndarray]],
         accumulate: bool,
         wanted: set[ComputeNode] | None = None,
+        reach: set[ComputeNode] | None = None,
     ) -> dict[ComputeNode, np.ndarray]:
-        """One reverse sweep over ``plan`` (nodes in reverse topological order)."""
+        """One reverse sweep over ``plan`` (nodes in reverse topological order).
+
+        With ``accumulate``, leaf gradients are added to ``.grad`` (``backward``); otherwise only
+        the ``wanted`` nodes' gradients are returned and no ``.grad`` changes (``grad``). ``reach``
+        restricts propagation to the nodes in it (the pruned plan of ``grad``).
+        """
         found: dict[ComputeNode, np.ndarray] = {}
         for r, g in roots:
             r._g = g if r._g is None else r._g + g
@@ -688,14 +722,14 @@ class ComputeGraph:
                     n._gown = False
                     continue
                 n._gown = False
-                if n.retains_grad:
+                if accumulate and n.retains_grad:
                     n.grad = np.array(g) if n.grad is None else n.grad + g
                 parents = n.parents
                 ans = n._value
                 values = [p._value for p in parents]
                 attrs = n.attrs
                 for p, vjp in zip(parents, n.vjps):
-                    if vjp is None or not p.requires_grad:
+                    if vjp is None or not p.requires_grad or (reach is not None and p not in reach):
                         continue
                     pg = vjp(g, ans, *values, **attrs)
                     pshape = np.shape(p._value)

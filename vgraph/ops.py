@@ -111,10 +111,10 @@ def _matmul_vjp(g: np.ndarray, a: np.ndarray, b: np.ndarray, wrt: int) -> np.nda
     a2 = a[None, :] if a.ndim == 1 else a
     b2 = b[:, None] if b.ndim == 1 else b
     g2 = g
+    if b.ndim == 1:  # first: for 1-D @ 1-D, g is 0-d and has no axis -2 yet
+        g2 = np.expand_dims(g2, -1)
     if a.ndim == 1:
         g2 = np.expand_dims(g2, -2)
-    if b.ndim == 1:
-        g2 = np.expand_dims(g2, -1)
     if wrt == 0:
         ga = g2 @ np.swapaxes(b2, -1, -2)
         return ga[..., 0, :] if a.ndim == 1 else ga

@@ -1,0 +1,468 @@
+"""The primitive table (vgraph.ops): each op's forward against plain numpy and its VJPs against
+central finite differences (vgraph.check.gradcheck), in float64, over several shapes including
+broadcasting and scalars.
+
+The table ``CASES`` below has one row per (op, input shapes, attributes). Each row gives
+
+* ``build``: how a user writes it with vgraph (operators or ``vgraph.*`` functions),
+* ``ref``: the same computation in plain numpy (the expected forward value),
+* ``inputs``: generators of the input values (domains chosen so that the op is smooth there:
+  positive for Log and fractional powers, away from 0 for Relu/Abs/division, distinct values
+  for Max).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+import vgraph
+from vgraph import ComputeGraph
+from vgraph.check import gradcheck
+from vgraph.ops import OPS, unbroadcast
+
+STRUCTURAL = {"Detach", "Branch", "Identity"}
+ZERO_GRADIENT = {"Step", "Sign"}
+
+
+# ---------------------------------------------------------------------------- input domains
+def normal(*shape: int) -> Callable[[np.random.Generator], np.ndarray]:
+    return lambda r: np.asarray(r.standard_normal(shape))
+
+
+def positive(*shape: int) -> Callable[[np.random.Generator], np.ndarray]:
+    return lambda r: np.asarray(r.uniform(0.5, 2.0, shape))
+
+
+def away(*shape: int) -> Callable[[np.random.Generator], np.ndarray]:
+    """|x| in [0.2, 2] with a random sign: far from the kink at 0 (relative to eps = 1e-6)."""
+    return lambda r: np.asarray(r.uniform(0.2, 2.0, shape) * r.choice([-1.0, 1.0], shape))
+
+
+def distinct(*shape: int) -> Callable[[np.random.Generator], np.ndarray]:
+    """Pairwise distinct values at least 0.24 apart: no ties for Max."""
+    n = int(np.prod(shape, dtype=int))
+    return lambda r: np.asarray(
+        (r.permutation(n) * 0.25 - 1.0 + r.uniform(0, 0.01, n)).reshape(shape)
+    )
+
+
+# ---------------------------------------------------------------------------- the table
+@dataclass(frozen=True)
+class Case:
+    id: str
+    op: str
+    build: Callable[..., Any]
+    ref: Callable[..., np.ndarray]
+    inputs: tuple[Callable[[np.random.Generator], np.ndarray], ...]
+
+    def __str__(self) -> str:
+        return self.id
+
+
+CASES: list[Case] = []
+
+
+def case(id_: str, op: str, build, ref, *inputs) -> None:
+    CASES.append(Case(f"{op}-{id_}", op, build, ref, inputs))
+
+
+def shape_id(*shapes: tuple[int, ...]) -> str:
+    return ",".join("x".join(map(str, s)) or "scalar" for s in shapes)
+
+
+# Binary elementwise ops with broadcasting (second operand of Div kept away from 0).
+BROADCAST_PAIRS = [
+    ((3, 4), (3, 4)),
+    ((3, 4), (4,)),
+    ((4,), (3, 4)),
+    ((2, 1, 3), (4, 1)),
+    ((4, 1), (1, 5)),
+    ((), (3,)),
+    ((3, 4), ()),
+    ((), ()),
+]
+for sa, sb in BROADCAST_PAIRS:
+    sid = shape_id(sa, sb)
+    case(sid, "Add", lambda a, b: a + b, np.add, normal(*sa), normal(*sb))
+    case(sid, "Sub", lambda a, b: a - b, np.subtract, normal(*sa), normal(*sb))
+    case(sid, "Mul", lambda a, b: a * b, np.multiply, normal(*sa), normal(*sb))
+    case(sid, "Div", lambda a, b: a / b, np.divide, normal(*sa), away(*sb))
+
+UNARY = [
+    ("Neg", lambda x: -x, np.negative, normal),
+    ("Exp", vgraph.exp, np.exp, normal),
+    ("Log", vgraph.log, np.log, positive),
+    ("Tanh", vgraph.tanh, np.tanh, normal),
+    ("Sigmoid", vgraph.sigmoid, lambda x: 1.0 / (1.0 + np.exp(-x)), normal),
+    ("Relu", vgraph.relu, lambda x: np.where(x > 0, x, 0.0), away),
+    ("Softplus", vgraph.softplus, lambda x: np.log1p(np.exp(x)), normal),
+    ("Abs", lambda x: abs(x), np.abs, away),  # the Python builtin goes through __abs__
+    ("Abs", vgraph.abs, np.abs, away),
+]
+for op, build, ref, domain in UNARY:
+    for shape in [(), (5,), (3, 4), (2, 3, 4)]:
+        case(shape_id(shape) + ("-fn" if build is vgraph.abs else ""), op, build, ref, domain(*shape))
+
+# Pow: a scalar exponent (an attribute, not an input).
+for p, domain in [(3.0, normal), (2, normal), (0.5, positive), (1.7, positive), (-1.5, positive)]:
+    for shape in [(), (3, 4)]:
+        case(
+            f"p{p}-{shape_id(shape)}", "Pow",
+            lambda x, p=p: x**p, lambda x, p=p: np.power(x, p), domain(*shape),
+        )  # fmt: skip
+
+# MatMul: 2-D, 1-D on either side, batched with broadcast batch dimensions.
+MATMUL_SHAPES = [
+    ((3, 4), (4, 5)),
+    ((4,), (4, 5)),
+    ((3, 4), (4,)),
+    ((4,), (4,)),
+    ((2, 3, 4), (4, 5)),
+    ((3, 4), (2, 4, 5)),
+    ((2, 3, 4), (2, 4, 5)),
+    ((1, 3, 4), (5, 4, 2)),
+    ((5, 3, 4), (1, 4, 2)),
+    ((2, 1, 3, 4), (5, 4, 2)),
+    ((4,), (2, 4, 3)),
+    ((2, 3, 4), (4,)),
+]
+for sa, sb in MATMUL_SHAPES:
+    case(shape_id(sa, sb), "MatMul", lambda a, b: a @ b, np.matmul, normal(*sa), normal(*sb))
+case("fn", "MatMul", vgraph.matmul, np.matmul, normal(2, 3), normal(3, 2))
+
+# Sum and Mean: axis None / int / negative int / tuple, keepdims both ways.
+for axis in [None, 0, 1, -1, (0, 2), (-1, 0), (0, 1, 2)]:
+    for keepdims in [False, True]:
+        sid = f"axis{axis}-keep{keepdims}"
+        case(
+            sid, "Sum",
+            lambda x, a=axis, k=keepdims: x.sum(axis=a, keepdims=k),
+            lambda x, a=axis, k=keepdims: np.sum(x, axis=a, keepdims=k),
+            normal(2, 3, 4),
+        )  # fmt: skip
+        case(
+            sid, "Mean",
+            lambda x, a=axis, k=keepdims: vgraph.mean(x, axis=a, keepdims=k),
+            lambda x, a=axis, k=keepdims: np.mean(x, axis=a, keepdims=k),
+            normal(2, 3, 4),
+        )  # fmt: skip
+case("vector", "Sum", vgraph.sum, np.sum, normal(5))
+case("scalar", "Mean", lambda x: x.mean(), np.mean, normal())
+
+# Max: no ties in these inputs (ties are tested separately below).
+for axis in [None, 0, 1, -1, (0, 2)]:
+    for keepdims in [False, True]:
+        case(
+            f"axis{axis}-keep{keepdims}", "Max",
+            lambda x, a=axis, k=keepdims: x.max(axis=a, keepdims=k),
+            lambda x, a=axis, k=keepdims: np.max(x, axis=a, keepdims=k),
+            distinct(2, 3, 4),
+        )  # fmt: skip
+case("fn-vector", "Max", vgraph.max, np.max, distinct(6))
+
+# Reshape and Transpose.
+for new_shape in [(6, 4), (-1,), (4, 3, 2), (1, 24), (2, 12, 1)]:
+    case(
+        shape_id(new_shape), "Reshape",
+        lambda x, s=new_shape: x.reshape(s), lambda x, s=new_shape: np.reshape(x, s), normal(2, 3, 4),
+    )  # fmt: skip
+case("varargs", "Reshape", lambda x: x.reshape(3, 8), lambda x: x.reshape(3, 8), normal(2, 3, 4))
+case("fn", "Reshape", lambda x: vgraph.reshape(x, (12,)), lambda x: x.reshape(12), normal(3, 4))
+case("scalar", "Reshape", lambda x: x.reshape(1, 1), lambda x: x.reshape(1, 1), normal())
+case("T", "Transpose", lambda x: x.T, np.transpose, normal(3, 4))
+case("default-3d", "Transpose", lambda x: x.transpose(), np.transpose, normal(2, 3, 4))
+for axes in [(1, 0, 2), (2, 0, 1), (1, 2, 0), (-1, 0, 1)]:
+    case(
+        "axes" + shape_id(tuple(a % 3 for a in axes)) + ("neg" if min(axes) < 0 else ""), "Transpose",
+        lambda x, a=axes: vgraph.transpose(x, a), lambda x, a=axes: np.transpose(x, a), normal(2, 3, 4),
+    )  # fmt: skip
+case(
+    "method-axes", "Transpose",
+    lambda x: x.transpose(1, 0, 2), lambda x: x.transpose(1, 0, 2), normal(2, 3, 4),
+)  # fmt: skip
+
+# GetItem: basic (slices, ints, negative steps, None, Ellipsis) and integer-array indexing with
+# repeated indices (the gradient must accumulate: numpy's np.add.at path).
+REPEATED_ROWS = np.array([0, 2, 0, 0, 3])
+GETITEM = [
+    ("slice", lambda x: x[1:3]),
+    ("int", lambda x: x[1]),
+    ("neg-int", lambda x: x[-1, 2]),
+    ("neg-step", lambda x: x[::-1]),
+    ("neg-step-2d", lambda x: x[::-2, 3:0:-1]),
+    ("newaxis-ellipsis", lambda x: x[None, ..., 1]),
+    ("int-array-repeated", lambda x: x[REPEATED_ROWS]),
+    ("list-repeated", lambda x: x[[1, 1, 1]]),
+    ("cols-repeated", lambda x: x[:, np.array([2, 2, 0])]),
+    ("pairs-repeated", lambda x: x[np.array([0, 0, 3]), np.array([1, 1, 2])]),
+    ("bool-mask", lambda x: x[np.array([True, False, True, True])]),
+]
+for sid, index_of in GETITEM:
+    case(sid, "GetItem", index_of, index_of, normal(4, 5))
+
+# Concat and Stack: several inputs, different axes.
+for shapes, axis in [
+    (((2, 3), (4, 3), (1, 3)), 0),
+    (((2, 3), (2, 1), (2, 2)), 1),
+    (((2, 3, 1), (2, 3, 2)), -1),
+    (((5,), (2,)), 0),
+]:
+    case(
+        f"{shape_id(*shapes)}-axis{axis}", "Concat",
+        lambda *xs, a=axis: vgraph.concat(xs, axis=a),
+        lambda *xs, a=axis: np.concatenate(xs, axis=a),
+        *(normal(*s) for s in shapes),
+    )  # fmt: skip
+for n, shape, axis in [(3, (2, 3), 0), (3, (2, 3), 1), (4, (2, 3), -1), (2, (4,), 0), (3, (), 0)]:
+    case(
+        f"{n}x{shape_id(shape)}-axis{axis}", "Stack",
+        lambda *xs, a=axis: vgraph.stack(xs, axis=a),
+        lambda *xs, a=axis: np.stack(xs, axis=a),
+        *(normal(*shape) for _ in range(n)),
+    )  # fmt: skip
+
+# Where with a constant mask (which gets no gradient); broadcasting among mask and branches.
+MASK_34 = np.arange(12).reshape(3, 4) % 3 == 0
+MASK_31 = np.array([[True], [False], [True]])
+for sid, mask, sa, sb in [
+    ("same", MASK_34, (3, 4), (3, 4)),
+    ("bcast-branches", MASK_34, (4,), ()),
+    ("bcast-mask", MASK_31, (1, 4), (3, 4)),
+]:
+    case(
+        sid, "Where",
+        lambda a, b, m=mask: vgraph.where(m, a, b), lambda a, b, m=mask: np.where(m, a, b),
+        normal(*sa), normal(*sb),
+    )  # fmt: skip
+
+
+def np_softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    e = np.exp(x)
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+for shape, axis in [((5,), -1), ((3, 5), -1), ((3, 5), 0), ((2, 3, 4), 1)]:
+    sid = f"{shape_id(shape)}-axis{axis}"
+    case(
+        sid, "Softmax",
+        lambda x, a=axis: vgraph.softmax(x, axis=a), lambda x, a=axis: np_softmax(x, a), normal(*shape),
+    )  # fmt: skip
+    case(
+        sid, "LogSoftmax",
+        lambda x, a=axis: vgraph.log_softmax(x, axis=a),
+        lambda x, a=axis: np.log(np_softmax(x, a)),
+        normal(*shape),
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- table-driven tests
+def test_every_primitive_is_covered():
+    """Every op of the table has gradcheck cases, or is one of the ops with their own tests."""
+    covered = {c.op for c in CASES}
+    assert not covered & (STRUCTURAL | ZERO_GRADIENT)
+    assert covered | STRUCTURAL | ZERO_GRADIENT == set(OPS)
+
+
+def _make_inputs(cg: ComputeGraph, c: Case) -> tuple[list[np.ndarray], list[vgraph.ComputeNode]]:
+    r = np.random.default_rng(0)
+    arrays = [gen(r) for gen in c.inputs]
+    # Alternate the two kinds of differentiable leaves.
+    nodes = [
+        cg.input(a, requires_grad=True) if i % 2 == 0 else cg.parameter(a) for i, a in enumerate(arrays)
+    ]
+    return arrays, nodes
+
+
+@pytest.mark.parametrize("c", CASES, ids=str)
+def test_forward_matches_numpy(c: Case):
+    cg = ComputeGraph(dtype=np.float64)
+    arrays, nodes = _make_inputs(cg, c)
+    out = c.build(*nodes)
+    assert out.key.type == c.op  # the op under test is what the user code produced
+    expected = np.asarray(c.ref(*[a.copy() for a in arrays]))
+    assert out.shape == expected.shape
+    assert out.value.dtype == np.float64
+    np.testing.assert_allclose(out.value, expected, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("c", CASES, ids=str)
+def test_gradcheck(c: Case):
+    cg = ComputeGraph(dtype=np.float64)
+    arrays, nodes = _make_inputs(cg, c)
+    out = c.build(*nodes)
+    result = gradcheck(out, nodes)
+    assert result.ok
+    assert result.checked == sum(a.size for a in arrays)
+
+
+# ---------------------------------------------------------------------------- special cases
+@pytest.mark.parametrize(
+    "build, ref",
+    [
+        (vgraph.step, lambda x: (x > 0).astype(np.float64)),
+        (vgraph.sign, np.sign),
+    ],
+    ids=["Step", "Sign"],
+)
+def test_zero_gradient_ops(build, ref):
+    cg = ComputeGraph(dtype=np.float64)
+    x0 = np.array([[-1.5, 0.0, 2.0], [0.3, -0.2, 0.0]])
+    x = cg.input(x0, requires_grad=True)
+    y = build(x)
+    assert y.key.type == build.__name__.capitalize()
+    np.testing.assert_array_equal(y.value, ref(x0))
+    assert not y.requires_grad  # nothing to backpropagate through
+
+    (g,) = cg.grad(y, [x], seeds=np.ones(x0.shape), retain_graph=True)
+    assert g.shape == x0.shape
+    np.testing.assert_array_equal(g, np.zeros_like(x0))
+
+    # Alongside a real path, the op contributes exactly nothing: d/dx sum(op(x) * 5 + x) == 1.
+    loss = (y * 5.0 + x).sum()
+    (g,) = cg.grad(loss, [x])
+    np.testing.assert_array_equal(g, np.ones_like(x0))
+
+
+def test_max_ties_share_the_gradient_equally():
+    cg = ComputeGraph(dtype=np.float64)
+    x0 = np.array([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0], [5.0, -1.0, 4.0, 5.0]])
+    x = cg.input(x0, requires_grad=True)
+    seed = np.array([1.0, 4.0, -6.0])
+    (g,) = cg.grad(x.max(axis=1), [x], seeds=seed, retain_graph=True)
+    expected = np.array([[0.0, 0.5, 0.5, 0.0], [1.0, 1.0, 1.0, 1.0], [-3.0, 0.0, 0.0, -3.0]])
+    np.testing.assert_allclose(g, expected, rtol=0, atol=1e-15)
+
+    # Over all axes: the maximum 5 appears twice in the whole array.
+    (g,) = cg.grad(vgraph.max(x), [x], retain_graph=True)
+    expected = np.zeros_like(x0)
+    expected[2, 0] = expected[2, 3] = 0.5
+    np.testing.assert_allclose(g, expected, rtol=0, atol=1e-15)
+
+    # keepdims, over axis 0: column 0 has a single max (5), column 3 a single max too.
+    (g,) = cg.grad(x.max(axis=0, keepdims=True), [x], seeds=np.ones((1, 4)))
+    expected = np.array([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 1.0, 1.0]])
+    np.testing.assert_allclose(g, expected, rtol=0, atol=1e-15)
+
+
+def test_getitem_repeated_indices_accumulate():
+    cg = ComputeGraph(dtype=np.float64)
+    x0 = np.arange(12.0).reshape(4, 3)
+    x = cg.input(x0, requires_grad=True)
+    y = x[np.array([0, 2, 0, 0])]
+    np.testing.assert_array_equal(y.value, x0[[0, 2, 0, 0]])
+    seed = np.array([[1.0, 2.0, 3.0], [10.0, 20.0, 30.0], [100.0, 200.0, 300.0], [1000.0, 2000.0, 3000.0]])
+    (g,) = cg.grad(y, [x], seeds=seed)
+    expected = np.zeros((4, 3))
+    expected[0] = seed[0] + seed[2] + seed[3]  # row 0 was picked three times
+    expected[2] = seed[1]
+    np.testing.assert_array_equal(g, expected)
+
+
+def test_getitem_repeated_scalar_elements_accumulate():
+    cg = ComputeGraph(dtype=np.float64)
+    x = cg.input(np.arange(5.0), requires_grad=True)
+    loss = x[[4, 4, 4, 1]].sum()
+    assert float(loss.value) == 3 * 4.0 + 1.0
+    (g,) = cg.grad(loss, [x])
+    np.testing.assert_array_equal(g, [0.0, 1.0, 0.0, 0.0, 3.0])
+
+
+def test_softmax_extreme_logits_do_not_overflow():
+    cg = ComputeGraph(dtype=np.float64)
+    logits = np.array(
+        [
+            [1000.0, -1000.0, 0.0],
+            [-1000.0, -1000.0, -1000.0],
+            [1000.0, 999.0, 998.0],
+            [-1000.0, 1000.0, 1000.0],
+        ]
+    )
+    x = cg.input(logits, requires_grad=True)
+    # Reference from closed forms: shifting each row by its maximum by hand.
+    shifted = np.array([[0.0, -2000.0, -1000.0], [0.0, 0.0, 0.0], [0.0, -1.0, -2.0], [-2000.0, 0.0, 0.0]])
+    ref_log = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    ref_soft = np.exp(ref_log)
+    with np.errstate(over="raise", invalid="raise", divide="raise"):
+        s = vgraph.softmax(x)
+        ls = vgraph.log_softmax(x)
+        w = np.array([[1.0, 2.0, 3.0], [0.5, -1.0, 0.0], [1.0, 0.0, -1.0], [2.0, 2.0, -2.0]])
+        g_soft, g_log = (cg.grad(node, [x], seeds=w, retain_graph=True)[0] for node in (s, ls))
+    assert np.all(np.isfinite(s.value)) and np.all(np.isfinite(ls.value))
+    np.testing.assert_allclose(s.value, ref_soft, rtol=1e-14, atol=0)
+    np.testing.assert_allclose(ls.value, ref_log, rtol=1e-14, atol=0)
+    np.testing.assert_allclose(s.value.sum(axis=1), 1.0, rtol=1e-15)
+    np.testing.assert_allclose(ls.value[0], [0.0, -2000.0, -1000.0], rtol=1e-15)
+    np.testing.assert_allclose(ls.value[1], -np.log(3.0), rtol=1e-15)
+    # Gradients in closed form: J^T w for softmax and log-softmax.
+    np.testing.assert_allclose(
+        g_soft, ref_soft * (w - (w * ref_soft).sum(axis=1, keepdims=True)), rtol=1e-12, atol=1e-300
+    )
+    np.testing.assert_allclose(g_log, w - ref_soft * w.sum(axis=1, keepdims=True), rtol=1e-12, atol=1e-15)
+
+
+# ---------------------------------------------------------------------------- structural ops
+@pytest.mark.parametrize("name", ["Branch", "Identity"])
+def test_identity_like_ops_pass_value_and_gradient(name):
+    cg = ComputeGraph(dtype=np.float64)
+    x0 = np.random.default_rng(0).standard_normal((3, 4))
+    x = cg.input(x0, requires_grad=True)
+    y = cg.apply(name, [x])
+    assert y.key == vgraph.NodeKey(name, 1, ())
+    assert y.requires_grad
+    np.testing.assert_array_equal(y.value, x0)
+    seed = np.random.default_rng(1).standard_normal((3, 4))
+    (g,) = cg.grad(y, [x], seeds=seed)
+    np.testing.assert_array_equal(g, seed)
+    assert gradcheck(vgraph.tanh(y), [x]).ok
+
+
+def test_detach_op_stops_the_gradient():
+    cg = ComputeGraph(dtype=np.float64)
+    x0 = np.array([0.5, -2.0, 3.0])
+    x = cg.input(x0, requires_grad=True)
+    d = cg.apply("Detach", [x])
+    assert d.key.type == "Detach"
+    np.testing.assert_array_equal(d.value, x0)
+    assert not d.requires_grad
+    # d/dx sum(stop(x) * x) = stop(x) = x0, not 2 * x0.
+    (g,) = cg.grad((d * x).sum(), [x], retain_graph=True)
+    np.testing.assert_array_equal(g, x0)
+    (g,) = cg.grad(d, [x], seeds=np.ones(3))
+    np.testing.assert_array_equal(g, np.zeros(3))
+
+
+# ---------------------------------------------------------------------------- unbroadcast
+G = np.arange(24.0).reshape(2, 3, 4)
+
+
+def _explicit_sum(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Reduce by looping over every element of g and adding it to the cell it broadcast from."""
+    out = np.zeros(shape)
+    offset = g.ndim - len(shape)
+    for idx in np.ndindex(g.shape):
+        target = tuple(0 if n == 1 else i for i, n in zip(idx[offset:], shape))
+        out[target] += g[idx]
+    return out
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 3, 4), (3, 4), (4,), (), (1, 4), (3, 1), (1, 1), (2, 1, 4), (1, 3, 1), (2, 1, 1), (1, 1, 1)],
+    ids=lambda s: shape_id(s),
+)
+def test_unbroadcast(shape):
+    out = unbroadcast(G, shape)
+    assert np.shape(out) == shape
+    np.testing.assert_array_equal(out, _explicit_sum(G, shape))
+
+
+def test_unbroadcast_known_values():
+    g = np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    np.testing.assert_array_equal(unbroadcast(g, (2,)), [9.0, 12.0])
+    np.testing.assert_array_equal(unbroadcast(g, (3, 1)), [[3.0], [7.0], [11.0]])
+    assert unbroadcast(g, ()) == 21.0
+    np.testing.assert_array_equal(unbroadcast(g, (3, 2)), g)
