@@ -1,7 +1,7 @@
 """vgraph: dynamic networks declared once, unrolled per input, differentiated exactly."""
 from __future__ import annotations
 
-from . import init, ops
+from . import init, io, losses, nn, ops, optim, tbptt
 from .check import gradcheck, jacobian
 from .compute import (
     ComputeGraph,

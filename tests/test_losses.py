@@ -1,0 +1,173 @@
+"""Losses against numpy references, on compute and virtual nodes, with extreme inputs and gradchecks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import vgraph as vg
+from vgraph import losses
+
+
+def ref_log_softmax(x):
+    m = np.max(x, axis=-1, keepdims=True)
+    return x - m - np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True))
+
+
+def ref_reduce(x, reduction):
+    return {"mean": np.mean, "sum": np.sum, "none": lambda a: a}[reduction](x)
+
+
+def ref_bce(x, y):
+    return np.maximum(x, 0) - x * y + np.log1p(np.exp(-np.abs(x)))
+
+
+RNG = np.random.default_rng(0)
+LOGITS = RNG.standard_normal((5, 4)) * 3
+LABELS = np.array([0, 3, 3, 1, 2])
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_mse(reduction):
+    pred, target = RNG.standard_normal((3, 4)), RNG.standard_normal((3, 4))
+    cg = vg.ComputeGraph(np.float64)
+    p = cg.parameter(pred)
+    out = losses.mse_loss(p, target, reduction=reduction)
+    np.testing.assert_allclose(out.value, ref_reduce((pred - target) ** 2, reduction))
+    obj = out if reduction != "none" else out.sum()
+    vg.gradcheck(obj, [p])
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("as_node", [False, True], ids=["array-labels", "node-labels"])
+def test_cross_entropy_values(reduction, as_node):
+    cg = vg.ComputeGraph(np.float64)
+    x = cg.parameter(LOGITS)
+    labels = cg.input(LABELS) if as_node else LABELS
+    out = losses.cross_entropy(x, labels, reduction=reduction)
+    per = -ref_log_softmax(LOGITS)[np.arange(5), LABELS]
+    np.testing.assert_allclose(out.value, ref_reduce(per, reduction), rtol=1e-12)
+
+
+@pytest.mark.parametrize("as_node", [False, True], ids=["array-labels", "node-labels"])
+def test_cross_entropy_gradient(as_node):
+    cg = vg.ComputeGraph(np.float64)
+    x = cg.parameter(LOGITS)
+    labels = cg.input(LABELS) if as_node else LABELS
+    loss = losses.cross_entropy(x, labels)
+    vg.gradcheck(loss, [x])
+    (gx,) = cg.grad(loss, [x])
+    p = np.exp(ref_log_softmax(LOGITS))
+    onehot = np.zeros_like(LOGITS)
+    onehot[np.arange(5), LABELS] = 1
+    np.testing.assert_allclose(gx, (p - onehot) / 5, atol=1e-14)
+
+
+@pytest.mark.parametrize("as_node", [False, True], ids=["array-labels", "node-labels"])
+def test_cross_entropy_extreme_logits(as_node):
+    logits = np.array([[1000.0, -1000.0, 0.0], [-1000.0, -1000.0, 1000.0], [1000.0, 1000.0, -1000.0]])
+    labels = np.array([0, 0, 1])
+    with np.errstate(over="raise", invalid="raise", divide="raise"):  # no overflow, not even a warning
+        cg = vg.ComputeGraph(np.float64)
+        x = cg.parameter(logits)
+        loss = losses.cross_entropy(x, cg.input(labels) if as_node else labels, reduction="none")
+        (gx,) = cg.grad(loss, [x], seeds=np.ones(3))
+    np.testing.assert_allclose(loss.value, [0.0, 2000.0, np.log(2)], atol=1e-12)
+    assert np.all(np.isfinite(gx))
+    np.testing.assert_allclose(gx, [[0, 0, 0], [-1, 0, 1], [0.5, -0.5, 0]], atol=1e-12)
+
+
+def test_cross_entropy_in_a_virtual_graph_with_label_input():
+    g = vg.VirtualGraph(dtype=np.float64, seed=1)
+    x = g.input("x", (None, 3))
+    y = g.input("y", (None,))
+    w = g.parameter("w", (3, 4))
+    loss = losses.cross_entropy(x @ w, y)
+    xs = RNG.standard_normal((5, 3))
+    cg = g.build({"x": xs, "y": LABELS}, loss)
+    logits = xs @ g.params["w"].value
+    expected = -ref_log_softmax(logits)[np.arange(5), LABELS].mean()
+    assert cg.forward() == pytest.approx(expected, rel=1e-12)
+    vg.gradcheck(cg.outputs[0], [g.params["w"]])
+    # new labels through feed: the same graph recomputes
+    other = np.array([1, 1, 0, 2, 3])
+    cg.feed({"y": other})
+    assert cg.forward() == pytest.approx(-ref_log_softmax(logits)[np.arange(5), other].mean(), rel=1e-12)
+
+
+def test_cross_entropy_per_step_inside_a_loop():
+    g = vg.VirtualGraph(dtype=np.float64, seed=2)
+    xs = g.input("xs", (None, None, 3))
+    ys = g.input("ys", (None, None))
+    w = g.parameter("w", (3, 4))
+    zero = g.constant(0.0)
+    with g.loop() as L:
+        x_t, y_t = L.step(xs), L.step(ys)
+        step_loss = losses.cross_entropy(x_t @ w, y_t, num_classes=4)
+        acc = L.carry(zero, name="acc")
+        L.update(acc, acc + step_loss)
+    total = L.final(acc)
+    xv = RNG.standard_normal((3, 2, 3))
+    yv = np.array([[0, 1], [3, 3], [2, 0]])
+    cg = g.build({"xs": xv, "ys": yv}, total)
+    W = g.params["w"].value
+    expected = sum(-ref_log_softmax(xv[t] @ W)[np.arange(2), yv[t]].mean() for t in range(3))
+    assert cg.forward() == pytest.approx(expected, rel=1e-12)
+
+
+def test_nll_and_label_checks():
+    cg = vg.ComputeGraph(np.float64)
+    x = cg.parameter(LOGITS)
+    logp = vg.log_softmax(x)
+    np.testing.assert_allclose(losses.nll_loss(logp, LABELS).value, losses.cross_entropy(x, LABELS).value)
+    with pytest.raises(ValueError):
+        losses.cross_entropy(x, np.array([0, 1, 2, 3, 4]))  # 4 is out of range for 4 classes
+    with pytest.raises(vg.ShapeError):
+        losses.cross_entropy(x, np.array([0, 1]))
+    with pytest.raises(ValueError):
+        losses.cross_entropy(x, np.array([0.5, 1, 2, 3, 0]))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_bce_with_logits_values(reduction):
+    x = RNG.standard_normal((4, 3)) * 4
+    y = RNG.uniform(size=(4, 3))
+    cg = vg.ComputeGraph(np.float64)
+    p = cg.parameter(x)
+    out = losses.bce_with_logits(p, y, reduction=reduction)
+    # the textbook definition, fine for moderate logits
+    s = 1 / (1 + np.exp(-x))
+    textbook = -(y * np.log(s) + (1 - y) * np.log(1 - s))
+    np.testing.assert_allclose(out.value, ref_reduce(textbook, reduction), rtol=1e-10)
+    np.testing.assert_allclose(out.value, ref_reduce(ref_bce(x, y), reduction), rtol=1e-12)
+
+
+def test_bce_with_logits_extreme_and_gradient():
+    x = np.array([1000.0, -1000.0, 1000.0, -1000.0, 0.0, 0.0, 3.0])
+    y = np.array([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.3])
+    with np.errstate(over="raise", invalid="raise", divide="raise"):
+        cg = vg.ComputeGraph(np.float64)
+        p = cg.parameter(x)
+        loss = losses.bce_with_logits(p, y, reduction="sum")
+        (gp,) = cg.grad(loss, [p], retain_graph=True)
+    np.testing.assert_allclose(loss.value, np.sum(ref_bce(x, y)))
+    assert loss.value == pytest.approx(2000 + 2 * np.log(2) + ref_bce(3.0, 0.3))
+    sig = np.array([1.0, 0.0, 1.0, 0.0, 0.5, 0.5, 1 / (1 + np.exp(-3.0))])
+    np.testing.assert_allclose(gp, sig - y, atol=1e-15)  # including x = 0 exactly
+    vg.gradcheck(loss, [p])
+
+
+def test_bce_target_node_gets_gradient():
+    cg = vg.ComputeGraph(np.float64)
+    x = cg.parameter(RNG.standard_normal(5))
+    t = cg.parameter(RNG.uniform(size=5))
+    vg.gradcheck(losses.bce_with_logits(x, t), [x, t])
+
+
+def test_invalid_reduction():
+    cg = vg.ComputeGraph(np.float64)
+    x = cg.parameter(LOGITS)
+    cases = [(losses.mse_loss, LOGITS), (losses.cross_entropy, LABELS), (losses.bce_with_logits, LOGITS)]
+    for fn, target in cases:
+        with pytest.raises(ValueError, match="reduction"):
+            fn(x, target, reduction="avg")

@@ -1,0 +1,445 @@
+"""nn building blocks against hand-written numpy, gradchecks over unrolled loops, and TBPTT."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import vgraph as vg
+from vgraph import losses, nn, optim
+from vgraph.tbptt import chunk_feeds, chunks, truncated_bptt
+
+I, H, B = 3, 4, 2
+
+
+def sig(z):
+    return 1.0 / (1.0 + np.exp(-z))
+
+
+def P(g, name):
+    return g.params[name].value
+
+
+# --- hand-written numpy cells -----------------------------------------------------------------
+
+
+def np_lstm(x, h, c, Wx, Wh, b):
+    z = x @ Wx + h @ Wh + b
+    i, f, gg, o = sig(z[:, :H]), sig(z[:, H : 2 * H]), np.tanh(z[:, 2 * H : 3 * H]), sig(z[:, 3 * H :])
+    c2 = f * c + i * gg
+    return o * np.tanh(c2), c2
+
+
+def np_gru(x, h, Wx, Wh, bx, bh):
+    gx, gh = x @ Wx + bx, h @ Wh + bh
+    r = sig(gx[:, :H] + gh[:, :H])
+    z = sig(gx[:, H : 2 * H] + gh[:, H : 2 * H])
+    n = np.tanh(gx[:, 2 * H :] + r * gh[:, 2 * H :])
+    return (1 - z) * n + z * h
+
+
+def rand(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape)
+
+
+# --- Linear, RNNCell --------------------------------------------------------------------------
+
+
+def test_linear_matches_numpy_and_names():
+    g = vg.VirtualGraph(dtype=np.float64, seed=3)
+    x = g.input("x", (None, I))
+    fc = nn.Linear(g, I, 5, "fc", bias_init=nn.constant(0.5))
+    nobias = nn.Linear(g, I, 2, "nb", bias=False)
+    xv = rand(B, I)
+    cg = g.build({"x": xv}, [fc(x), nobias(x)])
+    y, z = cg.forward()
+    np.testing.assert_allclose(y, xv @ P(g, "fc.W") + 0.5)
+    np.testing.assert_allclose(z, xv @ P(g, "nb.W"))
+    assert list(g.params) == ["fc.W", "fc.b", "nb.W"]
+    assert fc.parameter_names() == ["fc.W", "fc.b"]
+    assert [p.name for p in fc.parameters()] == ["fc.W", "fc.b"]
+
+
+@pytest.mark.parametrize("nonlinearity", ["tanh", "relu"])
+def test_rnn_cell_one_step(nonlinearity):
+    g = vg.VirtualGraph(dtype=np.float64, seed=4)
+    x, h = g.input("x", (None, I)), g.input("h", (None, H))
+    cell = nn.RNNCell(g, I, H, "rnn", nonlinearity=nonlinearity)
+    xv, hv = rand(B, I, seed=1), rand(B, H, seed=2)
+    out = g.build({"x": xv, "h": hv}, cell(x, h)).forward()
+    z = xv @ P(g, "rnn.W_x") + hv @ P(g, "rnn.W_h") + P(g, "rnn.b")
+    np.testing.assert_allclose(out, np.tanh(z) if nonlinearity == "tanh" else np.maximum(z, 0))
+    Wh = P(g, "rnn.W_h")
+    np.testing.assert_allclose(Wh @ Wh.T, np.eye(H), atol=1e-12)  # orthogonal recurrent weight
+    with pytest.raises(ValueError):
+        nn.RNNCell(g, I, H, "bad", nonlinearity="sigmoid")
+
+
+# --- LSTM, GRU --------------------------------------------------------------------------------
+
+
+def test_lstm_one_step_matches_numpy_and_forget_bias():
+    g = vg.VirtualGraph(dtype=np.float64, seed=5)
+    x, h, c = g.input("x", (None, I)), g.input("h", (None, H)), g.input("c", (None, H))
+    cell = nn.LSTMCell(g, I, H, "lstm")
+    b = P(g, "lstm.b")
+    np.testing.assert_array_equal(b[H : 2 * H], 1.0)
+    np.testing.assert_array_equal(np.delete(b, np.s_[H : 2 * H]), 0.0)
+    # use a random bias so every gate's slice is exercised
+    g.params.set_value("lstm.b", rand(4 * H, seed=9))
+    xv, hv, cv = rand(B, I, seed=1), rand(B, H, seed=2), rand(B, H, seed=3)
+    hn, cn = cell(x, (h, c))
+    got_h, got_c = g.build({"x": xv, "h": hv, "c": cv}, [hn, cn]).forward()
+    ref_h, ref_c = np_lstm(xv, hv, cv, P(g, "lstm.W_x"), P(g, "lstm.W_h"), P(g, "lstm.b"))
+    np.testing.assert_allclose(got_h, ref_h, rtol=1e-12)
+    np.testing.assert_allclose(got_c, ref_c, rtol=1e-12)
+    Wh = P(g, "lstm.W_h")
+    for k in range(4):  # one orthogonal block per gate
+        blk = Wh[:, k * H : (k + 1) * H]
+        np.testing.assert_allclose(blk.T @ blk, np.eye(H), atol=1e-12)
+
+
+def test_gru_one_step_matches_numpy():
+    g = vg.VirtualGraph(dtype=np.float64, seed=6)
+    x, h = g.input("x", (None, I)), g.input("h", (None, H))
+    cell = nn.GRUCell(g, I, H, "gru")
+    g.params.set_value("gru.b_x", rand(3 * H, seed=7))
+    g.params.set_value("gru.b_h", rand(3 * H, seed=8))
+    xv, hv = rand(B, I, seed=1), rand(B, H, seed=2)
+    got = g.build({"x": xv, "h": hv}, cell(x, h)).forward()
+    ref = np_gru(xv, hv, P(g, "gru.W_x"), P(g, "gru.W_h"), P(g, "gru.b_x"), P(g, "gru.b_h"))
+    np.testing.assert_allclose(got, ref, rtol=1e-12)
+
+
+def _unrolled(kind, T=3, seed=0):
+    """A float64 model running ``kind`` over T steps; returns (graph, compute graph, loss node)."""
+    g = vg.VirtualGraph(dtype=np.float64, seed=seed)
+    xs, h0 = g.input("xs", (None, None, I)), g.input("h0", (None, H))
+    c0 = g.input("c0", (None, H))
+    cell = {"lstm": nn.LSTMCell, "gru": nn.GRUCell, "rnn": nn.RNNCell}[kind](g, I, H, kind)
+    with g.loop() as L:
+        x_t = L.step(xs)
+        h = L.carry(h0, name="h")
+        if kind == "lstm":
+            c = L.carry(c0, name="c")
+            hn, cn = cell(x_t, (h, c))
+            L.update(c, cn)
+        else:
+            hn = cell(x_t, h)
+        L.update(h, hn)
+    hs = L.stack(hn)
+    loss = (hs * rand(T, B, H, seed=11)).sum()
+    if kind == "lstm":
+        loss = loss + (L.final(c) * rand(B, H, seed=12)).sum()
+    feed = {"xs": rand(T, B, I, seed=13), "h0": rand(B, H, seed=14) * 0.5}
+    if kind == "lstm":
+        feed["c0"] = rand(B, H, seed=15) * 0.5
+    for name in list(g.params):  # random biases: exercise every gate
+        if ".b" in name:
+            g.params.set_value(name, rand(*g.params[name].shape, seed=16) * 0.5)
+    return g, g.build(feed, loss), loss, feed
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn"])
+def test_cell_gradients_over_three_step_loop(kind):
+    g, cg, loss, _ = _unrolled(kind)
+    assert cg.trip_count(next(v for v in g.nodes if v.kind == "loop")) == 3
+    assert len(g.params) == len(g.params.parameters())
+    vg.gradcheck(cg.node(loss), g.params.parameters())
+
+
+def test_lstm_three_step_forward_matches_numpy():
+    g, cg, loss, feed = _unrolled("lstm")
+    h, c = feed["h0"], feed["c0"]
+    R = rand(3, B, H, seed=11)
+    total = 0.0
+    for t in range(3):
+        h, c = np_lstm(feed["xs"][t], h, c, P(g, "lstm.W_x"), P(g, "lstm.W_h"), P(g, "lstm.b"))
+        total += np.sum(h * R[t])
+    total += np.sum(c * rand(B, H, seed=12))
+    assert cg.forward() == pytest.approx(total, rel=1e-12)
+
+
+# --- tying ------------------------------------------------------------------------------------
+
+
+def _loop_with_cell(where, share=False, T=3):
+    g = vg.VirtualGraph(dtype=np.float64)
+    xs, h0 = g.input("xs", (None, None, I)), g.input("h0", (None, H))
+    outside = nn.GRUCell(g, I, H, "cell") if where == "outside" else None
+    with g.loop() as L:
+        x_t = L.step(xs)
+        h = L.carry(h0, name="h")
+        cell = outside or nn.GRUCell(g, I, H, "cell", share=share)
+        L.update(h, cell(x_t, h))
+    out = L.final(h).sum()
+    g.build({"xs": rand(T, B, I), "h0": np.zeros((B, H))}, out)
+    return g, cell
+
+
+def test_cell_constructed_outside_the_loop_is_one_parameter_set():
+    g, cell = _loop_with_cell("outside")
+    assert list(g.params) == ["cell.W_x", "cell.W_h", "cell.b_x", "cell.b_h"]
+
+
+def test_cell_inside_the_loop_share_true_is_tied():
+    g, cell = _loop_with_cell("inside", share=True)
+    assert list(g.params) == ["cell.W_x", "cell.W_h", "cell.b_x", "cell.b_h"]
+
+
+def test_cell_inside_the_loop_untied_by_default():
+    g, cell = _loop_with_cell("inside", share=False)
+    assert sorted(g.params) == sorted(f"cell.{n}@{t}" for n in ("W_x", "W_h", "b_x", "b_h") for t in range(3))
+    assert len(cell.parameters()) == 12
+
+
+def test_module_name_validation():
+    g = vg.VirtualGraph()
+    with pytest.raises(ValueError):
+        nn.Linear(g, 2, 2, "a@b")
+    with pytest.raises(TypeError):
+        nn.Linear(vg.ComputeGraph(), 2, 2, "fc")
+
+
+# --- Embedding --------------------------------------------------------------------------------
+
+
+def _embedding_grad_reference(idx, R, shape):
+    expected = np.zeros(shape)
+    for j, row in enumerate(idx):  # every occurrence adds its own gradient row
+        expected[row] += R[j]
+    return expected
+
+
+@pytest.mark.parametrize("as_node", [False, True], ids=["array-indices", "node-indices"])
+def test_embedding_lookup_and_gradient_with_repeated_indices(as_node):
+    g = vg.VirtualGraph(dtype=np.float64, seed=7)
+    emb = nn.Embedding(g, 5, 2, "emb")
+    idx = np.array([1, 3, 1, 1, 0])
+    R = rand(5, 2, seed=3)
+    if as_node:
+        tok = g.input("tok", (None,))
+        out = emb(tok)
+        feed = {"tok": idx}
+    else:
+        out = emb(idx)
+        feed = {}
+    loss = (out * R).sum()
+    cg = g.build(feed, [out, loss])
+    np.testing.assert_allclose(cg.node(out).value, P(g, "emb.W")[idx])
+    cg.backward(loss)
+    np.testing.assert_allclose(g.params["emb.W"].grad, _embedding_grad_reference(idx, R, (5, 2)))
+    vg.gradcheck(cg.node(loss), [g.params["emb.W"]])
+
+
+def test_embedding_whole_sequence_then_step():
+    g = vg.VirtualGraph(dtype=np.float32, seed=8)
+    emb = nn.Embedding(g, 6, 3, "emb")
+    tokens = g.input("tokens", (None, None))
+    embedded = emb(tokens)  # (time, batch, dim), declared before the loop
+    zeros = g.constant(np.zeros((2, 3)))
+    with g.loop() as L:
+        e_t = L.step(embedded)
+        acc = L.carry(zeros, name="acc")
+        L.update(acc, acc + e_t)
+    total = L.final(acc)
+    idx = np.array([[0, 5], [2, 2], [5, 1]])
+    out = g.build({"tokens": idx}, total).forward()
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, P(g, "emb.W")[idx].sum(axis=0), rtol=1e-6)
+
+
+def test_embedding_bad_indices():
+    g = vg.VirtualGraph()
+    emb = nn.Embedding(g, 4, 2, "emb")
+    with pytest.raises(ValueError):
+        emb(np.array([0, 4]))
+    with pytest.raises(ValueError):
+        emb(np.array([0.5]))
+
+
+def test_one_hot():
+    np.testing.assert_array_equal(nn.one_hot(np.array([2, 0]), 3), [[0, 0, 1], [1, 0, 0]])
+    cg = vg.ComputeGraph(np.float32)
+    node = nn.one_hot(cg.input(np.array([[1], [3]])), 4)
+    assert node.value.dtype == np.float32
+    np.testing.assert_array_equal(node.value, [[[0, 1, 0, 0]], [[0, 0, 0, 1]]])
+
+
+# --- Dropout ----------------------------------------------------------------------------------
+
+
+def test_dropout_train_and_eval():
+    g = vg.VirtualGraph(dtype=np.float64, seed=0)
+    x = g.input("x", (None, None))
+    drop = nn.Dropout(g, p=0.25)
+    y = drop(x)
+    xv = np.ones((200, 100))
+    a = g.build({"x": xv}, y).forward()
+    assert set(np.unique(a)) <= {0.0, 1 / 0.75}
+    assert abs(np.mean(a == 0) - 0.25) < 0.02
+    b = g.build({"x": xv}, y).forward()
+    assert not np.array_equal(a, b)  # a fresh mask every build
+    g.eval()
+    np.testing.assert_array_equal(g.build({"x": xv}, y).forward(), xv)
+    g.train()
+    assert np.any(g.build({"x": xv}, y).forward() == 0)
+
+
+def test_dropout_masks_per_iteration_and_reproducible():
+    def run(seed):
+        g = vg.VirtualGraph(dtype=np.float64, seed=seed)
+        xs = g.input("xs", (None, 50))
+        drop = nn.Dropout(g, 0.5)
+        with g.loop() as L:
+            y_t = drop(L.step(xs))
+        ys = L.stack(y_t)
+        return g.build({"xs": np.ones((3, 50))}, ys).forward()
+
+    a = run(1)
+    assert not np.array_equal(a[0], a[1])
+    np.testing.assert_array_equal(a, run(1))
+
+
+def test_dropout_gradient_follows_the_mask_and_edge_probabilities():
+    g = vg.VirtualGraph(dtype=np.float64, seed=2)
+    w = g.parameter("w", init=np.ones(1000))
+    drop = nn.Dropout(g, 0.5)
+    y = drop(w)
+    loss = y.sum()
+    cg = g.build({}, [y, loss])
+    cg.backward(loss)
+    np.testing.assert_array_equal(g.params["w"].grad, cg.node(y).value)  # mask * 1
+    for p, expected in [(0.0, 1.0), (1.0, 0.0)]:
+        g2 = vg.VirtualGraph(dtype=np.float64)
+        x = g2.input("x")
+        assert np.all(g2.build({"x": np.ones(5)}, nn.Dropout(g2, p)(x)).forward() == expected)
+    with pytest.raises(ValueError):
+        nn.Dropout(g, 1.5)
+
+
+def test_initialisers_are_reexported():
+    assert nn.init is vg.init
+    assert nn.orthogonal is vg.init.orthogonal
+    rng = np.random.default_rng(0)
+    assert nn.xavier_uniform()((3, 4), rng, np.float32).dtype == np.float32
+
+
+# --- truncated BPTT ---------------------------------------------------------------------------
+
+O = 2
+
+
+def _rnn_model():
+    g = vg.VirtualGraph(dtype=np.float64, seed=21)
+    xs, ys = g.input("x", (None, None, I)), g.input("y", (None, None, O))
+    h0 = g.input("h0", (None, H))
+    cell = nn.RNNCell(g, I, H, "rnn")
+    head = nn.Linear(g, H, O, "out")
+    with g.loop() as L:
+        h = L.carry(h0, name="h")
+        hn = cell(L.step(xs), h)
+        L.update(h, hn)
+    loss = losses.mse_loss(head(L.stack(hn)), ys)
+    return g, loss, L.final(h)
+
+
+def np_chunk_bptt(p, xs, ys, h):
+    """Loss, gradients and final state of one chunk: BPTT over its steps only, from state h."""
+    hs = [h]
+    for x in xs:
+        hs.append(np.tanh(x @ p["rnn.W_x"] + hs[-1] @ p["rnn.W_h"] + p["rnn.b"]))
+    out = np.stack(hs[1:]) @ p["out.W"] + p["out.b"]
+    loss = np.mean((out - ys) ** 2)
+    go = 2 * (out - ys) / out.size
+    grads = {k: np.zeros_like(v) for k, v in p.items()}
+    grads["out.W"] = sum(hs[t + 1].T @ go[t] for t in range(len(xs)))
+    grads["out.b"] = go.sum(axis=(0, 1))
+    gh = np.zeros_like(h)
+    for t in reversed(range(len(xs))):
+        gh = gh + go[t] @ p["out.W"].T
+        ga = gh * (1 - hs[t + 1] ** 2)
+        grads["rnn.W_x"] += xs[t].T @ ga
+        grads["rnn.W_h"] += hs[t].T @ ga
+        grads["rnn.b"] += ga.sum(axis=0)
+        gh = ga @ p["rnn.W_h"].T
+    return loss, grads, hs[-1]
+
+
+def test_chunks():
+    xs = np.arange(7)
+    assert [c.tolist() for c in chunks(xs, 3)] == [[0, 1, 2], [3, 4, 5], [6]]
+    assert [c.tolist() for c in chunks(xs, 3, drop_last=True)] == [[0, 1, 2], [3, 4, 5]]
+    m = np.arange(10).reshape(2, 5)
+    assert [c.shape for c in chunks(m, 2, axis=1)] == [(2, 2), (2, 2), (2, 1)]
+    feeds = list(chunk_feeds({"x": np.zeros((7, 2)), "y": np.ones((7, 1)), "c": 5}, 4, ["x", "y"]))
+    assert [f["x"].shape[0] for f in feeds] == [4, 3] and all(f["c"] == 5 for f in feeds)
+    with pytest.raises(ValueError):
+        next(chunks(xs, 0))
+    with pytest.raises(ValueError):
+        list(chunk_feeds({"x": np.zeros(3), "y": np.zeros(4)}, 2, ["x", "y"]))
+
+
+def test_truncated_bptt_chunk_gradients_equal_bptt_over_the_chunk():
+    g, loss, h_final = _rnn_model()
+    T, k = 8, 3
+    xs, ys = rand(T, B, I, seed=31), rand(T, B, O, seed=32)
+    h_init = rand(B, H, seed=33) * 0.3
+    p = {k_: np.array(v.value) for k_, v in g.params.items()}  # reference copy, updated by hand
+    lr = 0.1
+    seen = []
+
+    def record(i, cg, value):
+        seen.append((value, {name: np.array(n.grad) for name, n in g.params.items()}))
+
+    opt = optim.SGD(g.params, lr=lr)
+    feeds = chunk_feeds({"x": xs, "y": ys}, k, ["x", "y"])
+    result = truncated_bptt(g, feeds, loss, {"h0": h_final}, {"h0": h_init}, optimizer=opt, callback=record)
+
+    h = h_init
+    assert len(seen) == len(result.losses) == 3
+    for i, start in enumerate(range(0, T, k)):
+        ref_loss, ref_grads, h_next = np_chunk_bptt(p, xs[start : start + k], ys[start : start + k], h)
+        value, grads = seen[i]
+        assert value == pytest.approx(ref_loss, rel=1e-12)
+        for name in p:
+            np.testing.assert_allclose(grads[name], ref_grads[name], rtol=1e-10, atol=1e-14)
+        p = {name: p[name] - lr * ref_grads[name] for name in p}  # SGD after each chunk
+        h = h_next  # the state computed with the pre-update parameters, carried as a constant
+    np.testing.assert_allclose(result.state["h0"], h, rtol=1e-12)
+    for name in p:
+        np.testing.assert_allclose(g.params[name].value, p[name], rtol=1e-12)
+
+
+def test_truncation_cuts_the_gradient_to_the_previous_chunk():
+    """The second chunk's gradient does not depend on how the first chunk computed its state."""
+    g, loss, h_final = _rnn_model()
+    xs, ys = rand(6, B, I, seed=41), rand(6, B, O, seed=42)
+    grads = []
+    truncated_bptt(g, chunk_feeds({"x": xs, "y": ys}, 3, ["x", "y"]), loss, {"h0": h_final},
+                   {"h0": np.zeros((B, H))},
+                   callback=lambda i, cg, v: grads.append(np.array(g.params["rnn.W_x"].grad)))  # fmt: skip
+    # the same second chunk built by hand from the carried state
+    p = {k: np.array(v.value) for k, v in g.params.items()}
+    _, _, h3 = np_chunk_bptt(p, xs[:3], ys[:3], np.zeros((B, H)))
+    _, ref, _ = np_chunk_bptt(p, xs[3:], ys[3:], h3)
+    assert len(grads) == 2
+    np.testing.assert_allclose(grads[1], ref["rnn.W_x"], rtol=1e-10)
+
+
+def test_truncated_bptt_eval_mode_only_evaluates():
+    g, loss, h_final = _rnn_model()
+    xs, ys = rand(5, B, I, seed=51), rand(5, B, O, seed=52)
+    before = g.params.state_dict()
+    g.eval()
+    res = truncated_bptt(g, chunk_feeds({"x": xs, "y": ys}, 2, ["x", "y"]), loss, {"h0": h_final},
+                         {"h0": np.zeros((B, H))}, optimizer=optim.SGD(g.params, lr=1.0))  # fmt: skip
+    p = {k: np.array(v.value) for k, v in g.params.items()}
+    h = np.zeros((B, H))
+    for i, s in enumerate(range(0, 5, 2)):
+        ref_loss, _, h = np_chunk_bptt(p, xs[s : s + 2], ys[s : s + 2], h)
+        assert res.losses[i] == pytest.approx(ref_loss, rel=1e-12)
+    for k, v in before.items():
+        np.testing.assert_array_equal(g.params[k].value, v)
+    with pytest.raises(ValueError):
+        truncated_bptt(g, [], loss, {"h0": h_final}, {"c0": np.zeros(1)})

@@ -1,0 +1,433 @@
+"""Building blocks for models declared as virtual graphs: layers, recurrent cells, dropout.
+
+A module declares its parameters once, in the :class:`~vgraph.virtual.VirtualGraph` it is given,
+when it is constructed; calling it on virtual nodes declares the ops that use them. Parameter
+names are prefixed by the module's ``name``: ``RNNCell(g, 3, 5, "rnn")`` declares ``"rnn.W_x"``,
+``"rnn.W_h"`` and ``"rnn.b"``.
+
+The recommended pattern for recurrent models is to **construct cells outside the loop** — one
+parameter set — and call them inside the body, where every iteration uses the same parameters::
+
+    cell = nn.LSTMCell(g, 8, 16, "lstm")            # declares lstm.W_x, lstm.W_h, lstm.b
+    with g.loop() as L:
+        x_t = L.step(xs)
+        h, c = L.carry(h0, name="h"), L.carry(c0, name="c")
+        h_new, c_new = cell(x_t, (h, c))
+        L.update(h, h_new); L.update(c, c_new)
+
+A module constructed *inside* a loop body declares parameters scoped to that body. As with
+:meth:`VirtualGraph.parameter`, they are then untied by default (``"lstm.W_x@0"``,
+``"lstm.W_x@1"`` …, one set per iteration, e.g. a stack of distinct layers); pass ``share=True``
+to tie them across iterations. Such a module can only be called inside that body.
+
+The initialisers of :mod:`vgraph.init` are re-exported here (``nn.init.orthogonal()`` or
+``nn.orthogonal()``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from . import functions as F
+from . import init
+from .compute import ComputeNode
+from .functions import Operand
+from .init import (
+    Initializer,
+    constant,
+    kaiming_normal,
+    kaiming_uniform,
+    normal,
+    orthogonal,
+    uniform,
+    xavier_normal,
+    xavier_uniform,
+    zeros,
+)
+from .virtual import VirtualGraph, VirtualNode
+
+__all__ = [
+    "init",
+    "Initializer",
+    "zeros",
+    "constant",
+    "normal",
+    "uniform",
+    "xavier_uniform",
+    "xavier_normal",
+    "kaiming_uniform",
+    "kaiming_normal",
+    "orthogonal",
+    "one_hot",
+    "Module",
+    "Linear",
+    "RNNCell",
+    "LSTMCell",
+    "GRUCell",
+    "Embedding",
+    "Dropout",
+]
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def one_hot(indices: Any, num_classes: int) -> Any:
+    """One-hot encode integer class indices: ``out[..., k] = 1.0 if indices[...] == k else 0.0``.
+
+    Works on virtual nodes, compute nodes and plain arrays. For a node (e.g. an integer graph
+    input fed at build time) it is built from graph ops as
+    ``where(indices[..., None] - arange(num_classes), 0.0, 1.0)``: the difference is non-zero
+    (true) except at the index's own class. The result has the graph's float dtype and no
+    gradient flows to ``indices``. An index outside ``[0, num_classes)`` gives an all-zero row.
+
+    Args:
+        indices: integer class indices of any shape (a node or an array).
+        num_classes: the number of classes C (the new last axis).
+
+    Returns:
+        A node (for a node ``indices``) or a float64 array of shape ``indices.shape + (C,)``.
+
+    Raises:
+        ValueError: ``num_classes < 1``, or an array ``indices`` that is not integral.
+    """
+    if int(num_classes) != num_classes or num_classes < 1:
+        raise ValueError(f"num_classes must be a positive int, got {num_classes}")
+    classes = np.arange(int(num_classes))
+    if isinstance(indices, Operand):
+        return F.where(indices[..., None] - classes, 0.0, 1.0)
+    idx = _int_array(indices, "indices")
+    return (idx[..., None] == classes).astype(np.float64)
+
+
+def _int_array(x: Any, what: str) -> np.ndarray:
+    arr = np.asarray(x)
+    if arr.dtype.kind not in "iu":
+        if arr.dtype.kind == "f" and np.all(arr == np.round(arr)):
+            return arr.astype(np.int64)
+        raise ValueError(f"{what} must be integers, got dtype {arr.dtype}")
+    return arr
+
+
+def _blocks(make: Callable[[], Initializer], n: int) -> Initializer:
+    """An initialiser for a ``(rows, n * cols)`` weight: ``n`` independent ``(rows, cols)`` blocks
+    side by side (e.g. one orthogonal block per gate)."""
+
+    def initialise(shape: tuple[int, ...], rng: np.random.Generator, dtype: Any) -> np.ndarray:
+        rows, cols = shape
+        block = make()
+        return np.concatenate([block((rows, cols // n), rng, dtype) for _ in range(n)], axis=1)
+
+    return initialise
+
+
+def _fill(value: np.ndarray) -> Initializer:
+    """An initialiser returning a copy of ``value`` (in the graph's dtype)."""
+    return lambda shape, rng, dtype: np.array(value, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------- modules
+
+
+class Module:
+    """Base class: a named group of parameters declared in one VirtualGraph.
+
+    Args:
+        graph: the VirtualGraph to declare parameters in.
+        name: the prefix of the parameter names (non-empty, without ``"@"``).
+        share: passed to every :meth:`VirtualGraph.parameter` call; matters only when the module is
+            constructed inside a loop body (``True``: one parameter set tied across iterations;
+            ``False``, the default: one set per iteration path, ``"name.W@3"``).
+
+    Raises:
+        TypeError: ``graph`` is not a VirtualGraph. ValueError: an invalid name.
+    """
+
+    def __init__(self, graph: VirtualGraph, name: str, share: bool = False) -> None:
+        if not isinstance(graph, VirtualGraph):
+            raise TypeError(f"a module is declared in a VirtualGraph, got {type(graph).__name__}")
+        if not isinstance(name, str) or not name or "@" in name:
+            raise ValueError(f"module name must be a non-empty string without '@', got {name!r}")
+        self.graph = graph
+        self.name = name
+        self.share = bool(share)
+        self.declared: dict[str, VirtualNode] = {}
+
+    def _param(self, local: str, shape: tuple[int, ...], init_: Any) -> VirtualNode:
+        node = self.graph.parameter(f"{self.name}.{local}", shape, init=init_, share=self.share)
+        self.declared[local] = node
+        return node
+
+    def parameter_names(self) -> list[str]:
+        """The declared parameter names (``"rnn.W_x"`` …); untied copies add ``"@idx"`` to them."""
+        return [v.name for v in self.declared.values()]
+
+    def parameters(self) -> list[ComputeNode]:
+        """The module's entries in ``graph.params`` now: the shared parameters, or every untied
+        copy created so far. Optimisers given the module re-read this at every step."""
+        store = self.graph.params
+        out = []
+        for base in self.parameter_names():
+            out.extend(store[k] for k in store if k == base or k.startswith(base + "@"))
+        return out
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, params={self.parameter_names()})"
+
+
+class Linear(Module):
+    """An affine map ``y = x @ W + b`` (vgraph's ``x @ W`` convention, ``W`` is ``(in, out)``).
+
+    Parameters: ``{name}.W`` ``(in_features, out_features)``, ``{name}.b`` ``(out_features,)``.
+
+    Args:
+        graph, name, share: see :class:`Module`.
+        in_features, out_features: the sizes of the last axis of x and y.
+        bias: add ``b`` (default True).
+        init: the weight's initialiser (default ``xavier_uniform``).
+        bias_init: the bias's initialiser (default zeros).
+    """
+
+    def __init__(
+        self,
+        graph: VirtualGraph,
+        in_features: int,
+        out_features: int,
+        name: str,
+        bias: bool = True,
+        init: Any = None,
+        bias_init: Any = None,
+        share: bool = False,
+    ) -> None:
+        super().__init__(graph, name, share)
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.W = self._param("W", (self.in_features, self.out_features), init)
+        self.b = self._param("b", (self.out_features,), bias_init) if bias else None
+
+    def __call__(self, x: Any) -> Any:
+        """``x @ W + b`` for x of shape ``(..., in_features)``."""
+        y = x @ self.W
+        return y + self.b if self.b is not None else y
+
+
+class RNNCell(Module):
+    """An Elman cell: ``h' = act(x @ W_x + h @ W_h + b)`` with ``act`` tanh or relu.
+
+    Parameters: ``{name}.W_x`` ``(input_size, hidden_size)`` (xavier_uniform), ``{name}.W_h``
+    ``(hidden_size, hidden_size)`` (orthogonal), ``{name}.b`` ``(hidden_size,)`` (zeros).
+
+    Raises:
+        ValueError: an unknown nonlinearity.
+    """
+
+    def __init__(
+        self,
+        graph: VirtualGraph,
+        input_size: int,
+        hidden_size: int,
+        name: str,
+        nonlinearity: str = "tanh",
+        share: bool = False,
+    ) -> None:
+        if nonlinearity not in ("tanh", "relu"):
+            raise ValueError(f"nonlinearity must be 'tanh' or 'relu', got {nonlinearity!r}")
+        super().__init__(graph, name, share)
+        self.input_size, self.hidden_size = int(input_size), int(hidden_size)
+        self.nonlinearity = nonlinearity
+        H = self.hidden_size
+        self.W_x = self._param("W_x", (self.input_size, H), xavier_uniform())
+        self.W_h = self._param("W_h", (H, H), orthogonal())
+        self.b = self._param("b", (H,), zeros())
+
+    def __call__(self, x_t: Any, h: Any) -> Any:
+        """One step: ``x_t`` ``(batch, input_size)``, ``h`` ``(batch, hidden_size)`` -> new h."""
+        z = x_t @ self.W_x + h @ self.W_h + self.b
+        return F.tanh(z) if self.nonlinearity == "tanh" else F.relu(z)
+
+
+class LSTMCell(Module):
+    """A long short-term memory cell (Hochreiter & Schmidhuber, 1997), gates in PyTorch's order.
+
+    With ``z = x @ W_x + h @ W_h + b`` split into four blocks of ``hidden_size`` columns::
+
+        i = sigmoid(z_i)     input gate
+        f = sigmoid(z_f)     forget gate
+        g = tanh(z_g)        candidate
+        o = sigmoid(z_o)     output gate
+        c' = f * c + i * g
+        h' = o * tanh(c')
+
+    Parameters: ``{name}.W_x`` ``(input_size, 4H)`` (xavier_uniform), ``{name}.W_h`` ``(H, 4H)``
+    (one orthogonal ``(H, H)`` block per gate), ``{name}.b`` ``(4H,)``: zeros, except the
+    forget-gate block ``b[H:2H]``, which starts at ``forget_bias`` (default 1.0) so that the cell
+    keeps its memory early in training (Jozefowicz et al., 2015). PyTorch's two biases
+    ``b_ih + b_hh`` are one bias here (they only ever appear summed).
+    """
+
+    def __init__(
+        self,
+        graph: VirtualGraph,
+        input_size: int,
+        hidden_size: int,
+        name: str,
+        forget_bias: float = 1.0,
+        share: bool = False,
+    ) -> None:
+        super().__init__(graph, name, share)
+        self.input_size, self.hidden_size = int(input_size), int(hidden_size)
+        H = self.hidden_size
+        bias = np.zeros(4 * H)
+        bias[H : 2 * H] = forget_bias
+        self.W_x = self._param("W_x", (self.input_size, 4 * H), xavier_uniform())
+        self.W_h = self._param("W_h", (H, 4 * H), _blocks(orthogonal, 4))
+        self.b = self._param("b", (4 * H,), _fill(bias))
+
+    def __call__(self, x_t: Any, state: tuple[Any, Any]) -> tuple[Any, Any]:
+        """One step: ``x_t`` ``(batch, input_size)``, ``state = (h, c)`` each ``(batch, H)``.
+
+        Returns:
+            ``(h_new, c_new)``.
+        """
+        h, c = state
+        H = self.hidden_size
+        z = x_t @ self.W_x + h @ self.W_h + self.b
+        i = F.sigmoid(z[..., 0:H])
+        f = F.sigmoid(z[..., H : 2 * H])
+        g = F.tanh(z[..., 2 * H : 3 * H])
+        o = F.sigmoid(z[..., 3 * H : 4 * H])
+        c_new = f * c + i * g
+        h_new = o * F.tanh(c_new)
+        return h_new, c_new
+
+
+class GRUCell(Module):
+    """A gated recurrent unit (Cho et al., 2014) with PyTorch's equations and gate order (r, z, n)::
+
+        r = sigmoid(x @ W_xr + b_xr + h @ W_hr + b_hr)          reset gate
+        z = sigmoid(x @ W_xz + b_xz + h @ W_hz + b_hz)          update gate
+        n = tanh(x @ W_xn + b_xn + r * (h @ W_hn + b_hn))       candidate
+        h' = (1 - z) * n + z * h
+
+    The reset gate multiplies ``h @ W_hn + b_hn`` (bias included), which is why the input and
+    hidden biases are separate. Parameters: ``{name}.W_x`` ``(input_size, 3H)`` (xavier_uniform),
+    ``{name}.W_h`` ``(H, 3H)`` (one orthogonal block per gate), ``{name}.b_x`` and ``{name}.b_h``
+    ``(3H,)`` (zeros); columns ``[0:H]`` are r, ``[H:2H]`` z, ``[2H:3H]`` n.
+    """
+
+    def __init__(
+        self, graph: VirtualGraph, input_size: int, hidden_size: int, name: str, share: bool = False
+    ) -> None:
+        super().__init__(graph, name, share)
+        self.input_size, self.hidden_size = int(input_size), int(hidden_size)
+        H = self.hidden_size
+        self.W_x = self._param("W_x", (self.input_size, 3 * H), xavier_uniform())
+        self.W_h = self._param("W_h", (H, 3 * H), _blocks(orthogonal, 3))
+        self.b_x = self._param("b_x", (3 * H,), zeros())
+        self.b_h = self._param("b_h", (3 * H,), zeros())
+
+    def __call__(self, x_t: Any, h: Any) -> Any:
+        """One step: ``x_t`` ``(batch, input_size)``, ``h`` ``(batch, H)`` -> new h."""
+        H = self.hidden_size
+        gx = x_t @ self.W_x + self.b_x
+        gh = h @ self.W_h + self.b_h
+        r = F.sigmoid(gx[..., 0:H] + gh[..., 0:H])
+        z = F.sigmoid(gx[..., H : 2 * H] + gh[..., H : 2 * H])
+        n = F.tanh(gx[..., 2 * H : 3 * H] + r * gh[..., 2 * H : 3 * H])
+        return n + z * (h - n)  # = (1 - z) * n + z * h, without a constant
+
+
+class Embedding(Module):
+    """A look-up table: row ``indices[...]`` of ``W`` for each index.
+
+    Parameter: ``{name}.W`` ``(num_embeddings, dim)``, standard normal by default (as PyTorch).
+
+    Two ways to give the indices:
+
+    * an integer **numpy array** (fixed when the model is declared): ``W[indices]`` through
+      ``GetItem`` with an integer-array index; its gradient is ``np.add.at`` into a zero array,
+      so repeated indices accumulate.
+    * an integer **node** (e.g. ``g.input("tokens")`` fed at build time): ``one_hot(indices) @ W``,
+      because ``GetItem``'s index is static. Same values and gradients; costs
+      ``O(len(indices) * num_embeddings * dim)``.
+
+    Either way the gradient of ``W`` is a dense ``(num_embeddings, dim)`` array (the engine has
+    no sparse gradients). Inside a loop every call adds one such dense array per iteration: for
+    long sequences embed the whole ``(time, batch)`` index array once, before the loop, and step
+    through the result — one look-up and one dense gradient in total::
+
+        embedded = emb(tokens)          # (time, batch, dim), declared outside the loop
+        with g.loop() as L:
+            e_t = L.step(embedded)
+    """
+
+    def __init__(
+        self,
+        graph: VirtualGraph,
+        num_embeddings: int,
+        dim: int,
+        name: str,
+        init: Any = None,
+        share: bool = False,
+    ) -> None:
+        super().__init__(graph, name, share)
+        self.num_embeddings, self.dim = int(num_embeddings), int(dim)
+        self.W = self._param("W", (self.num_embeddings, self.dim), normal(1.0) if init is None else init)
+
+    def __call__(self, indices: Any) -> Any:
+        """The embeddings of ``indices`` (any shape S): a node of shape ``S + (dim,)``.
+
+        Raises:
+            ValueError: an array of indices that is not integral or out of range.
+        """
+        if isinstance(indices, Operand):
+            return one_hot(indices, self.num_embeddings) @ self.W
+        idx = _int_array(indices, "embedding indices")
+        if idx.size and (idx.min() < 0 or idx.max() >= self.num_embeddings):
+            raise ValueError(
+                f"{self.name}: indices must be in [0, {self.num_embeddings}), got {idx.min()}..{idx.max()}"
+            )
+        return self.W[idx]
+
+
+class Dropout:
+    """Inverted dropout: in training, zero each element with probability ``p`` and scale the
+    survivors by ``1 / (1 - p)``; in evaluation (``g.eval()``), pass values through.
+
+    Each call declares a sampled mask (:meth:`VirtualGraph.sample`), drawn anew at every build and,
+    inside a loop body, in every iteration (so every time step gets its own mask). Masks come from
+    the graph's seeded generator, so a sequence of builds is reproducible. For one mask shared by
+    all time steps ("variational" dropout), call :meth:`mask` outside the loop and multiply inside.
+
+    Args:
+        graph: the VirtualGraph. p: the drop probability, in ``[0, 1]`` (``p = 1`` zeros everything).
+
+    Raises:
+        ValueError: ``p`` outside ``[0, 1]``.
+    """
+
+    def __init__(self, graph: VirtualGraph, p: float = 0.5) -> None:
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1], got {p}")
+        self.graph = graph
+        self.p = float(p)
+
+    def _draw(self, rng: np.random.Generator, like: np.ndarray, training: bool) -> np.ndarray:
+        dtype = like.dtype if like.dtype.kind == "f" else self.graph.dtype
+        if not training or self.p == 0.0:
+            return np.ones(like.shape, dtype=dtype)
+        if self.p == 1.0:
+            return np.zeros(like.shape, dtype=dtype)
+        keep = rng.random(like.shape) >= self.p
+        return (keep / (1.0 - self.p)).astype(dtype)
+
+    def mask(self, like: Any) -> VirtualNode:
+        """A sampled mask node shaped like ``like`` (``1/(1-p)`` or 0 in training, ones in eval)."""
+        return self.graph.sample(self._draw, like=like, name="dropout_mask")
+
+    def __call__(self, x: Any) -> Any:
+        """``x * mask`` with a fresh mask (see the class docstring)."""
+        return x * self.mask(x)
+
+    def __repr__(self) -> str:
+        return f"Dropout(p={self.p})"
