@@ -32,6 +32,8 @@ from .ops import OPS, Op
 
 # ---------------------------------------------------------------------------- nodes
 
+_NO_LOOP_VALUE = "{} is a loop, which has no value; use its outputs (loop.final(carry), loop.stack(value))"
+
 
 class VirtualNode(Operand):
     """A node of a :class:`VirtualGraph`, identified by ``<type, id>``.
@@ -144,6 +146,13 @@ class LoopNode(VirtualNode):
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.graph._scopes.pop()
         self.closed = True
+        # The loop depends on everything its body used, including top-level nodes created while
+        # the body was declared (constants made from numbers): move it to where it is complete,
+        # so that declaration order stays a topological order.
+        for nodes in (self.graph.nodes, self.scope.body if self.scope is not None else None):
+            if nodes is not None:
+                nodes.remove(self)
+                nodes.append(self)
         if exc_type is not None:
             return
         missing = [c for c in self.carries if c not in self.updates]
@@ -317,7 +326,7 @@ class VirtualGraph:
         self.dtype = np.dtype(dtype) if dtype is not None else get_default_dtype()
         self.seed = seed
         self.name = name
-        self.nodes: list[VirtualNode] = []
+        self.nodes: list[VirtualNode] = []  # in a topological order (declaration order)
         self.params = ParameterStore()
         self.latest_build: UnrolledGraph | None = None
         self._counters: dict[str, int] = {}
@@ -358,6 +367,8 @@ class VirtualGraph:
             return self.constant(x)
         if x.graph is not self:
             raise BuildError(f"{x.describe()} belongs to another VirtualGraph")
+        if x.kind == "loop":
+            raise BuildError(_NO_LOOP_VALUE.format(x.describe()))
         self._check_visible(x)
         return x
 
@@ -523,7 +534,9 @@ class VirtualGraph:
         for key, value in state.items():
             base, _, idx_text = key.partition("@")
             decl = self._param_decls.get(base)
-            if decl is None or (bool(idx_text) == decl.attrs["share"]):
+            if decl is None or (bool(idx_text) == decl.attrs["share"]) or (
+                idx_text and not _is_iteration_path(idx_text, _depth(decl.scope))
+            ):
                 raise KeyError(f"checkpoint has {key!r}, which is not a parameter of this graph")
             arr = np.asarray(value)
             if arr.shape != decl.attrs["shape"]:
@@ -650,7 +663,8 @@ class UnrolledGraph(ComputeGraph):
 
 def _check_feed_value(decl: VirtualNode, value: Any, dtype: np.dtype) -> np.ndarray:
     try:
-        arr = _as_value(value, dtype)
+        # a copy: the graph must not see the caller's later in-place changes (no version bump)
+        arr = np.array(_as_value(value, dtype))
     except TypeError as e:
         raise FeedError(f"input {decl.name!r}: {e}") from None
     shape = decl.attrs["shape"]
@@ -660,6 +674,21 @@ def _check_feed_value(decl: VirtualNode, value: Any, dtype: np.dtype) -> np.ndar
         declared = "(" + ", ".join("None" if s is None else str(s) for s in shape) + ")"
         raise FeedError(f"input {decl.name!r} {decl.describe()}: fed shape {arr.shape}, declared {declared}")
     return arr
+
+
+def _depth(scope: LoopNode | None) -> int:
+    """How many loops enclose a node of ``scope``."""
+    n = 0
+    while scope is not None:
+        n, scope = n + 1, scope.scope
+    return n
+
+
+def _is_iteration_path(text: str, depth: int) -> bool:
+    """Whether ``text`` is an iteration path as untied parameter names print it (``"3"``, ``"1.2"``)
+    with ``depth`` levels."""
+    parts = text.split(".")
+    return len(parts) == depth and all(p.isdigit() and str(int(p)) == p for p in parts)
 
 
 def _inside(scope: LoopNode | None, loop: LoopNode) -> bool:
@@ -673,6 +702,9 @@ def _inside(scope: LoopNode | None, loop: LoopNode) -> bool:
 def _captures(loop: LoopNode) -> list[VirtualNode]:
     """Nodes outside ``loop`` that its body (including nested bodies) uses."""
     seen: dict[VirtualNode, None] = {}
+    for u in loop.updates.values():  # loop.update(carry, x) with x from outside the body
+        if not _inside(u.scope, loop):
+            seen[u] = None
     for v in loop.graph.nodes:
         if _inside(v.scope, loop):
             deps = v.inputs if v.kind != "loop" else [*(c.inputs[0] for c in v.carries), *v.sequences]
@@ -713,10 +745,13 @@ class _Plan:
                 stack.extend(v.inputs)
         self.needed = needed
         # Per scope, the nodes built eagerly (not only through a branch option), in declaration order.
+        # A body marks only nodes of its own scope: what it uses from enclosing scopes is a
+        # dependency of the loop node, built on demand when the loop runs (so a loop reached only
+        # through an unchosen option builds nothing outside it either).
         eager: set[VirtualNode] = set()
         roots: list[VirtualNode] = list(outputs)
         for loop in self.captures:
-            roots.extend(loop.updates.values())
+            roots.extend(u for u in loop.updates.values() if u.scope is loop)
             roots.extend(s.inputs[1] for s in self.stacked.get(loop, ()))
         stack = roots
         while stack:
@@ -724,12 +759,8 @@ class _Plan:
             if v in eager:
                 continue
             eager.add(v)
-            if v.kind == "loop":
-                stack.extend((*(c.inputs[0] for c in v.carries), *v.sequences, *self.captures[v]))
-            elif v.kind in ("carry", "item"):
-                continue
-            else:
-                stack.extend(self.deps(v))
+            if v.kind not in ("carry", "item"):
+                stack.extend(d for d in self.deps(v) if d.scope is v.scope)
         for v in graph.nodes:
             if v in eager and v.kind not in ("carry", "item"):
                 self.eager.setdefault(v.scope, []).append(v)
@@ -795,8 +826,11 @@ class _Builder:
             self.run_loop(v, frame)
         elif kind == "branch":
             self.run_branch(v, frame)
-        elif kind in ("final", "stacked"):
-            assert v in env, "a loop sets its outputs when it runs"
+        elif kind == "stacked":  # a loop sets its outputs when it runs, a stack only if it iterated
+            loop, idx = v.inputs[0], frame.idx
+            raise BuildError(f"{v.describe(idx)}: {loop.describe(idx)} ran no iteration, nothing to stack")
+        elif kind == "final":
+            raise AssertionError(f"{v.describe(frame.idx)}: a loop sets its outputs when it runs")
         else:  # carry and item nodes are set at the start of each iteration
             raise AssertionError(f"unexpected {v.kind} node {v.describe()}")
 
@@ -827,8 +861,11 @@ class _Builder:
         return frame.owner(target).env[target]
 
     def run_scope(self, frame: _Frame) -> None:
+        # Declaration order is topological (see LoopNode.__exit__), and a body's env starts with
+        # its captures, so every dependency is built by the time a node's turn comes.
+        env = frame.env
         for v in self.plan.eager.get(frame.scope, ()):
-            if v not in frame.env:
+            if v not in env:
                 self.build_node(v, frame)
 
     # -- control flow
@@ -885,8 +922,8 @@ class _Builder:
         for v in self.plan.finals.get(loop, ()):
             env[v] = state[loop.carries.index(v.inputs[1])]
         for s, bucket in zip(stacked, collected):
-            if not bucket:
-                raise BuildError(f"{s.describe(idx)}: {loop.describe(idx)} ran no iteration, nothing to stack")
+            if not bucket:  # an error only if the stack is used: see build_node
+                continue
             env[s] = cg.apply(OPS["Stack"], bucket, {"axis": 0}, NodeKey("Stack", s.id, idx), s.name)
 
     def run_branch(self, branch: BranchNode, frame: _Frame) -> None:
@@ -933,7 +970,7 @@ def _run_cond(loop: LoopNode, idx: tuple[int, ...], t: int, names: list[str], va
     except ValueError:
         raise BuildError(
             f"{loop.describe(idx)}: the while_ condition returned an array of shape {np.shape(result)} at "
-            "iteration {t}; it must return one bool (use .all() or .any())"
+            f"iteration {t}; it must return one bool (use .all() or .any())"
         ) from None
 
 
@@ -993,6 +1030,8 @@ def build_compute_graph(
     for o in outs:
         if not isinstance(o, VirtualNode) or o.graph is not graph:
             raise BuildError(f"output {o!r} is not a node of this VirtualGraph")
+        if o.kind == "loop":
+            raise BuildError(f"output {_NO_LOOP_VALUE.format(o.describe())}")
         if o.scope is not None:
             raise BuildError(
                 f"output {o.describe()} is inside the body of {o.scope.describe()}; use the loop's "
@@ -1006,9 +1045,9 @@ def build_compute_graph(
     unknown = sorted(set(feed) - set(graph._inputs))
     if unknown:
         raise FeedError(f"unknown input name(s) {', '.join(map(repr, unknown))}; inputs: {', '.join(graph._inputs)}")
-    missing = [v.name for v in needed_inputs if v.name not in feed]
+    missing = [v.describe() for v in needed_inputs if v.name not in feed]
     if missing:
-        raise FeedError(f"missing feed for input(s) {', '.join(map(repr, missing))}, needed by the requested outputs")
+        raise FeedError(f"missing feed for input(s) {', '.join(missing)}, needed by the requested outputs")
     values = {v.name: _check_feed_value(v, feed[v.name], graph.dtype) for v in needed_inputs}
 
     builder = _Builder(graph, values, plan)
