@@ -263,8 +263,9 @@ def test_invalid_arguments():
         optim.RMSprop(params, alpha=-0.1)
     with pytest.raises(ValueError):
         optim.SGD([], lr=0.1)
+    cg = vg.ComputeGraph()
     with pytest.raises(TypeError):
-        optim.SGD([params[0] * 2], lr=0.1)  # an op node, not a leaf
+        optim.SGD([cg.parameter(np.ones(3)) * 2], lr=0.1)  # an op node, not a leaf
     with pytest.raises(TypeError):
         optim.SGD([np.zeros(3)], lr=0.1)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from dataclasses import dataclass, field
 from functools import partial
 from operator import attrgetter
@@ -144,7 +145,7 @@ class ComputeNode(Operand):
 
     __slots__ = (
         "key", "name", "op", "parents", "attrs", "vjps", "_value", "version", "parent_versions",
-        "requires_grad", "grad", "retains_grad", "graph", "serial", "_g", "_gown",
+        "requires_grad", "grad", "retains_grad", "_graph", "serial", "_g", "_gown",
     )  # fmt: skip
 
     def __init__(
@@ -173,10 +174,17 @@ class ComputeNode(Operand):
         self.requires_grad = requires_grad
         self.grad: np.ndarray | None = None
         self.retains_grad = False
-        self.graph = graph
+        # A weak reference: graph -> node -> graph would make every graph a reference cycle that
+        # only the cyclic garbage collector frees (slowly, and after the memory piles up).
+        self._graph = graph._weak_self if graph is not None else None
         self.serial = next(_serials)
         self._g: Any = None  # gradient being accumulated during one backward pass
         self._gown = False  # whether _g is an array this pass allocated (safe to add into)
+
+    @property
+    def graph(self) -> ComputeGraph | None:
+        """The ComputeGraph this node was created in (``None`` for a free leaf)."""
+        return self._graph() if self._graph is not None else None
 
     # -- value
     @property
@@ -253,7 +261,10 @@ class ComputeNode(Operand):
         if graph is None:  # a free leaf (e.g. from a parameter store): use another input's graph
             graph = next((x.graph for x in inputs if isinstance(x, ComputeNode) and x.graph), None)
             if graph is None:
-                raise GraphStateError(f"{self.describe()} belongs to no ComputeGraph; add it with add_leaf")
+                raise GraphStateError(
+                    f"{self.describe()} belongs to no live ComputeGraph (a free leaf, or its graph "
+                    "was discarded): keep a reference to the graph, or add the leaf with add_leaf"
+                )
         return graph.apply(op, inputs, attrs)
 
 
@@ -307,10 +318,11 @@ class ComputeGraph:
         if self.dtype.kind != "f":
             raise TypeError(f"a ComputeGraph's dtype must be a float dtype, got {self.dtype}")
         self._nodes: dict[NodeKey, ComputeNode] = {}
+        self._weak_self = weakref.ref(self)
         self._counters: dict[str, int] = {}
         self._guards: list[ComputeNode] = []
         self._forward_plans: dict[tuple[Any, ...], list[ComputeNode]] = {}
-        self._backward_plans: dict[tuple[int, ...], list[ComputeNode]] = {}
+        self._backward_plans: dict[int, list[ComputeNode]] = {}
         self._released = False  # a backward without retain_graph ran since the last forward
         self._stale: str | None = None  # set when a structure check failed
         self.last_forward: ForwardReport | None = None
@@ -394,37 +406,65 @@ class ComputeGraph:
                 op = OPS[op]
             except KeyError:
                 raise VGraphError(f"unknown op {op!r}; known ops: {', '.join(sorted(OPS))}") from None
-        parents = []
-        new_constants = []
-        for x in inputs:
-            if not isinstance(x, ComputeNode):
-                x = self.constant(x)
-                new_constants.append(x)
-            elif x.graph is not self and x.op is not None:
-                raise GraphStateError(f"{x.describe()} belongs to another ComputeGraph")
-            parents.append(x)
-        parents = tuple(parents)
-        if op.arity is not None and op.arity != len(parents):
-            raise VGraphError(f"{op.name} takes {op.arity} inputs, got {len(parents)}")
+        if op.arity is not None and op.arity != len(inputs):
+            raise VGraphError(f"{op.name} takes {op.arity} inputs, got {len(inputs)}")
         if key is None:
             key = self._next_key(op.name)
+        elif key in self._nodes:
+            raise GraphStateError(f"the graph already has a node <{key}>")
+        parents = []
+        added = []  # constants made from operands, and shared leaves seen for the first time
+        try:
+            for x in inputs:
+                if not isinstance(x, ComputeNode):
+                    x = self.constant(x)
+                    added.append(x)
+                elif x.op is None:
+                    if self._nodes.get(x.key) is not x:
+                        added.append(self.add_leaf(x))
+                elif x._graph is not self._weak_self:
+                    raise GraphStateError(f"{x.describe()} belongs to another ComputeGraph")
+                parents.append(x)
+            return self._add_op(op, tuple(parents), attrs, key, name)
+        except Exception:
+            for x in added:  # leave the graph as it was
+                del self._nodes[x.key]
+            self._counters["Constant"] = min([self._counters.get("Constant", 0)] + [
+                x.key.id - 1 for x in added if x.key.type == "Constant"])  # fmt: skip
+            raise
+
+    def _add_op(
+        self,
+        op: Op,
+        parents: tuple[ComputeNode, ...],
+        attrs: dict[str, Any] | None,
+        key: NodeKey,
+        name: str | None,
+    ) -> ComputeNode:
+        """Add an op node whose parents are known to be usable here and whose key is free.
+
+        The hot path of unrolling: :meth:`apply` validates, then calls this.
+        """
         requires_grad = False
         if _GradMode.enabled:
-            vjps = op.vjps
             if op.variadic:
-                requires_grad = any(p.requires_grad for p in parents)
+                for p in parents:
+                    if p.requires_grad:
+                        requires_grad = True
+                        break
             else:
-                requires_grad = any(p.requires_grad and f is not None for p, f in zip(parents, vjps))
+                for p, f in zip(parents, op.vjps):
+                    if f is not None and p.requires_grad:
+                        requires_grad = True
+                        break
         node = ComputeNode(key, None, op, parents, attrs, requires_grad, name, self)
-        try:
-            node._value = self._run(node)
-        except Exception:
-            for c in new_constants:  # leave the graph as it was
-                del self._nodes[c.key]
-            if new_constants:
-                self._counters["Constant"] = new_constants[0].key.id - 1
-            raise
-        return self._register(node)
+        node._value = self._run(node)
+        self._nodes[key] = node
+        if not key.idx:  # ids are taken only by nodes actually added
+            counters = self._counters
+            if key.id > counters.get(key.type, 0):
+                counters[key.type] = key.id
+        return node
 
     def guard(
         self,
@@ -513,13 +553,17 @@ class ComputeGraph:
             self._forward_plans[cache_key] = plan
         return plan
 
-    def _backward_plan(self, roots: tuple[ComputeNode, ...]) -> list[ComputeNode]:
-        cache_key = tuple(r.serial for r in roots)
-        plan = self._backward_plans.get(cache_key)
+    def _backward_plan(self) -> list[ComputeNode]:
+        """Every node that requires a gradient, in reverse topological order.
+
+        Nodes are registered after their parents, so the reverse of insertion order is a reverse
+        topological order, with no graph walk. Nodes off the loss's paths are skipped cheaply
+        during the sweep (no gradient reaches them).
+        """
+        plan = self._backward_plans.get(len(self._nodes))
         if plan is None:
-            plan = [n for n in self._ancestors(roots) if n.requires_grad]
-            plan.reverse()
-            self._backward_plans[cache_key] = plan
+            plan = [n for n in reversed(self._nodes.values()) if n.requires_grad]
+            self._backward_plans = {len(self._nodes): plan}
         return plan
 
     # -- forward
@@ -602,7 +646,7 @@ class ComputeGraph:
         without a new forward (e.g. to accumulate the gradients of several losses)."""
         self._check_can_backward(loss)
         g = self._seed(loss, seed)
-        self._backprop(self._backward_plan((loss,)), [(loss, g)], accumulate=True)
+        self._backprop(self._backward_plan(), [(loss, g)], accumulate=True)
         self._released = not retain_graph
         return float(np.reshape(loss._value, ())) if np.size(loss._value) == 1 else None
 
@@ -647,7 +691,7 @@ class ComputeGraph:
             self._raise_released(outs[0])
         roots = [(o, self._seed(o, s)) for o, s in zip(outs, seeds) if o.requires_grad]
         wanted = set(ins)
-        plan = self._backward_plan(tuple(o for o, _ in roots)) if roots else []
+        plan = self._backward_plan() if roots else []
         # Prune to the nodes on a path to a wanted input.
         reach = set(wanted)
         for n in reversed(plan):
@@ -732,8 +776,8 @@ class ComputeGraph:
                     if vjp is None or not p.requires_grad or (reach is not None and p not in reach):
                         continue
                     pg = vjp(g, ans, *values, **attrs)
-                    pshape = np.shape(p._value)
-                    if np.shape(pg) != pshape:
+                    pshape = p._value.shape
+                    if pg.shape != pshape:
                         pg = unbroadcast(pg, pshape)
                     acc = p._g
                     if acc is None:
@@ -743,10 +787,11 @@ class ComputeGraph:
                     else:
                         p._g = acc + pg
                         p._gown = True
-        finally:  # leave no half-accumulated gradients behind if a VJP raised
+        except BaseException:  # leave no half-accumulated gradients behind if a VJP raised
             for n in plan:
                 n._g = None
                 n._gown = False
+            raise
         return found
 
     def zero_grad(self) -> None:

@@ -32,6 +32,7 @@ from .ops import OPS, Op
 
 # ---------------------------------------------------------------------------- nodes
 
+_GETITEM, _STACK = OPS["GetItem"], OPS["Stack"]
 _NO_LOOP_VALUE = "{} is a loop, which has no value; use its outputs (loop.final(carry), loop.stack(value))"
 
 
@@ -50,7 +51,7 @@ class VirtualNode(Operand):
         scope: the :class:`LoopNode` whose body holds it (``None`` at top level).
     """
 
-    __slots__ = ("graph", "type", "id", "name", "inputs", "attrs", "scope", "kind")
+    __slots__ = ("graph", "type", "id", "name", "inputs", "attrs", "scope", "kind", "op")
 
     def __init__(
         self,
@@ -69,6 +70,7 @@ class VirtualNode(Operand):
         self.attrs = attrs or {}
         self.name = name
         self.scope = scope
+        self.op: Op | None = OPS[type_] if kind == "op" else None  # resolved once, used every build
         self.id = graph._register(self)
 
     @property
@@ -810,7 +812,7 @@ class _Builder:
         kind = v.kind
         cg = self.cg
         if kind == "op":
-            env[v] = cg.apply(OPS[v.type], [env[i] for i in v.inputs], v.attrs, NodeKey(v.type, v.id, frame.idx), v.name)
+            env[v] = cg._add_op(v.op, tuple([env[i] for i in v.inputs]), v.attrs, NodeKey(v.type, v.id, frame.idx), v.name)
         elif kind == "parameter":
             env[v] = cg.add_leaf(self.parameter(v, frame.idx))
         elif kind == "input":
@@ -863,9 +865,12 @@ class _Builder:
     def run_scope(self, frame: _Frame) -> None:
         # Declaration order is topological (see LoopNode.__exit__), and a body's env starts with
         # its captures, so every dependency is built by the time a node's turn comes.
-        env = frame.env
+        env, idx, add_op = frame.env, frame.idx, self.cg._add_op
         for v in self.plan.eager.get(frame.scope, ()):
-            if v not in env:
+            op = v.op
+            if op is not None:  # the hot path: most nodes are ops
+                env[v] = add_op(op, tuple([env[i] for i in v.inputs]), v.attrs, NodeKey(v.type, v.id, idx), v.name)
+            elif v not in env:  # loop outputs are already set by their loop
                 self.build_node(v, frame)
 
     # -- control flow
@@ -910,7 +915,7 @@ class _Builder:
             for c, node in zip(loop.carries, state):
                 ienv[c] = node
             for item, node in zip(loop.items, seqs):
-                ienv[item] = cg.apply(OPS["GetItem"], [node], {"index": t}, NodeKey("Item", item.id, inner.idx), item.name)
+                ienv[item] = cg._add_op(_GETITEM, (node,), {"index": t}, NodeKey("Item", item.id, inner.idx), item.name)
             self.run_scope(inner)
             cg._envs[(loop, inner.idx)] = ienv
             state = [ienv[loop.updates[c]] for c in loop.carries]
@@ -924,7 +929,7 @@ class _Builder:
         for s, bucket in zip(stacked, collected):
             if not bucket:  # an error only if the stack is used: see build_node
                 continue
-            env[s] = cg.apply(OPS["Stack"], bucket, {"axis": 0}, NodeKey("Stack", s.id, idx), s.name)
+            env[s] = cg._add_op(_STACK, tuple(bucket), {"axis": 0}, NodeKey("Stack", s.id, idx), s.name)
 
     def run_branch(self, branch: BranchNode, frame: _Frame) -> None:
         idx = frame.idx
