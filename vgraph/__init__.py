@@ -60,4 +60,7 @@ from .virtual import (
     build_compute_graph,
 )
 
+# Imported last: it draws both graph kinds and gives them Jupyter display (_repr_svg_).
+from . import render  # noqa: E402
+
 __version__ = "0.1.0"
