@@ -138,7 +138,7 @@ def render_unrolled(g: vg.VirtualGraph, outs: dict, text: CharData, hidden: int,
     render.render(cg, path, gradients=True)
 
 
-def plot_losses(history: list[tuple[int, float]], path: Path) -> bool:
+def plot_losses(history: list[tuple[int, float]], final: float, path: Path) -> bool:
     try:
         import matplotlib
 
@@ -148,8 +148,9 @@ def plot_losses(history: list[tuple[int, float]], path: Path) -> bool:
         return False
     steps, values = zip(*history)
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, values)
-    ax.axhline(QUALITY_BAR, color="gray", linestyle="--", label="quality bar")
+    ax.plot(steps, values, label="training batches (running mean)")
+    ax.plot([steps[-1]], [final], "o", color="C3", label=f"whole text after training: {final:.3f}")
+    ax.axhline(QUALITY_BAR, color="gray", linestyle="--", label="quality bar (whole text)")
     ax.set(xlabel="training step", ylabel="cross-entropy (nats/char)", title="Char-RNN on the Zen of Python")
     ax.legend()
     fig.tight_layout()
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     if not args.no_render:
         args.out.mkdir(parents=True, exist_ok=True)
-        if plot_losses(history, args.out / "rnn_loss.png"):
+        if plot_losses(history, final, args.out / "rnn_loss.png"):
             print(f"\nLoss curve: {args.out / 'rnn_loss.png'}")
         try:
             render_unrolled(g, outs, text, args.hidden, args.out / "rnn_unrolled.svg")
