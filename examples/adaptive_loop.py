@@ -110,11 +110,15 @@ def main(argv: list[str] | None = None) -> dict:
     # Baseline: predict the mean root (2.25) for every input, MSE = variance of U(0.5, 4).
     baseline = (ROOT_RANGE[1] - ROOT_RANGE[0]) ** 2 / 12.0
     low, high = ROOT_RANGE[0] ** 2, ROOT_RANGE[1] ** 2
-    print(f"Learning sqrt(a) for a in [{low:g}, {high:g}] by iterative refinement "
-          f"from z = {START:g}: update network with {args.hidden} hidden units, "
-          f"{sum(p.value.size for p in g.params.parameters())} parameters")
-    print(f"Halting: stop when |update| <= {args.tol:g} (at most {args.max_steps} iterations); "
-          f"baseline (always answer 2.25): MSE {baseline:.3f}")
+    print(
+        f"Learning sqrt(a) for a in [{low:g}, {high:g}] by iterative refinement "
+        f"from z = {START:g}: update network with {args.hidden} hidden units, "
+        f"{sum(p.value.size for p in g.params.parameters())} parameters"
+    )
+    print(
+        f"Halting: stop when |update| <= {args.tol:g} (at most {args.max_steps} iterations); "
+        f"baseline (always answer 2.25): MSE {baseline:.3f}"
+    )
 
     first, trips, _ = evaluate(g, outs, test_inputs)
     print(f"  step {0:4d}/{args.steps}  held-out MSE {first:.4f}  mean iterations {np.mean(trips):4.1f}")
@@ -134,9 +138,11 @@ def main(argv: list[str] | None = None) -> dict:
             mse, trips, _ = evaluate(g, outs, test_inputs)
             history.append((step, mse))
             n = args.batch * (report_every if step % report_every == 0 else step % report_every)
-            print(f"  step {step:4d}/{args.steps}  train loss {train_loss / n:.4f}  held-out MSE "
-                  f"{mse:.4f}  mean iterations {train_trips / n:4.1f}  {time.perf_counter() - start:5.1f}s",
-                  flush=True)
+            print(
+                f"  step {step:4d}/{args.steps}  train loss {train_loss / n:.4f}  held-out MSE "
+                f"{mse:.4f}  mean iterations {train_trips / n:4.1f}  {time.perf_counter() - start:5.1f}s",
+                flush=True,
+            )
             train_loss = train_trips = 0.0
 
     final, _, _ = evaluate(g, outs, test_inputs)
@@ -145,10 +151,17 @@ def main(argv: list[str] | None = None) -> dict:
     print("       a   sqrt(a)  estimate  iterations")
     for a, n_it, est in zip(SHOW, show_trips, show_est):
         print(f"  {a:6.2f}  {np.sqrt(a):8.3f}  {est:8.3f}  {n_it:4d} {'#' * n_it}")
-    print(f"\nHeld-out MSE {final:.4f} (first {first:.3f}, baseline {baseline:.3f}); iterations range from "
-          f"{min(show_trips)} to {max(show_trips)}: inputs far from the start guess take more steps")
-    return {"first_loss": first, "final_loss": final, "baseline": baseline, "history": history,
-            "trip_counts": dict(zip(SHOW, show_trips))}
+    print(
+        f"\nHeld-out MSE {final:.4f} (first {first:.3f}, baseline {baseline:.3f}); iterations range from "
+        f"{min(show_trips)} to {max(show_trips)}: inputs far from the start guess take more steps"
+    )
+    return {
+        "first_loss": first,
+        "final_loss": final,
+        "baseline": baseline,
+        "history": history,
+        "trip_counts": dict(zip(SHOW, show_trips)),
+    }
 
 
 if __name__ == "__main__":

@@ -104,8 +104,10 @@ def main(argv: list[str] | None = None) -> dict:
     x_test, y_test = adding_batch(np.random.default_rng(args.seed + 1000), 512, args.seq)
     h0 = np.zeros((args.batch, args.hidden))
     n_params = sum(p.value.size for p in g.params.parameters())
-    print(f"Adding problem, sequences of {args.seq}: {args.cell.upper()} with {args.hidden} hidden units, "
-          f"{n_params} parameters")
+    print(
+        f"Adding problem, sequences of {args.seq}: {args.cell.upper()} with {args.hidden} hidden units, "
+        f"{n_params} parameters"
+    )
     print(f"Baseline (always predict 1.0): MSE {BASELINE:.3f}")
     first = evaluate(g, outs, x_test, y_test, args.hidden)
     print(f"  step {0:5d}/{args.steps}  held-out MSE {first:.4f}")
@@ -125,14 +127,19 @@ def main(argv: list[str] | None = None) -> dict:
         if step % report_every == 0 or step == args.steps:
             test = evaluate(g, outs, x_test, y_test, args.hidden)
             history.append((step, test))
-            print(f"  step {step:5d}/{args.steps}  train MSE {running:.4f}  held-out MSE {test:.4f}  "
-                  f"{time.perf_counter() - start:5.1f}s", flush=True)
+            print(
+                f"  step {step:5d}/{args.steps}  train MSE {running:.4f}  held-out MSE {test:.4f}  "
+                f"{time.perf_counter() - start:5.1f}s",
+                flush=True,
+            )
 
     final = history[-1][1]
     ratio = final / BASELINE
     verdict = "learned to add the marked values" if ratio < 0.5 else "did NOT clearly beat the baseline"
-    print(f"\nHeld-out MSE {final:.4f} vs baseline {BASELINE:.3f} ({ratio:.1%} of the baseline): the "
-          f"{args.cell.upper()} {verdict}")
+    print(
+        f"\nHeld-out MSE {final:.4f} vs baseline {BASELINE:.3f} ({ratio:.1%} of the baseline): the "
+        f"{args.cell.upper()} {verdict}"
+    )
     return {"first_loss": first, "final_loss": final, "baseline": BASELINE, "history": history}
 
 

@@ -98,7 +98,14 @@ def evaluate(g: vg.VirtualGraph, outs: dict, text: CharData, hidden: int) -> flo
 
 
 def sample(
-    g: vg.VirtualGraph, outs: dict, text: CharData, hidden: int, prompt: str, n: int, rng, temperature: float = 0.5
+    g: vg.VirtualGraph,
+    outs: dict,
+    text: CharData,
+    hidden: int,
+    prompt: str,
+    n: int,
+    rng,
+    temperature: float = 0.5,
 ) -> str:
     """Generate ``n`` characters after ``prompt``, one build per character, carrying h across builds.
 
@@ -176,8 +183,10 @@ def main(argv: list[str] | None = None) -> dict:
     opt = optim.Adam(g.params, lr=args.lr)
     rng = np.random.default_rng(args.seed)
     h0 = np.zeros((args.batch, args.hidden))
-    print(f"Char-RNN on the Zen of Python: {len(text.data)} characters, vocabulary {text.vocab}, "
-          f"hidden {args.hidden}, {sum(p.value.size for p in g.params.values())} parameters")
+    print(
+        f"Char-RNN on the Zen of Python: {len(text.data)} characters, vocabulary {text.vocab}, "
+        f"hidden {args.hidden}, {sum(p.value.size for p in g.params.values())} parameters"
+    )
     print(f"Training {args.steps} steps of BPTT over {args.batch} windows of {args.seq} characters")
 
     history: list[tuple[int, float]] = []
@@ -196,14 +205,18 @@ def main(argv: list[str] | None = None) -> dict:
             elapsed = time.perf_counter() - start
             history.append((step, running))
             rate = step * args.batch * args.seq / elapsed
-            print(f"  step {step:5d}/{args.steps}  loss {running:.3f}  {rate:8,.0f} chars/s  {elapsed:5.1f}s",
-                  flush=True)
+            print(
+                f"  step {step:5d}/{args.steps}  loss {running:.3f}  {rate:8,.0f} chars/s  {elapsed:5.1f}s",
+                flush=True,
+            )
 
     final = evaluate(g, outs, text, args.hidden)
     baseline = text.unigram_entropy()
     passed = final < QUALITY_BAR
-    print(f"\nWhole-text cross-entropy: {final:.3f} nats/char (character frequencies alone: {baseline:.3f}); "
-          f"quality bar < {QUALITY_BAR}: {'reached' if passed else 'NOT reached'}")
+    print(
+        f"\nWhole-text cross-entropy: {final:.3f} nats/char (character frequencies alone: {baseline:.3f}); "
+        f"quality bar < {QUALITY_BAR}: {'reached' if passed else 'NOT reached'}"
+    )
     print("\nSample:\n" + sample(g, outs, text, args.hidden, "Beautiful", 200, np.random.default_rng(0)))
 
     if not args.no_render:

@@ -97,10 +97,14 @@ def main(argv: list[str] | None = None) -> dict:
         finally:
             g.train()
 
-    print(f"Piecewise target on [{LOW:g}, {HIGH:g}]: {', '.join(PIECES)} "
-          f"(boundaries {BOUNDS[0]:g}, {BOUNDS[1]:g})")
-    print(f"{len(PIECES)} experts with {args.hidden} hidden units each; baseline (predict the mean): "
-          f"MSE {baseline:.3f}")
+    print(
+        f"Piecewise target on [{LOW:g}, {HIGH:g}]: {', '.join(PIECES)} "
+        f"(boundaries {BOUNDS[0]:g}, {BOUNDS[1]:g})"
+    )
+    print(
+        f"{len(PIECES)} experts with {args.hidden} hidden units each; baseline (predict the mean): "
+        f"MSE {baseline:.3f}"
+    )
     first, _ = evaluate()
     print(f"  step {0:4d}/{args.steps}  held-out MSE {first:.4f}")
     history = [(0, first)]
@@ -131,23 +135,35 @@ def main(argv: list[str] | None = None) -> dict:
         usage[k] = int(mask.sum())
         xs = x_test[mask]
         err = float(np.mean((preds[mask] - target(xs)) ** 2)) if mask.any() else float("nan")
-        print(f"  expert {k} ({piece:>10}): {usage[k]:2d} inputs, x in [{xs.min():5.2f}, {xs.max():5.2f}], "
-              f"MSE {err:.4f}")
-    print(f"  sample keys: {', '.join(str(cg.node(branch, (t,)).key) for t in (0, 30, 60))} "
-          f"(Branch:id@example), options {', '.join(str(choices[t]) for t in (0, 30, 60))}")
+        print(
+            f"  expert {k} ({piece:>10}): {usage[k]:2d} inputs, x in [{xs.min():5.2f}, {xs.max():5.2f}], "
+            f"MSE {err:.4f}"
+        )
+    print(
+        f"  sample keys: {', '.join(str(cg.node(branch, (t,)).key) for t in (0, 30, 60))} "
+        f"(Branch:id@example), options {', '.join(str(choices[t]) for t in (0, 30, 60))}"
+    )
 
     # Gradients reach only the chosen expert: a batch from piece 0 alone.
     cg = g.build(batch(np.array([-2.5, -2.0, -1.5])), outs["loss"])
     cg.backward(outs["loss"])
     grads = {k: [g.params[name].grad is not None for name in expert_params(g, k)] for k in range(len(PIECES))}
-    print("\nBackward on three inputs from piece 0 only: parameters with a gradient per expert: "
-          + ", ".join(f"expert {k}: {sum(v)}/{len(v)}" for k, v in grads.items()))
+    print(
+        "\nBackward on three inputs from piece 0 only: parameters with a gradient per expert: "
+        + ", ".join(f"expert {k}: {sum(v)}/{len(v)}" for k, v in grads.items())
+    )
     g.params.zero_grad()
     verdict = "each expert fitted its own piece" if final < 0.1 * baseline else "NOT fitted"
     print(f"\nHeld-out MSE {final:.4f} vs baseline {baseline:.3f} (first {first:.3f}): {verdict}")
     only_chosen = all(grads[0]) and not any(grads[1]) and not any(grads[2])
-    return {"first_loss": first, "final_loss": final, "baseline": baseline, "history": history,
-            "usage": usage, "grads_only_chosen": only_chosen}
+    return {
+        "first_loss": first,
+        "final_loss": final,
+        "baseline": baseline,
+        "history": history,
+        "usage": usage,
+        "grads_only_chosen": only_chosen,
+    }
 
 
 if __name__ == "__main__":

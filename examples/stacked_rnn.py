@@ -68,8 +68,13 @@ def build_model(layers: int, hidden: int, seed: int) -> tuple[vg.VirtualGraph, d
     top = layer_loop.final(seq, name="top")  # (time, batch, hidden)
     logits = readout(top)  # (time, batch, 2)
     loss = losses.cross_entropy(logits, ys, num_classes=2)
-    return g, {"loss": loss, "logits": logits, "h_new": h_new,
-               "layer_loop": layer_loop, "time_loop": time_loop}
+    return g, {
+        "loss": loss,
+        "logits": logits,
+        "h_new": h_new,
+        "layer_loop": layer_loop,
+        "time_loop": time_loop,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -102,14 +107,18 @@ def main(argv: list[str] | None = None) -> dict:
     h0 = np.zeros((args.batch, args.hidden))
     x, y = parity_batch(rng, args.batch, args.seq, args.window)
     cg = g.build({"x": x, "y": y, "h0": h0}, outs["loss"])  # the first build creates the untied copies
-    print(f"Stacked RNN: {args.layers} layers x {args.hidden} hidden units, sequences of {args.seq} bits, "
-          f"task: parity of the last {args.window} bits")
+    print(
+        f"Stacked RNN: {args.layers} layers x {args.hidden} hidden units, sequences of {args.seq} bits, "
+        f"task: parity of the last {args.window} bits"
+    )
     print(f"Parameters ({sum(p.value.size for p in g.params.parameters())} values): {', '.join(g.params)}")
     times = sorted({0, min(5, args.seq - 1)})
     tanh_keys = [str(cg.node(outs["h_new"], (layer, t)).key) for layer in range(args.layers) for t in times]
-    print(f"Two-level keys <type:id@layer.time>: {', '.join(tanh_keys)}; "
-          f"trip counts: layers {cg.trip_count(outs['layer_loop'])}, "
-          f"time in layer 1 {cg.trip_count(outs['time_loop'], (min(1, args.layers - 1),))}; {len(cg)} nodes")
+    print(
+        f"Two-level keys <type:id@layer.time>: {', '.join(tanh_keys)}; "
+        f"trip counts: layers {cg.trip_count(outs['layer_loop'])}, "
+        f"time in layer 1 {cg.trip_count(outs['time_loop'], (min(1, args.layers - 1),))}; {len(cg)} nodes"
+    )
     first_loss, first_acc = evaluate()
     print(f"  step {0:4d}/{args.steps}  held-out loss {first_loss:.3f}  accuracy {first_acc:.1%}")
     history = [(0, first_loss, first_acc)]
@@ -126,14 +135,25 @@ def main(argv: list[str] | None = None) -> dict:
         if step % report_every == 0 or step == args.steps:
             loss, acc = evaluate()
             history.append((step, loss, acc))
-            print(f"  step {step:4d}/{args.steps}  held-out loss {loss:.3f}  accuracy {acc:.1%}  "
-                  f"{time.perf_counter() - start:5.1f}s", flush=True)
+            print(
+                f"  step {step:4d}/{args.steps}  held-out loss {loss:.3f}  accuracy {acc:.1%}  "
+                f"{time.perf_counter() - start:5.1f}s",
+                flush=True,
+            )
 
     final_loss, final_acc = history[-1][1:]
-    print(f"\nHeld-out accuracy {final_acc:.1%} (chance 50%), cross-entropy {final_loss:.3f} "
-          f"(chance {np.log(2):.3f}): {'learned' if final_acc > 0.9 else 'NOT learned'}")
-    return {"first_loss": first_loss, "final_loss": final_loss, "first_accuracy": first_acc,
-            "final_accuracy": final_acc, "history": history, "keys": tanh_keys}
+    print(
+        f"\nHeld-out accuracy {final_acc:.1%} (chance 50%), cross-entropy {final_loss:.3f} "
+        f"(chance {np.log(2):.3f}): {'learned' if final_acc > 0.9 else 'NOT learned'}"
+    )
+    return {
+        "first_loss": first_loss,
+        "final_loss": final_loss,
+        "first_accuracy": first_acc,
+        "final_accuracy": final_acc,
+        "history": history,
+        "keys": tanh_keys,
+    }
 
 
 if __name__ == "__main__":

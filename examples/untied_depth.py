@@ -79,9 +79,11 @@ def main(argv: list[str] | None = None) -> dict:
         cg = g.build(train, outs["loss"])  # the first build creates the untied per-layer copies
         models[kind] = {"g": g, "outs": outs, "opt": optim.Adam(g.params, lr=args.lr), "cg": cg}
 
-    print(f"Residual MLP, a loop of {args.layers} layers of width {args.hidden}, fitting "
-          f"y = sin(3 x1) cos(2 x2) + 0.5 x1 x2 on {args.points} points; "
-          f"baseline (predict the mean) MSE {baseline:.3f}")
+    print(
+        f"Residual MLP, a loop of {args.layers} layers of width {args.hidden}, fitting "
+        f"y = sin(3 x1) cos(2 x2) + 0.5 x1 x2 on {args.points} points; "
+        f"baseline (predict the mean) MSE {baseline:.3f}"
+    )
     counts = {}
     for kind, m in models.items():
         g = m["g"]
@@ -101,8 +103,10 @@ def main(argv: list[str] | None = None) -> dict:
             m["g"].train()
 
     history = {kind: [(0, evaluate(m))] for kind, m in models.items()}
-    print(f"  step {0:4d}/{args.steps}  held-out MSE  untied {history['untied'][0][1]:.4f}  "
-          f"tied {history['tied'][0][1]:.4f}")
+    print(
+        f"  step {0:4d}/{args.steps}  held-out MSE  untied {history['untied'][0][1]:.4f}  "
+        f"tied {history['tied'][0][1]:.4f}"
+    )
     start = time.perf_counter()
     report_every = max(1, args.steps // 10)
     for step in range(1, args.steps + 1):
@@ -114,15 +118,25 @@ def main(argv: list[str] | None = None) -> dict:
         if step % report_every == 0 or step == args.steps:
             for kind, m in models.items():
                 history[kind].append((step, evaluate(m)))
-            print(f"  step {step:4d}/{args.steps}  held-out MSE  untied {history['untied'][-1][1]:.4f}  "
-                  f"tied {history['tied'][-1][1]:.4f}  {time.perf_counter() - start:5.1f}s", flush=True)
+            print(
+                f"  step {step:4d}/{args.steps}  held-out MSE  untied {history['untied'][-1][1]:.4f}  "
+                f"tied {history['tied'][-1][1]:.4f}  {time.perf_counter() - start:5.1f}s",
+                flush=True,
+            )
 
     final = {kind: h[-1][1] for kind, h in history.items()}
-    print(f"\nFinal held-out MSE: untied {final['untied']:.4f} ({counts['untied']['total']} parameters), "
-          f"tied {final['tied']:.4f} ({counts['tied']['total']} parameters), baseline {baseline:.3f}; "
-          f"untied/tied = {final['untied'] / final['tied']:.2f}")
-    return {"counts": counts, "final": final, "first": {k: h[0][1] for k, h in history.items()},
-            "baseline": baseline, "history": history}
+    print(
+        f"\nFinal held-out MSE: untied {final['untied']:.4f} ({counts['untied']['total']} parameters), "
+        f"tied {final['tied']:.4f} ({counts['tied']['total']} parameters), baseline {baseline:.3f}; "
+        f"untied/tied = {final['untied'] / final['tied']:.2f}"
+    )
+    return {
+        "counts": counts,
+        "final": final,
+        "first": {k: h[0][1] for k, h in history.items()},
+        "baseline": baseline,
+        "history": history,
+    }
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ Expected values are computed independently with numpy (hand-written gradients) o
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -147,7 +149,7 @@ def test_forward_recomputes_exactly_the_dependent_path(k):
     expected_explanation = [(tanhs[k].key, (xs[k].key,)), (muls[k].key, (tanhs[k].key,))]
     first = adds[first_add]
     expected_explanation.append((first.key, (muls[k].key,)))
-    for prev, add in zip(downstream_adds, downstream_adds[1:]):
+    for prev, add in itertools.pairwise(downstream_adds):
         expected_explanation.append((add.key, (prev.key,)))
     expected_explanation.append((loss.key, (downstream_adds[-1].key,)))
     assert report.explanation == expected_explanation
@@ -360,10 +362,9 @@ def test_no_grad_nodes_do_not_require_grad():
 
 
 def test_no_grad_mode_is_restored_after_an_exception():
-    with pytest.raises(RuntimeError, match="boom"):
-        with vgraph.no_grad():
-            assert not vgraph.is_grad_enabled()
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), vgraph.no_grad():
+        assert not vgraph.is_grad_enabled()
+        raise RuntimeError("boom")
     assert vgraph.is_grad_enabled()
     with vgraph.no_grad():
         with vgraph.no_grad():

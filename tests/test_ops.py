@@ -13,8 +13,9 @@ The table ``CASES`` below has one row per (op, input shapes, attributes). Each r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -45,9 +46,7 @@ def away(*shape: int) -> Callable[[np.random.Generator], np.ndarray]:
 def distinct(*shape: int) -> Callable[[np.random.Generator], np.ndarray]:
     """Pairwise distinct values at least 0.24 apart: no ties for Max."""
     n = int(np.prod(shape, dtype=int))
-    return lambda r: np.asarray(
-        (r.permutation(n) * 0.25 - 1.0 + r.uniform(0, 0.01, n)).reshape(shape)
-    )
+    return lambda r: np.asarray((r.permutation(n) * 0.25 - 1.0 + r.uniform(0, 0.01, n)).reshape(shape))
 
 
 # ---------------------------------------------------------------------------- the table
@@ -271,9 +270,7 @@ def _make_inputs(cg: ComputeGraph, c: Case) -> tuple[list[np.ndarray], list[vgra
     r = np.random.default_rng(0)
     arrays = [gen(r) for gen in c.inputs]
     # Alternate the two kinds of differentiable leaves.
-    nodes = [
-        cg.input(a, requires_grad=True) if i % 2 == 0 else cg.parameter(a) for i, a in enumerate(arrays)
-    ]
+    nodes = [cg.input(a, requires_grad=True) if i % 2 == 0 else cg.parameter(a) for i, a in enumerate(arrays)]
     return arrays, nodes
 
 

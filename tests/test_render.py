@@ -407,7 +407,7 @@ def test_gradient_overlay_norms_and_monotone_colours():
         return int(colour[1:3], 16) - int(colour[5:7], 16)
 
     assert warmth(R.gradient_color(1e2, (-4, 2))[1]) > 150
-    assert 0 > warmth(R.gradient_color(1e-4, (-4, 2))[1])
+    assert warmth(R.gradient_color(1e-4, (-4, 2))[1]) < 0
     assert "cluster_legend" in d.clusters and "gradient norm" in d.nodes["legend"]
     for e in range(scale[0], scale[1] + 1):
         assert f">1e{e}<" in d.nodes["legend"]

@@ -62,10 +62,10 @@ T, B, I, H, O = 7, 3, 4, 5, 2
 def elman(stacked: bool, seed: int = 0):
     """Elman RNN (h0 is a learnable (1, H) row, broadcast over the batch):
 
-        h0 ──► [h_1] ──► ... ──► [h_T]      h_t = tanh(x_t Wx + h_{t-1} Wh + b)
-                 │                 │
-        stacked: └── Wo ── ... ────┴──► loss = mean over t, batch, out of (h_t Wo - y_t)^2
-        final:                     └──► loss = mean((h_T Wo - y)^2)
+    h0 ──► [h_1] ──► ... ──► [h_T]      h_t = tanh(x_t Wx + h_{t-1} Wh + b)
+             │                 │
+    stacked: └── Wo ── ... ────┴──► loss = mean over t, batch, out of (h_t Wo - y_t)^2
+    final:                     └──► loss = mean((h_T Wo - y)^2)
     """
     g = vg.VirtualGraph(dtype=F64, seed=seed)
     x = g.input("x", shape=(None, None, I))
@@ -149,11 +149,11 @@ NL, NT, NB, NH = 3, 4, 2, 3
 def stacked_layers():
     """Three recurrent layers, each a loop over time, stacked by an outer loop:
 
-        outer l = 0..2 (W@l untied, declared in the outer body)
-          seq ──► inner t = 0..3:  h_t = tanh(seq_t @ W@l + h_{t-1} @ R + u@l.t)
-                  (R shared, top level;  u@l.t untied, declared in the inner body: 12 copies)
-          seq := stack(h_0..h_3)                                            (the next layer's input)
-        loss = sum(seq_final * c)
+    outer l = 0..2 (W@l untied, declared in the outer body)
+      seq ──► inner t = 0..3:  h_t = tanh(seq_t @ W@l + h_{t-1} @ R + u@l.t)
+              (R shared, top level;  u@l.t untied, declared in the inner body: 12 copies)
+      seq := stack(h_0..h_3)                                            (the next layer's input)
+    loss = sum(seq_final * c)
     """
     g = vg.VirtualGraph(dtype=F64, seed=11)
     x = g.input("x", shape=(None, NB, NH))
@@ -237,8 +237,8 @@ THRESHOLD = 3.0
 def growing_vector():
     """A while loop whose trip count depends on values:
 
-        v = v0 (fed);  while ||v|| < 3:  v = v + tanh(v @ M)
-        loss = sum(v * (1, -2, 0.5))
+    v = v0 (fed);  while ||v|| < 3:  v = v + tanh(v @ M)
+    loss = sum(v * (1, -2, 0.5))
     """
     g = vg.VirtualGraph(dtype=F64)
     v0 = g.input("v0", shape=(3,))
@@ -283,11 +283,11 @@ STEPS = 6
 def sign_switch():
     """A branch inside a loop, chosen per iteration by the sign of the carried h[0]:
 
-        h = h0 (fed);  for t in 0..5:
-            h = tanh(h @ A)  if h[0] >= 0        option 0
-                h @ B        if -100 < h[0] < 0  option 1
-                h @ C        if h[0] <= -100     option 2: never chosen here, C gets no gradient
-        loss = sum(h * (0.7, -1.2))
+    h = h0 (fed);  for t in 0..5:
+        h = tanh(h @ A)  if h[0] >= 0        option 0
+            h @ B        if -100 < h[0] < 0  option 1
+            h @ C        if h[0] <= -100     option 2: never chosen here, C gets no gradient
+    loss = sum(h * (0.7, -1.2))
     """
     g = vg.VirtualGraph(dtype=F64)
     h0 = g.input("h0", shape=(2,))
@@ -378,8 +378,8 @@ def test_unchosen_option_loop_builds_nothing():
 def per_step_weight(share: bool, seed: int = 0):
     """A loop whose body declares its weight, tied (share=True) or one per step (W@t):
 
-        h = 0;  for each x_t:  h = tanh(h @ W + x_t)
-        loss = sum(h * (1, -1))
+    h = 0;  for each x_t:  h = tanh(h @ W + x_t)
+    loss = sum(h * (1, -1))
     """
     g = vg.VirtualGraph(dtype=F64, seed=seed)
     x = g.input("x", shape=(None, 2))
@@ -651,15 +651,13 @@ def test_declaration_errors():
     with pytest.raises(vg.BuildError, match=r"<Loop:2>: carried state <Carry:\d+> 'h2' never updated"):
         with g.loop(times=3) as L:
             L.carry(1.0, name="h2")
-    with pytest.raises(vg.BuildError, match=r"<Loop:3> has no stopping rule"):
-        with g.loop() as L:
-            h = L.carry(1.0, name="h")
-            L.update(h, h * 2.0)
-    with pytest.raises(vg.BuildError, match=r"<Loop:4>: use final\(\) after"):
-        with g.loop(times=2) as L:
-            h = L.carry(1.0, name="h")
-            L.update(h, h * 2.0)
-            L.final(h)
+    with pytest.raises(vg.BuildError, match=r"<Loop:3> has no stopping rule"), g.loop() as L:
+        h = L.carry(1.0, name="h")
+        L.update(h, h * 2.0)
+    with pytest.raises(vg.BuildError, match=r"<Loop:4>: use final\(\) after"), g.loop(times=2) as L:
+        h = L.carry(1.0, name="h")
+        L.update(h, h * 2.0)
+        L.final(h)
     assert g._scopes == []  # every failed `with` block was closed
     assert_unchanged(g, snap)
     assert g.build(n["good"], n["loss"]).forward() == snap[3].forward()

@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from vgraph import render as R
+from vgraph import render as R  # noqa: E402  (after the sys.path line above)
 
 OUT = ROOT / "docs" / "images"
 PNG_DPI = 110

@@ -1,7 +1,18 @@
 """vgraph: dynamic networks declared once, unrolled per input, differentiated exactly."""
+
 from __future__ import annotations
 
-from . import init, io, losses, nn, ops, optim, tbptt
+# Imported last: it draws both graph kinds and gives them Jupyter display (_repr_svg_).
+from . import (
+    init,
+    io,
+    losses,
+    nn,
+    ops,
+    optim,
+    render,
+    tbptt,
+)
 from .check import gradcheck, jacobian
 from .compute import (
     ComputeGraph,
@@ -59,8 +70,5 @@ from .virtual import (
     VirtualNode,
     build_compute_graph,
 )
-
-# Imported last: it draws both graph kinds and gives them Jupyter display (_repr_svg_).
-from . import render  # noqa: E402
 
 __version__ = "0.1.0"

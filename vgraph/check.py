@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
 
 import numpy as np
 
@@ -129,7 +129,7 @@ def gradcheck(
     return result
 
 
-def jacobian(output: ComputeNode, input: ComputeNode) -> np.ndarray:  # noqa: A002
+def jacobian(output: ComputeNode, input: ComputeNode) -> np.ndarray:
     """The full Jacobian ``d output / d input``, shape ``output.shape + input.shape``.
 
     A debugging tool (seed 000 §8): it runs one backward pass per output element, so it costs

@@ -181,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _UsageError as e:
         print(f"vgraph {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except Exception as e:  # noqa: BLE001 - any error in the user's model: report it briefly
+    except Exception as e:
         tb = traceback.extract_tb(e.__traceback__)
         where = next(
             (

@@ -20,10 +20,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from operator import attrgetter
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -698,7 +699,9 @@ class ComputeGraph:
             if n not in reach and any(p in reach for p in n.parents):
                 reach.add(n)
         plan = [n for n in plan if n in reach]
-        found = self._backprop(plan, [r for r in roots if r[0] in reach], accumulate=False, wanted=wanted, reach=reach)
+        found = self._backprop(
+            plan, [r for r in roots if r[0] in reach], accumulate=False, wanted=wanted, reach=reach
+        )
         self._released = not retain_graph
         return [found[x] if x in found else np.zeros(np.shape(x._value), dtype=self.dtype) for x in ins]
 

@@ -9,7 +9,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .errors import VGraphError
 
@@ -72,7 +73,7 @@ class Operand:
         return self._apply("GetItem", (self,), {"index": index})
 
     @property
-    def T(self) -> Any:  # noqa: N802 - numpy's name
+    def T(self) -> Any:
         """The transpose (all axes reversed)."""
         return self._apply("Transpose", (self,), {"axes": None})
 
@@ -156,12 +157,12 @@ def sign(x: Any) -> Any:
     return _dispatch("Sign", (x,))
 
 
-def abs(x: Any) -> Any:  # noqa: A001 - mirrors numpy.abs
+def abs(x: Any) -> Any:
     """Elementwise absolute value; the gradient at 0 is 0."""
     return _dispatch("Abs", (x,))
 
 
-def sum(x: Any, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Any:  # noqa: A001
+def sum(x: Any, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Any:
     """Sum over ``axis`` (all axes when ``None``)."""
     return _dispatch("Sum", (x,), {"axis": axis, "keepdims": keepdims})
 
@@ -171,7 +172,7 @@ def mean(x: Any, axis: int | tuple[int, ...] | None = None, keepdims: bool = Fal
     return _dispatch("Mean", (x,), {"axis": axis, "keepdims": keepdims})
 
 
-def max(x: Any, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Any:  # noqa: A001
+def max(x: Any, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Any:
     """Maximum over ``axis``; ties share the gradient equally."""
     return _dispatch("Max", (x,), {"axis": axis, "keepdims": keepdims})
 

@@ -10,7 +10,8 @@ Fans follow vgraph's ``x @ W`` convention: a weight of shape ``(fan_in, fan_out)
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

@@ -19,14 +19,16 @@ import os
 import secrets
 import stat
 import zipfile
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from .compute import ComputeNode
 from .errors import CheckpointError, ShapeError
 
-__all__ = ["save", "load", "read"]
+__all__ = ["load", "read", "save"]
+
 
 def _arrays(obj: Any) -> dict[str, np.ndarray]:
     from .virtual import VirtualGraph
@@ -145,12 +147,12 @@ def read(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
         raise CheckpointError(f"{path!r} is not an .npz checkpoint ({what})")
     try:
         data = np.load(path, allow_pickle=False)
-    except Exception as e:  # noqa: BLE001 - any failure to parse means a bad file
+    except Exception as e:
         raise CheckpointError(f"{path!r} is not a readable .npz checkpoint: {e}") from e
     try:
         with data:
             return {name: np.asarray(data[name]) for name in data.files}
-    except Exception as e:  # noqa: BLE001 - a member that does not decode: corrupt archive
+    except Exception as e:
         raise CheckpointError(f"{path!r} is corrupt: {e}") from e
 
 

@@ -19,7 +19,7 @@ from .compute import ComputeNode
 from .errors import ShapeError
 from .functions import Operand
 
-__all__ = ["mse_loss", "cross_entropy", "nll_loss", "bce_with_logits"]
+__all__ = ["bce_with_logits", "cross_entropy", "mse_loss", "nll_loss"]
 
 _REDUCTIONS = ("mean", "sum", "none")
 

@@ -26,7 +26,8 @@ The initialisers of :mod:`vgraph.init` are re-exported here (``nn.init.orthogona
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -49,25 +50,25 @@ from .init import (
 from .virtual import VirtualGraph, VirtualNode
 
 __all__ = [
-    "init",
-    "Initializer",
-    "zeros",
-    "constant",
-    "normal",
-    "uniform",
-    "xavier_uniform",
-    "xavier_normal",
-    "kaiming_uniform",
-    "kaiming_normal",
-    "orthogonal",
-    "one_hot",
-    "Module",
-    "Linear",
-    "RNNCell",
-    "LSTMCell",
-    "GRUCell",
-    "Embedding",
     "Dropout",
+    "Embedding",
+    "GRUCell",
+    "Initializer",
+    "LSTMCell",
+    "Linear",
+    "Module",
+    "RNNCell",
+    "constant",
+    "init",
+    "kaiming_normal",
+    "kaiming_uniform",
+    "normal",
+    "one_hot",
+    "orthogonal",
+    "uniform",
+    "xavier_normal",
+    "xavier_uniform",
+    "zeros",
 ]
 
 # ---------------------------------------------------------------------------- helpers

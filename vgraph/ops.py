@@ -17,8 +17,9 @@ Adding an op is adding one ``defop`` entry below.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

@@ -22,24 +22,25 @@ array read from ``p.value`` earlier is never modified.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
 from .compute import ComputeNode
 
 __all__ = [
-    "Optimizer",
     "SGD",
+    "Adagrad",
     "Adam",
     "AdamW",
+    "CosineAnnealingLR",
+    "LRScheduler",
+    "Optimizer",
     "RMSprop",
-    "Adagrad",
+    "StepLR",
     "clip_grad_norm",
     "clip_grad_value",
-    "LRScheduler",
-    "StepLR",
-    "CosineAnnealingLR",
 ]
 
 # ---------------------------------------------------------------------------- resolving params
@@ -535,7 +536,7 @@ class CosineAnnealingLR(LRScheduler):
         ValueError: ``T_max < 1``.
     """
 
-    def __init__(self, optimizer: Optimizer, T_max: int, eta_min: float = 0.0) -> None:  # noqa: N803
+    def __init__(self, optimizer: Optimizer, T_max: int, eta_min: float = 0.0) -> None:
         if int(T_max) != T_max or T_max < 1:
             raise ValueError(f"T_max must be a positive int, got {T_max}")
         self.T_max = int(T_max)

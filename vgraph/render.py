@@ -941,10 +941,10 @@ class _UnrolledView(_Frames):
         is ranked below every node of iteration t (through an invisible point between them),
         so Graphviz stacks them t=0, t=1, … along the layout direction."""
         children: dict[str, list[str]] = {}
-        for tail, head, attrs in self.scene.edges:
+        for tail, head, _attrs in self.scene.edges:
             children.setdefault(tail, []).append(head)
         parents: dict[str, list[str]] = {}
-        for tail, head, attrs in self.scene.edges:
+        for tail, head, _attrs in self.scene.edges:
             parents.setdefault(head, []).append(tail)
         for run in sorted(
             self.runs.values(), key=lambda r: (len(r.outer), self._loop_order(r.loop), r.outer)

@@ -19,12 +19,13 @@ from the carried-in state as a constant. :func:`truncated_bptt` runs that loop.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
-__all__ = ["chunks", "chunk_feeds", "truncated_bptt", "TBPTTResult"]
+__all__ = ["TBPTTResult", "chunk_feeds", "chunks", "truncated_bptt"]
 
 
 def chunks(xs: Any, k: int, axis: int = 0, drop_last: bool = False) -> Iterator[np.ndarray]:

@@ -12,8 +12,9 @@ The whole module builds ComputeGraphs through the public API of :mod:`vgraph.com
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -160,7 +161,9 @@ class LoopNode(VirtualNode):
         missing = [c for c in self.carries if c not in self.updates]
         if missing:
             names = ", ".join(c.describe() for c in missing)
-            raise BuildError(f"{self.describe()}: carried state {names} never updated; call loop.update(carry, new_value)")
+            raise BuildError(
+                f"{self.describe()}: carried state {names} never updated; call loop.update(carry, new_value)"
+            )
         if self.times is None and self.cond is None and not self.sequences:
             raise BuildError(
                 f"{self.describe()} has no stopping rule: give times=, while_=, or step through a "
@@ -174,7 +177,9 @@ class LoopNode(VirtualNode):
     def _outside(self, x: Any, what: str) -> VirtualNode:
         node = self.graph._as_node(x)
         if _inside(node.scope, self):
-            raise BuildError(f"{what} of {self.describe()} must come from outside its body, got {node.describe()}")
+            raise BuildError(
+                f"{what} of {self.describe()} must come from outside its body, got {node.describe()}"
+            )
         return node
 
     def carry(self, init: Any, name: str | None = None) -> VirtualNode:
@@ -381,7 +386,9 @@ class VirtualGraph:
                 "outside it; use the loop's outputs (loop.final(carry), loop.stack(value))"
             )
         if x.kind in ("final", "stacked") and x.inputs[0] in self._scopes:
-            raise BuildError(f"{x.describe()} is an output of {x.inputs[0].describe()}, used inside its own body")
+            raise BuildError(
+                f"{x.describe()} is an output of {x.inputs[0].describe()}, used inside its own body"
+            )
 
     def _op(self, op: str, inputs: tuple[Any, ...], attrs: dict[str, Any]) -> VirtualNode:
         if op not in OPS:
@@ -410,9 +417,13 @@ class VirtualGraph:
 
     def constant(self, value: Any, name: str | None = None) -> VirtualNode:
         """Declare a constant (no gradient). Always top-level: one compute node per build."""
-        return VirtualNode(self, "Constant", "constant", (), {"value": _as_value(value, self.dtype)}, name, None)
+        return VirtualNode(
+            self, "Constant", "constant", (), {"value": _as_value(value, self.dtype)}, name, None
+        )
 
-    def sample(self, fn: Callable[[np.random.Generator, np.ndarray, bool], Any], like: Any, name: str | None = None) -> VirtualNode:
+    def sample(
+        self, fn: Callable[[np.random.Generator, np.ndarray, bool], Any], like: Any, name: str | None = None
+    ) -> VirtualNode:
         """Declare a constant drawn anew at each build (and in each iteration), e.g. a dropout mask.
 
         At build time ``fn(rng, like_value, training)`` gives the value; ``rng`` is derived from the
@@ -449,10 +460,12 @@ class VirtualGraph:
         """
         if name in self._param_decls:
             raise BuildError(f"the graph already has a parameter named {name!r}")
-        if isinstance(init, (np.ndarray, list)) or np.isscalar(init) and not isinstance(init, str):
+        if isinstance(init, (np.ndarray, list)) or (np.isscalar(init) and not isinstance(init, str)):
             value = np.array(init, dtype=self.dtype)
             if shape is not None and tuple(shape) != value.shape:
-                raise ShapeError(f"parameter {name!r}: init array has shape {value.shape}, declared {tuple(shape)}")
+                raise ShapeError(
+                    f"parameter {name!r}: init array has shape {value.shape}, declared {tuple(shape)}"
+                )
             shape = value.shape
             init_fn: Any = value
         else:
@@ -478,7 +491,9 @@ class VirtualGraph:
             rng = np.random.default_rng([seed, decl.id, *idx])
             value = np.asarray(init(attrs["shape"], rng, self.dtype), dtype=self.dtype)
             if value.shape != attrs["shape"]:
-                raise ShapeError(f"{decl.describe(idx)}: initialiser returned shape {value.shape}, expected {attrs['shape']}")
+                raise ShapeError(
+                    f"{decl.describe(idx)}: initialiser returned shape {value.shape}, expected {attrs['shape']}"
+                )
         name = decl.name if attrs["share"] else f"{decl.name}@{'.'.join(map(str, idx))}"
         return ComputeNode(NodeKey("Parameter", decl.id, idx if not attrs["share"] else ()), value,
                            requires_grad=True, name=name)  # fmt: skip
@@ -536,13 +551,17 @@ class VirtualGraph:
         for key, value in state.items():
             base, _, idx_text = key.partition("@")
             decl = self._param_decls.get(base)
-            if decl is None or (bool(idx_text) == decl.attrs["share"]) or (
-                idx_text and not _is_iteration_path(idx_text, _depth(decl.scope))
+            if (
+                decl is None
+                or (bool(idx_text) == decl.attrs["share"])
+                or (idx_text and not _is_iteration_path(idx_text, _depth(decl.scope)))
             ):
                 raise KeyError(f"checkpoint has {key!r}, which is not a parameter of this graph")
             arr = np.asarray(value)
             if arr.shape != decl.attrs["shape"]:
-                raise ShapeError(f"parameter {key!r}: checkpoint shape {arr.shape}, model shape {decl.attrs['shape']}")
+                raise ShapeError(
+                    f"parameter {key!r}: checkpoint shape {arr.shape}, model shape {decl.attrs['shape']}"
+                )
             if arr.dtype.kind != "f":
                 raise ShapeError(f"parameter {key!r}: checkpoint dtype {arr.dtype} is not a float dtype")
             staged[key] = arr
@@ -610,7 +629,9 @@ class UnrolledGraph(ComputeGraph):
         idx = tuple(idx)
         env = self._envs.get((what.scope, idx))
         if env is None or what not in env:
-            raise BuildError(f"{what.describe(idx)} was not built in this graph (not needed, or no such iteration)")
+            raise BuildError(
+                f"{what.describe(idx)} was not built in this graph (not needed, or no such iteration)"
+            )
         return env[what]
 
     def _resolve(self, x: Any) -> Any:
@@ -630,7 +651,9 @@ class UnrolledGraph(ComputeGraph):
     def backward_ex(self, loss: Any, seed: Any = None, retain_graph: bool = False) -> float | None:
         return super().backward_ex(self._resolve(loss), seed, retain_graph)
 
-    def grad(self, outputs: Any, inputs: Any, seeds: Any = None, retain_graph: bool = False) -> list[np.ndarray]:
+    def grad(
+        self, outputs: Any, inputs: Any, seeds: Any = None, retain_graph: bool = False
+    ) -> list[np.ndarray]:
         return super().grad(self._resolve(outputs), self._resolve(inputs), seeds, retain_graph)
 
     def feed(self, values: Mapping[str, Any]) -> None:
@@ -812,7 +835,9 @@ class _Builder:
         kind = v.kind
         cg = self.cg
         if kind == "op":
-            env[v] = cg._add_op(v.op, tuple([env[i] for i in v.inputs]), v.attrs, NodeKey(v.type, v.id, frame.idx), v.name)
+            env[v] = cg._add_op(
+                v.op, tuple([env[i] for i in v.inputs]), v.attrs, NodeKey(v.type, v.id, frame.idx), v.name
+            )
         elif kind == "parameter":
             env[v] = cg.add_leaf(self.parameter(v, frame.idx))
         elif kind == "input":
@@ -869,7 +894,9 @@ class _Builder:
         for v in self.plan.eager.get(frame.scope, ()):
             op = v.op
             if op is not None:  # the hot path: most nodes are ops
-                env[v] = add_op(op, tuple([env[i] for i in v.inputs]), v.attrs, NodeKey(v.type, v.id, idx), v.name)
+                env[v] = add_op(
+                    op, tuple([env[i] for i in v.inputs]), v.attrs, NodeKey(v.type, v.id, idx), v.name
+                )
             elif v not in env:  # loop outputs are already set by their loop
                 self.build_node(v, frame)
 
@@ -886,7 +913,9 @@ class _Builder:
                 raise ShapeError(f"{loop.describe(idx)}: cannot step through {s.describe()}, a scalar")
             n = node.value.shape[0]
             if length is not None and n != length:
-                raise ShapeError(f"{loop.describe(idx)}: stepped sequences have different lengths {length} and {n}")
+                raise ShapeError(
+                    f"{loop.describe(idx)}: stepped sequences have different lengths {length} and {n}"
+                )
             length = n
         if seqs:
             cg.guard(seqs, _length_check(loop, idx, length), NodeKey("LengthCheck", loop.id, idx))
@@ -902,7 +931,9 @@ class _Builder:
                 break
             if loop.cond is not None:
                 go = _run_cond(loop, idx, t, names, [s.value for s in state])
-                cg.guard(state, _cond_check(loop, idx, t, names, go), NodeKey("LoopCheck", loop.id, (*idx, t)))
+                cg.guard(
+                    state, _cond_check(loop, idx, t, names, go), NodeKey("LoopCheck", loop.id, (*idx, t))
+                )
                 if not go:
                     break
             if t >= loop.max_iters:
@@ -915,7 +946,9 @@ class _Builder:
             for c, node in zip(loop.carries, state):
                 ienv[c] = node
             for item, node in zip(loop.items, seqs):
-                ienv[item] = cg._add_op(_GETITEM, (node,), {"index": t}, NodeKey("Item", item.id, inner.idx), item.name)
+                ienv[item] = cg._add_op(
+                    _GETITEM, (node,), {"index": t}, NodeKey("Item", item.id, inner.idx), item.name
+                )
             self.run_scope(inner)
             cg._envs[(loop, inner.idx)] = ienv
             state = [ienv[loop.updates[c]] for c in loop.carries]
@@ -948,7 +981,9 @@ class _Builder:
             return x
 
         op = Op("Branch", forward, (lambda g, ans, x, *k: g, *([None] * len(keys))), arity=1 + len(keys))
-        frame.env[branch] = self.cg.apply(op, [option, *keys], None, NodeKey("Branch", branch.id, idx), branch.name)
+        frame.env[branch] = self.cg.apply(
+            op, [option, *keys], None, NodeKey("Branch", branch.id, idx), branch.name
+        )
 
 
 def _select(branch: BranchNode, idx: tuple[int, ...], values: Sequence[np.ndarray]) -> int:
@@ -968,7 +1003,9 @@ def _select(branch: BranchNode, idx: tuple[int, ...], values: Sequence[np.ndarra
     return int(choice)
 
 
-def _run_cond(loop: LoopNode, idx: tuple[int, ...], t: int, names: list[str], values: list[np.ndarray]) -> bool:
+def _run_cond(
+    loop: LoopNode, idx: tuple[int, ...], t: int, names: list[str], values: list[np.ndarray]
+) -> bool:
     result = loop.cond(t, dict(zip(names, values)))
     try:
         return bool(result)
@@ -1049,7 +1086,9 @@ def build_compute_graph(
     needed_inputs = [v for v in graph.nodes if v.kind == "input" and v in plan.needed]
     unknown = sorted(set(feed) - set(graph._inputs))
     if unknown:
-        raise FeedError(f"unknown input name(s) {', '.join(map(repr, unknown))}; inputs: {', '.join(graph._inputs)}")
+        raise FeedError(
+            f"unknown input name(s) {', '.join(map(repr, unknown))}; inputs: {', '.join(graph._inputs)}"
+        )
     missing = [v.describe() for v in needed_inputs if v.name not in feed]
     if missing:
         raise FeedError(f"missing feed for input(s) {', '.join(missing)}, needed by the requested outputs")
