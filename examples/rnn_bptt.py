@@ -56,7 +56,7 @@ def build_model(vocab: int, hidden: int, seed: int) -> tuple[vg.VirtualGraph, di
         loop.update(h, h_new)
     hs = loop.stack(h_new, name="hs")  # (time, batch, hidden)
     logits = readout(hs.reshape(-1, hidden))
-    loss = losses.cross_entropy(logits, y.reshape(-1), num_classes=vocab)
+    loss = losses.cross_entropy(logits, y.reshape(-1))
     return g, {"loss": loss, "logits": logits, "h_final": loop.final(h, name="h_T")}
 
 

@@ -67,7 +67,7 @@ def build_model(layers: int, hidden: int, seed: int) -> tuple[vg.VirtualGraph, d
         layer_loop.update(seq, time_loop.stack(h_new, name="hs"))
     top = layer_loop.final(seq, name="top")  # (time, batch, hidden)
     logits = readout(top)  # (time, batch, 2)
-    loss = losses.cross_entropy(logits, ys, num_classes=2)
+    loss = losses.cross_entropy(logits, ys)
     return g, {
         "loss": loss,
         "logits": logits,

@@ -103,7 +103,7 @@ def test_cross_entropy_per_step_inside_a_loop():
     zero = g.constant(0.0)
     with g.loop() as L:
         x_t, y_t = L.step(xs), L.step(ys)
-        step_loss = losses.cross_entropy(x_t @ w, y_t, num_classes=4)
+        step_loss = losses.cross_entropy(x_t @ w, y_t)
         acc = L.carry(zero, name="acc")
         L.update(acc, acc + step_loss)
     total = L.final(acc)
@@ -171,3 +171,11 @@ def test_invalid_reduction():
     for fn, target in cases:
         with pytest.raises(ValueError, match="reduction"):
             fn(x, target, reduction="avg")
+
+
+def test_node_label_out_of_range_is_a_shape_error_naming_the_node():
+    cg = vg.ComputeGraph(np.float64)
+    logits = cg.input(np.zeros((2, 3)))
+    labels = cg.input(np.array([0, 3]))  # 3 is out of range for 3 classes
+    with pytest.raises(vg.ShapeError, match=r"<TakeAlongAxis:1>"):
+        losses.cross_entropy(logits, labels)

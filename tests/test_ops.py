@@ -238,6 +238,22 @@ for sid, mask, sa, sb in [
         normal(*sa), normal(*sb),
     )  # fmt: skip
 
+# Look-ups with data indices (a constant here; a fed input node in models). Repeated indices
+# check that gradients accumulate.
+ROWS = np.array([[0, 2], [2, 4]])
+case("rows-repeated", "Take", lambda x: vgraph.take(x, ROWS), lambda x: x[ROWS], normal(5, 3))
+case("vector", "Take", lambda x: vgraph.take(x, ROWS[0]), lambda x: x[ROWS[0]], normal(5))
+for sid, shape, idx, axis in [
+    ("labels", (3, 4), np.array([[1], [3], [0]]), -1),
+    ("repeated-axis0", (3, 4), np.array([[0, 2, 2, 1], [0, 0, 1, 2]]), 0),
+]:
+    case(
+        sid, "TakeAlongAxis",
+        lambda x, i=idx, a=axis: vgraph.take_along_axis(x, i, axis=a),
+        lambda x, i=idx, a=axis: np.take_along_axis(x, i, axis=a),
+        normal(*shape),
+    )  # fmt: skip
+
 
 def np_softmax(x: np.ndarray, axis: int) -> np.ndarray:
     e = np.exp(x)

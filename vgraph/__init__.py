@@ -56,6 +56,8 @@ from .functions import (
     stack,
     step,
     sum,
+    take,
+    take_along_axis,
     tanh,
     transpose,
     where,

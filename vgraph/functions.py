@@ -197,6 +197,22 @@ def stack(xs: Sequence[Any], axis: int = 0) -> Any:
     return _dispatch("Stack", tuple(xs), {"axis": axis})
 
 
+def take(x: Any, indices: Any) -> Any:
+    """Rows of ``x`` picked by integer ``indices`` (a node or an array): ``x[indices]``.
+
+    The result has shape ``indices.shape + x.shape[1:]``; repeated indices accumulate their
+    gradients (``np.add.at``). Use it when the indices are data, e.g. tokens fed to an embedding.
+    """
+    return _dispatch("Take", (x, indices))
+
+
+def take_along_axis(x: Any, indices: Any, axis: int = -1) -> Any:
+    """``numpy.take_along_axis``: for each position, the element of ``x`` along ``axis`` that
+    ``indices`` names (e.g. each row's log-probability of its label, with ``indices`` of shape
+    ``(batch, 1)``)."""
+    return _dispatch("TakeAlongAxis", (x, indices), {"axis": axis})
+
+
 def where(cond: Any, a: Any, b: Any) -> Any:
     """Elementwise ``a if cond else b``; ``cond`` gets no gradient."""
     return _dispatch("Where", (cond, a, b))

@@ -348,12 +348,11 @@ class Embedding(Module):
     * an integer **numpy array** (fixed when the model is declared): ``W[indices]`` through
       ``GetItem`` with an integer-array index; its gradient is ``np.add.at`` into a zero array,
       so repeated indices accumulate.
-    * an integer **node** (e.g. ``g.input("tokens")`` fed at build time): ``one_hot(indices) @ W``,
-      because ``GetItem``'s index is static. Same values and gradients; costs
-      ``O(len(indices) * num_embeddings * dim)``.
+    * an integer **node** (e.g. ``g.input("tokens")`` fed at build time): ``take(W, indices)``,
+      the same row look-up with data-dependent indices.
 
-    Either way the gradient of ``W`` is a dense ``(num_embeddings, dim)`` array (the engine has
-    no sparse gradients). Inside a loop every call adds one such dense array per iteration: for
+    Either way the gradient of ``W`` is a dense ``(num_embeddings, dim)`` array filled by
+    ``np.add.at`` over the looked-up rows (the engine has no sparse gradients). Inside a loop every call adds one such dense array per iteration: for
     long sequences embed the whole ``(time, batch)`` index array once, before the loop, and step
     through the result — one look-up and one dense gradient in total::
 
@@ -382,7 +381,7 @@ class Embedding(Module):
             ValueError: an array of indices that is not integral or out of range.
         """
         if isinstance(indices, Operand):
-            return one_hot(indices, self.num_embeddings) @ self.W
+            return F.take(self.W, indices)
         idx = _int_array(indices, "embedding indices")
         if idx.size and (idx.min() < 0 or idx.max() >= self.num_embeddings):
             raise ValueError(

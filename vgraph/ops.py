@@ -233,6 +233,31 @@ def _getitem_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray, index: Any) -> n
 defop("GetItem", lambda x, index: x[index], _getitem_vjp)
 
 
+def _take_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    out = np.zeros(x.shape, dtype=g.dtype)
+    np.add.at(out, indices, g)  # repeated rows accumulate
+    return out
+
+
+def _take_along_axis_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray, indices: np.ndarray, axis: int = -1):
+    out = np.zeros(x.shape, dtype=g.dtype)
+    where = list(np.indices(g.shape, sparse=True))
+    where[axis] = np.broadcast_to(indices, g.shape)
+    np.add.at(out, tuple(where), g)
+    return out
+
+
+# Look-ups whose indices are a node (e.g. tokens or labels fed at build time); GetItem's index is
+# static. The indices get no gradient.
+defop("Take", lambda x, indices: x[indices], _take_vjp, None)
+defop(
+    "TakeAlongAxis",
+    lambda x, indices, axis=-1: np.take_along_axis(x, indices, axis),
+    _take_along_axis_vjp,
+    None,
+)
+
+
 def _concat_vjp(i: int, g: np.ndarray, ans: np.ndarray, *xs: np.ndarray, axis: int = 0) -> np.ndarray:
     axis = axis % ans.ndim
     start = sum(x.shape[axis] for x in xs[:i])
