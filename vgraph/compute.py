@@ -332,9 +332,9 @@ class ComputeGraph:
     def _next_key(self, type_: str) -> NodeKey:
         return NodeKey(type_, self._counters.get(type_, 0) + 1, ())
 
-    def _register(self, node: ComputeNode) -> ComputeNode:
+    def _register(self, node: ComputeNode, check_unique: bool = True) -> ComputeNode:
         key = node.key
-        if key in self._nodes:
+        if check_unique and key in self._nodes:
             raise GraphStateError(f"the graph already has a node <{key}>")
         self._nodes[key] = node
         if not key.idx and key.id > self._counters.get(key.type, 0):
@@ -460,12 +460,7 @@ class ComputeGraph:
                         break
         node = ComputeNode(key, None, op, parents, attrs, requires_grad, name, self)
         node._value = self._run(node)
-        self._nodes[key] = node
-        if not key.idx:  # ids are taken only by nodes actually added
-            counters = self._counters
-            if key.id > counters.get(key.type, 0):
-                counters[key.type] = key.id
-        return node
+        return self._register(node, check_unique=False)
 
     def guard(
         self,
