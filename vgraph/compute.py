@@ -6,9 +6,11 @@ value is computed when it is added. Because parents always exist before their ch
 order is a topological order: every traversal here sorts by a creation serial and never recurses,
 so a 100,000-node chain is as easy as a 10-node one.
 
-Forward (seed 001): every node keeps ``value``, ``version`` (bumped each time the value is set or
-recomputed) and the versions of its parents at its last computation. ``forward(target)``
-recomputes only nodes whose parents' versions changed.
+Forward (seed 001): every node keeps ``value`` and ``version``, a reading of one process-wide
+clock taken each time the value is set or recomputed. A node is out of date exactly when a parent's
+version is newer than its own (its parents' versions at its last computation were all older, and
+versions only grow), so ``forward(target)`` recomputes only nodes whose parents changed, without
+storing a list of parent versions per node.
 
 Backward (seed 000): vector-Jacobian products in reverse creation order over the nodes between the
 loss and the leaves that require gradients; everything else is pruned. Leaf gradients accumulate
@@ -114,7 +116,7 @@ class NodeKey(NamedTuple):
 
 
 LEAF_TYPES = ("Input", "Parameter", "Constant")
-_serials = itertools.count()
+_clock = itertools.count(1)  # process-wide: leaves are shared by graphs
 
 
 def _as_value(value: Any, float_dtype: np.dtype) -> np.ndarray:
@@ -139,13 +141,14 @@ class ComputeNode(Operand):
         name: the user's display name, or ``None``.
         op: the primitive computing it (``None`` for leaves).
         parents: the input nodes, in the op's argument order.
-        version: bumped each time the value is set or recomputed.
+        version: the clock reading of the node's last value change (set or recomputed);
+            only ever grows.
         requires_grad: whether backward computes a gradient for this node.
         grad: the accumulated gradient (leaves, and nodes that called ``retain_grad()``).
     """
 
     __slots__ = (
-        "key", "name", "op", "parents", "attrs", "vjps", "_value", "version", "parent_versions",
+        "key", "name", "op", "parents", "attrs", "vjps", "_value", "version",
         "requires_grad", "grad", "retains_grad", "_graph", "serial", "_g", "_gown",
     )  # fmt: skip
 
@@ -170,15 +173,14 @@ class ComputeNode(Operand):
         else:
             self.vjps = tuple(partial(op.vjps, i) for i in range(len(parents)))
         self._value = value
-        self.version = 0
-        self.parent_versions = [p.version for p in parents]
+        # One clock for creation order (a topological order) and for value versions.
+        self.serial = self.version = next(_clock)
         self.requires_grad = requires_grad
         self.grad: np.ndarray | None = None
         self.retains_grad = False
         # A weak reference: graph -> node -> graph would make every graph a reference cycle that
         # only the cyclic garbage collector frees (slowly, and after the memory piles up).
         self._graph = graph._weak_self if graph is not None else None
-        self.serial = next(_serials)
         self._g: Any = None  # gradient being accumulated during one backward pass
         self._gown = False  # whether _g is an array this pass allocated (safe to add into)
 
@@ -228,7 +230,7 @@ class ComputeNode(Operand):
                 f"shape {self._value.shape}"
             )
         self._value = arr
-        self.version += 1
+        self.version = next(_clock)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -589,17 +591,18 @@ class ComputeGraph:
         recomputed = 0
         run = self._run
         for n in plan:
-            versions = [p.version for p in n.parents]
-            if versions != n.parent_versions:
-                if explain:
-                    changed = tuple(
-                        p.key for p, old, new in zip(n.parents, n.parent_versions, versions) if old != new
-                    )
-                    report.explanation.append((n.key, changed))
-                n._value = run(n)
-                n.parent_versions = versions
-                n.version += 1
-                recomputed += 1
+            version = n.version
+            for p in n.parents:
+                if p.version > version:
+                    break  # a parent changed after n was computed
+            else:
+                continue
+            if explain:
+                changed = tuple(p.key for p in n.parents if p.version > version)
+                report.explanation.append((n.key, changed))
+            n._value = run(n)
+            n.version = next(_clock)
+            recomputed += 1
         report.recomputed = recomputed
         self.last_forward = report
         self._released = False

@@ -12,6 +12,7 @@ The whole module builds ComputeGraphs through the public API of :mod:`vgraph.com
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -1042,6 +1043,23 @@ def _length_check(loop: LoopNode, idx: tuple[int, ...], length: int):
     return check
 
 
+@contextlib.contextmanager
+def _gc_paused():
+    """Pause Python's cyclic garbage collector while unrolling.
+
+    A build allocates many long-lived objects, which would trigger repeated collections that
+    traverse the whole growing graph and find nothing: compute graphs hold no reference cycles
+    (nodes refer to their graph weakly). Restored on exit, also on errors.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def build_compute_graph(
     graph: VirtualGraph, feed: Mapping[str, Any], outputs: VirtualNode | Sequence[VirtualNode]
 ) -> UnrolledGraph:
@@ -1096,7 +1114,7 @@ def build_compute_graph(
 
     builder = _Builder(graph, values, plan)
     top = _Frame(None, (), {}, None)
-    with contextlib.nullcontext() if graph.training else no_grad():
+    with contextlib.nullcontext() if graph.training else no_grad(), _gc_paused():
         builder.run_scope(top)
     cg = builder.cg
     cg._envs[(None, ())] = top.env
