@@ -1,0 +1,847 @@
+#!/usr/bin/env python3
+"""Performance benchmark: one BPTT training step of an Elman RNN, vgraph vs hand-written numpy.
+
+Model (float32)::
+
+    h_0 = 0,  h_t = tanh(x_t W_x + h_{t-1} W_h + b)   t = 1..T
+    loss = mean((h_T W_o - y)^2)                       W_o: (H, 4), no output bias
+    SGD:   p -= 0.01 * dloss/dp                        for p in (W_x, W_h, b, W_o)
+
+vgraph step, mode "rebuild": ``g.build(feed, loss)`` (unrolls and computes the forward) +
+``cg.backward`` + ``p.value -= lr * p.grad`` for each parameter + ``g.params.zero_grad()``.
+vgraph step, mode "reuse": the UnrolledGraph is built once; each step ``cg.feed(new data)``,
+``cg.forward()`` (dirty-checked; everything is recomputed since inputs and parameters changed),
+backward and the same update.
+
+The numpy reference ("numpy ms", what the ratios and targets use) is a hand-written per-step
+forward and BPTT of the same model, i.e. the same matrix products vgraph executes, written
+tightly: hidden states in one preallocated (T+1, B, H) array, in-place adds, no gradient for the
+constant h_0 or the inputs. A second reference ("np-batched") additionally does all T input
+projections x_t W_x in one (T*B, I) @ (I, H) matmul and the weight gradients of W_x, W_h, b in
+three big reductions after the backward sweep; it is reported for information only.
+
+All three run in the same process, interleaved (the order alternates every repeat), on the same
+weights and the same sequence of data batches; each keeps its own copy of the parameters. Before
+timing, gradients and loss are checked equal (rtol 1e-4, atol 1e-5) for both vgraph modes; after
+timing, the parameters of all implementations, trained on the same batches, are checked equal
+again. A mismatch aborts with exit status 2.
+
+Also measured: unrolling throughput (len(cg) / build time for a 10,000-step loop), incremental
+re-forward (1 of 100 independent input paths changed) vs a full forward, and the peak memory
+(tracemalloc) of one build+backward at T=1000 vs the bytes of the values the graph keeps.
+
+Usage::
+
+    PYTHONPATH=. python3 tools/bench_rnn.py [--quick] [--json out.json] [--repeats N]
+                                            [--sizes I,H,B,T ...] [--modes reuse rebuild]
+                                            [--no-extras] [--strict]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def _pin_blas_threads() -> None:
+    """Run BLAS single-threaded unless told otherwise (``--blas-threads N`` or the usual env vars).
+
+    Must run before numpy is imported. On small shared machines multi-threaded OpenBLAS turns
+    sub-millisecond matmuls into 10-100x outliers (threads spinning against other processes), which
+    makes medians of both vgraph and numpy meaningless; one thread is stable and, for these sizes,
+    as fast or faster. Only applies when this file is run as a script.
+    """
+    n = None
+    for i, a in enumerate(sys.argv):
+        if a == "--blas-threads" and i + 1 < len(sys.argv):
+            n = sys.argv[i + 1]
+        elif a.startswith("--blas-threads="):
+            n = a.split("=", 1)[1]
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        if n is not None:
+            os.environ[var] = n
+        else:
+            os.environ.setdefault(var, "1")
+
+
+if __name__ == "__main__":
+    _pin_blas_threads()
+
+import numpy as np  # noqa: E402
+
+try:
+    import vgraph as vg
+except ImportError:  # run from a checkout without PYTHONPATH
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import vgraph as vg
+
+# ---------------------------------------------------------------------------- configuration
+
+SIZES: list[tuple[int, int, int, int]] = [
+    (8, 32, 16, 50),
+    (32, 128, 32, 50),
+    (64, 256, 64, 100),
+    (8, 32, 1, 1000),
+]
+MODES = ("reuse", "rebuild")
+#: Targets: vgraph ms / numpy ms (medians) must be at most this.
+TARGETS: dict[str, dict[tuple[int, int, int, int], float]] = {
+    "reuse": {(8, 32, 16, 50): 3.0, (32, 128, 32, 50): 1.6, (64, 256, 64, 100): 1.2, (8, 32, 1, 1000): 3.0},
+    "rebuild": {(8, 32, 16, 50): 4.0, (32, 128, 32, 50): 2.0, (64, 256, 64, 100): 1.3, (8, 32, 1, 1000): 4.0},
+}
+UNROLL_TARGET_NODES_PER_S = 100_000.0
+MEMORY_TARGET_RATIO = 1.5
+
+OUT = 4
+LR = 0.01
+DTYPE = np.float32
+RTOL, ATOL = 1e-4, 1e-5
+PARAM_NAMES = ("Wx", "Wh", "b", "Wo")
+N_BATCHES = 4  # distinct data batches, cycled through step after step
+WARMUP, REPEATS = 3, 25
+QUICK_WARMUP, QUICK_REPEATS = 1, 3
+
+
+class BenchmarkMismatch(AssertionError):
+    """vgraph and the numpy reference disagree: the timings would be meaningless."""
+
+
+# ---------------------------------------------------------------------------- the model
+
+
+def make_model(I: int, H: int, B: int, seed: int = 0) -> tuple[vg.VirtualGraph, vg.VirtualNode]:
+    """The Elman RNN as a VirtualGraph; returns ``(g, loss)``."""
+    g = vg.VirtualGraph(dtype=DTYPE, seed=seed, name="elman")
+    x = g.input("x", shape=(None, B, I))
+    y = g.input("y", shape=(B, OUT))
+    Wx = g.parameter("Wx", (I, H))
+    Wh = g.parameter("Wh", (H, H), init="orthogonal")
+    b = g.parameter("b", (H,), init="normal")
+    Wo = g.parameter("Wo", (H, OUT))
+    h0 = g.constant(np.zeros((B, H), dtype=DTYPE), name="h0")
+    with g.loop(name="time") as L:
+        xt = L.step(x, name="x_t")
+        h = L.carry(h0, name="h")
+        L.update(h, vg.tanh(xt @ Wx + h @ Wh + b))
+    out = L.final(h) @ Wo
+    loss = ((out - y) ** 2).mean()
+    return g, loss
+
+
+def make_data(
+    I: int, B: int, T: int, n: int = N_BATCHES, seed: int = 1234
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [
+        (rng.standard_normal((T, B, I)).astype(DTYPE), rng.standard_normal((B, OUT)).astype(DTYPE))
+        for _ in range(n)
+    ]
+
+
+# ---------------------------------------------------------------------------- numpy references
+
+
+def numpy_grads(
+    P: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray
+) -> tuple[float, dict[str, np.ndarray]]:
+    """Per-step forward + BPTT of the model (the reference); returns ``(loss, grads)``."""
+    Wx, Wh, b, Wo = P["Wx"], P["Wh"], P["b"], P["Wo"]
+    T, B, _ = x.shape
+    H = Wh.shape[0]
+    hs = np.empty((T + 1, B, H), dtype=Wh.dtype)  # hs[0] = h_0 = 0, hs[t] = h_t
+    hs[0] = 0
+    for t in range(T):
+        a = x[t] @ Wx
+        a += hs[t] @ Wh
+        a += b
+        np.tanh(a, out=hs[t + 1])
+    hT = hs[T]
+    out = hT @ Wo
+    diff = out - y
+    loss = float(np.mean(diff * diff))
+    go = diff * (2.0 / diff.size)
+    gWo = hT.T @ go
+    gh = go @ Wo.T
+    gWx = np.zeros_like(Wx)
+    gWh = np.zeros_like(Wh)
+    gb = np.zeros_like(b)
+    for t in range(T - 1, -1, -1):
+        ht = hs[t + 1]
+        ga = ht * ht
+        np.subtract(1, ga, out=ga)
+        ga *= gh  # dloss/da_t, a_t the pre-activation
+        gWx += x[t].T @ ga
+        gWh += hs[t].T @ ga
+        gb += ga.sum(axis=0)
+        if t:  # h_0 is a constant: no gradient needed
+            gh = ga @ Wh.T
+    return loss, {"Wx": gWx, "Wh": gWh, "b": gb, "Wo": gWo}
+
+
+def numpy_grads_batched(
+    P: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray
+) -> tuple[float, dict[str, np.ndarray]]:
+    """Same model; input projections in one matmul, weight gradients reduced after the sweep."""
+    Wx, Wh, b, Wo = P["Wx"], P["Wh"], P["b"], P["Wo"]
+    T, B, I = x.shape
+    H = Wh.shape[0]
+    xw = (x.reshape(T * B, I) @ Wx).reshape(T, B, H)
+    xw += b
+    hs = np.empty((T + 1, B, H), dtype=Wh.dtype)
+    hs[0] = 0
+    for t in range(T):
+        a = hs[t] @ Wh
+        a += xw[t]
+        np.tanh(a, out=hs[t + 1])
+    hT = hs[T]
+    out = hT @ Wo
+    diff = out - y
+    loss = float(np.mean(diff * diff))
+    go = diff * (2.0 / diff.size)
+    gWo = hT.T @ go
+    gh = go @ Wo.T
+    ga_all = np.empty((T, B, H), dtype=Wh.dtype)
+    for t in range(T - 1, -1, -1):
+        ga = ga_all[t]
+        np.multiply(hs[t + 1], hs[t + 1], out=ga)
+        np.subtract(1, ga, out=ga)
+        ga *= gh
+        if t:
+            gh = ga @ Wh.T
+    ga2 = ga_all.reshape(T * B, H)
+    gWx = x.reshape(T * B, I).T @ ga2
+    gWh = hs[:T].reshape(T * B, H).T @ ga2
+    gb = ga2.sum(axis=0)
+    return loss, {"Wx": gWx, "Wh": gWh, "b": gb, "Wo": gWo}
+
+
+class NumpyTrainer:
+    """A hand-written SGD step on its own copy of the parameters."""
+
+    def __init__(self, params: dict[str, np.ndarray], grads_fn: Callable[..., Any]) -> None:
+        self.P = {k: np.array(v, dtype=DTYPE) for k, v in params.items()}
+        self.grads_fn = grads_fn
+
+    def step(self, x: np.ndarray, y: np.ndarray) -> float:
+        loss, G = self.grads_fn(self.P, x, y)
+        for k, p in self.P.items():
+            p -= LR * G[k]
+        return loss
+
+
+# ---------------------------------------------------------------------------- vgraph steps
+
+
+class VgraphRebuild:
+    """Mode "rebuild": a new UnrolledGraph from the VirtualGraph every step."""
+
+    def __init__(self, g: vg.VirtualGraph, loss: vg.VirtualNode) -> None:
+        self.g, self.loss = g, loss
+        self.params = g.params.parameters()
+
+    def step(self, x: np.ndarray, y: np.ndarray) -> float:
+        cg = self.g.build({"x": x, "y": y}, self.loss)
+        value = cg.backward(cg.outputs[0])
+        for p in self.params:
+            p.value -= LR * p.grad
+        self.g.params.zero_grad()
+        return value
+
+
+class VgraphReuse:
+    """Mode "reuse": one UnrolledGraph; each step feeds new data and runs forward again."""
+
+    def __init__(self, g: vg.VirtualGraph, loss: vg.VirtualNode, x0: np.ndarray, y0: np.ndarray) -> None:
+        self.g = g
+        self.cg = g.build({"x": x0, "y": y0}, loss)
+        self.loss_node = self.cg.outputs[0]
+        self.params = g.params.parameters()
+
+    def step(self, x: np.ndarray, y: np.ndarray) -> float:
+        cg = self.cg
+        cg.feed({"x": x, "y": y})
+        cg.forward()
+        value = cg.backward(self.loss_node)
+        for p in self.params:
+            p.value -= LR * p.grad
+        self.g.params.zero_grad()
+        return value
+
+
+def vgraph_param_values(g: vg.VirtualGraph) -> dict[str, np.ndarray]:
+    return {k: g.params.value(k) for k in PARAM_NAMES}
+
+
+# ---------------------------------------------------------------------------- correctness
+
+
+def _compare(what: str, got: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> dict[str, float]:
+    errs = {}
+    for k in PARAM_NAMES:
+        a, r = np.asarray(got[k]), np.asarray(ref[k])
+        if a is None or a.shape != r.shape:
+            raise BenchmarkMismatch(
+                f"{what}: {k} has shape {None if a is None else a.shape}, reference {r.shape}"
+            )
+        err = float(np.max(np.abs(a - r))) if a.size else 0.0
+        errs[k] = err
+        if not np.allclose(a, r, rtol=RTOL, atol=ATOL):
+            rel = err / max(float(np.max(np.abs(r))), 1e-30)
+            raise BenchmarkMismatch(
+                f"{what}: {k} differs from the numpy reference: max |diff| = {err:.3e} "
+                f"(max |ref| = {float(np.max(np.abs(r))):.3e}, relative {rel:.3e}; rtol={RTOL}, atol={ATOL})"
+            )
+    return errs
+
+
+def _check_loss(what: str, got: float, ref: float) -> None:
+    if not np.isclose(got, ref, rtol=RTOL, atol=ATOL):
+        raise BenchmarkMismatch(f"{what}: loss {got!r} differs from the numpy reference {ref!r}")
+
+
+def check_correctness(size: tuple[int, int, int, int], seed: int = 0) -> dict[str, Any]:
+    """Gradients and loss of both vgraph modes equal the numpy references (else BenchmarkMismatch).
+
+    Rebuild: build + backward on batch 0. Reuse: the graph built on batch 0, parameters changed by
+    an SGD step, batch 1 fed, forward, backward. Both numpy references are checked too.
+    """
+    I, H, B, T = size
+    g, loss = make_model(I, H, B, seed)
+    data = make_data(I, B, T, n=2, seed=seed + 99)
+    report: dict[str, Any] = {}
+    (x0, y0), (x1, y1) = data
+
+    P = vgraph_param_values(g)
+    ref_loss, ref = numpy_grads(P, x0, y0)
+    bl, bref = numpy_grads_batched(P, x0, y0)
+    _check_loss("numpy batched reference", bl, ref_loss)
+    report["numpy_batched_max_abs_err"] = _compare("numpy batched reference", bref, ref)
+
+    cg = g.build({"x": x0, "y": y0}, loss)
+    got_loss = cg.backward(cg.outputs[0])
+    _check_loss(f"vgraph rebuild {size}", got_loss, ref_loss)
+    report["rebuild_max_abs_err"] = _compare(
+        f"vgraph rebuild {size}", {k: g.params[k].grad for k in PARAM_NAMES}, ref
+    )
+    report["loss"] = ref_loss
+
+    # Reuse: same graph, new parameters (one SGD step) and new data.
+    for p in g.params.parameters():
+        p.value -= LR * p.grad
+    g.params.zero_grad()
+    P = vgraph_param_values(g)
+    ref_loss1, ref1 = numpy_grads(P, x1, y1)
+    cg.feed({"x": x1, "y": y1})
+    fwd = float(np.reshape(cg.forward(), ()))
+    _check_loss(f"vgraph reuse forward {size}", fwd, ref_loss1)
+    got_loss1 = cg.backward(cg.outputs[0])
+    _check_loss(f"vgraph reuse {size}", got_loss1, ref_loss1)
+    report["reuse_max_abs_err"] = _compare(
+        f"vgraph reuse {size}", {k: g.params[k].grad for k in PARAM_NAMES}, ref1
+    )
+    report["reuse_recomputed"] = cg.last_forward.recomputed
+    report["reuse_visited"] = cg.last_forward.visited
+    report["nodes"] = len(cg)
+    return report
+
+
+# ---------------------------------------------------------------------------- timing
+
+
+class _GcTimer:
+    """Wall time spent in the cyclic garbage collector, attributed to the running label."""
+
+    def __init__(self) -> None:
+        self.label: str | None = None
+        self.totals: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self.label is not None:
+            self.totals[self.label] = self.totals.get(self.label, 0.0) + time.perf_counter() - self._t0
+            if info.get("generation") == 2:
+                self.counts[self.label] = self.counts.get(self.label, 0) + 1
+
+    def __enter__(self) -> _GcTimer:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        gc.callbacks.remove(self)
+
+
+def _stats(times: list[float]) -> dict[str, float]:
+    ms = sorted(t * 1e3 for t in times)
+    q = statistics.quantiles(ms, n=4) if len(ms) >= 2 else [ms[0]] * 3
+    return {
+        "median_ms": statistics.median(ms),
+        "min_ms": ms[0],
+        "q1_ms": q[0],
+        "q3_ms": q[2],
+        "max_ms": ms[-1],
+    }
+
+
+def time_training(
+    size: tuple[int, int, int, int], mode: str, repeats: int, warmup: int, seed: int = 0
+) -> dict[str, Any]:
+    """Interleaved timings of one training step: vgraph (``mode``), numpy, numpy batched."""
+    I, H, B, T = size
+    g, loss = make_model(I, H, B, seed)
+    data = make_data(I, B, T, seed=seed + 7)
+    P0 = vgraph_param_values(g)
+    runners: dict[str, Any] = {
+        "vgraph": VgraphRebuild(g, loss) if mode == "rebuild" else VgraphReuse(g, loss, *data[0]),
+        "numpy": NumpyTrainer(P0, numpy_grads),
+        "numpy_batched": NumpyTrainer(P0, numpy_grads_batched),
+    }
+    names = list(runners)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    cpu_times: dict[str, list[float]] = {k: [] for k in names}  # thread CPU time: robust to other load
+    losses: dict[str, list[float]] = {k: [] for k in names}
+    gc.collect()
+    with _GcTimer() as gct:
+        for i in range(warmup + repeats):
+            x, y = data[i % len(data)]
+            order = names if i % 2 == 0 else names[::-1]
+            for name in order:
+                gct.label = name
+                c0 = time.thread_time()
+                t0 = time.perf_counter()
+                value = runners[name].step(x, y)
+                dt = time.perf_counter() - t0
+                dc = time.thread_time() - c0
+                gct.label = None
+                losses[name].append(value)
+                if i >= warmup:
+                    times[name].append(dt)
+                    cpu_times[name].append(dc)
+    # Same batches, same updates: the three copies of the parameters must still agree.
+    final_vg = vgraph_param_values(g)
+    _compare(f"parameters after {warmup + repeats} steps, vgraph {mode} {size}", final_vg, runners["numpy"].P)
+    _compare(
+        f"parameters after {warmup + repeats} steps, numpy batched {size}",
+        runners["numpy_batched"].P,
+        runners["numpy"].P,
+    )
+    for a, b in zip(losses["vgraph"], losses["numpy"]):
+        _check_loss(f"loss during timing, vgraph {mode} {size}", a, b)
+    res: dict[str, Any] = {"size": list(size), "mode": mode, "repeats": repeats, "warmup": warmup}
+    for name in names:
+        res[name] = _stats(times[name])
+        res[name]["times_ms"] = [t * 1e3 for t in times[name]]
+        res[name]["cpu_median_ms"] = statistics.median(cpu_times[name]) * 1e3
+        res[name]["gc_ms_per_step"] = gct.totals.get(name, 0.0) * 1e3 / (warmup + repeats)
+        res[name]["gc_gen2_collections"] = gct.counts.get(name, 0)
+    res["ratio"] = res["vgraph"]["median_ms"] / res["numpy"]["median_ms"]
+    res["ratio_vs_batched"] = res["vgraph"]["median_ms"] / res["numpy_batched"]["median_ms"]
+    # Cross-check robust to load drifting during the run: the median of the ratios of runs made
+    # back to back (same repeat). The targets use "ratio" (ratio of the medians).
+    res["ratio_paired"] = statistics.median(v / n for v, n in zip(times["vgraph"], times["numpy"]))
+    # And in thread CPU time (time.thread_time), which excludes time the process was not running.
+    res["ratio_cpu"] = res["vgraph"]["cpu_median_ms"] / res["numpy"]["cpu_median_ms"]
+    res["target"] = TARGETS[mode].get(tuple(size))
+    res["pass"] = None if res["target"] is None else bool(res["ratio"] <= res["target"])
+    res["nodes"] = len(runners["vgraph"].cg) if mode == "reuse" else len(g.latest_build)
+    res["vgraph_us_per_node"] = res["vgraph"]["median_ms"] * 1e3 / res["nodes"]
+    return res
+
+
+# ---------------------------------------------------------------------------- extras
+
+
+def bench_unroll(
+    steps: int = 10_000, repeats: int = 3, size: tuple[int, int, int] = (8, 32, 1)
+) -> dict[str, Any]:
+    """Unrolling throughput: len(cg) / build time for a ``steps``-step loop (forward included)."""
+    I, H, B = size
+    g, loss = make_model(I, H, B)
+    x, y = make_data(I, B, steps, n=1)[0]
+    g.build({"x": x[:10], "y": y}, loss)  # warm-up
+    times, n = [], 0
+    for _ in range(repeats):
+        g.latest_build = None  # earlier graphs are not this build's garbage to collect
+        gc.collect()
+        t0 = time.perf_counter()
+        cg = g.build({"x": x, "y": y}, loss)
+        times.append(time.perf_counter() - t0)
+        n = len(cg)
+        del cg
+    t = statistics.median(times)
+    return {
+        "steps": steps, "size": [I, H, B], "nodes": n, "build_ms": t * 1e3, "build_ms_all": [s * 1e3 for s in times],
+        "nodes_per_s": n / t, "us_per_node": t / n * 1e6, "target_nodes_per_s": UNROLL_TARGET_NODES_PER_S,
+        "pass": bool(n / t >= UNROLL_TARGET_NODES_PER_S),
+    }  # fmt: skip
+
+
+def make_paths_model(n_paths: int = 100, B: int = 16, D: int = 32) -> tuple[vg.VirtualGraph, vg.VirtualNode]:
+    """``n_paths`` independent paths ``sum(tanh(tanh(x_i W1 + b1) W2))``, stacked and summed."""
+    g = vg.VirtualGraph(dtype=DTYPE, seed=3)
+    W1 = g.parameter("W1", (D, D))
+    b1 = g.parameter("b1", (D,), init="normal")
+    W2 = g.parameter("W2", (D, D))
+    parts = []
+    for i in range(n_paths):
+        xi = g.input(f"x{i}", shape=(B, D))
+        parts.append(vg.tanh(vg.tanh(xi @ W1 + b1) @ W2).sum())
+    return g, vg.stack(parts).sum()
+
+
+def bench_incremental(n_paths: int = 100, repeats: int = 50, B: int = 16, D: int = 32) -> dict[str, Any]:
+    """Re-forward after changing 1 of ``n_paths`` inputs vs after changing all of them."""
+    g, total = make_paths_model(n_paths, B, D)
+    rng = np.random.default_rng(5)
+    feed = {f"x{i}": rng.standard_normal((B, D)).astype(DTYPE) for i in range(n_paths)}
+    cg = g.build(feed, total)
+    alt = {k: rng.standard_normal((B, D)).astype(DTYPE) for k in feed}
+    one = f"x{n_paths // 2}"
+
+    def run(new: dict[str, np.ndarray]) -> tuple[float, Any]:
+        cg.feed(new)  # outside the timed region: only the forward is compared
+        t0 = time.perf_counter()
+        cg.forward()
+        return time.perf_counter() - t0, cg.last_forward
+
+    t_one, t_all, t_none = [], [], []
+    rep_one = rep_all = rep_none = None
+    for i in range(repeats + 2):
+        src = alt if i % 2 else feed
+        dt1, rep_one = run({one: src[one]})
+        dta, rep_all = run(src)
+        t0 = time.perf_counter()
+        cg.forward()  # nothing changed
+        dtn = time.perf_counter() - t0
+        rep_none = cg.last_forward
+        if i >= 2:
+            t_one.append(dt1)
+            t_all.append(dta)
+            t_none.append(dtn)
+    # The incremental result must equal a full recomputation.
+    cg.feed({one: feed[one]})
+    inc = float(cg.forward())
+    full = float(g.build({**(alt if (repeats + 1) % 2 else feed), one: feed[one]}, total).outputs[0].value)
+    if not np.isclose(inc, full, rtol=RTOL, atol=ATOL):
+        raise BenchmarkMismatch(f"incremental forward gave {inc}, a fresh build {full}")
+    m1, ma, mn = (statistics.median(t) * 1e3 for t in (t_one, t_all, t_none))
+    return {
+        "paths": n_paths, "batch": B, "width": D, "nodes": len(cg),
+        "one_changed_ms": m1, "all_changed_ms": ma, "none_changed_ms": mn, "speedup": ma / m1,
+        "one_changed": {"visited": rep_one.visited, "recomputed": rep_one.recomputed},
+        "all_changed": {"visited": rep_all.visited, "recomputed": rep_all.recomputed},
+        "none_changed": {"visited": rep_none.visited, "recomputed": rep_none.recomputed},
+    }  # fmt: skip
+
+
+def _graph_value_bytes(cg: Any, extra: list[Any]) -> int:
+    """Bytes of the distinct memory blocks behind the nodes' values: a view (``x[t]`` of an
+    input, a read-only view handed out by ``.value``, an identity op's result) counts once, as the
+    array that owns the memory."""
+    roots: dict[int, np.ndarray] = {}
+    for n in [*cg.nodes(), *extra]:
+        a = np.asarray(n.value)
+        while isinstance(a.base, np.ndarray):
+            a = a.base
+        roots[id(a)] = a  # the owner stays alive (a node holds it), so ids cannot be reused here
+    return sum(a.nbytes for a in roots.values())
+
+
+def bench_memory(size: tuple[int, int, int, int] = (8, 32, 1, 1000)) -> dict[str, Any]:
+    """Peak traced memory of one build + backward vs the bytes of the values the graph keeps.
+
+    Tracing starts before the feed arrays are copied (so they count on both sides); parameters
+    exist before tracing and are added to the peak explicitly. ``kept`` is the sum of nbytes over
+    the distinct value arrays of all graph nodes (inputs, constants, parameters, op results).
+    """
+    I, H, B, T = size
+    g, loss = make_model(I, H, B)
+    x, y = make_data(I, B, T, n=1)[0]
+    g.build({"x": x[:5], "y": y}, loss).backward(g.latest_build.outputs[0])  # warm-up (imports, caches)
+    g.params.zero_grad()
+    g.latest_build = None
+    params = g.params.parameters()
+    param_bytes = sum(p.value.nbytes for p in params)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        xf, yf = x.copy(), y.copy()
+        cg = g.build({"x": xf, "y": yf}, loss)
+        after_build = tracemalloc.get_traced_memory()[0] - base
+        cg.backward(cg.outputs[0])
+        current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    kept = _graph_value_bytes(cg, params)
+    grad_bytes = sum(p.grad.nbytes for p in params)
+    peak_total = peak - base + param_bytes
+    # The numpy reference, for comparison (same accounting: feed copies inside, params outside).
+    P = vgraph_param_values(g)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base_np = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        xf2, yf2 = x.copy(), y.copy()
+        numpy_grads(P, xf2, yf2)
+        peak_np = tracemalloc.get_traced_memory()[1] - base_np + param_bytes
+    finally:
+        tracemalloc.stop()
+    return {
+        "size": list(size), "nodes": len(cg), "kept_value_bytes": kept, "param_bytes": param_bytes,
+        "grad_bytes": grad_bytes, "peak_bytes": peak_total, "after_build_bytes": after_build + param_bytes,
+        "retained_after_backward_bytes": current - base + param_bytes,
+        "ratio": peak_total / kept, "bytes_per_node_overhead": (peak_total - kept) / len(cg),
+        "numpy_peak_bytes": peak_np, "target_ratio": MEMORY_TARGET_RATIO,
+        "pass": bool(peak_total / kept <= MEMORY_TARGET_RATIO),
+    }  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- reporting
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    blas = None
+    try:
+        cfg = np.show_config(mode="dicts")
+        b = cfg.get("Build Dependencies", {}).get("blas", {})
+        blas = f"{b.get('name')} {b.get('version')}"
+    except Exception:
+        pass
+    commit = dirty = None
+    try:
+        root = Path(__file__).resolve().parents[1]
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+            or None
+        )
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "vgraph"],
+                cwd=root,
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+        )
+    except Exception:
+        pass
+    src_hash = None
+    try:  # which engine sources were measured (the working tree may differ from the commit)
+        import hashlib
+
+        h = hashlib.sha256()
+        for f in sorted(Path(vg.__file__).parent.glob("*.py")):
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+        src_hash = h.hexdigest()[:16]
+    except OSError:
+        pass
+    threads = {
+        k: os.environ[k]
+        for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+        if k in os.environ
+    }
+    try:
+        load = list(os.getloadavg())
+    except OSError:
+        load = None
+    return {
+        "platform": platform.platform(), "machine": platform.machine(), "processor": cpu,
+        "cpu_count": os.cpu_count(), "python": sys.version.split()[0], "python_impl": platform.python_implementation(),
+        "numpy": np.__version__, "blas": blas, "thread_env": threads, "loadavg_at_start": load, "vgraph": getattr(vg, "__version__", None),
+        "git_commit": commit, "vgraph_dirty": dirty, "vgraph_path": str(Path(vg.__file__).parent),
+        "vgraph_sources_sha256": src_hash,
+    }  # fmt: skip
+
+
+def _fmt_size(size: Any) -> str:
+    return "(" + ",".join(map(str, size)) + ")"
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    head = (
+        f"{'size (I,H,B,T)':<18} {'mode':<8} {'nodes':>6} {'vgraph ms':>10} {'numpy ms':>9} {'ratio':>6} "
+        f"{'target':>6} {'':<4}  {'paired':>6} {'cpu':>5}  {'np-batched ms':>13} {'ratio':>6}  {'vg us/node':>10}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        status = "" if r["pass"] is None else ("PASS" if r["pass"] else "FAIL")
+        target = "" if r["target"] is None else f"<={r['target']:.1f}"
+        print(
+            f"{_fmt_size(r['size']):<18} {r['mode']:<8} {r['nodes']:>6} {r['vgraph']['median_ms']:>10.2f} "
+            f"{r['numpy']['median_ms']:>9.2f} {r['ratio']:>6.2f} {target:>6} {status:<4}  {r['ratio_paired']:>6.2f} {r['ratio_cpu']:>5.2f}  "
+            f"{r['numpy_batched']['median_ms']:>13.2f} {r['ratio_vs_batched']:>6.2f}  {r['vgraph_us_per_node']:>10.1f}"
+        )
+
+
+def print_extras(extras: dict[str, Any]) -> None:
+    u = extras.get("unroll")
+    if u:
+        status = "PASS" if u["pass"] else "FAIL"
+        print(
+            f"\nunrolling: {u['steps']}-step loop {tuple(u['size'])}: {u['nodes']} nodes in {u['build_ms']:.1f} ms "
+            f"= {u['nodes_per_s']:,.0f} nodes/s ({u['us_per_node']:.1f} us/node); target >= "
+            f"{u['target_nodes_per_s']:,.0f}  {status}"
+        )
+    inc = extras.get("incremental")
+    if inc:
+        o, a, n = inc["one_changed"], inc["all_changed"], inc["none_changed"]
+        print(
+            f"incremental forward ({inc['paths']} paths, {inc['nodes']} nodes): 1 input changed "
+            f"{inc['one_changed_ms']:.3f} ms (recomputed {o['recomputed']} of {o['visited']}), all changed "
+            f"{inc['all_changed_ms']:.3f} ms (recomputed {a['recomputed']} of {a['visited']}), none changed "
+            f"{inc['none_changed_ms']:.3f} ms (recomputed {n['recomputed']}); speed-up {inc['speedup']:.1f}x"
+        )
+    for key in ("memory", "memory_large"):
+        m = extras.get(key)
+        if not m:
+            continue
+        status = "(info)" if m.get("informational") else ("PASS" if m["pass"] else "FAIL")
+        print(
+            f"memory: build+backward {_fmt_size(m['size'])}, {m['nodes']} nodes: peak {m['peak_bytes'] / 2**20:.2f} MiB vs "
+            f"kept values {m['kept_value_bytes'] / 2**20:.2f} MiB = {m['ratio']:.2f}x "
+            f"({m['bytes_per_node_overhead']:.0f} B/node above the values); numpy reference peak "
+            f"{m['numpy_peak_bytes'] / 2**20:.2f} MiB; target <= {m['target_ratio']}x  {status}"
+        )
+
+
+def _parse_size(text: str) -> tuple[int, int, int, int]:
+    parts = tuple(int(p) for p in text.replace("(", "").replace(")", "").split(","))
+    if len(parts) != 4:
+        raise argparse.ArgumentTypeError(f"a size is I,H,B,T (four ints), got {text!r}")
+    return parts  # type: ignore[return-value]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--quick", action="store_true", help="smoke test: tiny repeats, small extras")
+    ap.add_argument("--json", metavar="PATH", help="write all numbers and machine info as JSON")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        help=f"timed repeats per size and mode (default {REPEATS}, quick {QUICK_REPEATS})",
+    )
+    ap.add_argument(
+        "--warmup", type=int, help=f"untimed warm-up steps (default {WARMUP}, quick {QUICK_WARMUP})"
+    )
+    ap.add_argument(
+        "--sizes", type=_parse_size, nargs="+", metavar="I,H,B,T", help="sizes to run (default: all four)"
+    )
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    ap.add_argument(
+        "--no-extras", action="store_true", help="skip unrolling, incremental and memory measurements"
+    )
+    ap.add_argument("--strict", action="store_true", help="exit with status 1 if any target fails")
+    ap.add_argument(
+        "--blas-threads", metavar="N",
+        help="BLAS threads (default 1, or OPENBLAS_NUM_THREADS/OMP_NUM_THREADS if set); read before numpy is imported",
+    )  # fmt: skip
+    args = ap.parse_args(argv)
+
+    repeats = args.repeats if args.repeats is not None else (QUICK_REPEATS if args.quick else REPEATS)
+    warmup = args.warmup if args.warmup is not None else (QUICK_WARMUP if args.quick else WARMUP)
+    if repeats < 1 or warmup < 0:
+        ap.error("--repeats must be >= 1 and --warmup >= 0")
+    if not args.quick and repeats < 20:
+        print(f"note: {repeats} repeats (the benchmark's standard is at least 20)", file=sys.stderr)
+    sizes = args.sizes or SIZES
+    info = machine_info()
+    started = _dt.datetime.now(_dt.timezone.utc)
+    print(
+        f"vgraph RNN benchmark  {started:%Y-%m-%d %H:%M UTC}  python {info['python']}  numpy {info['numpy']}  "
+        f"{info['cpu_count']} CPUs ({info['processor']})  BLAS threads "
+        f"{info['thread_env'].get('OPENBLAS_NUM_THREADS', 'default')}  repeats {repeats} (+{warmup} warm-up)\n"
+    )
+
+    try:
+        checks = {_fmt_size(s): check_correctness(s) for s in sizes}
+        print(
+            f"correctness: gradients and loss match the numpy reference for {len(checks)} size(s), both modes\n"
+        )
+        rows = []
+        for s in sizes:
+            for mode in args.modes:
+                rows.append(time_training(s, mode, repeats, warmup))
+                print(f"  measured {_fmt_size(s)} {mode}", file=sys.stderr)
+        print()
+        print_table(rows)
+        extras: dict[str, Any] = {}
+        if not args.no_extras:
+            extras["unroll"] = bench_unroll(
+                steps=2_000 if args.quick else 10_000, repeats=1 if args.quick else 3
+            )
+            extras["incremental"] = bench_incremental(repeats=5 if args.quick else 50)
+            extras["memory"] = bench_memory()
+            if not args.quick:  # the same step with 16 KiB values instead of 128 B (information only)
+                extras["memory_large"] = {**bench_memory((32, 128, 32, 1000)), "informational": True}
+            print_extras(extras)
+    except BenchmarkMismatch as e:
+        print(f"\nBENCHMARK ABORTED: vgraph and the numpy reference disagree\n  {e}", file=sys.stderr)
+        return 2
+
+    results = {
+        "benchmark": "vgraph Elman RNN training step vs hand-written numpy BPTT",
+        "date": started.isoformat(timespec="seconds"),
+        "elapsed_s": (_dt.datetime.now(_dt.timezone.utc) - started).total_seconds(),
+        "machine": info,
+        "config": {
+            "dtype": np.dtype(DTYPE).name,
+            "lr": LR,
+            "out": OUT,
+            "repeats": repeats,
+            "warmup": warmup,
+            "quick": args.quick,
+            "rtol": RTOL,
+            "atol": ATOL,
+            "sizes": [list(s) for s in sizes],
+            "modes": args.modes,
+            "statistic": "median of interleaved repeats (time.perf_counter)",
+        },
+        "correctness": checks,
+        "training": rows,
+        "extras": extras,
+    }
+    failed = [r for r in rows if r["pass"] is False]
+    failed += [k for k, v in extras.items() if v.get("pass") is False and not v.get("informational")]
+    results["all_pass"] = not failed
+    with contextlib.suppress(OSError):
+        results["machine"]["loadavg_at_end"] = list(os.getloadavg())
+    print(f"\n{'all targets met' if not failed else f'{len(failed)} target(s) not met'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=float))
+        print(f"wrote {args.json}")
+    return 1 if (args.strict and failed) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
