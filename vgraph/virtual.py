@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -1070,6 +1071,11 @@ def build_compute_graph(
     time are initialised and added to ``graph.params`` — only if the whole build succeeds; on any
     error the virtual graph and its parameter store are left unchanged.
 
+    ``graph.latest_build`` (what ``vnode.compute_nodes`` reads) is released when a build starts,
+    so a previous graph nobody else holds is freed before the new values are allocated. In a
+    training loop, drop your own reference too (``del cg`` at the end of a step) to get the same
+    benefit; peak memory is then one graph, not two.
+
     Args:
         graph: the model.
         feed: a value for each input the outputs need, by input name.
@@ -1112,10 +1118,19 @@ def build_compute_graph(
         raise FeedError(f"missing feed for input(s) {', '.join(missing)}, needed by the requested outputs")
     values = {v.name: _check_feed_value(v, feed[v.name], graph.dtype) for v in needed_inputs}
 
-    builder = _Builder(graph, values, plan)
-    top = _Frame(None, (), {}, None)
-    with contextlib.nullcontext() if graph.training else no_grad(), _gc_paused():
-        builder.run_scope(top)
+    # Let go of the previous build before computing this one's values: if nothing else holds it,
+    # it is freed now and its memory is reused warm, instead of this build faulting in fresh pages
+    # while both are alive. A weak reference restores it if this build fails (and it still exists).
+    previous = weakref.ref(graph.latest_build) if graph.latest_build is not None else None
+    graph.latest_build = None
+    try:
+        builder = _Builder(graph, values, plan)
+        top = _Frame(None, (), {}, None)
+        with contextlib.nullcontext() if graph.training else no_grad(), _gc_paused():
+            builder.run_scope(top)
+    except BaseException:
+        graph.latest_build = previous() if previous is not None else None
+        raise
     cg = builder.cg
     cg._envs[(None, ())] = top.env
     cg.outputs = [top.env[o] for o in outs]
