@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
         optim.clip_grad_norm(g.params, 5.0)
         opt.step()
         opt.zero_grad()
+        del cg  # free this step's graph before the next build allocates (see docs/performance.md)
         running = loss if running is None else 0.95 * running + 0.05 * loss
         if step % report_every == 0 or step == args.steps:
             elapsed = time.perf_counter() - start
