@@ -417,18 +417,9 @@ def _scene(
     title: str | None = None,
     dpi: float | None = None,
 ) -> _Scene:
-    scene = _scene_of(
-        graph, build, fold, show_all, iterations, gradients, guards, constants, shapes, rankdir, title
-    )
-    if dpi is not None:
-        if not float(dpi) > 0:
-            raise ValueError(f"dpi must be positive, got {dpi!r}")
-        scene.graph_attrs["dpi"] = float(dpi)
-    return scene
-
-
-def _scene_of(graph: Any, build: Any, fold: Any, show_all: bool, iterations: Any, gradients: bool, guards: bool,
-              constants: bool, shapes: bool, rankdir: str, title: str | None) -> _Scene:  # fmt: skip
+    """The scene for :func:`to_dot`'s options, validated (one place for every entry point)."""
+    if dpi is not None and not float(dpi) > 0:
+        raise ValueError(f"dpi must be positive, got {dpi!r}")
     if rankdir not in ("TB", "LR", "BT", "RL"):
         raise ValueError(f"rankdir must be 'TB', 'LR', 'BT' or 'RL', got {rankdir!r}")
     if isinstance(graph, VirtualGraph):
@@ -445,8 +436,8 @@ def _scene_of(graph: Any, build: Any, fold: Any, show_all: bool, iterations: Any
             raise ValueError(
                 "build= must be an unrolled build of this VirtualGraph (the result of g.build(...))"
             )
-        return _VirtualView(graph, build, guards, constants, shapes, rankdir, title).scene
-    if isinstance(graph, ComputeGraph):
+        scene = _VirtualView(graph, build, guards, constants, shapes, rankdir, title).scene
+    elif isinstance(graph, ComputeGraph):
         if build is not None:
             raise ValueError("build= applies to the virtual view (pass the VirtualGraph and build=cg)")
         if show_all:
@@ -468,10 +459,14 @@ def _scene_of(graph: Any, build: Any, fold: Any, show_all: bool, iterations: Any
                 raise ValueError(
                     f"iterations must be a range or a collection of ints, got {iterations!r}"
                 ) from None
-        return _UnrolledView(
+        scene = _UnrolledView(
             graph, fold, iterations, gradients, guards, constants, shapes, rankdir, title
         ).scene
-    raise TypeError(f"cannot draw {type(graph).__name__}: pass a VirtualGraph or a ComputeGraph")
+    else:
+        raise TypeError(f"cannot draw {type(graph).__name__}: pass a VirtualGraph or a ComputeGraph")
+    if dpi is not None:
+        scene.graph_attrs["dpi"] = float(dpi)
+    return scene
 
 
 # ============================================================================ virtual view
