@@ -926,3 +926,22 @@ def test_constants_and_captures_declared_after_the_loop_node():
     cg.forward()
     cg.backward(outs[2])
     np.testing.assert_array_equal(g.params["p"].grad, np.full(2, 3.0))
+
+
+def test_the_unrolling_plan_is_reused_and_follows_new_declarations():
+    # x -> loop{h = tanh(h + x_t)} -> sum ; later: extra = sum * 2
+    g = vg.VirtualGraph(dtype=np.float64)
+    x = g.input("x")
+    with g.loop() as L:
+        h = L.carry(np.zeros(2), name="h")
+        L.update(h, vg.tanh(h + L.step(x)))
+    total = L.final(h).sum()
+    feed = {"x": np.ones((3, 2))}
+    g.build(feed, total)
+    plan = g._plan([total])
+    g.build(feed, total)
+    assert g._plan([total]) is plan  # not recomputed per build
+    extra = total * 2.0  # a new declaration: plans are recomputed for the new structure
+    assert g._plan([total]) is not plan
+    expected = 2 * np.tanh(np.tanh(np.tanh(1.0) + 1) + 1) * 2
+    assert g.build(feed, extra).forward() == pytest.approx(expected, rel=1e-12)

@@ -343,6 +343,7 @@ class VirtualGraph:
         self._inputs: dict[str, VirtualNode] = {}
         self._param_decls: dict[str, VirtualNode] = {}
         self._builds = 0  # seeds the generator of sampled nodes, build after build
+        self._plans: dict[tuple[Any, ...], _Plan] = {}
         self.training = True
 
     def train(self, mode: bool = True) -> VirtualGraph:
@@ -496,9 +497,8 @@ class VirtualGraph:
                 raise ShapeError(
                     f"{decl.describe(idx)}: initialiser returned shape {value.shape}, expected {attrs['shape']}"
                 )
-        name = decl.name if attrs["share"] else f"{decl.name}@{'.'.join(map(str, idx))}"
-        return ComputeNode(NodeKey("Parameter", decl.id, idx if not attrs["share"] else ()), value,
-                           requires_grad=True, name=name)  # fmt: skip
+        key = NodeKey("Parameter", decl.id, () if attrs["share"] else idx)
+        return ComputeNode(key, value, requires_grad=True, name=_store_name(decl, idx))
 
     def loop(
         self,
@@ -535,6 +535,20 @@ class VirtualGraph:
         return BranchNode(self, selector, ks, opts, name)
 
     # -- building
+    def _plan(self, outputs: list[VirtualNode]) -> _Plan:
+        """The static unrolling plan for ``outputs``, computed once per declared structure.
+
+        Declarations only ever add nodes (and none can be added while a build runs), so the node
+        count identifies the structure the plan was made for.
+        """
+        key = (*outputs, len(self.nodes))
+        plan = self._plans.get(key)
+        if plan is None:
+            if any(k[-1] != len(self.nodes) for k in self._plans):
+                self._plans.clear()
+            plan = self._plans[key] = _Plan(self, outputs)
+        return plan
+
     def build(self, feed: Mapping[str, Any], outputs: VirtualNode | Sequence[VirtualNode]) -> UnrolledGraph:
         """Unroll for ``feed``; see :func:`build_compute_graph`."""
         return build_compute_graph(self, feed, outputs)
@@ -686,6 +700,11 @@ class UnrolledGraph(ComputeGraph):
             if d.node is node and d.idx == tuple(idx) and d.kind == kind:
                 return d.value
         raise BuildError(f"{node.describe(tuple(idx))} was not built in this graph")
+
+
+def _store_name(decl: VirtualNode, idx: tuple[int, ...]) -> str:
+    """A parameter's name in the store: its declared name, plus ``@idx`` for an untied copy."""
+    return decl.name if decl.attrs["share"] else f"{decl.name}@{'.'.join(map(str, idx))}"
 
 
 def _check_feed_value(decl: VirtualNode, value: Any, dtype: np.dtype) -> np.ndarray:
@@ -866,7 +885,7 @@ class _Builder:
     def parameter(self, v: VirtualNode, idx: tuple[int, ...]) -> ComputeNode:
         if v.attrs["share"]:
             return self.graph.params[v.name]
-        name = f"{v.name}@{'.'.join(map(str, idx))}"
+        name = _store_name(v, idx)
         node = self.graph.params._nodes.get(name) or self.new_params.get(name)
         if node is None:  # first time this iteration path is reached: initialise now
             node = self.new_params[name] = self.graph._new_parameter(v, idx)
@@ -1105,7 +1124,7 @@ def build_compute_graph(
             )
     if graph._scopes:
         raise BuildError(f"{graph._scopes[-1].describe()}: its `with` block is still open")
-    plan = _Plan(graph, outs)
+    plan = graph._plan(outs)
 
     needed_inputs = [v for v in graph.nodes if v.kind == "input" and v in plan.needed]
     unknown = sorted(set(feed) - set(graph._inputs))
