@@ -1,0 +1,91 @@
+"""Planning: the static facts of a declared structure that every build of it uses — what each
+scope builds eagerly, in which order, and what each loop captures from outside its body."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from .nodes import _inside
+
+if TYPE_CHECKING:
+    from .graph import VirtualGraph
+    from .nodes import LoopNode, VirtualNode
+
+
+def _captures(loop: LoopNode) -> list[VirtualNode]:
+    """Nodes outside ``loop`` that its body (including nested bodies) uses."""
+    seen: dict[VirtualNode, None] = {}
+    for u in loop.updates.values():  # loop.update(carry, x) with x from outside the body
+        if not _inside(u.scope, loop):
+            seen[u] = None
+    for v in loop.graph.nodes:
+        if _inside(v.scope, loop):
+            deps = v.inputs if v.kind != "loop" else [*(c.inputs[0] for c in v.carries), *v.sequences]
+            if v.kind == "carry":
+                deps = ()
+            for d in (*deps, *(v.updates.values() if v.kind == "loop" else ())):
+                if not _inside(d.scope, loop) and d is not loop:
+                    seen[d] = None
+    return list(seen)
+
+
+class _Plan:
+    """Static per-build facts about a VirtualGraph: what each scope builds eagerly and in what order."""
+
+    def __init__(self, graph: VirtualGraph, outputs: Sequence[VirtualNode]) -> None:
+        self.captures: dict[LoopNode, list[VirtualNode]] = {}
+        self.stacked: dict[LoopNode, list[VirtualNode]] = {}
+        self.finals: dict[LoopNode, list[VirtualNode]] = {}
+        self.eager: dict[LoopNode | None, list[VirtualNode]] = {}
+        needed: set[VirtualNode] = set()
+        # Everything reachable from the outputs, through all branch options (for feed checks).
+        stack = list(outputs)
+        while stack:
+            v = stack.pop()
+            if v in needed:
+                continue
+            needed.add(v)
+            if v.kind == "loop":
+                caps = self.captures.setdefault(v, _captures(v))
+                stack.extend((*caps, *(c.inputs[0] for c in v.carries), *v.sequences, *v.updates.values()))
+            elif v.kind == "stacked":
+                self.stacked.setdefault(v.inputs[0], []).append(v)
+                stack.extend(v.inputs)
+            elif v.kind == "final":
+                self.finals.setdefault(v.inputs[0], []).append(v)
+                stack.extend(v.inputs)
+            else:
+                stack.extend(v.inputs)
+        self.needed = needed
+        # Per scope, the nodes built eagerly (not only through a branch option), in declaration order.
+        # A body marks only nodes of its own scope: what it uses from enclosing scopes is a
+        # dependency of the loop node, built on demand when the loop runs (so a loop reached only
+        # through an unchosen option builds nothing outside it either).
+        eager: set[VirtualNode] = set()
+        roots: list[VirtualNode] = list(outputs)
+        for loop in self.captures:
+            roots.extend(u for u in loop.updates.values() if u.scope is loop)
+            roots.extend(s.inputs[1] for s in self.stacked.get(loop, ()))
+        stack = roots
+        while stack:
+            v = stack.pop()
+            if v in eager:
+                continue
+            eager.add(v)
+            if v.kind not in ("carry", "item"):
+                stack.extend(d for d in self.deps(v) if d.scope is v.scope)
+        for v in graph.nodes:
+            if v in eager and v.kind not in ("carry", "item"):
+                self.eager.setdefault(v.scope, []).append(v)
+
+    def deps(self, v: VirtualNode) -> Sequence[VirtualNode]:
+        """What must be built before ``v`` (branch options excluded: they are built on demand)."""
+        kind = v.kind
+        if kind == "branch":
+            return v.keys
+        if kind == "loop":
+            return [*(c.inputs[0] for c in v.carries), *v.sequences, *self.captures[v]]
+        if kind in ("final", "stacked"):
+            return (v.inputs[0],)
+        return v.inputs

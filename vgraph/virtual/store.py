@@ -1,0 +1,80 @@
+"""The parameter store: every parameter of a VirtualGraph by name, shared by all its builds."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..compute import ComputeNode
+
+if TYPE_CHECKING:
+    from .nodes import VirtualNode
+
+# ---------------------------------------------------------------------------- parameter store
+
+
+class ParameterStore(Mapping[str, ComputeNode]):
+    """Every parameter of a VirtualGraph by name, as leaf compute nodes shared by all builds.
+
+    A parameter declared outside loops, or with ``share=True``, is one entry (its name). An untied
+    parameter declared in a loop body has one entry per iteration path, ``"name@2"`` or
+    ``"name@1.3"``, created (and initialised) the first time a build reaches that iteration.
+    Optimisers update the nodes' values in place; compute graphs see the new values.
+    """
+
+    def __init__(self) -> None:
+        self._nodes: dict[str, ComputeNode] = {}
+
+    def __getitem__(self, name: str) -> ComputeNode:
+        try:
+            return self._nodes[name]
+        except KeyError:
+            raise KeyError(f"no parameter {name!r}; known: {', '.join(self._nodes) or 'none'}") from None
+
+    def __iter__(self):
+        return iter(self._nodes)
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def parameters(self) -> list[ComputeNode]:
+        """The parameter nodes, in creation order (what optimisers take)."""
+        return list(self._nodes.values())
+
+    def value(self, name: str) -> np.ndarray:
+        """A copy of a parameter's value."""
+        return np.array(self[name].value)
+
+    def set_value(self, name: str, value: Any) -> None:
+        """Set one parameter's value (same shape; cast to its dtype).
+
+        Raises:
+            KeyError: unknown name. ShapeError: a different shape.
+        """
+        self[name].set_value(np.array(value))
+
+    def zero_grad(self) -> None:
+        """Clear every parameter's ``.grad``."""
+        for p in self._nodes.values():
+            p.grad = None
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Copies of all values by name (what a checkpoint holds)."""
+        return {k: np.array(p.value) for k, p in self._nodes.items()}
+
+    def _add(self, name: str, node: ComputeNode) -> None:
+        self._nodes[name] = node
+
+
+def _store_name(decl: VirtualNode, idx: tuple[int, ...]) -> str:
+    """A parameter's name in the store: its declared name, plus ``@idx`` for an untied copy."""
+    return decl.name if decl.attrs["share"] else f"{decl.name}@{'.'.join(map(str, idx))}"
+
+
+def _is_iteration_path(text: str, depth: int) -> bool:
+    """Whether ``text`` is an iteration path as untied parameter names print it (``"3"``, ``"1.2"``)
+    with ``depth`` levels."""
+    parts = text.split(".")
+    return len(parts) == depth and all(p.isdigit() and str(int(p)) == p for p in parts)

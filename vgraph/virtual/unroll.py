@@ -1,0 +1,484 @@
+"""Unrolling: :func:`build_compute_graph` turns a VirtualGraph and one feed into an
+:class:`UnrolledGraph`, iteration by iteration, computing values as it goes so that loop conditions
+and branch selectors see real data."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..compute import ComputeGraph, ComputeNode, NodeKey, _as_value, no_grad
+from ..errors import BuildError, FeedError, LoopLimitError, SelectorError, ShapeError, StructureChangedError
+from ..ops import OPS, Op
+from .graph import VirtualGraph
+from .nodes import _NO_LOOP_VALUE, BranchNode, LoopNode, VirtualNode
+from .plan import _Plan
+from .store import _store_name
+
+_GETITEM, _STACK = OPS["GetItem"], OPS["Stack"]
+
+# ---------------------------------------------------------------------------- unrolling
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A data-dependent structural decision made while unrolling.
+
+    Attributes:
+        node: the loop or branch.
+        idx: the iteration path it was made in.
+        kind: ``"iterations"`` (a loop's trip count) or ``"option"`` (a branch's choice).
+        value: the trip count or the chosen option index.
+    """
+
+    node: VirtualNode
+    idx: tuple[int, ...]
+    kind: str
+    value: int
+
+
+class UnrolledGraph(ComputeGraph):
+    """The ComputeGraph of one unrolled VirtualGraph, with its outputs and decisions.
+
+    Everything of :class:`ComputeGraph` works on it; in addition, methods that take nodes also
+    accept the virtual nodes they were built from, ``node(vnode, idx)`` finds any copy, and
+    ``feed`` sets new input values by name for a re-run forward (dirty-checked, with every
+    recorded decision re-checked).
+    """
+
+    def __init__(self, virtual: VirtualGraph) -> None:
+        super().__init__(virtual.dtype)
+        self.virtual = virtual
+        self.outputs: list[ComputeNode] = []
+        self.decisions: list[Decision] = []
+        self.inputs: dict[str, ComputeNode] = {}
+        self._envs: dict[tuple[LoopNode | None, tuple[int, ...]], dict[VirtualNode, ComputeNode]] = {}
+
+    def _copies_of(self, v: VirtualNode) -> dict[tuple[int, ...], ComputeNode]:
+        return {idx: env[v] for (scope, idx), env in self._envs.items() if scope is v.scope and v in env}
+
+    def node(self, what: Any, idx: tuple[int, ...] = ()) -> ComputeNode:
+        """The compute node for a key (as in ComputeGraph), or for virtual node ``what`` in
+        iteration path ``idx``.
+
+        Raises:
+            BuildError: ``what`` was not built at ``idx`` in this graph.
+        """
+        if not isinstance(what, VirtualNode):
+            return super().node(what)
+        idx = tuple(idx)
+        env = self._envs.get((what.scope, idx))
+        if env is None or what not in env:
+            raise BuildError(
+                f"{what.describe(idx)} was not built in this graph (not needed, or no such iteration)"
+            )
+        return env[what]
+
+    def _resolve(self, x: Any) -> Any:
+        if isinstance(x, VirtualNode):
+            return self.node(x)
+        if isinstance(x, (list, tuple)):
+            return [self._resolve(y) for y in x]
+        return x
+
+    def forward(self, target: Any = None, explain: bool = False) -> Any:
+        """:meth:`ComputeGraph.forward`; ``target`` defaults to the build's outputs (one value for a
+        single output, else a list) and may be given as virtual nodes."""
+        if target is None:
+            target = self.outputs[0] if len(self.outputs) == 1 else self.outputs
+        return super().forward(self._resolve(target), explain)
+
+    def backward_ex(self, loss: Any, seed: Any = None, retain_graph: bool = False) -> float | None:
+        return super().backward_ex(self._resolve(loss), seed, retain_graph)
+
+    def grad(
+        self, outputs: Any, inputs: Any, seeds: Any = None, retain_graph: bool = False
+    ) -> list[np.ndarray]:
+        return super().grad(self._resolve(outputs), self._resolve(inputs), seeds, retain_graph)
+
+    def feed(self, values: Mapping[str, Any]) -> None:
+        """Give inputs new values by name (checked like a build's feed); then call ``forward``.
+
+        Raises:
+            FeedError: unknown names, names this graph did not use, or shapes that do not match.
+        """
+        staged = {}
+        for name, value in values.items():
+            decl = self.virtual._inputs.get(name)
+            if decl is None or name not in self.inputs:
+                raise FeedError(f"this graph has no input {name!r}; its inputs: {', '.join(self.inputs)}")
+            staged[name] = _check_feed_value(decl, value, self.dtype)
+        for name, arr in staged.items():
+            self.inputs[name].set_value(arr)
+
+    def trip_count(self, loop: LoopNode, idx: tuple[int, ...] = ()) -> int:
+        """How many iterations ``loop`` ran in iteration path ``idx``."""
+        return self._decision(loop, idx, "iterations")
+
+    def choice(self, branch: BranchNode, idx: tuple[int, ...] = ()) -> int:
+        """Which option ``branch`` selected in iteration path ``idx``."""
+        return self._decision(branch, idx, "option")
+
+    def _decision(self, node: VirtualNode, idx: tuple[int, ...], kind: str) -> int:
+        for d in self.decisions:
+            if d.node is node and d.idx == tuple(idx) and d.kind == kind:
+                return d.value
+        raise BuildError(f"{node.describe(tuple(idx))} was not built in this graph")
+
+
+def _check_feed_value(decl: VirtualNode, value: Any, dtype: np.dtype) -> np.ndarray:
+    try:
+        # a copy: the graph must not see the caller's later in-place changes (no version bump)
+        arr = np.array(_as_value(value, dtype))
+    except TypeError as e:
+        raise FeedError(f"input {decl.name!r}: {e}") from None
+    shape = decl.attrs["shape"]
+    if shape is not None and (
+        arr.ndim != len(shape) or any(s is not None and s != n for s, n in zip(shape, arr.shape))
+    ):
+        declared = "(" + ", ".join("None" if s is None else str(s) for s in shape) + ")"
+        raise FeedError(f"input {decl.name!r} {decl.describe()}: fed shape {arr.shape}, declared {declared}")
+    return arr
+
+
+class _Frame:
+    """The compute nodes of one scope in one iteration path."""
+
+    __slots__ = ("scope", "idx", "env", "parent")
+
+    def __init__(self, scope: LoopNode | None, idx: tuple[int, ...], env: dict, parent: _Frame | None):
+        self.scope = scope
+        self.idx = idx
+        self.env = env
+        self.parent = parent
+
+    def owner(self, v: VirtualNode) -> _Frame:
+        f = self
+        while f.scope is not v.scope:
+            f = f.parent
+        return f
+
+
+class _Builder:
+    def __init__(self, graph: VirtualGraph, feed: Mapping[str, np.ndarray], plan: _Plan):
+        self.graph = graph
+        self.feed = feed
+        self.plan = plan
+        self.cg = UnrolledGraph(graph)
+        self.new_params: dict[str, ComputeNode] = {}
+        self.rng = np.random.default_rng([graph.seed, graph._builds])
+
+    # -- building one node whose dependencies are built
+    def build_node(self, v: VirtualNode, frame: _Frame) -> None:
+        env = frame.env
+        kind = v.kind
+        cg = self.cg
+        if kind == "op":
+            env[v] = cg._add_op(
+                v.op, tuple([env[i] for i in v.inputs]), v.attrs, NodeKey(v.type, v.id, frame.idx), v.name
+            )
+        elif kind == "parameter":
+            env[v] = cg.add_leaf(self.parameter(v, frame.idx))
+        elif kind == "input":
+            node = cg.input(self.feed[v.name], v.name, NodeKey("Input", v.id, ()))
+            cg.inputs[v.name] = node
+            env[v] = node
+        elif kind == "constant":
+            env[v] = cg.constant(v.attrs["value"], v.name, NodeKey("Constant", v.id, ()))
+        elif kind == "sample":
+            value = v.attrs["fn"](self.rng, env[v.inputs[0]].value, self.graph.training)
+            env[v] = cg.constant(value, v.name, NodeKey("Sample", v.id, frame.idx))
+        elif kind == "loop":
+            self.run_loop(v, frame)
+        elif kind == "branch":
+            self.run_branch(v, frame)
+        elif kind == "stacked":  # a loop sets its outputs when it runs, a stack only if it iterated
+            loop, idx = v.inputs[0], frame.idx
+            raise BuildError(f"{v.describe(idx)}: {loop.describe(idx)} ran no iteration, nothing to stack")
+        elif kind == "final":
+            raise AssertionError(f"{v.describe(frame.idx)}: a loop sets its outputs when it runs")
+        else:  # carry and item nodes are set at the start of each iteration
+            raise AssertionError(f"unexpected {v.kind} node {v.describe()}")
+
+    def parameter(self, v: VirtualNode, idx: tuple[int, ...]) -> ComputeNode:
+        if v.attrs["share"]:
+            return self.graph.params[v.name]
+        name = _store_name(v, idx)
+        node = self.graph.params._nodes.get(name) or self.new_params.get(name)
+        if node is None:  # first time this iteration path is reached: initialise now
+            node = self.new_params[name] = self.graph._new_parameter(v, idx)
+        return node
+
+    def demand(self, target: VirtualNode, frame: _Frame) -> ComputeNode:
+        """Build ``target`` and whatever it needs that is not built yet (iteratively)."""
+        stack = [target]
+        while stack:
+            v = stack[-1]
+            f = frame.owner(v)
+            if v in f.env:
+                stack.pop()
+                continue
+            missing = [d for d in self.plan.deps(v) if d not in frame.owner(d).env]
+            if missing:
+                stack.extend(missing)
+                continue
+            self.build_node(v, f)
+            stack.pop()
+        return frame.owner(target).env[target]
+
+    def run_scope(self, frame: _Frame) -> None:
+        # Declaration order is topological (see LoopNode.__exit__), and a body's env starts with
+        # its captures, so every dependency is built by the time a node's turn comes.
+        env, idx, add_op = frame.env, frame.idx, self.cg._add_op
+        for v in self.plan.eager.get(frame.scope, ()):
+            op = v.op
+            if op is not None:  # the hot path: most nodes are ops
+                env[v] = add_op(
+                    op, tuple([env[i] for i in v.inputs]), v.attrs, NodeKey(v.type, v.id, idx), v.name
+                )
+            elif v not in env:  # loop outputs are already set by their loop
+                self.build_node(v, frame)
+
+    # -- control flow
+    def run_loop(self, loop: LoopNode, frame: _Frame) -> None:
+        cg = self.cg
+        env = frame.env
+        idx = frame.idx
+        state = [frame.owner(c.inputs[0]).env[c.inputs[0]] for c in loop.carries]
+        seqs = [frame.owner(s).env[s] for s in loop.sequences]
+        length = None
+        for s, node in zip(loop.sequences, seqs):
+            if node.value.ndim == 0:
+                raise ShapeError(f"{loop.describe(idx)}: cannot step through {s.describe()}, a scalar")
+            n = node.value.shape[0]
+            if length is not None and n != length:
+                raise ShapeError(
+                    f"{loop.describe(idx)}: stepped sequences have different lengths {length} and {n}"
+                )
+            length = n
+        if seqs:
+            cg.guard(seqs, _length_check(loop, idx, length), NodeKey("LengthCheck", loop.id, idx))
+        captured = {c: frame.owner(c).env[c] for c in self.plan.captures[loop]}
+        stacked = self.plan.stacked.get(loop, [])
+        collected: list[list[ComputeNode]] = [[] for _ in stacked]
+        names = [c.name for c in loop.carries]
+        t = 0
+        while True:
+            if loop.times is not None and t >= loop.times:
+                break
+            if length is not None and t >= length:
+                break
+            if loop.cond is not None:
+                go = _run_cond(loop, idx, t, names, [s.value for s in state])
+                cg.guard(
+                    state, _cond_check(loop, idx, t, names, go), NodeKey("LoopCheck", loop.id, (*idx, t))
+                )
+                if not go:
+                    break
+            if t >= loop.max_iters:
+                raise LoopLimitError(
+                    f"{loop.describe(idx)} reached max_iters={loop.max_iters} and would go on; raise "
+                    "max_iters if that many iterations are intended, or check the loop's condition"
+                )
+            inner = _Frame(loop, (*idx, t), dict(captured), frame)
+            ienv = inner.env
+            for c, node in zip(loop.carries, state):
+                ienv[c] = node
+            for item, node in zip(loop.items, seqs):
+                ienv[item] = cg._add_op(
+                    _GETITEM, (node,), {"index": t}, NodeKey("Item", item.id, inner.idx), item.name
+                )
+            self.run_scope(inner)
+            cg._envs[(loop, inner.idx)] = ienv
+            state = [ienv[loop.updates[c]] for c in loop.carries]
+            for bucket, s in zip(collected, stacked):
+                bucket.append(ienv[s.inputs[1]])
+            t += 1
+        cg.decisions.append(Decision(loop, idx, "iterations", t))
+        env[loop] = None  # the loop itself has no value; its outputs do
+        for v in self.plan.finals.get(loop, ()):
+            env[v] = state[loop.carries.index(v.inputs[1])]
+        for s, bucket in zip(stacked, collected):
+            if not bucket:  # an error only if the stack is used: see build_node
+                continue
+            env[s] = cg._add_op(_STACK, tuple(bucket), {"axis": 0}, NodeKey("Stack", s.id, idx), s.name)
+
+    def run_branch(self, branch: BranchNode, frame: _Frame) -> None:
+        idx = frame.idx
+        keys = [frame.owner(k).env[k] for k in branch.keys]
+        choice = _select(branch, idx, [k.value for k in keys])
+        option = self.demand(branch.options[choice], frame)
+        self.cg.decisions.append(Decision(branch, idx, "option", choice))
+
+        def forward(x: np.ndarray, *key_values: np.ndarray) -> np.ndarray:
+            now = _select(branch, idx, key_values)
+            if now != choice:
+                raise StructureChangedError(
+                    f"{branch.describe(idx)} would now select option {now}, but this graph was built "
+                    f"with option {choice}; rebuild the compute graph for the new inputs"
+                )
+            return x
+
+        op = Op("Branch", forward, (lambda g, ans, x, *k: g, *([None] * len(keys))), arity=1 + len(keys))
+        frame.env[branch] = self.cg.apply(
+            op, [option, *keys], None, NodeKey("Branch", branch.id, idx), branch.name
+        )
+
+
+def _select(branch: BranchNode, idx: tuple[int, ...], values: Sequence[np.ndarray]) -> int:
+    choice = branch.selector(*values)
+    if isinstance(choice, (bool, np.bool_)):
+        choice = int(choice)
+    if not isinstance(choice, (int, np.integer)):
+        raise SelectorError(
+            f"{branch.describe(idx)}: the selector returned {choice!r} ({type(choice).__name__}); "
+            f"it must return an int in range({len(branch.options)})"
+        )
+    if not 0 <= choice < len(branch.options):
+        raise SelectorError(
+            f"{branch.describe(idx)}: the selector returned {choice}, but there are only "
+            f"{len(branch.options)} options (valid: 0..{len(branch.options) - 1})"
+        )
+    return int(choice)
+
+
+def _run_cond(
+    loop: LoopNode, idx: tuple[int, ...], t: int, names: list[str], values: list[np.ndarray]
+) -> bool:
+    result = loop.cond(t, dict(zip(names, values)))
+    try:
+        return bool(result)
+    except ValueError:
+        raise BuildError(
+            f"{loop.describe(idx)}: the while_ condition returned an array of shape {np.shape(result)} at "
+            f"iteration {t}; it must return one bool (use .all() or .any())"
+        ) from None
+
+
+def _cond_check(loop: LoopNode, idx: tuple[int, ...], t: int, names: list[str], expected: bool):
+    def check(*values: np.ndarray) -> bool:
+        now = _run_cond(loop, idx, t, names, list(values))
+        if now != expected:
+            raise StructureChangedError(
+                f"{loop.describe(idx)}: at iteration {t} the condition is now {now} (was {expected}), so the "
+                "loop would run a different number of iterations; rebuild the compute graph for the new inputs"
+            )
+        return now
+
+    return check
+
+
+def _length_check(loop: LoopNode, idx: tuple[int, ...], length: int):
+    def check(*values: np.ndarray) -> int:
+        for seq, value in zip(loop.sequences, values):
+            if np.ndim(value) == 0 or value.shape[0] != length:
+                raise StructureChangedError(
+                    f"{loop.describe(idx)} steps through {seq.describe()}, whose length is now "
+                    f"{np.shape(value)[:1]} (was {length}); rebuild the compute graph for the new inputs"
+                )
+        return length
+
+    return check
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Pause Python's cyclic garbage collector while unrolling.
+
+    A build allocates many long-lived objects, which would trigger repeated collections that
+    traverse the whole growing graph and find nothing: compute graphs hold no reference cycles
+    (nodes refer to their graph weakly). Restored on exit, also on errors.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def build_compute_graph(
+    graph: VirtualGraph, feed: Mapping[str, Any], outputs: VirtualNode | Sequence[VirtualNode]
+) -> UnrolledGraph:
+    """Unroll ``graph`` for the values in ``feed`` into a new :class:`UnrolledGraph`.
+
+    Demand-driven from ``outputs``: only what they need is built, and a branch builds only the
+    option it selects. Values are computed while unrolling. Untied parameters seen for the first
+    time are initialised and added to ``graph.params`` — only if the whole build succeeds; on any
+    error the virtual graph and its parameter store are left unchanged.
+
+    ``graph.latest_build`` (what ``vnode.compute_nodes`` reads) is released when a build starts,
+    so a previous graph nobody else holds is freed before the new values are allocated. In a
+    training loop, drop your own reference too (``del cg`` at the end of a step) to get the same
+    benefit; peak memory is then one graph, not two.
+
+    Args:
+        graph: the model.
+        feed: a value for each input the outputs need, by input name.
+        outputs: top-level virtual nodes to build.
+
+    Returns:
+        The unrolled graph; ``cg.outputs`` holds the outputs' compute nodes.
+
+    Raises:
+        FeedError: missing inputs (all listed), unknown names, shapes that differ from the declared.
+        BuildError: an output inside a loop body, a body not closed, a loop that ran zero iterations
+            but must stack values.
+        LoopLimitError, SelectorError, ShapeError: while unrolling, naming ``<type,id,idx>``.
+    """
+    outs = [outputs] if isinstance(outputs, VirtualNode) else list(outputs)
+    if not outs:
+        raise BuildError("build_compute_graph needs at least one output")
+    for o in outs:
+        if not isinstance(o, VirtualNode) or o.graph is not graph:
+            raise BuildError(f"output {o!r} is not a node of this VirtualGraph")
+        if o.kind == "loop":
+            raise BuildError(f"output {_NO_LOOP_VALUE.format(o.describe())}")
+        if o.scope is not None:
+            raise BuildError(
+                f"output {o.describe()} is inside the body of {o.scope.describe()}; use the loop's "
+                "outputs (loop.final(carry), loop.stack(value))"
+            )
+    if graph._scopes:
+        raise BuildError(f"{graph._scopes[-1].describe()}: its `with` block is still open")
+    plan = graph._plan(outs)
+
+    needed_inputs = [v for v in graph.nodes if v.kind == "input" and v in plan.needed]
+    unknown = sorted(set(feed) - set(graph._inputs))
+    if unknown:
+        raise FeedError(
+            f"unknown input name(s) {', '.join(map(repr, unknown))}; inputs: {', '.join(graph._inputs)}"
+        )
+    missing = [v.describe() for v in needed_inputs if v.name not in feed]
+    if missing:
+        raise FeedError(f"missing feed for input(s) {', '.join(missing)}, needed by the requested outputs")
+    values = {v.name: _check_feed_value(v, feed[v.name], graph.dtype) for v in needed_inputs}
+
+    # Let go of the previous build before computing this one's values: if nothing else holds it,
+    # it is freed now and its memory is reused warm, instead of this build faulting in fresh pages
+    # while both are alive. A weak reference restores it if this build fails (and it still exists).
+    previous = weakref.ref(graph.latest_build) if graph.latest_build is not None else None
+    graph.latest_build = None
+    try:
+        builder = _Builder(graph, values, plan)
+        top = _Frame(None, (), {}, None)
+        with contextlib.nullcontext() if graph.training else no_grad(), _gc_paused():
+            builder.run_scope(top)
+    except BaseException:
+        graph.latest_build = previous() if previous is not None else None
+        raise
+    cg = builder.cg
+    cg._envs[(None, ())] = top.env
+    cg.outputs = [top.env[o] for o in outs]
+    for name, node in builder.new_params.items():  # commit only after success
+        graph.params._add(name, node)
+    graph.latest_build = cg
+    graph._builds += 1
+    return cg
