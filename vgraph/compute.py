@@ -30,7 +30,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .errors import GraphStateError, ShapeError, StructureChangedError, VGraphError
+from .errors import (
+    BackwardError,
+    GraphStateError,
+    NonFiniteError,
+    ShapeError,
+    StructureChangedError,
+    VGraphError,
+)
 from .functions import Operand
 from .ops import OPS, Op, unbroadcast
 
@@ -79,6 +86,91 @@ def no_grad() -> Iterator[None]:
 def is_grad_enabled() -> bool:
     """Whether nodes created now record what backward needs (``False`` inside ``no_grad()``)."""
     return _GradMode.enabled
+
+
+class _Anomaly:
+    enabled = False
+
+
+@contextlib.contextmanager
+def detect_anomaly(enabled: bool = True) -> Iterator[None]:
+    """Inside this block, the first NaN or Inf raises :class:`~vgraph.errors.NonFiniteError`.
+
+    Forward (including the values computed while unrolling) checks every value an op produces;
+    backward checks every gradient a VJP produces. The error names the unrolled node
+    ``<type,id,idx>`` where the non-finite value first appears, its op, the finite status, range
+    and shape of each input, and for backward the node whose VJP produced it — e.g.
+    ``NaN first appears at <Log:1@37>: log of a negative input (min -0.02)``.
+
+    Off by default; when off it costs one flag test per node. When on, each value is scanned
+    once (see docs/performance.md). ``build``, ``forward`` and ``backward`` also take
+    ``detect_anomaly=True`` for a single call.
+
+    Args:
+        enabled: ``False`` turns detection off inside the block (e.g. around a part known to
+            produce infinities on purpose).
+    """
+    previous = _Anomaly.enabled
+    _Anomaly.enabled = enabled
+    try:
+        yield
+    finally:
+        _Anomaly.enabled = previous
+
+
+def is_anomaly_enabled() -> bool:
+    """Whether NaN/Inf detection is on (inside :func:`detect_anomaly`)."""
+    return _Anomaly.enabled
+
+
+def _anomaly_scope(on: bool) -> contextlib.AbstractContextManager[None]:
+    """``detect_anomaly()`` for a call that asked for it, else nothing (the setting is inherited)."""
+    return detect_anomaly() if on else contextlib.nullcontext()
+
+
+def _finite(x: Any) -> bool:
+    """Whether every element of a float array is finite (integer and bool arrays always are)."""
+    arr = np.asarray(x)
+    return arr.dtype.kind not in "fc" or bool(np.isfinite(arr).all())
+
+
+def _summary(x: Any) -> str:
+    """Shape, finite status and range of an array, for anomaly messages."""
+    arr = np.asarray(x)
+    text = f"shape {arr.shape}"
+    if arr.dtype.kind not in "fciub" or arr.size == 0:
+        return text
+    finite = arr[np.isfinite(arr)] if arr.dtype.kind in "fc" else arr
+    status = "finite" if finite.size == arr.size else _nonfinite_kind(arr)
+    if finite.size:
+        text += f", {status}, min {finite.min():.4g}, max {finite.max():.4g}"
+    else:
+        text += f", {status}"
+    return text
+
+
+def _nonfinite_kind(arr: np.ndarray) -> str:
+    kinds = []
+    if np.isnan(arr).any():
+        kinds.append("NaN")
+    if np.isinf(arr).any():
+        kinds.append("Inf")
+    return "has " + " and ".join(kinds)
+
+
+def _first_kind(arr: Any) -> str:
+    return "NaN" if np.isnan(np.asarray(arr)).any() else "Inf"
+
+
+# Why an op produced a non-finite value from finite inputs, where the op makes that common.
+_ANOMALY_HINTS: dict[str, Callable[..., str | None]] = {
+    "Log": lambda x: (
+        f"log of a negative input (min {np.min(x):.4g})" if np.min(x) < 0 else "log of zero" if np.min(x) == 0 else None
+    ),
+    "Div": lambda a, b: "division by zero" if np.any(np.asarray(b) == 0) else None,
+    "Exp": lambda x: f"exp overflowed (max input {np.max(x):.4g})",
+    "Pow": lambda x, p: "a power of a negative or zero base" if np.min(x) <= 0 else None,
+}
 
 
 # ---------------------------------------------------------------------------- keys and nodes
@@ -328,6 +420,11 @@ class ComputeGraph:
         self._backward_plans: dict[int, list[ComputeNode]] = {}
         self._released = False  # a backward without retain_graph ran since the last forward
         self._stale: str | None = None  # set when a structure check failed
+        self._leaves: list[ComputeNode] = []
+        # Nodes whose ancestors were all consistent (no parent newer than its child) when the clock
+        # read the value given; ``_ALL`` stands for every node. See _check_values_fresh.
+        self._fresh: dict[Any, int] = {}
+        self._failed_forward: str | None = None  # what the last forward raised, if it failed
         self.last_forward: ForwardReport | None = None
 
     # -- building
@@ -339,6 +436,8 @@ class ComputeGraph:
         if check_unique and key in self._nodes:
             raise GraphStateError(f"the graph already has a node <{key}>")
         self._nodes[key] = node
+        if node.op is None:
+            self._leaves.append(node)
         if not key.idx and key.id > self._counters.get(key.type, 0):
             self._counters[key.type] = key.id  # ids are taken only by nodes actually added
         return node
@@ -432,6 +531,7 @@ class ComputeGraph:
         except Exception:
             for x in added:  # leave the graph as it was
                 del self._nodes[x.key]
+                self._leaves.remove(x)
             self._counters["Constant"] = min([self._counters.get("Constant", 0)] + [
                 x.key.id - 1 for x in added if x.key.type == "Constant"])  # fmt: skip
             raise
@@ -487,7 +587,10 @@ class ComputeGraph:
         """Compute ``node``'s value from its parents' current values."""
         values = [p._value for p in node.parents]
         try:
-            return node.op.forward(*values, **node.attrs)
+            result = node.op.forward(*values, **node.attrs)
+            if _Anomaly.enabled and not _finite(result):
+                raise _forward_anomaly(node, values, result)
+            return result
         except StructureChangedError as e:
             self._stale = str(e)
             raise
@@ -516,8 +619,15 @@ class ComputeGraph:
     def __getitem__(self, key: NodeKey | str) -> ComputeNode:
         return self.node(key)
 
-    def __contains__(self, key: NodeKey | str) -> bool:
-        return (NodeKey.parse(key) if isinstance(key, str) else key) in self._nodes
+    def __contains__(self, key: object) -> bool:
+        """Whether the graph has a node with this key (a :class:`NodeKey` or its printed form);
+        ``False`` for anything that is not a key."""
+        if isinstance(key, str):
+            try:
+                key = NodeKey.parse(key)
+            except ValueError:
+                return False
+        return isinstance(key, tuple) and key in self._nodes
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -564,9 +674,37 @@ class ComputeGraph:
             self._backward_plans = {len(self._nodes): plan}
         return plan
 
+    # -- arguments
+    _NODE_ARG = "a ComputeNode of this graph"
+
+    def _resolve(self, x: Any) -> Any:
+        """Map what a caller may pass for a node to the node (a hook for UnrolledGraph)."""
+        return x
+
+    def _node_arg(self, x: Any, arg: str, fn: str) -> ComputeNode:
+        """``x`` as a node of this graph, or a TypeError / GraphStateError naming the argument."""
+        node = self._resolve(x)
+        if not isinstance(node, ComputeNode):
+            hint = f" (look a node up by its key with cg.node({x!r}))" if isinstance(x, str) else ""
+            raise TypeError(f"{fn}(): {arg} must be {self._NODE_ARG}, got {type(x).__name__} {x!r:.80}{hint}")
+        if self._nodes.get(node.key) is not node:
+            raise GraphStateError(f"{fn}(): {node.describe()} is not a node of this graph")
+        return node
+
+    def _nodes_arg(self, x: Any, arg: str, fn: str) -> tuple[ComputeNode, ...]:
+        """One node or a list/tuple of nodes, each checked by :meth:`_node_arg`."""
+        if isinstance(x, (list, tuple)) and not isinstance(x, NodeKey):
+            if not x:
+                raise ValueError(f"{fn}(): {arg} is empty")
+            return tuple(self._node_arg(y, arg, fn) for y in x)
+        return (self._node_arg(x, arg, fn),)
+
     # -- forward
     def forward(
-        self, target: ComputeNode | Sequence[ComputeNode], explain: bool = False
+        self,
+        target: ComputeNode | Sequence[ComputeNode],
+        explain: bool = False,
+        detect_anomaly: bool = False,
     ) -> np.ndarray | list[np.ndarray]:
         """Bring ``target`` up to date, recomputing only nodes whose parents changed.
 
@@ -576,40 +714,112 @@ class ComputeGraph:
         Args:
             target: a node or a list of nodes.
             explain: record, for each recomputed node, which parents had changed.
+            detect_anomaly: raise at the first NaN/Inf value (see :func:`detect_anomaly`).
 
         Returns:
             The target's value (a list of values for a list of targets).
 
         Raises:
+            TypeError: ``target`` is not a node (or list of nodes).
             StructureChangedError: new values would change a loop's trip count or a branch choice;
                 the graph must be rebuilt for them. Backward is refused until a forward succeeds
                 again (e.g. after the old values are restored).
+            ShapeError: an op cannot be computed on the new values (names the node). Nodes computed
+                before it keep their new values; backward is refused until a forward succeeds.
+            NonFiniteError: with anomaly detection, the first node whose value is NaN/Inf.
         """
-        targets = (target,) if isinstance(target, ComputeNode) else tuple(target)
+        targets = self._nodes_arg(target, "target", "forward")
         plan = self._forward_plan(targets)
         report = ForwardReport(visited=len(plan), explanation=[] if explain else None)
         recomputed = 0
         run = self._run
-        for n in plan:
-            version = n.version
-            for p in n.parents:
-                if p.version > version:
-                    break  # a parent changed after n was computed
-            else:
-                continue
-            if explain:
-                changed = tuple(p.key for p in n.parents if p.version > version)
-                report.explanation.append((n.key, changed))
-            n._value = run(n)
-            n.version = next(_clock)
-            recomputed += 1
+        try:
+            with _anomaly_scope(detect_anomaly):
+                for n in plan:
+                    version = n.version
+                    for p in n.parents:
+                        if p.version > version:
+                            break  # a parent changed after n was computed
+                    else:
+                        continue
+                    if explain:
+                        changed = tuple(p.key for p in n.parents if p.version > version)
+                        report.explanation.append((n.key, changed))
+                    n._value = run(n)
+                    n.version = next(_clock)
+                    recomputed += 1
+        except BaseException as e:
+            self._failed_forward = f"{type(e).__name__}: {e}"
+            raise
         report.recomputed = recomputed
         self.last_forward = report
         self._released = False
         self._stale = None  # every structure check passed: values and structure agree again
-        if isinstance(target, ComputeNode):
-            return _readonly(target._value)
-        return [_readonly(t._value) for t in targets]
+        self._failed_forward = None
+        self._mark_fresh(targets)
+        if isinstance(target, (list, tuple)):
+            return [_readonly(t._value) for t in targets]
+        return _readonly(targets[0]._value)
+
+    def _mark_fresh(self, targets: Iterable[Any]) -> None:
+        """Record that the ancestors of ``targets`` (``[_ALL]``: every node) are consistent now."""
+        if len(self._fresh) > 64:
+            self._fresh.clear()
+        now = next(_clock)
+        for t in targets:
+            self._fresh[t] = now
+
+    def _check_values_fresh(self, roots: Sequence[ComputeNode], action: str) -> None:
+        """Refuse a backward that would read a value older than the values it was computed from.
+
+        A node is up to date when no parent's version is newer than its own (versions are clock
+        readings, see the module docstring). Checking that for every ancestor of the roots costs
+        what a forward with nothing to recompute costs, so a cheaper test comes first: if the
+        roots were known consistent at some clock reading (after a build, a forward of them, or
+        an earlier check) and no leaf of the graph changed since, nothing can have gone stale —
+        op nodes change only by a forward, which recomputes only below a changed leaf.
+
+        Raises:
+            GraphStateError: naming the first stale node, the change that made it stale, and what
+                to do.
+        """
+        newest = max([leaf.version for leaf in self._leaves], default=0)
+        fresh = self._fresh
+        known = fresh.get(_ALL, 0)
+        if newest <= known or all(newest <= fresh.get(r, 0) for r in roots):
+            return
+        for n in self._forward_plan(tuple(roots)):
+            version = n.version
+            for p in n.parents:
+                if p.version > version:
+                    raise self._stale_error(n, roots[0], action)
+        self._mark_fresh(roots)
+
+    def _stale_error(self, node: ComputeNode, root: ComputeNode, action: str) -> GraphStateError:
+        changed = sorted(
+            (a for a in self._ancestors([node]) if a.op is None and a.version > node.version),
+            key=attrgetter("version"),
+        )
+        if changed:
+            leaf = changed[-1]
+            verb = {"Input": "was fed", "Parameter": "was changed (e.g. by an optimiser step)"}
+            what = f"{leaf.describe()} {verb.get(leaf.key.type, 'was set')} after {node.describe()} was last computed"
+            if len(changed) > 1:
+                what += f" (and {len(changed) - 1} other leaf value(s) changed)"
+        else:  # an op parent recomputed by a forward that did not reach this node
+            parent = next(p for p in node.parents if p.version > node.version)
+            what = f"{parent.describe()} was recomputed by a later forward that did not reach it"
+        failed = (
+            f" The last forward failed part-way ({self._failed_forward}), so some nodes have new "
+            "values and others old ones."
+            if self._failed_forward
+            else ""
+        )
+        return GraphStateError(
+            f"{action} from {root.describe()} would read out-of-date values: {node.describe()} is "
+            f"stale, {what}.{failed} Run forward first (cg.forward({root.key!s}) or, for a build, "
+            f"cg.forward()), then {action}."
+        )
 
     def _check_fresh(self) -> None:
         if self._stale is not None:
@@ -619,33 +829,47 @@ class ComputeGraph:
             )
 
     # -- backward
-    def backward(self, loss: ComputeNode, seed: Any = None) -> float | None:
+    def backward(self, loss: ComputeNode, seed: Any = None, *, detect_anomaly: bool = False) -> float | None:
         """Backpropagate from ``loss`` and accumulate gradients into the leaves' ``.grad``.
 
         Shorthand for ``backward_ex(loss, seed, retain_graph=False)``. Gradients accumulate across
         calls: call :meth:`zero_grad` (or the optimiser's) between steps.
 
+        Backward never runs a forward by itself and never reads a stale value: if an input was
+        fed, a parameter changed, or a forward failed part-way since the values were computed, it
+        raises and says so (see docs/decisions.md, "Stale values").
+
         Args:
             loss: a scalar node; or any node together with ``seed``.
             seed: the gradient of the final objective with respect to ``loss`` (shape of ``loss``);
                 required when ``loss`` is not a scalar.
+            detect_anomaly: raise at the first NaN/Inf gradient (see :func:`detect_anomaly`).
 
         Returns:
             The loss value as a float (``None`` for a non-scalar ``loss``).
 
         Raises:
+            TypeError: ``loss`` is not a node.
             ShapeError: ``loss`` is not a scalar and no seed was given, or the seed's shape differs.
-            GraphStateError: a second backward without a forward in between, or ``loss`` does not
-                depend on anything that requires a gradient.
+            GraphStateError: a second backward without a forward in between; ``loss`` does not
+                depend on anything that requires a gradient; or a value backward would read is
+                out of date (names the node and what changed).
+            BackwardError: a VJP raised (names the node); no ``.grad`` was changed.
+            NonFiniteError: with anomaly detection, the first NaN/Inf gradient.
         """
-        return self.backward_ex(loss, seed, retain_graph=False)
+        return self.backward_ex(loss, seed, retain_graph=False, detect_anomaly=detect_anomaly)
 
-    def backward_ex(self, loss: ComputeNode, seed: Any = None, retain_graph: bool = False) -> float | None:
+    def backward_ex(
+        self, loss: ComputeNode, seed: Any = None, retain_graph: bool = False, *, detect_anomaly: bool = False
+    ) -> float | None:
         """Like :meth:`backward`; with ``retain_graph=True`` the graph can be backpropagated again
         without a new forward (e.g. to accumulate the gradients of several losses)."""
+        loss = self._node_arg(loss, "loss", "backward")
         self._check_can_backward(loss)
         g = self._seed(loss, seed)
-        self._backprop(self._backward_plan(), [(loss, g)], accumulate=True)
+        self._check_values_fresh((loss,), "backward")
+        with _anomaly_scope(detect_anomaly):
+            self._backprop(self._backward_plan(), [(loss, g)], accumulate=True)
         self._released = not retain_graph
         return float(np.reshape(loss._value, ())) if np.size(loss._value) == 1 else None
 
@@ -655,30 +879,42 @@ class ComputeGraph:
         inputs: ComputeNode | Sequence[ComputeNode],
         seeds: Any = None,
         retain_graph: bool = False,
-    ) -> list[np.ndarray]:
+        allow_unused: bool = False,
+        *,
+        detect_anomaly: bool = False,
+    ) -> list[np.ndarray | None]:
         """Gradients of ``outputs`` with respect to ``inputs``, returned and not accumulated.
 
         Like ``torch.autograd.grad``: no ``.grad`` is touched. Inputs may be leaves or
-        intermediate nodes; an input the outputs do not depend on gets zeros.
+        intermediate nodes.
 
         Args:
             outputs: a node or nodes (scalars, or with ``seeds``).
             inputs: nodes that require gradients.
             seeds: one seed per output (``None`` for scalar outputs).
             retain_graph: allow another backward without a new forward.
+            allow_unused: give ``None`` for an input the outputs do not depend on (differentiably)
+                instead of raising.
+            detect_anomaly: raise at the first NaN/Inf gradient (see :func:`detect_anomaly`).
 
         Returns:
-            One array per input, shaped like the input's value.
+            One array per input, shaped like the input's value (``None`` for an unused input with
+            ``allow_unused=True``).
 
         Raises:
-            GraphStateError: an input does not require gradients, or the graph was released.
+            TypeError: an output or input is not a node.
+            GraphStateError: an input does not require gradients, is not used by the outputs
+                (without ``allow_unused``), the graph was released, or a value is out of date.
+            BackwardError, NonFiniteError: as for :meth:`backward`.
         """
-        outs = (outputs,) if isinstance(outputs, ComputeNode) else tuple(outputs)
-        ins = (inputs,) if isinstance(inputs, ComputeNode) else tuple(inputs)
+        outs = self._nodes_arg(outputs, "outputs", "grad")
+        ins = self._nodes_arg(inputs, "inputs", "grad")
         if seeds is None:
             seeds = [None] * len(outs)
         elif len(outs) == 1 and not isinstance(seeds, (list, tuple)):
             seeds = [seeds]
+        if len(seeds) != len(outs):
+            raise ValueError(f"grad(): {len(seeds)} seeds for {len(outs)} outputs")
         for x in ins:
             if not x.requires_grad:
                 raise GraphStateError(
@@ -689,6 +925,8 @@ class ComputeGraph:
         if self._released:
             self._raise_released(outs[0])
         roots = [(o, self._seed(o, s)) for o, s in zip(outs, seeds) if o.requires_grad]
+        if roots:
+            self._check_values_fresh([o for o, _ in roots], "grad")
         wanted = set(ins)
         plan = self._backward_plan() if roots else []
         # Prune to the nodes on a path to a wanted input.
@@ -697,11 +935,19 @@ class ComputeGraph:
             if n not in reach and any(p in reach for p in n.parents):
                 reach.add(n)
         plan = [n for n in plan if n in reach]
-        found = self._backprop(
-            plan, [r for r in roots if r[0] in reach], accumulate=False, wanted=wanted, reach=reach
-        )
+        with _anomaly_scope(detect_anomaly):
+            found = self._backprop(
+                plan, [r for r in roots if r[0] in reach], accumulate=False, wanted=wanted, reach=reach
+            )
+        unused = [x for x in ins if x not in found]
+        if unused and not allow_unused:
+            names = ", ".join(x.describe() for x in unused)
+            raise GraphStateError(
+                f"grad(): the outputs do not depend (differentiably) on {names}; pass allow_unused=True "
+                "to get None for such inputs"
+            )
         self._released = not retain_graph
-        return [found[x] if x in found else np.zeros(np.shape(x._value), dtype=self.dtype) for x in ins]
+        return [found.get(x) for x in ins]
 
     def _check_can_backward(self, loss: ComputeNode) -> None:
         self._check_fresh()
@@ -728,7 +974,10 @@ class ComputeGraph:
                     "with respect to it, same shape), or reduce it with sum()/mean() first"
                 )
             return np.ones(shape, dtype=np.asarray(out._value).dtype)
-        g = np.asarray(seed, dtype=np.asarray(out._value).dtype)
+        try:
+            g = np.asarray(seed, dtype=np.asarray(out._value).dtype)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"seed for {out.describe()} is not a numeric array: {e}") from None
         if g.shape != shape:
             raise ShapeError(f"seed for {out.describe()} has shape {g.shape}, the node has shape {shape}")
         return g
@@ -746,29 +995,33 @@ class ComputeGraph:
         With ``accumulate``, leaf gradients are added to ``.grad`` (``backward``); otherwise only
         the ``wanted`` nodes' gradients are returned and no ``.grad`` changes (``grad``). ``reach``
         restricts propagation to the nodes in it (the pruned plan of ``grad``).
+
+        ``.grad`` is written only once the whole sweep has succeeded: until then the gradients
+        for it are staged, so a VJP that raises leaves every ``.grad`` as it was.
         """
         found: dict[ComputeNode, np.ndarray] = {}
-        for r, g in roots:
-            r._g = g if r._g is None else r._g + g
+        staged: list[tuple[ComputeNode, np.ndarray, bool]] = []  # (node, gradient, owned)
+        check = _Anomaly.enabled
         try:
+            for r, g in roots:
+                if check and not _finite(g):
+                    raise NonFiniteError(f"the seed gradient of {r.describe()} has {_first_kind(g)}")
+                r._g = g if r._g is None else r._g + g
             for n in plan:
                 g = n._g
                 if g is None:
                     continue  # no gradient reached this node
                 n._g = None
+                own = n._gown
+                n._gown = False
                 if wanted is not None and n in wanted:
-                    found[n] = g if n._gown else np.array(g)
+                    found[n] = g if own else np.array(g)
                 if n.op is None:
                     if accumulate:
-                        if n.grad is None:
-                            n.grad = g if n._gown else np.array(g)
-                        else:
-                            n.grad += g
-                    n._gown = False
+                        staged.append((n, g, own))
                     continue
-                n._gown = False
                 if accumulate and n.retains_grad:
-                    n.grad = np.array(g) if n.grad is None else n.grad + g
+                    staged.append((n, g, False))
                 parents = n.parents
                 ans = n._value
                 values = [p._value for p in parents]
@@ -776,10 +1029,20 @@ class ComputeGraph:
                 for p, vjp in zip(parents, n.vjps):
                     if vjp is None or not p.requires_grad or (reach is not None and p not in reach):
                         continue
-                    pg = vjp(g, ans, *values, **attrs)
-                    pshape = p._value.shape
-                    if pg.shape != pshape:
-                        pg = unbroadcast(pg, pshape)
+                    try:
+                        pg = vjp(g, ans, *values, **attrs)
+                        pshape = p._value.shape
+                        if pg.shape != pshape:
+                            pg = unbroadcast(pg, pshape)
+                    except VGraphError:
+                        raise
+                    except Exception as e:
+                        raise BackwardError(
+                            f"{n.describe()}: the VJP of {n.op.name} with respect to its input "
+                            f"{p.describe()} failed: {type(e).__name__}: {e}"
+                        ) from e
+                    if check and not _finite(pg):
+                        raise _backward_anomaly(n, p, g, pg, values)
                     acc = p._g
                     if acc is None:
                         p._g = pg
@@ -788,11 +1051,21 @@ class ComputeGraph:
                     else:
                         p._g = acc + pg
                         p._gown = True
-        except BaseException:  # leave no half-accumulated gradients behind if a VJP raised
+        except BaseException:  # leave no half-propagated gradients behind
             for n in plan:
                 n._g = None
                 n._gown = False
+            for r, _ in roots:
+                r._g = None
+                r._gown = False
             raise
+        for n, g, own in staged:  # the sweep succeeded: commit
+            if n.grad is None:
+                n.grad = g if own else np.array(g)
+            elif n.op is None:
+                n.grad += g
+            else:
+                n.grad = n.grad + g
         return found
 
     def zero_grad(self) -> None:
@@ -802,3 +1075,38 @@ class ComputeGraph:
 
 
 _by_serial = attrgetter("serial")
+_ALL = "*"  # key of ComputeGraph._fresh meaning every node of the graph
+
+
+def _forward_anomaly(node: ComputeNode, values: Sequence[Any], result: Any) -> NonFiniteError:
+    """The error for the first non-finite value, computed by ``node`` from ``values``."""
+    kind = _first_kind(result)
+    bad = [p for p, v in zip(node.parents, values) if not _finite(v)]
+    if bad:  # only a leaf can be non-finite already: every op value was checked when computed
+        head = f"{kind} enters at {node.describe()} ({node.op.name}) from {bad[0].describe()}, which is already non-finite"
+    else:
+        reason = None
+        hint = _ANOMALY_HINTS.get(node.op.name)
+        if hint is not None:
+            with contextlib.suppress(Exception):
+                reason = hint(*values)
+        head = f"{kind} first appears at {node.describe()}: " + (
+            reason or f"{node.op.name} of finite inputs gave {kind}"
+        )
+    lines = [head, *(f"  input {p.describe()}: {_summary(v)}" for p, v in zip(node.parents, values))]
+    lines.append(f"  output: {_summary(result)}")
+    return NonFiniteError("\n".join(lines))
+
+
+def _backward_anomaly(
+    node: ComputeNode, parent: ComputeNode, g: Any, pg: Any, values: Sequence[Any]
+) -> NonFiniteError:
+    """The error for the first non-finite gradient, produced by ``node``'s VJP for ``parent``."""
+    lines = [
+        f"{_first_kind(pg)} first appears in backward at {node.describe()}: the VJP of {node.op.name} "
+        f"gave a non-finite gradient for its input {parent.describe()} from a finite incoming gradient",
+        f"  incoming gradient: {_summary(g)}",
+        *(f"  input {p.describe()}: {_summary(v)}" for p, v in zip(node.parents, values)),
+        f"  output: {_summary(node._value)}",
+    ]
+    return NonFiniteError("\n".join(lines))

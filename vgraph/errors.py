@@ -34,7 +34,8 @@ class SelectorError(BuildError):
 
 
 class GraphStateError(VGraphError, RuntimeError):
-    """An operation that the graph's current state does not allow (e.g. a second backward)."""
+    """An operation that the graph's current state does not allow (e.g. a second backward, or a
+    backward that would read values older than the inputs they were computed from)."""
 
 
 class StructureChangedError(GraphStateError):
@@ -54,3 +55,14 @@ class CheckpointError(VGraphError):
 
 class RenderError(VGraphError):
     """A graph that cannot be drawn, e.g. because Graphviz's ``dot`` program is missing."""
+
+
+class BackwardError(VGraphError, RuntimeError):
+    """A vector-Jacobian product failed during backward; names the node whose VJP raised.
+
+    The original exception is the ``__cause__``. No ``.grad`` was changed by the failed backward.
+    """
+
+
+class NonFiniteError(VGraphError, FloatingPointError):
+    """Anomaly detection found the first NaN or Inf: names the unrolled node that produced it."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..compute import ComputeGraph, ComputeNode, NodeKey, _as_value, no_grad
+from ..compute import _ALL, ComputeGraph, ComputeNode, NodeKey, _as_value, no_grad
 from ..errors import BuildError, FeedError, LoopLimitError, SelectorError, ShapeError, StructureChangedError
 from ..ops import OPS, Op
 from .graph import VirtualGraph
@@ -80,27 +80,23 @@ class UnrolledGraph(ComputeGraph):
             )
         return env[what]
 
-    def _resolve(self, x: Any) -> Any:
-        if isinstance(x, VirtualNode):
-            return self.node(x)
-        if isinstance(x, (list, tuple)):
-            return [self._resolve(y) for y in x]
-        return x
+    _NODE_ARG = "a ComputeNode of this graph or a VirtualNode it was built from"
 
-    def forward(self, target: Any = None, explain: bool = False) -> Any:
+    def _resolve(self, x: Any) -> Any:
+        return self.node(x) if isinstance(x, VirtualNode) else x
+
+    def __contains__(self, what: object) -> bool:
+        """Whether a key names a node of this graph, or a virtual node has a copy in it."""
+        if isinstance(what, VirtualNode):
+            return bool(self._copies_of(what))
+        return super().__contains__(what)
+
+    def forward(self, target: Any = None, explain: bool = False, detect_anomaly: bool = False) -> Any:
         """:meth:`ComputeGraph.forward`; ``target`` defaults to the build's outputs (one value for a
         single output, else a list) and may be given as virtual nodes."""
         if target is None:
             target = self.outputs[0] if len(self.outputs) == 1 else self.outputs
-        return super().forward(self._resolve(target), explain)
-
-    def backward_ex(self, loss: Any, seed: Any = None, retain_graph: bool = False) -> float | None:
-        return super().backward_ex(self._resolve(loss), seed, retain_graph)
-
-    def grad(
-        self, outputs: Any, inputs: Any, seeds: Any = None, retain_graph: bool = False
-    ) -> list[np.ndarray]:
-        return super().grad(self._resolve(outputs), self._resolve(inputs), seeds, retain_graph)
+        return super().forward(target, explain, detect_anomaly)
 
     def feed(self, values: Mapping[str, Any]) -> None:
         """Give inputs new values by name (checked like a build's feed); then call ``forward``.
@@ -477,6 +473,7 @@ def build_compute_graph(
     cg = builder.cg
     cg._envs[(None, ())] = top.env
     cg.outputs = [top.env[o] for o in outs]
+    cg._mark_fresh([_ALL])  # every node was computed from its parents' current values
     for name, node in builder.new_params.items():  # commit only after success
         graph.params._add(name, node)
     graph.latest_build = cg
