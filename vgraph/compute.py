@@ -113,7 +113,11 @@ def detect_anomaly(enabled: bool = True) -> Iterator[None]:
     previous = _Anomaly.enabled
     _Anomaly.enabled = enabled
     try:
-        yield
+        if enabled:  # the error says it all: no numpy warning before it
+            with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+                yield
+        else:
+            yield
     finally:
         _Anomaly.enabled = previous
 
@@ -165,7 +169,11 @@ def _first_kind(arr: Any) -> str:
 # Why an op produced a non-finite value from finite inputs, where the op makes that common.
 _ANOMALY_HINTS: dict[str, Callable[..., str | None]] = {
     "Log": lambda x: (
-        f"log of a negative input (min {np.min(x):.4g})" if np.min(x) < 0 else "log of zero" if np.min(x) == 0 else None
+        f"log of a negative input (min {np.min(x):.4g})"
+        if np.min(x) < 0
+        else "log of zero"
+        if np.min(x) == 0
+        else None
     ),
     "Div": lambda a, b: "division by zero" if np.any(np.asarray(b) == 0) else None,
     "Exp": lambda x: f"exp overflowed (max input {np.max(x):.4g})",
@@ -217,7 +225,10 @@ def _as_value(value: Any, float_dtype: np.dtype) -> np.ndarray:
         return np.asarray(value)
     if isinstance(value, (int, float)):
         return np.asarray(value, dtype=float_dtype)
-    arr = np.asarray(value)
+    try:
+        arr = np.asarray(value)
+    except ValueError as e:  # numpy refuses ragged nested sequences
+        raise ValueError(f"not a rectangular array (nested sequences of different lengths?): {e}") from None
     if arr.dtype.kind == "f" and arr.dtype != float_dtype:
         arr = arr.astype(float_dtype)
     elif arr.dtype.kind not in "fiub":

@@ -31,11 +31,17 @@ class VirtualGraph:
             its own generator derived from ``(seed, parameter id, idx)``, so initial values do not
             depend on build order.
         name: a display name.
+
+    Raises:
+        TypeError: ``seed`` is not an int, or ``dtype`` is not a float dtype.
+        ValueError: ``seed`` is negative.
     """
 
     def __init__(self, dtype: Any = None, seed: int = 0, name: str | None = None) -> None:
         self.dtype = np.dtype(dtype) if dtype is not None else get_default_dtype()
-        self.seed = seed
+        if self.dtype.kind != "f":
+            raise TypeError(f"a VirtualGraph's dtype must be a float dtype, got {self.dtype}")
+        self.seed = _seed_arg(seed, "VirtualGraph(seed=...)")
         self.name = name
         self.nodes: list[VirtualNode] = []  # in a topological order (declaration order)
         self.params = ParameterStore()
@@ -113,9 +119,11 @@ class VirtualGraph:
             shape: the expected shape, ``None`` for any size on an axis (e.g. ``(None, None, 8)``
                 for ``(time, batch, features)``); ``None`` for any shape.
         """
+        _name_arg(name, "input")
         if name in self._inputs:
             raise BuildError(f"the graph already has an input named {name!r}")
-        shape = None if shape is None else tuple(shape)
+        if shape is not None:
+            shape = _shape_arg(shape, f"input {name!r}", allow_none=True)
         node = VirtualNode(self, "Input", "input", (), {"shape": shape}, name, None)
         self._inputs[name] = node
         return node
@@ -134,6 +142,8 @@ class VirtualGraph:
         At build time ``fn(rng, like_value, training)`` gives the value; ``rng`` is derived from the
         graph's seed and a build counter, so a sequence of builds is reproducible.
         """
+        if not callable(fn):
+            raise TypeError(f"sample(): fn must be callable as fn(rng, like_value, training), got {fn!r}")
         node = self._as_node(like)
         return VirtualNode(self, "Sample", "sample", (node,), {"fn": fn}, name, self._scope())
 
@@ -160,14 +170,33 @@ class VirtualGraph:
             seed: overrides the graph's seed for this parameter.
 
         Raises:
-            BuildError: a duplicate name, or neither shape nor an array ``init``.
-            ShapeError: an array ``init`` whose shape differs from ``shape``.
+            BuildError: a duplicate name, a name containing ``@`` (reserved for untied copies,
+                ``W@3``), neither shape nor an array ``init``, or an initialiser that fails.
+            ShapeError: an array ``init`` whose shape differs from ``shape``, or an initialiser
+                that returns another shape.
+            TypeError: a shape that is not a sequence of ints, an ``init`` that is not an
+                initialiser, a name, or an array, or a ``seed`` that is not an int.
+            ValueError: a negative dimension or seed, or an unknown initialiser name.
+
+        The declaration is checked completely (including one call of the initialiser) before
+        anything is registered: a failed call leaves the graph as it was.
         """
+        _name_arg(name, "parameter")
+        if "@" in name:
+            raise BuildError(
+                f"parameter name {name!r} contains '@', which names untied copies in the store and in "
+                "checkpoints (W@3 is the copy of W for iteration 3): choose another name"
+            )
         if name in self._param_decls:
             raise BuildError(f"the graph already has a parameter named {name!r}")
-        if isinstance(init, (np.ndarray, list)) or (np.isscalar(init) and not isinstance(init, str)):
-            value = np.array(init, dtype=self.dtype)
-            if shape is not None and tuple(shape) != value.shape:
+        if seed is not None:
+            seed = _seed_arg(seed, f"parameter {name!r}: seed")
+        if isinstance(init, (np.ndarray, list, tuple)) or (np.isscalar(init) and not isinstance(init, str)):
+            try:
+                value = np.array(_as_value(init, self.dtype), dtype=self.dtype)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"parameter {name!r}: init= is not a numeric array: {e}") from None
+            if shape is not None and _shape_arg(shape, f"parameter {name!r}") != value.shape:
                 raise ShapeError(
                     f"parameter {name!r}: init array has shape {value.shape}, declared {tuple(shape)}"
                 )
@@ -176,29 +205,47 @@ class VirtualGraph:
         else:
             if shape is None:
                 raise BuildError(f"parameter {name!r} needs a shape (or an array as init)")
-            shape = tuple(int(s) for s in shape)
+            shape = _shape_arg(shape, f"parameter {name!r}")
+            if init is not None and not isinstance(init, str) and not callable(init):
+                raise TypeError(
+                    f"parameter {name!r}: init= must be an initialiser (callable as init(shape, rng, "
+                    f"dtype)), an initialiser's name, or an array; got {type(init).__name__}"
+                )
             init_fn = initializers.get(init, shape)
         scope = self._scope()
-        attrs = {"shape": shape, "init": init_fn, "share": share or scope is None, "seed": seed}
+        attrs = {"shape": shape, "init": init_fn, "share": bool(share) or scope is None, "seed": seed}
+        pid = self._counters.get("Parameter", 0) + 1  # the id the node will get
+        # Run the initialiser once now (for an untied parameter, as its first copy would), so
+        # that a failing one is reported here and not half-way through a build.
+        first = self._initial_value(name, attrs, pid, () if attrs["share"] else (0,) * _depth(scope))
         node = VirtualNode(self, "Parameter", "parameter", (), attrs, name, scope)
         self._param_decls[name] = node
         if attrs["share"]:
-            self.params._add(name, self._new_parameter(node, ()))
+            self.params._add(
+                name, ComputeNode(NodeKey("Parameter", pid, ()), first, requires_grad=True, name=name)
+            )
         return node
+
+    def _initial_value(self, name: str, attrs: dict[str, Any], pid: int, idx: tuple[int, ...]) -> np.ndarray:
+        """A parameter's initial value for iteration path ``idx``, from ``(seed, pid, idx)``."""
+        init = attrs["init"]
+        if isinstance(init, np.ndarray):
+            return init.copy()
+        seed = self.seed if attrs["seed"] is None else attrs["seed"]
+        what = f"<Parameter:{pid}{'@' + '.'.join(map(str, idx)) if idx else ''}> {name!r}"
+        try:
+            value = np.asarray(init(attrs["shape"], np.random.default_rng([seed, pid, *idx]), self.dtype))
+        except Exception as e:
+            raise BuildError(f"{what}: the initialiser raised {type(e).__name__}: {e}") from e
+        if value.shape != attrs["shape"]:
+            raise ShapeError(f"{what}: initialiser returned shape {value.shape}, expected {attrs['shape']}")
+        if value.dtype.kind not in "fiub":
+            raise TypeError(f"{what}: initialiser returned a non-numeric array (dtype {value.dtype})")
+        return value.astype(self.dtype, copy=False)
 
     def _new_parameter(self, decl: VirtualNode, idx: tuple[int, ...]) -> ComputeNode:
         attrs = decl.attrs
-        init = attrs["init"]
-        if isinstance(init, np.ndarray):
-            value = init.copy()
-        else:
-            seed = self.seed if attrs["seed"] is None else attrs["seed"]
-            rng = np.random.default_rng([seed, decl.id, *idx])
-            value = np.asarray(init(attrs["shape"], rng, self.dtype), dtype=self.dtype)
-            if value.shape != attrs["shape"]:
-                raise ShapeError(
-                    f"{decl.describe(idx)}: initialiser returned shape {value.shape}, expected {attrs['shape']}"
-                )
+        value = self._initial_value(decl.name, attrs, decl.id, idx)
         key = NodeKey("Parameter", decl.id, () if attrs["share"] else idx)
         return ComputeNode(key, value, requires_grad=True, name=_store_name(decl, idx))
 
@@ -217,9 +264,19 @@ class VirtualGraph:
                 (``state`` maps carry names to arrays); the loop stops when it is false.
             max_iters: a guard: more iterations than this is a :class:`LoopLimitError`.
             name: a display name.
+
+        Raises:
+            BuildError: ``times`` is not a non-negative int.
+            TypeError: ``while_`` is not callable, or ``max_iters`` is not an int.
+            ValueError: ``max_iters`` is negative.
         """
-        if times is not None and (not isinstance(times, (int, np.integer)) or times < 0):
+        if times is not None and (
+            isinstance(times, bool) or not isinstance(times, (int, np.integer)) or times < 0
+        ):
             raise BuildError(f"loop times= must be a non-negative int, got {times!r}")
+        if while_ is not None and not callable(while_):
+            raise TypeError(f"loop while_= must be callable as while_(t, state) -> bool, got {while_!r}")
+        max_iters = _count_arg(max_iters, "loop max_iters=")
         return LoopNode(self, None if times is None else int(times), while_, max_iters, name)
 
     def branch(
@@ -229,7 +286,16 @@ class VirtualGraph:
         keys: Sequence[Any] = (),
         name: str | None = None,
     ) -> BranchNode:
-        """Declare a switch: ``options[selector(*key_values)]`` (see :class:`BranchNode`)."""
+        """Declare a switch: ``options[selector(*key_values)]`` (see :class:`BranchNode`).
+
+        Raises:
+            TypeError: ``selector`` is not callable.
+            BuildError: no options, or an option or key that is not visible here.
+        """
+        if not callable(selector):
+            raise TypeError(
+                f"branch selector must be callable as selector(*key_values) -> int, got {selector!r}"
+            )
         if len(options) < 1:
             raise BuildError("a branch needs at least one option")
         opts = tuple(self._as_node(o) for o in options)
@@ -251,11 +317,17 @@ class VirtualGraph:
             plan = self._plans[key] = _Plan(self, outputs)
         return plan
 
-    def build(self, feed: Mapping[str, Any], outputs: VirtualNode | Sequence[VirtualNode]) -> UnrolledGraph:
+    def build(
+        self,
+        feed: Mapping[str, Any],
+        outputs: VirtualNode | Sequence[VirtualNode],
+        *,
+        detect_anomaly: bool = False,
+    ) -> UnrolledGraph:
         """Unroll for ``feed``; see :func:`build_compute_graph`."""
         from .unroll import build_compute_graph  # unrolling sits above declaring
 
-        return build_compute_graph(self, feed, outputs)
+        return build_compute_graph(self, feed, outputs, detect_anomaly=detect_anomaly)
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Set parameter values from ``state`` (name -> array), checking all of it first.
@@ -295,3 +367,51 @@ class VirtualGraph:
             self.params._add(key, node)
         for key, arr in staged.items():
             self.params[key].set_value(arr)
+
+
+# ---------------------------------------------------------------------------- argument checks
+
+
+def _name_arg(name: Any, what: str) -> None:
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{what} name must be a non-empty str, got {name!r}")
+
+
+def _int_like(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _seed_arg(seed: Any, what: str) -> int:
+    if not _int_like(seed):
+        raise TypeError(f"{what} must be an int, got {type(seed).__name__} {seed!r}")
+    if seed < 0:
+        raise ValueError(
+            f"{what} must be non-negative (numpy's generators refuse negative seeds), got {seed}"
+        )
+    return int(seed)
+
+
+def _count_arg(n: Any, what: str) -> int:
+    if not _int_like(n):
+        raise TypeError(f"{what} must be an int, got {type(n).__name__} {n!r}")
+    if n < 0:
+        raise ValueError(f"{what} must be non-negative, got {n}")
+    return int(n)
+
+
+def _shape_arg(shape: Any, what: str, allow_none: bool = False) -> tuple[Any, ...]:
+    """A shape as a tuple of non-negative ints (and ``None`` where allowed); no silent truncation."""
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+        shape = (shape,)
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError(f"{what}: shape must be a sequence of ints, got {shape!r}") from None
+    for d in dims:
+        if d is None and allow_none:
+            continue
+        if not _int_like(d):
+            raise TypeError(f"{what}: shape {shape!r} has {d!r}, not an int")
+        if d < 0:
+            raise ValueError(f"{what}: shape {shape!r} has a negative dimension")
+    return tuple(d if d is None else int(d) for d in dims)

@@ -105,6 +105,11 @@ class LoopNode(VirtualNode):
         h_final, hs = h, np.stack(collected)
 
     Every iteration's nodes get ``idx = outer_idx + (t,)``. Both outputs are differentiable.
+
+    A carry keeps its shape and dtype from iteration to iteration (a :class:`ShapeError` at
+    build time names the loop, the carry and the iteration otherwise); only the first update may
+    broadcast the initial value (a learnable ``(1, H)`` state becomes ``(B, H)``) or cast it
+    safely (int to float). To collect values of growing size, use :meth:`stack`.
     """
 
     __slots__ = ("times", "cond", "max_iters", "carries", "updates", "sequences", "items", "closed", "body")

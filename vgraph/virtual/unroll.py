@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..compute import _ALL, ComputeGraph, ComputeNode, NodeKey, _as_value, no_grad
+from ..compute import _ALL, ComputeGraph, ComputeNode, NodeKey, _anomaly_scope, _as_value, no_grad
 from ..errors import BuildError, FeedError, LoopLimitError, SelectorError, ShapeError, StructureChangedError
 from ..ops import OPS, Op
 from .graph import VirtualGraph
@@ -132,7 +132,7 @@ def _check_feed_value(decl: VirtualNode, value: Any, dtype: np.dtype) -> np.ndar
     try:
         # a copy: the graph must not see the caller's later in-place changes (no version bump)
         arr = np.array(_as_value(value, dtype))
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise FeedError(f"input {decl.name!r}: {e}") from None
     shape = decl.attrs["shape"]
     if shape is not None and (
@@ -193,7 +193,7 @@ class _Builder:
         elif kind == "loop":
             self.run_loop(v, frame)
         elif kind == "branch":
-            self.run_branch(v, frame)
+            self.demand(v, frame)
         elif kind == "stacked":  # a loop sets its outputs when it runs, a stack only if it iterated
             loop, idx = v.inputs[0], frame.idx
             raise BuildError(f"{v.describe(idx)}: {loop.describe(idx)} ran no iteration, nothing to stack")
@@ -212,8 +212,13 @@ class _Builder:
         return node
 
     def demand(self, target: VirtualNode, frame: _Frame) -> ComputeNode:
-        """Build ``target`` and whatever it needs that is not built yet (iteratively)."""
+        """Build ``target`` and whatever it needs that is not built yet.
+
+        Iterative, branches included: a branch whose keys are built chooses, then waits on the
+        stack for its option, so a chain of 10,000 branches needs no recursion.
+        """
         stack = [target]
+        choices: dict[VirtualNode, int] = {}
         while stack:
             v = stack[-1]
             f = frame.owner(v)
@@ -224,7 +229,17 @@ class _Builder:
             if missing:
                 stack.extend(missing)
                 continue
-            self.build_node(v, f)
+            if v.kind == "branch":
+                choice = choices.get(v)
+                if choice is None:
+                    choice = choices[v] = self.choose(v, f)
+                option = v.options[choice]
+                if option not in frame.owner(option).env:
+                    stack.append(option)
+                    continue
+                self.finish_branch(v, f, choice)
+            else:
+                self.build_node(v, f)
             stack.pop()
         return frame.owner(target).env[target]
 
@@ -292,7 +307,16 @@ class _Builder:
                 )
             self.run_scope(inner)
             cg._envs[(loop, inner.idx)] = ienv
-            state = [ienv[loop.updates[c]] for c in loop.carries]
+            new_state = [ienv[loop.updates[c]] for c in loop.carries]
+            for c, old, new in zip(loop.carries, state, new_state):
+                a, b = old._value, new._value
+                if (a.shape != b.shape or a.dtype != b.dtype) and not (t == 0 and _widens(a, b)):
+                    raise ShapeError(
+                        f"{loop.describe(idx)}: carry {c.name!r} enters iteration {t} as {a.dtype}{list(a.shape)} "
+                        f"but is updated to {b.dtype}{list(b.shape)} by {new.describe()}; a carry must keep "
+                        "its shape and dtype (to collect values of growing size, use loop.stack)"
+                    )
+            state = new_state
             for bucket, s in zip(collected, stacked):
                 bucket.append(ienv[s.inputs[1]])
             t += 1
@@ -305,11 +329,16 @@ class _Builder:
                 continue
             env[s] = cg._add_op(_STACK, tuple(bucket), {"axis": 0}, NodeKey("Stack", s.id, idx), s.name)
 
-    def run_branch(self, branch: BranchNode, frame: _Frame) -> None:
+    def choose(self, branch: BranchNode, frame: _Frame) -> int:
+        """Run ``branch``'s selector on its keys' values (built by now)."""
+        return _select(branch, frame.idx, [frame.owner(k).env[k].value for k in branch.keys])
+
+    def finish_branch(self, branch: BranchNode, frame: _Frame, choice: int) -> None:
+        """Add the branch node once its chosen option is built: it passes the option on and
+        re-checks the choice on every forward."""
         idx = frame.idx
         keys = [frame.owner(k).env[k] for k in branch.keys]
-        choice = _select(branch, idx, [k.value for k in keys])
-        option = self.demand(branch.options[choice], frame)
+        option = frame.owner(branch.options[choice]).env[branch.options[choice]]
         self.cg.decisions.append(Decision(branch, idx, "option", choice))
 
         def forward(x: np.ndarray, *key_values: np.ndarray) -> np.ndarray:
@@ -327,8 +356,21 @@ class _Builder:
         )
 
 
+def _widens(init: np.ndarray, first: np.ndarray) -> bool:
+    """Whether a carry's first update only broadcasts and safely casts its initial value (a
+    learnable ``(1, H)`` initial state becomes ``(B, H)`` after the first step)."""
+    try:
+        shape_ok = np.broadcast_shapes(init.shape, first.shape) == first.shape
+    except ValueError:
+        return False
+    return shape_ok and np.can_cast(init.dtype, first.dtype)
+
+
 def _select(branch: BranchNode, idx: tuple[int, ...], values: Sequence[np.ndarray]) -> int:
-    choice = branch.selector(*values)
+    try:
+        choice = branch.selector(*values)
+    except Exception as e:
+        raise SelectorError(f"{branch.describe(idx)}: the selector raised {type(e).__name__}: {e}") from e
     if isinstance(choice, (bool, np.bool_)):
         choice = int(choice)
     if not isinstance(choice, (int, np.integer)):
@@ -347,7 +389,17 @@ def _select(branch: BranchNode, idx: tuple[int, ...], values: Sequence[np.ndarra
 def _run_cond(
     loop: LoopNode, idx: tuple[int, ...], t: int, names: list[str], values: list[np.ndarray]
 ) -> bool:
-    result = loop.cond(t, dict(zip(names, values)))
+    try:
+        result = loop.cond(t, dict(zip(names, values)))
+    except Exception as e:
+        raise BuildError(
+            f"{loop.describe(idx)}: the while_ condition raised {type(e).__name__}: {e} at iteration {t}"
+        ) from e
+    if not isinstance(result, (bool, int, np.bool_, np.integer, np.ndarray)):
+        raise BuildError(
+            f"{loop.describe(idx)}: the while_ condition returned {result!r} ({type(result).__name__}) at "
+            f"iteration {t}; it must return a bool (did it forget a return statement?)"
+        )
     try:
         return bool(result)
     except ValueError:
@@ -401,7 +453,11 @@ def _gc_paused():
 
 
 def build_compute_graph(
-    graph: VirtualGraph, feed: Mapping[str, Any], outputs: VirtualNode | Sequence[VirtualNode]
+    graph: VirtualGraph,
+    feed: Mapping[str, Any],
+    outputs: VirtualNode | Sequence[VirtualNode],
+    *,
+    detect_anomaly: bool = False,
 ) -> UnrolledGraph:
     """Unroll ``graph`` for the values in ``feed`` into a new :class:`UnrolledGraph`.
 
@@ -419,6 +475,8 @@ def build_compute_graph(
         graph: the model.
         feed: a value for each input the outputs need, by input name.
         outputs: top-level virtual nodes to build.
+        detect_anomaly: raise :class:`~vgraph.errors.NonFiniteError` at the first NaN/Inf value
+            (see :func:`vgraph.detect_anomaly`).
 
     Returns:
         The unrolled graph; ``cg.outputs`` holds the outputs' compute nodes.
@@ -465,7 +523,11 @@ def build_compute_graph(
     try:
         builder = _Builder(graph, values, plan)
         top = _Frame(None, (), {}, None)
-        with contextlib.nullcontext() if graph.training else no_grad(), _gc_paused():
+        with (
+            contextlib.nullcontext() if graph.training else no_grad(),
+            _anomaly_scope(detect_anomaly),
+            _gc_paused(),
+        ):
             builder.run_scope(top)
     except BaseException:
         graph.latest_build = previous() if previous is not None else None
