@@ -202,6 +202,8 @@ GETITEM = [
 ]
 for sid, index_of in GETITEM:
     case(sid, "GetItem", index_of, index_of, normal(4, 5))
+# Hoisted: one iteration's row of a hoisted loop-body node (GetItem with an int index).
+case("row", "Hoisted", lambda x: x.graph.apply("Hoisted", [x], {"index": 2}), lambda x: x[2], normal(4, 3, 5))
 
 # Concat and Stack: several inputs, different axes.
 for shapes, axis in [

@@ -121,7 +121,7 @@ def rnn(T: int = 4, H: int = 3, B: int = 2, I: int = 2, seed: int = 0):
 
 def unrolled_rnn(T: int = 4, **kw):
     g, loss, feed = rnn(T, **kw)
-    return g, loss, g.build(feed, loss)
+    return g, loss, g.build(feed, loss, hoist=False)  # hoisted drawing: see the merge with render/
 
 
 def load_model(name: str):

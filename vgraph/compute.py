@@ -39,7 +39,7 @@ from .errors import (
     VGraphError,
 )
 from .functions import Operand
-from .ops import OPS, Op, unbroadcast
+from .ops import OPS, LazyGrad, Op, add_grads, unbroadcast
 
 # ---------------------------------------------------------------------------- settings
 
@@ -134,7 +134,7 @@ def _anomaly_scope(on: bool) -> contextlib.AbstractContextManager[None]:
 
 def _finite(x: Any) -> bool:
     """Whether every element of a float array is finite (integer and bool arrays always are)."""
-    arr = np.asarray(x)
+    arr = x.dense() if isinstance(x, LazyGrad) else np.asarray(x)
     return arr.dtype.kind not in "fc" or bool(np.isfinite(arr).all())
 
 
@@ -1017,7 +1017,7 @@ class ComputeGraph:
             for r, g in roots:
                 if check and not _finite(g):
                     raise NonFiniteError(f"the seed gradient of {r.describe()} has {_first_kind(g)}")
-                r._g = g if r._g is None else r._g + g
+                r._g = g if r._g is None else add_grads(r._g, g)
             for n in plan:
                 g = n._g
                 if g is None:
@@ -1025,6 +1025,9 @@ class ComputeGraph:
                 n._g = None
                 own = n._gown
                 n._gown = False
+                if isinstance(g, LazyGrad):  # every contribution is in: make it an array
+                    g = g.dense()
+                    own = True
                 if wanted is not None and n in wanted:
                     found[n] = g if own else np.array(g)
                 if n.op is None:
@@ -1058,9 +1061,12 @@ class ComputeGraph:
                     if acc is None:
                         p._g = pg
                     elif p._gown and type(acc) is np.ndarray:
-                        np.add(acc, pg, out=acc)
+                        if isinstance(pg, LazyGrad):
+                            pg.add_into(acc)
+                        else:
+                            np.add(acc, pg, out=acc)
                     else:
-                        p._g = acc + pg
+                        p._g = add_grads(acc, pg)
                         p._gown = True
         except BaseException:  # leave no half-propagated gradients behind
             for n in plan:
@@ -1091,17 +1097,31 @@ _ALL = "*"  # key of ComputeGraph._fresh meaning every node of the graph
 
 def _forward_anomaly(node: ComputeNode, values: Sequence[Any], result: Any) -> NonFiniteError:
     """The error for the first non-finite value, computed by ``node`` from ``values``."""
+    where = node.describe()
+    if node.key.type.endswith("*") and np.ndim(result) > 0:
+        # A hoisted loop-body node computed for every iteration at once (vgraph.virtual.hoist):
+        # name the first iteration's copy, and look at that iteration's rows of the stepped
+        # inputs (those with the result's rank: the iteration axis plus each step's axes).
+        rows = np.isfinite(np.reshape(result, (len(result), -1))).all(axis=1)
+        t = int(np.argmin(rows))
+        copy = NodeKey(node.key.type[:-1], node.key.id, (*node.key.idx, t))
+        where = f"<{copy}>" + (f" '{node.name}'" if node.name else "")
+        where += f" (hoisted: computed for every iteration by {node.describe()})"
+        values = [v[t] if np.ndim(v) == np.ndim(result) else v for v in values]
+        result = result[t]
     kind = _first_kind(result)
     bad = [p for p, v in zip(node.parents, values) if not _finite(v)]
     if bad:  # only a leaf can be non-finite already: every op value was checked when computed
-        head = f"{kind} enters at {node.describe()} ({node.op.name}) from {bad[0].describe()}, which is already non-finite"
+        head = (
+            f"{kind} enters at {where} ({node.op.name}) from {bad[0].describe()}, which is already non-finite"
+        )
     else:
         reason = None
         hint = _ANOMALY_HINTS.get(node.op.name)
         if hint is not None:
             with contextlib.suppress(Exception):
                 reason = hint(*values)
-        head = f"{kind} first appears at {node.describe()}: " + (
+        head = f"{kind} first appears at {where}: " + (
             reason or f"{node.op.name} of finite inputs gave {kind}"
         )
     lines = [head, *(f"  input {p.describe()}: {_summary(v)}" for p, v in zip(node.parents, values))]

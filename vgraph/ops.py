@@ -55,6 +55,110 @@ def defop(name: str, forward: Callable[..., Any], *vjps: VJP | None, variadic: b
     return op
 
 
+class LazyGrad:
+    """A gradient contribution kept in a cheaper form than a dense array until it is needed.
+
+    A VJP may return one instead of an array. The engine adds it into a gradient buffer it owns
+    (:meth:`add_into`), merges two of them (:meth:`merge`), and turns what reached a node into an
+    array only when that node's turn comes in the backward sweep (:meth:`dense`). This is what
+    keeps stepping through a sequence O(T): each step's gradient lands in one shared buffer.
+
+    Attributes:
+        shape: the shape of the input the gradient is for.
+        dtype: its dtype.
+    """
+
+    __slots__ = ("dtype", "shape")
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any) -> None:
+        self.shape = shape
+        self.dtype = dtype
+
+    def add_into(self, acc: np.ndarray) -> None:
+        """Add this contribution into ``acc`` (shape :attr:`shape`) in place."""
+        raise NotImplementedError
+
+    def dense(self) -> np.ndarray:
+        """This contribution as a new array."""
+        out = np.zeros(self.shape, dtype=self.dtype)
+        self.add_into(out)
+        return out
+
+    def merge(self, other: LazyGrad) -> LazyGrad | np.ndarray:
+        """The sum of two contributions; the default is a new dense array."""
+        out = self.dense()
+        other.add_into(out)
+        return out
+
+
+class IndexedGrad(LazyGrad):
+    """``g`` placed at ``index`` of a zero array of ``shape`` (the VJP of an indexing op)."""
+
+    __slots__ = ("basic", "g", "index")
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any, index: Any, g: np.ndarray, basic: bool) -> None:
+        super().__init__(shape, dtype)
+        self.index = index
+        self.g = g
+        self.basic = basic  # a basic index selects each element at most once
+
+    def add_into(self, acc: np.ndarray) -> None:
+        if self.basic:
+            acc[self.index] += self.g
+        else:
+            np.add.at(acc, self.index, self.g)  # integer arrays may repeat rows: accumulate
+
+
+class RowsProductGrad(LazyGrad):
+    """``sum_k a_k.T @ g_k`` over 2-D ``a_k`` (rows, I) and ``g_k`` (rows, H): the gradient of a
+    weight ``W`` in ``x @ W``, collected over every use of ``W`` (every iteration of a loop) and
+    computed as one stacked product when all uses are in — one ``(I, T*rows) @ (T*rows, H)`` call
+    instead of T small products and T additions."""
+
+    __slots__ = ("a", "g")
+
+    def __init__(self, a: np.ndarray, g: np.ndarray) -> None:
+        super().__init__((a.shape[1], g.shape[1]), np.result_type(a, g))
+        self.a = [a]
+        self.g = [g]
+
+    def dense(self) -> np.ndarray:
+        if len(self.a) == 1:
+            return self.a[0].T @ self.g[0]
+        return np.concatenate(self.a).T @ np.concatenate(self.g)
+
+    def add_into(self, acc: np.ndarray) -> None:
+        acc += self.dense()
+
+    def merge(self, other: LazyGrad) -> LazyGrad | np.ndarray:
+        if isinstance(other, RowsProductGrad):  # self is one node's pending gradient: extend it
+            self.a.extend(other.a)
+            self.g.extend(other.g)
+            return self
+        return super().merge(other)
+
+
+def as_array(g: Any) -> np.ndarray:
+    """A VJP's result as an array (a :class:`LazyGrad` is made dense), for callers of VJPs other
+    than the engine's backward sweep."""
+    return g.dense() if isinstance(g, LazyGrad) else np.asarray(g)
+
+
+def add_grads(acc: Any, g: Any) -> Any:
+    """``acc + g`` as a new value, for gradients that may be :class:`LazyGrad` s."""
+    if isinstance(acc, LazyGrad):
+        if isinstance(g, LazyGrad):
+            return acc.merge(g)
+        out = np.array(g, dtype=acc.dtype)
+        acc.add_into(out)
+        return out
+    if isinstance(g, LazyGrad):
+        out = np.array(acc, dtype=g.dtype)
+        g.add_into(out)
+        return out
+    return acc + g
+
+
 def unbroadcast(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """Sum ``g`` over the axes numpy broadcasting added or stretched, giving an array of ``shape``."""
     g = np.asarray(g)
@@ -105,9 +209,20 @@ defop(
 
 
 # ---------------------------------------------------------------------------- linear algebra
-def _matmul_vjp(g: np.ndarray, a: np.ndarray, b: np.ndarray, wrt: int) -> np.ndarray:
-    if a.ndim == 2 and b.ndim == 2:
-        return g @ b.T if wrt == 0 else a.T @ g
+def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    if a.ndim > 2 and b.ndim == 2:  # (..., I) @ (I, H) as one 2-D product: numpy's stacked
+        rows = a.reshape(-1, a.shape[-1])  # matmul loops over the leading axes, ~10x slower
+        return (rows @ b).reshape(*a.shape[:-1], b.shape[-1])
+    return np.matmul(a, b)
+
+
+def _matmul_vjp(g: np.ndarray, a: np.ndarray, b: np.ndarray, wrt: int) -> Any:
+    if b.ndim == 2 and a.ndim >= 2:
+        if wrt == 0:  # g (..., H) @ b.T, as one 2-D product
+            return (g.reshape(-1, g.shape[-1]) @ b.T).reshape(a.shape)
+        # Every use of a weight in a loop contributes a_t^T g_t: collect them and compute one
+        # (T*rows)-row product when the weight's turn comes (see RowsProductGrad).
+        return RowsProductGrad(a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1]))
     # General case: promote 1-D operands to matrices as np.matmul does, then undo it.
     a2 = a[None, :] if a.ndim == 1 else a
     b2 = b[:, None] if b.ndim == 1 else b
@@ -125,7 +240,7 @@ def _matmul_vjp(g: np.ndarray, a: np.ndarray, b: np.ndarray, wrt: int) -> np.nda
 
 defop(
     "MatMul",
-    np.matmul,
+    _matmul,
     lambda g, ans, a, b: _matmul_vjp(g, a, b, 0),
     lambda g, ans, a, b: _matmul_vjp(g, a, b, 1),
 )
@@ -221,22 +336,17 @@ def _is_basic_index(index: Any) -> bool:
     return all(isinstance(i, (int, np.integer, slice)) or i is None or i is Ellipsis for i in items)
 
 
-def _getitem_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray, index: Any) -> np.ndarray:
-    out = np.zeros(x.shape, dtype=g.dtype)
-    if _is_basic_index(index):
-        out[index] = g  # a basic index selects each element at most once
-    else:
-        np.add.at(out, index, g)  # integer arrays may repeat rows: accumulate
-    return out
+def _getitem_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray, index: Any) -> IndexedGrad:
+    # Lazy: stepping through a (T, B, H) sequence gives T of these, which the engine adds into one
+    # buffer (O(T) in all) instead of zero-filling a (T, B, H) array per step (O(T^2)).
+    return IndexedGrad(x.shape, g.dtype, index, g, _is_basic_index(index))
 
 
 defop("GetItem", lambda x, index: x[index], _getitem_vjp)
 
 
-def _take_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray, indices: np.ndarray) -> np.ndarray:
-    out = np.zeros(x.shape, dtype=g.dtype)
-    np.add.at(out, indices, g)  # repeated rows accumulate
-    return out
+def _take_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray, indices: np.ndarray) -> IndexedGrad:
+    return IndexedGrad(x.shape, g.dtype, indices, g, False)  # repeated rows accumulate
 
 
 def _take_along_axis_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray, indices: np.ndarray, axis: int = -1):
@@ -279,3 +389,6 @@ defop("Stack", lambda *xs, axis=0: np.stack(xs, axis=axis), _stack_vjp, variadic
 defop("Detach", lambda x: x, None)  # stops the gradient
 defop("Branch", lambda x: x, lambda g, ans, x: g)  # the option a BranchNode selected
 defop("Identity", lambda x: x, lambda g, ans, x: g)
+# One iteration's copy of a hoisted loop-body node: row ``index`` of the node computed for every
+# iteration at once (see vgraph.virtual.hoist). A view; its gradient lands in the group's buffer.
+defop("Hoisted", lambda x, index: x[index], _getitem_vjp)

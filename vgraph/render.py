@@ -43,7 +43,7 @@ import numpy as np
 
 from .compute import ComputeGraph, ComputeNode, NodeKey
 from .errors import GraphStateError, RenderError, VGraphError
-from .ops import unbroadcast
+from .ops import as_array, unbroadcast
 from .virtual import BranchNode, LoopNode, UnrolledGraph, VirtualGraph, VirtualNode
 
 __all__ = [
@@ -1274,7 +1274,7 @@ def gradient_through_time(
             vjp = n.vjps[i] if i < len(n.vjps) else None
             if p is not P or vjp is None:
                 continue
-            pg = np.asarray(vjp(g, n.value, *values, **n.attrs))
+            pg = as_array(vjp(g, n.value, *values, **n.attrs))
             if pg.shape != np.shape(P.value):
                 pg = unbroadcast(pg, np.shape(P.value))
             out[t] += pg

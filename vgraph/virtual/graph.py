@@ -322,12 +322,13 @@ class VirtualGraph:
         feed: Mapping[str, Any],
         outputs: VirtualNode | Sequence[VirtualNode],
         *,
+        hoist: bool = True,
         detect_anomaly: bool = False,
     ) -> UnrolledGraph:
         """Unroll for ``feed``; see :func:`build_compute_graph`."""
         from .unroll import build_compute_graph  # unrolling sits above declaring
 
-        return build_compute_graph(self, feed, outputs, detect_anomaly=detect_anomaly)
+        return build_compute_graph(self, feed, outputs, hoist=hoist, detect_anomaly=detect_anomaly)
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Set parameter values from ``state`` (name -> array), checking all of it first.

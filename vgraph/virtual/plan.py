@@ -30,6 +30,58 @@ def _captures(loop: LoopNode) -> list[VirtualNode]:
     return list(seen)
 
 
+# Ops that act on a leading iteration axis as they act on each iteration's value, given the shape
+# rules of hoist.batched_attrs: elementwise ops, matrix products, last-axis softmaxes, look-ups.
+HOISTABLE_OPS = frozenset(
+    [
+        "Add",
+        "Sub",
+        "Mul",
+        "Div",
+        "Neg",
+        "Pow",
+        "Exp",
+        "Log",
+        "Tanh",
+        "Sigmoid",
+        "Relu",
+        "Softplus",
+        "Step",
+        "Sign",
+        "Abs",
+        "Where",
+        "Identity",
+        "Detach",
+        "MatMul",
+        "Softmax",
+        "LogSoftmax",
+        "Take",
+    ]
+)
+
+
+def _hoistable(loop: LoopNode, eager: Sequence[VirtualNode]) -> list[VirtualNode]:
+    """The body ops of ``loop`` that depend on no carried state, decision or per-iteration sample:
+    only on stepped items, values from outside the body, tied parameters and each other.
+
+    Their copies for all iterations can be computed as one op over the stepped sequence
+    (hoisting). In declaration order, so a hoistable node's hoistable inputs come first.
+    """
+    found: dict[VirtualNode, None] = {}
+    for v in eager:
+        if v.kind != "op" or v.type not in HOISTABLE_OPS:
+            continue
+        if all(
+            u in found
+            or (u.kind == "item" and u.scope is loop)
+            or not _inside(u.scope, loop)
+            or (u.kind == "parameter" and u.scope is loop and u.attrs["share"])
+            for u in v.inputs
+        ):
+            found[v] = None
+    return list(found)
+
+
 class _Plan:
     """Static per-build facts about a VirtualGraph: what each scope builds eagerly and in what order."""
 
@@ -78,6 +130,7 @@ class _Plan:
         for v in graph.nodes:
             if v in eager and v.kind not in ("carry", "item"):
                 self.eager.setdefault(v.scope, []).append(v)
+        self.hoistable = {loop: _hoistable(loop, self.eager.get(loop, ())) for loop in self.captures}
 
     def deps(self, v: VirtualNode) -> Sequence[VirtualNode]:
         """What must be built before ``v`` (branch options excluded: they are built on demand)."""

@@ -17,11 +17,12 @@ from ..compute import _ALL, ComputeGraph, ComputeNode, NodeKey, _anomaly_scope, 
 from ..errors import BuildError, FeedError, LoopLimitError, SelectorError, ShapeError, StructureChangedError
 from ..ops import OPS, Op
 from .graph import VirtualGraph
+from .hoist import hoist_loop
 from .nodes import _NO_LOOP_VALUE, BranchNode, LoopNode, VirtualNode
 from .plan import _Plan
 from .store import _store_name
 
-_GETITEM, _STACK = OPS["GetItem"], OPS["Stack"]
+_GETITEM, _STACK, _HOISTED = OPS["GetItem"], OPS["Stack"], OPS["Hoisted"]
 
 # ---------------------------------------------------------------------------- unrolling
 
@@ -59,6 +60,8 @@ class UnrolledGraph(ComputeGraph):
         self.decisions: list[Decision] = []
         self.inputs: dict[str, ComputeNode] = {}
         self._envs: dict[tuple[LoopNode | None, tuple[int, ...]], dict[VirtualNode, ComputeNode]] = {}
+        # Hoisted groups and their per-iteration copies (row t of the group is copy t).
+        self._groups: dict[ComputeNode, list[ComputeNode]] = {}
 
     def _copies_of(self, v: VirtualNode) -> dict[tuple[int, ...], ComputeNode]:
         return {idx: env[v] for (scope, idx), env in self._envs.items() if scope is v.scope and v in env}
@@ -81,6 +84,61 @@ class UnrolledGraph(ComputeGraph):
         return env[what]
 
     _NODE_ARG = "a ComputeNode of this graph or a VirtualNode it was built from"
+
+    def _add_copy(self, group: ComputeNode, copy: ComputeNode) -> ComputeNode:
+        self._groups.setdefault(group, []).append(copy)
+        return copy
+
+    def _backprop(
+        self,
+        plan: list[ComputeNode],
+        roots: list[tuple[ComputeNode, Any]],
+        accumulate: bool,
+        wanted: set[ComputeNode] | None = None,
+        reach: set[ComputeNode] | None = None,
+    ) -> dict[ComputeNode, np.ndarray]:
+        """:meth:`ComputeGraph._backprop`, plus the gradients of hoisted copies.
+
+        Hoisted groups read each other directly, so a copy's own gradient lacks what hoisted
+        readers contributed; the plain unroll's gradient of copy ``t`` is row ``t`` of its group's
+        gradient (a group's only readers are its copies and other groups). Copies that retain
+        their gradient (``backward``) or are asked for (``grad``) get that row.
+        """
+        if not self._groups:
+            return super()._backprop(plan, roots, accumulate, wanted, reach)
+        if accumulate:
+            watched = {g: [c for c in cs if c.retains_grad] for g, cs in self._groups.items()}
+        else:
+            watched = {g: [c for c in cs if c in wanted] for g, cs in self._groups.items()}
+        watched = {g: cs for g, cs in watched.items() if cs}
+        if not watched:
+            return super()._backprop(plan, roots, accumulate, wanted, reach)
+        if not accumulate:
+            found = super()._backprop(plan, roots, accumulate, {*wanted, *watched}, reach)
+            for g, copies in watched.items():
+                for c in copies:
+                    if g in found:
+                        found[c] = np.array(found[g][c.attrs["index"]])
+            return found
+        saved = {g: (g.retains_grad, g.grad) for g in watched}
+        before = {c: c.grad for cs in watched.values() for c in cs}
+        for g in watched:
+            g.retains_grad, g.grad = True, None
+        try:
+            found = super()._backprop(plan, roots, accumulate, wanted, reach)
+            for g, copies in watched.items():
+                for c in copies:
+                    if g.grad is not None:
+                        row = g.grad[c.attrs["index"]]
+                        c.grad = np.array(row) if before[c] is None else before[c] + row
+        finally:
+            for g, (retains, grad) in saved.items():  # the group's own .grad as the user left it
+                if retains and g.grad is not None:
+                    g.grad = g.grad if grad is None else grad + g.grad
+                else:
+                    g.grad = grad
+                g.retains_grad = retains
+        return found
 
     def _resolve(self, x: Any) -> Any:
         return self.node(x) if isinstance(x, VirtualNode) else x
@@ -162,8 +220,9 @@ class _Frame:
 
 
 class _Builder:
-    def __init__(self, graph: VirtualGraph, feed: Mapping[str, np.ndarray], plan: _Plan):
+    def __init__(self, graph: VirtualGraph, feed: Mapping[str, np.ndarray], plan: _Plan, hoist: bool = True):
         self.graph = graph
+        self.hoist = hoist
         self.feed = feed
         self.plan = plan
         self.cg = UnrolledGraph(graph)
@@ -243,11 +302,12 @@ class _Builder:
             stack.pop()
         return frame.owner(target).env[target]
 
-    def run_scope(self, frame: _Frame) -> None:
+    def run_scope(self, frame: _Frame, order: list[VirtualNode] | None = None) -> None:
         # Declaration order is topological (see LoopNode.__exit__), and a body's env starts with
-        # its captures, so every dependency is built by the time a node's turn comes.
+        # its captures, so every dependency is built by the time a node's turn comes. ``order``
+        # replaces the plan's eager list when some of it is hoisted (already in the env).
         env, idx, add_op = frame.env, frame.idx, self.cg._add_op
-        for v in self.plan.eager.get(frame.scope, ()):
+        for v in self.plan.eager.get(frame.scope, ()) if order is None else order:
             op = v.op
             if op is not None:  # the hot path: most nodes are ops
                 env[v] = add_op(
@@ -276,6 +336,12 @@ class _Builder:
         if seqs:
             cg.guard(seqs, _length_check(loop, idx, length), NodeKey("LengthCheck", loop.id, idx))
         captured = {c: frame.owner(c).env[c] for c in self.plan.captures[loop]}
+        groups: dict[VirtualNode, ComputeNode] = {}
+        if self.hoist and loop.cond is None and self.plan.hoistable[loop]:
+            trips = min(n for n in (loop.times, length) if n is not None)  # known before it starts
+            if 1 < trips <= loop.max_iters:
+                groups = hoist_loop(self, loop, frame, captured, seqs, trips)
+        order = [v for v in self.plan.eager.get(loop, ()) if v not in groups] if groups else None
         stacked = self.plan.stacked.get(loop, [])
         collected: list[list[ComputeNode]] = [[] for _ in stacked]
         names = [c.name for c in loop.carries]
@@ -302,10 +368,16 @@ class _Builder:
             for c, node in zip(loop.carries, state):
                 ienv[c] = node
             for item, node in zip(loop.items, seqs):
-                ienv[item] = cg._add_op(
-                    _GETITEM, (node,), {"index": t}, NodeKey("Item", item.id, inner.idx), item.name
+                if item not in groups:
+                    ienv[item] = cg._add_op(
+                        _GETITEM, (node,), {"index": t}, NodeKey("Item", item.id, inner.idx), item.name
+                    )
+            for v, group in groups.items():  # this iteration's copy of each hoisted node
+                ienv[v] = cg._add_copy(
+                    group,
+                    cg._add_op(_HOISTED, (group,), {"index": t}, NodeKey(v.type, v.id, inner.idx), v.name),
                 )
-            self.run_scope(inner)
+            self.run_scope(inner, order)
             cg._envs[(loop, inner.idx)] = ienv
             new_state = [ienv[loop.updates[c]] for c in loop.carries]
             for c, old, new in zip(loop.carries, state, new_state):
@@ -457,6 +529,7 @@ def build_compute_graph(
     feed: Mapping[str, Any],
     outputs: VirtualNode | Sequence[VirtualNode],
     *,
+    hoist: bool = True,
     detect_anomaly: bool = False,
 ) -> UnrolledGraph:
     """Unroll ``graph`` for the values in ``feed`` into a new :class:`UnrolledGraph`.
@@ -475,6 +548,9 @@ def build_compute_graph(
         graph: the model.
         feed: a value for each input the outputs need, by input name.
         outputs: top-level virtual nodes to build.
+        hoist: compute loop-body nodes that depend on no carried state for all iterations at
+            once (see :mod:`vgraph.virtual.hoist`); ``False`` gives the plain node-by-node unroll,
+            for comparison and debugging. Same keys, values and gradients either way.
         detect_anomaly: raise :class:`~vgraph.errors.NonFiniteError` at the first NaN/Inf value
             (see :func:`vgraph.detect_anomaly`).
 
@@ -521,7 +597,7 @@ def build_compute_graph(
     previous = weakref.ref(graph.latest_build) if graph.latest_build is not None else None
     graph.latest_build = None
     try:
-        builder = _Builder(graph, values, plan)
+        builder = _Builder(graph, values, plan, hoist)
         top = _Frame(None, (), {}, None)
         with (
             contextlib.nullcontext() if graph.training else no_grad(),

@@ -1,0 +1,305 @@
+"""Hoisting (issue 10 §3): loop-body nodes that depend on no carried state run once for all
+iterations — and nothing else changes.
+
+Identity tests: every example model and random loop bodies, built with ``hoist=True`` and
+``hoist=False``, give the same node keys, the same value at every key, the same retained gradient
+at every node, the same parameter gradients and the same decisions (float64, 1e-12).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import vgraph as vg
+
+ROOT = Path(__file__).resolve().parent.parent
+TOL = {"rtol": 1e-12, "atol": 1e-12}
+
+
+def load(path: Path):
+    spec = importlib.util.spec_from_file_location(f"hoist_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(spec.name, None)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    previous = vg.get_default_dtype()
+    vg.set_default_dtype(np.float64)
+    yield
+    vg.set_default_dtype(previous)
+
+
+def run(g, feed, outputs, loss, hoist):
+    """Build, retain every gradient, backward; what the identity compares."""
+    cg = g.build(feed, outputs, hoist=hoist)
+    for n in cg.nodes():
+        if n.requires_grad:
+            n.retain_grad()
+    g.params.zero_grad()
+    value = cg.backward(loss)
+    grads = {k: np.array(p.grad) for k, p in g.params.items() if p.grad is not None}
+    return cg, value, grads
+
+
+def assert_identical(g, feed, outputs, loss, expect_hoisting=True):
+    plain, v_plain, g_plain = run(g, feed, outputs, loss, hoist=False)
+    hoisted, v_hoisted, g_hoisted = run(g, feed, outputs, loss, hoist=True)
+    np.testing.assert_allclose(v_hoisted, v_plain, **TOL)
+    assert g_hoisted.keys() == g_plain.keys()
+    for k in g_plain:
+        np.testing.assert_allclose(g_hoisted[k], g_plain[k], **TOL, err_msg=k)
+    groups = [k for k in hoisted._nodes if k.type.endswith("*")]
+    assert bool(groups) == expect_hoisting, groups
+    assert set(hoisted._nodes) - set(groups) == set(plain._nodes)  # every key, and no other
+    assert [(d.node, d.idx, d.kind, d.value) for d in hoisted.decisions] == [
+        (d.node, d.idx, d.kind, d.value) for d in plain.decisions
+    ]
+    for key, p in plain._nodes.items():
+        h = hoisted.node(key)
+        np.testing.assert_allclose(h.value, p.value, **TOL, err_msg=str(key))
+        if p.grad is None:
+            assert h.grad is None or not h.requires_grad, key
+        elif p.op is not None:
+            np.testing.assert_allclose(h.grad, p.grad, **TOL, err_msg=str(key))
+    return plain, hoisted
+
+
+# ---------------------------------------------------------------------------- the example models
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "examples" / "models").glob("*.py")), ids=lambda p: p.stem)
+def test_model_scripts_hoisted_equal_plain(script):
+    g, feed, outputs = load(script).build()
+    assert_identical(g, feed, outputs, outputs[0], expect_hoisting=script.stem != "branching")
+
+
+def example(name):
+    return load(ROOT / "examples" / f"{name}.py")
+
+
+def test_rnn_bptt_example():
+    g, outs = example("rnn_bptt").build_model(vocab=5, hidden=4, seed=0)
+    rng = np.random.default_rng(0)
+    feed = {
+        "x": np.eye(5)[rng.integers(0, 5, (6, 3))],
+        "y": rng.integers(0, 5, (6, 3)),
+        "h0": np.zeros((3, 4)),
+    }
+    assert_identical(g, feed, [outs["loss"]], outs["loss"])
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_lstm_sequence_example(cell):
+    m = example("lstm_sequence")
+    g, outs = m.build_model(cell, hidden=4, seed=0)
+    x, y = m.adding_batch(np.random.default_rng(1), 3, 5)
+    assert_identical(g, {"x": x, "y": y, "h0": np.zeros((3, 4))}, [outs["loss"]], outs["loss"])
+
+
+def test_stacked_rnn_example():
+    g, outs = example("stacked_rnn").build_model(layers=2, hidden=3, seed=0)
+    rng = np.random.default_rng(2)
+    feed = {"x": rng.normal(size=(5, 2, 1)), "y": rng.integers(0, 2, (5, 2)), "h0": np.zeros((2, 3))}
+    assert_identical(g, feed, [outs["loss"]], outs["loss"])
+
+
+def test_data_dependent_examples_do_not_hoist_and_stay_identical():
+    # adaptive_loop: a while_ loop (trip count unknown before it runs); routing: branches.
+    m = example("adaptive_loop")
+    g, outs = m.build_model(hidden=4, tol=1e-3, max_steps=8, seed=0)
+    assert_identical(g, m.feed(0.7), [outs["loss"]], outs["loss"], expect_hoisting=False)
+    r = example("routing_branch")
+    g, outs = r.build_model(hidden=4, seed=0)
+    feed = r.batch(np.array([-0.8, 0.1, 0.9]))
+    plain, hoisted = assert_identical(g, feed, [outs["loss"]], outs["loss"], expect_hoisting=False)
+    assert len(plain.decisions) > 1
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_untied_depth_example(tied):
+    g, outs = example("untied_depth").build_model(tied=tied, layers=3, hidden=4, seed=0)
+    rng = np.random.default_rng(3)
+    feed = {"x": rng.normal(size=(5, 2)), "y": rng.normal(size=(5, 1))}
+    # no stepped sequence and every body node reads the carry: nothing to hoist
+    assert_identical(g, feed, [outs["loss"]], outs["loss"], expect_hoisting=False)
+
+
+# ---------------------------------------------------------------------------- what is hoisted
+
+
+def elman(times=None):
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 2, 3))
+    Wx = g.parameter("Wx", (3, 4))
+    Wh = g.parameter("Wh", (4, 4))
+    b = g.parameter("b", (4,))
+    with g.loop(times=times) as L:
+        x = L.step(xs)
+        h = L.carry(np.zeros((2, 4)), name="h")
+        h_new = vg.tanh(x @ Wx + b + h @ Wh)
+        L.update(h, h_new)
+    return g, vg.sum(L.stack(h_new) ** 2), x, Wx
+
+
+def test_carry_independent_nodes_become_one_group_each():
+    g, loss, x, _ = elman()
+    xs = np.random.default_rng(0).normal(size=(7, 2, 3))
+    cg = g.build({"xs": xs}, loss)
+    groups = sorted(str(k) for k in cg._nodes if k.type.endswith("*"))
+    assert groups == ["Add*:1", "Item*:1", "MatMul*:1"]  # x_t, x_t @ Wx, + b; not the h @ Wh side
+    group = cg.node("MatMul*:1")
+    assert group.shape == (7, 2, 4)
+    copy = cg.node("MatMul:1@3")
+    assert copy.op.name == "Hoisted"
+    assert np.shares_memory(copy.value, group.value)  # a view of the group's row
+    np.testing.assert_allclose(copy.value, xs[3] @ g.params["Wx"].value, rtol=1e-12)
+
+
+def test_times_shorter_than_the_sequence_hoists_only_the_steps_that_run():
+    g, loss, _, _ = elman(times=3)
+    cg = g.build({"xs": np.ones((7, 2, 3))}, loss)
+    assert cg.node("MatMul*:1").shape == (3, 2, 4)
+    assert cg.trip_count(g.nodes[[v.type for v in g.nodes].index("Loop")]) == 3
+
+
+def test_reforward_after_feed_recomputes_the_group_and_matches_a_fresh_build():
+    g, loss, _, _ = elman()
+    rng = np.random.default_rng(1)
+    cg = g.build({"xs": rng.normal(size=(5, 2, 3))}, loss)
+    new = rng.normal(size=(5, 2, 3))
+    cg.feed({"xs": new})
+    value = cg.forward(explain=True)
+    assert any(k.type == "MatMul*" for k, _ in cg.last_forward.explanation)
+    fresh = g.build({"xs": new}, loss, hoist=False)
+    np.testing.assert_allclose(value, fresh.forward(), rtol=1e-12)
+
+
+def test_a_while_loop_is_not_hoisted():
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 3))
+    W = g.parameter("W", (3, 3))
+    with g.loop(while_=lambda t, s: t < 4) as L:
+        h = L.carry(np.zeros(3), name="h")
+        L.update(h, vg.tanh(L.step(xs) @ W + h))
+    cg = g.build({"xs": np.ones((6, 3))}, vg.sum(L.final(h)))
+    assert not any(k.type.endswith("*") for k in cg._nodes)
+
+
+def test_anomaly_in_a_hoisted_group_names_the_iteration():
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 2))
+    with g.loop() as L:
+        h = L.carry(np.zeros(2), name="h")
+        L.update(h, h + vg.log(L.step(xs)))
+    values = np.ones((9, 2))
+    values[6, 1] = -1.0
+    with pytest.raises(
+        vg.NonFiniteError,
+        match=r"NaN first appears at <Log:1@6> \(hoisted: computed for every iteration by <Log\*:1>\): log of a negative input \(min -1\)",
+    ):
+        g.build({"xs": values}, vg.sum(L.final(h)), detect_anomaly=True)
+
+
+# ---------------------------------------------------------------------------- random loop bodies
+
+UNARY = ["tanh", "sigmoid", "exp_small", "neg", "square"]
+BINARY = ["add", "sub", "mul", "matmul"]
+
+
+def apply_unary(name, a):
+    return {
+        "tanh": vg.tanh,
+        "sigmoid": vg.sigmoid,
+        "exp_small": lambda v: vg.exp(vg.tanh(v)),
+        "neg": lambda v: -v,
+        "square": lambda v: v * v,
+    }[name](a)
+
+
+@st.composite
+def loop_bodies(draw):
+    """A random body over x_t (stepped), h (carried), W and b (captured), and earlier body nodes."""
+    steps = draw(st.integers(1, 6))
+    times = draw(st.one_of(st.none(), st.integers(0, steps)))
+    program = []
+    for _ in range(draw(st.integers(1, 7))):
+        if draw(st.booleans()):
+            program.append(("unary", draw(st.sampled_from(UNARY)), draw(st.integers(0, 100))))
+        else:
+            program.append(
+                (
+                    "binary",
+                    draw(st.sampled_from(BINARY)),
+                    draw(st.integers(0, 100)),
+                    draw(st.integers(0, 100)),
+                )
+            )
+    update_from = draw(st.integers(0, 100))
+    stack_from = draw(st.integers(0, 100))
+    return steps, times, program, update_from, stack_from
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(loop_bodies())
+def test_random_loop_bodies_hoisted_equal_plain(body):
+    steps, times, program, update_from, stack_from = body
+    previous = vg.get_default_dtype()
+    vg.set_default_dtype(np.float64)
+    try:
+        g = vg.VirtualGraph(seed=5)
+        xs = g.input("xs", (None, 2, 3))
+        W = g.parameter("W", (3, 3), init="orthogonal")
+        b = g.parameter("b", (3,), init=vg.nn.init.normal(0.5))
+        with g.loop(times=times) as L:
+            x = L.step(xs)
+            h = L.carry(np.zeros((2, 3)), name="h")
+            pool = [x, h, b * x]
+            for instr in program:
+                if instr[0] == "unary":
+                    pool.append(apply_unary(instr[1], pool[instr[2] % len(pool)]))
+                else:
+                    a, c = pool[instr[2] % len(pool)], pool[instr[3] % len(pool)]
+                    pool.append(
+                        vg.tanh(a) @ W
+                        if instr[1] == "matmul"
+                        else {"add": a + c, "sub": a - c, "mul": a * c}[instr[1]]
+                    )
+            L.update(h, vg.tanh(pool[update_from % len(pool)] + h))
+            out = pool[stack_from % len(pool)]
+        loss = (
+            vg.sum(L.final(h) ** 2) + vg.sum(W * W) + (vg.sum(L.stack(out)) if steps and times != 0 else 0.0)
+        )
+        feed = {"xs": np.random.default_rng(steps).normal(size=(steps, 2, 3))}
+        plain, hoisted = run(g, feed, [loss], loss, False), run(g, feed, [loss], loss, True)
+        np.testing.assert_allclose(hoisted[1], plain[1], **TOL)
+        for k in plain[2]:
+            np.testing.assert_allclose(hoisted[2][k], plain[2][k], **TOL)
+        for key, p in plain[0]._nodes.items():
+            np.testing.assert_allclose(hoisted[0].node(key).value, p.value, **TOL)
+    finally:
+        vg.set_default_dtype(previous)
+
+
+def test_grad_with_respect_to_hoisted_copies_equals_plain():
+    g, loss, _, _ = elman()
+    feed = {"xs": np.random.default_rng(4).normal(size=(5, 2, 3))}
+    results = []
+    for hoist in (False, True):
+        cg = g.build(feed, loss, hoist=hoist)
+        wanted = [cg.node("MatMul:1@2"), cg.node("Tanh:1@4"), cg.node("Add:1@0"), g.params["Wx"]]
+        results.append(cg.grad(loss, wanted))
+    for plain, hoisted in zip(*results):
+        np.testing.assert_allclose(hoisted, plain, **TOL)
