@@ -274,6 +274,41 @@ for shape, axis in [((5,), -1), ((3, 5), -1), ((3, 5), 0), ((2, 3, 4), 1)]:
     )  # fmt: skip
 
 
+# Fused recurrent cells: the value stacks the new state and the gate activations on a new axis 0.
+def np_sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def np_lstm_cell(xw, hw, b, c):
+    H = c.shape[-1]
+    z = xw + hw + b
+    i, f = np_sigmoid(z[..., :H]), np_sigmoid(z[..., H : 2 * H])
+    g, o = np.tanh(z[..., 2 * H : 3 * H]), np_sigmoid(z[..., 3 * H :])
+    c2 = f * c + i * g
+    return np.stack(np.broadcast_arrays(o * np.tanh(c2), c2, i, f, g, o))
+
+
+def np_gru_cell(xw, hw, bx, bh, h):
+    H = h.shape[-1]
+    gx, gh = xw + bx, hw + bh
+    r = np_sigmoid(gx[..., :H] + gh[..., :H])
+    z = np_sigmoid(gx[..., H : 2 * H] + gh[..., H : 2 * H])
+    n = np.tanh(gx[..., 2 * H :] + r * gh[..., 2 * H :])
+    return np.stack(np.broadcast_arrays((1 - z) * n + z * h, r, z, n))
+
+
+# (batch shape of xw, of hw, of the state): plain, no batch, broadcast batch dimensions.
+for bx, bh, bs in [((3,), (3,), (3,)), ((), (), ()), ((2, 3), (3,), (1, 3)), ((3,), (3,), (2, 1))]:
+    case(
+        shape_id(bx, bh, bs), "LSTMCell", vgraph.functions.lstm_cell, np_lstm_cell,
+        normal(*bx, 8), normal(*bh, 8), normal(8), normal(*bs, 2),
+    )  # fmt: skip
+    case(
+        shape_id(bx, bh, bs), "GRUCell", vgraph.functions.gru_cell, np_gru_cell,
+        normal(*bx, 6), normal(*bh, 6), normal(6), normal(6), normal(*bs, 2),
+    )  # fmt: skip
+
+
 # ---------------------------------------------------------------------------- table-driven tests
 def test_every_primitive_is_covered():
     """Every op of the table has gradcheck cases, or is one of the ops with their own tests."""

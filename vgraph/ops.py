@@ -279,3 +279,205 @@ defop("Stack", lambda *xs, axis=0: np.stack(xs, axis=axis), _stack_vjp, variadic
 defop("Detach", lambda x: x, None)  # stops the gradient
 defop("Branch", lambda x: x, lambda g, ans, x: g)  # the option a BranchNode selected
 defop("Identity", lambda x: x, lambda g, ans, x: g)
+
+
+# ---------------------------------------------------------------------------- fused recurrent cells
+# One node per cell and step instead of about fifteen. The input and recurrent projections
+# (x @ W_x, h @ W_h) stay MatMul nodes of their own, so that work on them (hoisting x @ W_x out of
+# a loop, one stacked weight gradient for a tied W_h) sees them as usual; the cell fuses the bias,
+# the gates and the state update.
+#
+# The node's value is the new state followed by the gate activations, stacked on a new leading
+# axis: ``(6, ..., H)`` = [h', c', i, f, g, o] for the LSTM, ``(4, ..., H)`` = [h', r, z, n] for the
+# GRU (each slab contiguous: the elementwise passes run at full speed on them, and h' and c' are
+# contiguous views for the next step's matmul). The backward needs the activations; keeping them in the value costs no extra work in the
+# forward (they are computed there anyway), lets a user inspect them on the node, and keeps the
+# VJP exact for every part of the value (a gradient reaching a gate slab is honoured). The cells
+# in vgraph.nn take h' (and c') as GetItem views of it.
+#
+# Both cells have several differentiable inputs whose gradients come from one joint computation
+# (dz is the gradient of x @ W_x, of h @ W_h and of the bias). The engine calls an op's VJPs one
+# after another with the same ``g`` and ``ans`` objects, so the first call computes them all and
+# the following calls pick theirs up (:class:`_SharedVJP`), instead of each repeating the work.
+
+LSTM_GATES = ("i", "f", "g", "o")
+GRU_GATES = ("r", "z", "n")
+
+
+class _SharedVJP:
+    """Per-input VJPs served from one joint gradient computation of all inputs.
+
+    ``joint(g, ans, *xs, **attrs)`` returns one gradient per input. The result of the latest
+    call is kept (with the ``g`` and ``ans`` it belongs to, so identity comparison is safe) until
+    a call with another ``g`` or ``ans`` replaces it.
+    """
+
+    __slots__ = ("joint", "g", "ans", "grads")
+
+    def __init__(self, joint: Callable[..., tuple[Any, ...]]) -> None:
+        self.joint = joint
+        self.g: Any = None
+        self.ans: Any = None
+        self.grads: tuple[Any, ...] = ()
+
+    def vjp(self, i: int, g: Any, ans: Any, *xs: Any, **attrs: Any) -> Any:
+        if g is not self.g or ans is not self.ans:
+            self.grads = self.joint(g, ans, *xs, **attrs)
+            self.g, self.ans = g, ans
+        return self.grads[i]
+
+    def vjps(self, n: int) -> tuple[VJP, ...]:
+        """``n`` per-input VJPs in the table's convention ``vjp(g, ans, *xs, **attrs)``."""
+        return tuple(_Nth(self, i) for i in range(n))
+
+
+class _Nth:
+    """The VJP for input ``i`` of a :class:`_SharedVJP` (a picklable, readable partial)."""
+
+    __slots__ = ("shared", "i")
+
+    def __init__(self, shared: _SharedVJP, i: int) -> None:
+        self.shared, self.i = shared, i
+
+    def __call__(self, g: Any, ans: Any, *xs: Any, **attrs: Any) -> Any:
+        return self.shared.vjp(self.i, g, ans, *xs, **attrs)
+
+
+def _cell_shapes(op: str, n_gates: int, state: np.ndarray, **pre: np.ndarray) -> tuple[tuple[int, ...], int]:
+    """The batch shape and hidden size H of a cell: every ``pre`` array (projections, biases) has
+    ``n_gates * H`` columns, the state ``(..., H)``; the batch shape is their broadcast."""
+    if state.ndim < 1:
+        raise ValueError(f"{op}: the state must have a hidden axis, got a scalar")
+    H = state.shape[-1]
+    batch = state.shape[:-1]
+    same = True
+    for what, x in pre.items():
+        if x.ndim < 1 or x.shape[-1] != n_gates * H:
+            raise ValueError(
+                f"{op}: {what} must have {n_gates} * H = {n_gates * H} columns for a state of size "
+                f"H = {H}, got shape {x.shape}"
+            )
+        same = same and (x.ndim == 1 or x.shape[:-1] == batch)
+    if same:  # the usual case, without np.broadcast_shapes' cost
+        return batch, H
+    return np.broadcast_shapes(batch, *(x.shape[:-1] for x in pre.values())), H
+
+
+def _gate_major(x: np.ndarray, n_gates: int, H: int, batch_ndim: int) -> np.ndarray:
+    """``(..., n * H)`` columns [gate 0 | gate 1 | …] seen as ``(n, ..., H)`` (a view), with
+    ``...`` left-padded to ``batch_ndim`` axes so that it broadcasts against the state."""
+    shape = (1,) * (batch_ndim - x.ndim + 1) + x.shape[:-1]
+    nb = len(shape)
+    return x.reshape((*shape, n_gates, H)).transpose((nb, *range(nb), nb + 1))
+
+
+def _sigmoid_into(out: np.ndarray, x: np.ndarray | None = None) -> None:
+    """``out = sigmoid(x)`` (``x`` defaults to ``out``), with the same arithmetic as the Sigmoid
+    op, in place in ``out``."""
+    np.multiply(out if x is None else x, 0.5, out=out)
+    np.tanh(out, out=out)
+    out += 1
+    out *= 0.5
+
+
+def _lstm_cell(
+    xw: np.ndarray, hw: np.ndarray, b: np.ndarray, c: np.ndarray, gates: tuple[str, ...] = LSTM_GATES
+) -> np.ndarray:
+    batch, H = _cell_shapes("LSTMCell", 4, c, xw=xw, hw=hw, b=b)
+    s = np.empty((6, *batch, H), dtype=np.result_type(xw, hw, b, c))
+    z = xw + hw
+    z = z + b if z.ndim < b.ndim else np.add(z, b, out=z)
+    # The activations go gate-major into their slabs: each first pass reads z's columns.
+    zg = _gate_major(z, 4, H, len(batch))
+    i, f, g, o = s[2], s[3], s[4], s[5]
+    _sigmoid_into(s[2:4], zg[0:2])
+    np.tanh(zg[2], out=g)
+    _sigmoid_into(o, zg[3])
+    np.multiply(f, c, out=s[1])
+    s[1] += i * g
+    np.tanh(s[1], out=s[0])
+    s[0] *= o
+    return s
+
+
+def _lstm_cell_grads(
+    gs: np.ndarray, s: np.ndarray, xw: np.ndarray, hw: np.ndarray, b: np.ndarray, c: np.ndarray,
+    gates: tuple[str, ...] = LSTM_GATES,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    H = s.shape[-1]
+    c_new, i, f, g, o = s[1], s[2], s[3], s[4], s[5]
+    dh = gs[0]
+    tc = np.tanh(c_new)
+    dc = dh * o
+    dc *= 1 - tc * tc
+    dc += gs[1]  # the total gradient of c'
+    # Gradients of the activations i, f, g, o (plus any that reached their slabs) …
+    da = np.empty(s[2:].shape, dtype=s.dtype)
+    np.multiply(dc, g, out=da[0])
+    np.multiply(dc, c, out=da[1])
+    np.multiply(dc, i, out=da[2])
+    np.multiply(dh, tc, out=da[3])
+    da += gs[2:]
+    # … times their derivatives, a (1 - a) for the sigmoids and 1 - g^2 for the tanh, written in
+    # z's column layout.
+    slope = np.subtract(1, s[2:])
+    slope[0:2] *= s[2:4]
+    slope[3] *= o
+    slope[2] *= 1 + g  # 1 - g^2 = (1 - g)(1 + g)
+    dz = np.empty((*s.shape[1:-1], 4 * H), dtype=s.dtype)
+    np.multiply(da, slope, out=_gate_major(dz, 4, H, dz.ndim - 1))
+    return dz, dz, dz, dc * f
+
+
+def _gru_cell(
+    xw: np.ndarray, hw: np.ndarray, b_x: np.ndarray, b_h: np.ndarray, h: np.ndarray,
+    gates: tuple[str, ...] = GRU_GATES,
+) -> np.ndarray:  # fmt: skip
+    batch, H = _cell_shapes("GRUCell", 3, h, xw=xw, hw=hw, b_x=b_x, b_h=b_h)
+    s = np.empty((4, *batch, H), dtype=np.result_type(xw, hw, b_x, b_h, h))
+    gx, gh = xw + b_x, hw + b_h
+    gxg, ghg = _gate_major(gx, 3, H, len(batch)), _gate_major(gh, 3, H, len(batch))
+    r, z, n = s[1], s[2], s[3]
+    np.add(gxg[0:2], ghg[0:2], out=s[1:3])  # r, z = sigmoid(gx + gh)
+    _sigmoid_into(s[1:3])
+    np.multiply(r, ghg[2], out=n)  # n = tanh(gx_n + r gh_n)
+    n += gxg[2]
+    np.tanh(n, out=n)
+    np.subtract(h, n, out=s[0])  # h' = n + z (h - n) = (1 - z) n + z h
+    s[0] *= z
+    s[0] += n
+    return s
+
+
+def _gru_cell_grads(
+    gs: np.ndarray, s: np.ndarray, xw: np.ndarray, hw: np.ndarray, b_x: np.ndarray, b_h: np.ndarray,
+    h: np.ndarray, gates: tuple[str, ...] = GRU_GATES,
+) -> tuple[np.ndarray, ...]:  # fmt: skip
+    H = s.shape[-1]
+    r, z, n = s[1], s[2], s[3]
+    dh = gs[0]
+    nb = s.ndim - 2
+    gh_n = _gate_major(hw, 3, H, nb)[2] + _gate_major(b_h, 3, H, nb)[2]  # recomputed: one add
+    d = np.empty(s[1:].shape, dtype=s.dtype)  # gradients of the pre-activations of r, z, n
+    dn = d[2]
+    np.subtract(1, z, out=dn)
+    dn *= dh
+    dn += gs[3]
+    dn *= 1 - n * n
+    np.multiply(dn, gh_n, out=d[0])
+    np.subtract(h, n, out=d[1])
+    d[1] *= dh
+    d[:2] += gs[1:3]
+    d[:2] *= s[1:3] * (1 - s[1:3])
+    shape = (*s.shape[1:-1], 3 * H)
+    dgx = np.empty(shape, dtype=s.dtype)
+    dgh = np.empty(shape, dtype=s.dtype)
+    dxg, dhg = _gate_major(dgx, 3, H, nb), _gate_major(dgh, 3, H, nb)
+    dxg[...] = d
+    dhg[:2] = d[:2]
+    np.multiply(d[2], r, out=dhg[2])
+    return dgx, dgh, dgx, dgh, dh * z
+
+
+defop("LSTMCell", _lstm_cell, *_SharedVJP(_lstm_cell_grads).vjps(4))
+defop("GRUCell", _gru_cell, *_SharedVJP(_gru_cell_grads).vjps(5))
