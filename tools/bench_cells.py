@@ -20,6 +20,7 @@ Usage::
 
     PYTHONPATH=. python3 tools/bench_cells.py [--quick] [--repeats N] [--sizes I,H,B,T ...]
                                               [--cells lstm gru] [--modes rebuild reuse]
+    PYTHONPATH=. python3 tools/bench_cells.py --micro   # op level: stored vs recomputed gates
 """
 
 from __future__ import annotations
@@ -133,6 +134,31 @@ def time_pair(
     }
 
 
+def micro(B: int, H: int, repeats: int = 30, number: int = 20) -> dict[str, float]:
+    """Op-level µs of the fused LSTM cell (float32): its forward, its joint VJP (which reads the
+    stored activations), and the VJP of a design that would store only h', c' and recompute the
+    activations in the backward (forward + VJP: that design's forward is not cheaper, it computes
+    the same activations and drops them)."""
+    import timeit
+
+    from vgraph import ops
+
+    r = np.random.default_rng(0)
+    xw, hw = (r.standard_normal((B, 4 * H)).astype(np.float32) for _ in range(2))
+    b, c = r.standard_normal(4 * H).astype(np.float32), r.standard_normal((B, H)).astype(np.float32)
+    s = ops._lstm_cell(xw, hw, b, c)
+    gs = np.zeros_like(s)
+    gs[:2] = r.standard_normal((2, B, H))
+
+    def best(fn: Any) -> float:
+        return min(timeit.repeat(fn, number=number, repeat=repeats)) / number * 1e6
+
+    fwd = best(lambda: ops._lstm_cell(xw, hw, b, c))
+    vjp = best(lambda: ops._lstm_cell_grads(gs, s, xw, hw, b, c))
+    recompute = best(lambda: ops._lstm_cell_grads(gs, ops._lstm_cell(xw, hw, b, c), xw, hw, b, c))
+    return {"forward_us": fwd, "vjp_stored_us": vjp, "vjp_recompute_us": recompute}
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="one small size, few repeats")
@@ -141,7 +167,18 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--sizes", nargs="+", default=None, help="I,H,B,T ...")
     ap.add_argument("--cells", nargs="+", default=["lstm", "gru"], choices=["lstm", "gru"])
     ap.add_argument("--modes", nargs="+", default=["rebuild", "reuse"], choices=["rebuild", "reuse"])
+    ap.add_argument("--micro", action="store_true", help="only the op-level store-vs-recompute timing")
     args = ap.parse_args(argv)
+    if args.micro:
+        print(f"{'B,H':>8} {'forward us':>11} {'VJP (stored) us':>16} {'VJP (recompute) us':>19}")
+        out = []
+        for B, H in [(16, 32), (32, 128), (64, 256)]:
+            m = micro(B, H)
+            out.append(m)
+            print(
+                f"{B:>4},{H:<4} {m['forward_us']:11.1f} {m['vjp_stored_us']:16.1f} {m['vjp_recompute_us']:19.1f}"
+            )
+        return out
     if args.sizes:
         sizes = [tuple(int(v) for v in s.split(",")) for s in args.sizes]
     else:

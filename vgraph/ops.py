@@ -335,12 +335,13 @@ defop("Identity", lambda x: x, lambda g, ans, x: g)
 # the gates and the state update.
 #
 # The node's value is the new state followed by the gate activations, stacked on a new leading
-# axis: ``(6, ..., H)`` = [h', c', i, f, g, o] for the LSTM, ``(4, ..., H)`` = [h', r, z, n] for the
-# GRU (each slab contiguous: the elementwise passes run at full speed on them, and h' and c' are
-# contiguous views for the next step's matmul). The backward needs the activations; keeping them in the value costs no extra work in the
-# forward (they are computed there anyway), lets a user inspect them on the node, and keeps the
-# VJP exact for every part of the value (a gradient reaching a gate slab is honoured). The cells
-# in vgraph.nn take h' (and c') as GetItem views of it.
+# axis: ``(6, ..., H)`` = [h', c', i, f, g, o] for the LSTM, ``(4, ..., H)`` = [h', r, z, n] for
+# the GRU. Each slab is contiguous, so the elementwise passes run at full speed and h' and c' are
+# contiguous views for the next step's matmul. The backward needs the activations: keeping them
+# in the value costs no work in the forward (it computes them anyway), where recomputing them
+# would add about one forward to every backward; it lets a user inspect the gates on the node;
+# and the VJP stays exact for every part of the value (a gradient reaching a gate slab counts).
+# The cells in vgraph.nn take h' (and c') as GetItem views of it.
 #
 # Both cells have several differentiable inputs whose gradients come from one joint computation
 # (dz is the gradient of x @ W_x, of h @ W_h and of the bias). The engine calls an op's VJPs one
@@ -379,7 +380,7 @@ class _SharedVJP:
 
 
 class _Nth:
-    """The VJP for input ``i`` of a :class:`_SharedVJP` (a picklable, readable partial)."""
+    """The VJP for input ``i`` of a :class:`_SharedVJP` (a partial that says what it is)."""
 
     __slots__ = ("shared", "i")
 
