@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import vgraph as vg
 from vgraph import losses, nn, optim
@@ -202,6 +204,63 @@ def test_fused_cell_equals_unfused_values_and_gradients(kind):
         assert np.abs(gf.params[name].grad).max() > 1e-3  # every parameter is exercised
     for t in range(5):
         np.testing.assert_allclose(cgf.node(hf, (t,)).value, cgu.node(hu, (t,)).value, rtol=1e-12, atol=1e-14)
+
+
+def _cell_step_graph(kind, fused, arrays):
+    """One cell step on a ComputeGraph (fused op or gate by gate) with a loss reading every
+    output; returns (graph, loss, leaves)."""
+    cg = vg.ComputeGraph(dtype=np.float64)
+    x, h, c, Wx, Wh, b, R = arrays
+    x, h, c = (cg.input(v, requires_grad=True) for v in (x, h, c))
+    Wx, Wh, b = (cg.parameter(v) for v in (Wx, Wh, b))
+    Hn = h.shape[-1]
+    if kind == "lstm":
+        if fused:
+            s = vg.functions.lstm_cell(x @ Wx, h @ Wh, b, c)
+            hn, cn = s[0], s[1]
+        else:
+            z = x @ Wx + h @ Wh + b
+            i, f = vg.sigmoid(z[..., :Hn]), vg.sigmoid(z[..., Hn : 2 * Hn])
+            gg, o = vg.tanh(z[..., 2 * Hn : 3 * Hn]), vg.sigmoid(z[..., 3 * Hn :])
+            cn = f * c + i * gg
+            hn = o * vg.tanh(cn)
+        loss = (hn * R).sum() + (cn * R * R).sum()
+        return cg, loss, [x, h, c, Wx, Wh, b]
+    bx, bh = b[: 3 * Hn], b[3 * Hn :]
+    if fused:
+        hn = vg.functions.gru_cell(x @ Wx, h @ Wh, bx, bh, h)[0]
+    else:
+        gx, gh = x @ Wx + bx, h @ Wh + bh
+        r = vg.sigmoid(gx[..., :Hn] + gh[..., :Hn])
+        zz = vg.sigmoid(gx[..., Hn : 2 * Hn] + gh[..., Hn : 2 * Hn])
+        n = vg.tanh(gx[..., 2 * Hn :] + r * gh[..., 2 * Hn :])
+        hn = n + zz * (h - n)
+    return cg, (hn * R).sum(), [x, h, Wx, Wh, b]
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    kind=st.sampled_from(["lstm", "gru"]),
+    batch=st.lists(st.integers(1, 3), min_size=0, max_size=2).map(tuple),
+    sizes=st.tuples(st.integers(1, 4), st.integers(1, 5)),
+    seed=st.integers(0, 2**16),
+)
+def test_fused_cell_step_equals_gate_by_gate(kind, batch, sizes, seed):
+    """Random batch shapes (none, one or two axes), sizes and values: the fused op's h', c' and
+    every input's gradient equal the gate-by-gate graph's (float64, 1e-12)."""
+    In, Hn = sizes
+    r = np.random.default_rng(seed)
+    n = 4 if kind == "lstm" else 3
+    arrays = (
+        r.standard_normal((*batch, In)), r.standard_normal((*batch, Hn)), r.standard_normal((*batch, Hn)),
+        r.standard_normal((In, n * Hn)), r.standard_normal((Hn, n * Hn)),
+        r.standard_normal(4 * Hn if kind == "lstm" else 6 * Hn), r.standard_normal((*batch, Hn)),
+    )  # fmt: skip
+    (cgf, lf, xf), (cgu, lu, xu) = (_cell_step_graph(kind, fused, arrays) for fused in (True, False))
+    assert any(nd.key.type in ("LSTMCell", "GRUCell") for nd in cgf.nodes())
+    assert cgf.forward(lf) == pytest.approx(cgu.forward(lu), rel=1e-12, abs=1e-12)
+    for a, b in zip(cgf.grad(lf, xf), cgu.grad(lu, xu)):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("kind, fused_nodes", [("lstm", 5), ("gru", 4)])

@@ -313,6 +313,15 @@ for bx, bh, bs in [((3,), (3,), (3,)), ((), (), ()), ((2, 3), (3,), (1, 3)), ((3
         shape_id(bx, bh, bs), "GRUCell", vgraph.functions.gru_cell, np_gru_cell,
         normal(*bx, 6), normal(*bh, 6), normal(6), normal(6), normal(*bs, 2),
     )  # fmt: skip
+# A bias with batch axes of its own (wider than the projections').
+case(
+    "batched-bias", "LSTMCell", vgraph.functions.lstm_cell, np_lstm_cell,
+    normal(1, 8), normal(8), normal(3, 8), normal(2),
+)  # fmt: skip
+case(
+    "batched-bias", "GRUCell", vgraph.functions.gru_cell, np_gru_cell,
+    normal(1, 6), normal(6), normal(3, 6), normal(6), normal(2),
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- table-driven tests

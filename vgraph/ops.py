@@ -434,7 +434,7 @@ def _lstm_cell(
     batch, H = _cell_shapes("LSTMCell", 4, c, xw=xw, hw=hw, b=b)
     s = np.empty((6, *batch, H), dtype=np.result_type(xw, hw, b, c))
     z = xw + hw
-    z = z + b if z.ndim < b.ndim else np.add(z, b, out=z)
+    z = np.add(z, b, out=z) if b.ndim == 1 or b.shape[:-1] == z.shape[:-1] else z + b
     # The activations go gate-major into their slabs: each first pass reads z's columns.
     zg = _gate_major(z, 4, H, len(batch))
     i, f, g, o = s[2], s[3], s[4], s[5]
