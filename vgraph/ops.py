@@ -355,24 +355,23 @@ GRU_GATES = ("r", "z", "n")
 class _SharedVJP:
     """Per-input VJPs served from one joint gradient computation of all inputs.
 
-    ``joint(g, ans, *xs, **attrs)`` returns one gradient per input. The result of the latest
-    call is kept (with the ``g`` and ``ans`` it belongs to, so identity comparison is safe) until
-    a call with another ``g`` or ``ans`` replaces it.
+    ``joint(g, ans, *xs, **attrs)`` returns one gradient per input. The latest call's result is
+    kept, with the ``g`` and ``ans`` it belongs to (held, so that comparing identities is safe),
+    until a call with another ``g`` or ``ans`` replaces it: at most one node's gradients are
+    held between backward passes. The three are one tuple, read and replaced in one step.
     """
 
-    __slots__ = ("joint", "g", "ans", "grads")
+    __slots__ = ("joint", "memo")
 
     def __init__(self, joint: Callable[..., tuple[Any, ...]]) -> None:
         self.joint = joint
-        self.g: Any = None
-        self.ans: Any = None
-        self.grads: tuple[Any, ...] = ()
+        self.memo: tuple[Any, Any, tuple[Any, ...]] = (None, None, ())
 
     def vjp(self, i: int, g: Any, ans: Any, *xs: Any, **attrs: Any) -> Any:
-        if g is not self.g or ans is not self.ans:
-            self.grads = self.joint(g, ans, *xs, **attrs)
-            self.g, self.ans = g, ans
-        return self.grads[i]
+        memo = self.memo
+        if memo[0] is not g or memo[1] is not ans:
+            memo = self.memo = (g, ans, self.joint(g, ans, *xs, **attrs))
+        return memo[2][i]
 
     def vjps(self, n: int) -> tuple[VJP, ...]:
         """``n`` per-input VJPs in the table's convention ``vjp(g, ans, *xs, **attrs)``."""
