@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import vgraph as vg
 from vgraph import losses, nn, optim
@@ -158,6 +160,197 @@ def test_lstm_three_step_forward_matches_numpy():
         total += np.sum(h * R[t])
     total += np.sum(c * rand(B, H, seed=12))
     assert cg.forward() == pytest.approx(total, rel=1e-12)
+
+
+def _cell_model(kind, fused, T=5, Bn=3, seed=0):
+    """A float64 model running ``kind`` (fused or not) over T steps, with a loss reading every
+    step's h and the final c; random parameters so every gate matters.
+
+    Returns (graph, compute graph, loss node, the virtual node of the new h)."""
+    g = vg.VirtualGraph(dtype=np.float64, seed=seed)
+    xs, h0, c0 = g.input("xs", (None, None, I)), g.input("h0", (None, H)), g.input("c0", (None, H))
+    cell = {"lstm": nn.LSTMCell, "gru": nn.GRUCell}[kind](g, I, H, kind, fused=fused)
+    with g.loop() as L:
+        x_t = L.step(xs)
+        h = L.carry(h0, name="h")
+        if kind == "lstm":
+            c = L.carry(c0, name="c")
+            hn, cn = cell(x_t, (h, c))
+            L.update(c, cn)
+        else:
+            hn = cell(x_t, h)
+        L.update(h, hn)
+    loss = (L.stack(hn) * rand(T, Bn, H, seed=21)).sum()
+    if kind == "lstm":
+        loss = loss + (L.final(c) * rand(Bn, H, seed=22)).sum()
+    for k, name in enumerate(g.params):
+        g.params.set_value(name, rand(*g.params[name].shape, seed=30 + k) * 0.7)
+    feed = {"xs": rand(T, Bn, I, seed=23), "h0": rand(Bn, H, seed=24), "c0": rand(Bn, H, seed=25)}
+    return g, g.build(feed, loss), loss, hn
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_fused_cell_equals_unfused_values_and_gradients(kind):
+    """The fused cell computes what the gate-by-gate graph computes (float64, to 1e-12): the loss
+    over a 5-step loop, every step's h, and every parameter's gradient."""
+    gf, cgf, lf, hf = _cell_model(kind, fused=True)
+    gu, cgu, lu, hu = _cell_model(kind, fused=False)
+    assert list(gf.params) == list(gu.params)
+    for name in gf.params:
+        np.testing.assert_array_equal(P(gf, name), P(gu, name))
+    assert cgf.backward(lf) == pytest.approx(cgu.backward(lu), rel=1e-12)
+    for name in gf.params:
+        np.testing.assert_allclose(gf.params[name].grad, gu.params[name].grad, rtol=1e-12, atol=1e-14)
+        assert np.abs(gf.params[name].grad).max() > 1e-3  # every parameter is exercised
+    for t in range(5):
+        np.testing.assert_allclose(cgf.node(hf, (t,)).value, cgu.node(hu, (t,)).value, rtol=1e-12, atol=1e-14)
+
+
+def _cell_step_graph(kind, fused, arrays):
+    """One cell step on a ComputeGraph (fused op or gate by gate) with a loss reading every
+    output; returns (graph, loss, leaves)."""
+    cg = vg.ComputeGraph(dtype=np.float64)
+    x, h, c, Wx, Wh, b, R = arrays
+    x, h, c = (cg.input(v, requires_grad=True) for v in (x, h, c))
+    Wx, Wh, b = (cg.parameter(v) for v in (Wx, Wh, b))
+    Hn = h.shape[-1]
+    if kind == "lstm":
+        if fused:
+            s = vg.functions.lstm_cell(x @ Wx, h @ Wh, b, c)
+            hn, cn = s[0], s[1]
+        else:
+            z = x @ Wx + h @ Wh + b
+            i, f = vg.sigmoid(z[..., :Hn]), vg.sigmoid(z[..., Hn : 2 * Hn])
+            gg, o = vg.tanh(z[..., 2 * Hn : 3 * Hn]), vg.sigmoid(z[..., 3 * Hn :])
+            cn = f * c + i * gg
+            hn = o * vg.tanh(cn)
+        loss = (hn * R).sum() + (cn * R * R).sum()
+        return cg, loss, [x, h, c, Wx, Wh, b]
+    bx, bh = b[: 3 * Hn], b[3 * Hn :]
+    if fused:
+        hn = vg.functions.gru_cell(x @ Wx, h @ Wh, bx, bh, h)[0]
+    else:
+        gx, gh = x @ Wx + bx, h @ Wh + bh
+        r = vg.sigmoid(gx[..., :Hn] + gh[..., :Hn])
+        zz = vg.sigmoid(gx[..., Hn : 2 * Hn] + gh[..., Hn : 2 * Hn])
+        n = vg.tanh(gx[..., 2 * Hn :] + r * gh[..., 2 * Hn :])
+        hn = n + zz * (h - n)
+    return cg, (hn * R).sum(), [x, h, Wx, Wh, b]
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    kind=st.sampled_from(["lstm", "gru"]),
+    batch=st.lists(st.integers(1, 3), min_size=0, max_size=2).map(tuple),
+    sizes=st.tuples(st.integers(1, 4), st.integers(1, 5)),
+    seed=st.integers(0, 2**16),
+)
+def test_fused_cell_step_equals_gate_by_gate(kind, batch, sizes, seed):
+    """Random batch shapes (none, one or two axes), sizes and values: the fused op's h', c' and
+    every input's gradient equal the gate-by-gate graph's (float64, 1e-12)."""
+    In, Hn = sizes
+    r = np.random.default_rng(seed)
+    n = 4 if kind == "lstm" else 3
+    arrays = (
+        r.standard_normal((*batch, In)), r.standard_normal((*batch, Hn)), r.standard_normal((*batch, Hn)),
+        r.standard_normal((In, n * Hn)), r.standard_normal((Hn, n * Hn)),
+        r.standard_normal(4 * Hn if kind == "lstm" else 6 * Hn), r.standard_normal((*batch, Hn)),
+    )  # fmt: skip
+    (cgf, lf, xf), (cgu, lu, xu) = (_cell_step_graph(kind, fused, arrays) for fused in (True, False))
+    assert any(nd.key.type in ("LSTMCell", "GRUCell") for nd in cgf.nodes())
+    assert cgf.forward(lf) == pytest.approx(cgu.forward(lu), rel=1e-12, abs=1e-12)
+    for a, b in zip(cgf.grad(lf, xf), cgu.grad(lu, xu)):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind, fused_nodes", [("lstm", 5), ("gru", 4)])
+def test_fused_cell_is_one_node_per_step(kind, fused_nodes):
+    _, cgf, _, _ = _cell_model(kind, fused=True)
+    _, cgu, _, _ = _cell_model(kind, fused=False)
+    cell_type = {"lstm": "LSTMCell", "gru": "GRUCell"}[kind]
+
+    def per_step(cg):
+        return sum(1 for n in cg.nodes() if n.key.idx == (2,)) - 1  # minus the x_t item
+
+    cells = [n for n in cgf.nodes() if n.key.type == cell_type]
+    assert [n.key.idx for n in cells] == [(t,) for t in range(5)]
+    assert cells[0].attrs["gates"] == {"lstm": ("i", "f", "g", "o"), "gru": ("r", "z", "n")}[kind]
+    assert not any(n.key.type in ("Sigmoid", "Tanh") for n in cgf.nodes())
+    assert per_step(cgf) == fused_nodes
+    assert per_step(cgu) >= 15
+    assert sum(1 for n in cgu.nodes() if n.key.type == "Sigmoid") == 5 * (3 if kind == "lstm" else 2)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_fused_cell_gradcheck_over_loop(kind):
+    g, cg, loss, _ = _cell_model(kind, fused=True, T=3, Bn=2)
+    vg.gradcheck(cg.node(loss), g.params.parameters())
+
+
+def test_fused_lstm_value_holds_state_and_gates():
+    g = vg.VirtualGraph(dtype=np.float64, seed=5)
+    x, h, c = g.input("x", (None, I)), g.input("h", (None, H)), g.input("c", (None, H))
+    cell = nn.LSTMCell(g, I, H, "lstm")
+    g.params.set_value("lstm.b", rand(4 * H, seed=9))
+    xv, hv, cv = rand(B, I, seed=1), rand(B, H, seed=2), rand(B, H, seed=3)
+    hn, cn = cell(x, (h, c))
+    cg = g.build({"x": xv, "h": hv, "c": cv}, [hn, cn])
+    state = next(n for n in cg.nodes() if n.key.type == "LSTMCell").value
+    assert state.shape == (6, B, H)
+    z = xv @ P(g, "lstm.W_x") + hv @ P(g, "lstm.W_h") + P(g, "lstm.b")
+    np.testing.assert_allclose(state[2], sig(z[:, :H]), rtol=1e-12)  # i
+    np.testing.assert_allclose(state[3], sig(z[:, H : 2 * H]), rtol=1e-12)  # f
+    np.testing.assert_allclose(state[4], np.tanh(z[:, 2 * H : 3 * H]), rtol=1e-12)  # g
+    np.testing.assert_allclose(state[5], sig(z[:, 3 * H :]), rtol=1e-12)  # o
+    np.testing.assert_array_equal(cg.node(hn).value, state[0])
+    np.testing.assert_array_equal(cg.node(cn).value, state[1])
+
+
+def test_fused_cell_partial_and_repeated_gradients():
+    """The inputs of a fused cell share one joint gradient computation: asking for a subset of
+    them, or backpropagating twice with different seeds, must give the unfused answers."""
+    cgs = {}
+    for fused in (True, False):
+        cg = vg.ComputeGraph(dtype=np.float64)
+        x = cg.input(rand(B, I, seed=1), requires_grad=True)
+        h = cg.input(rand(B, H, seed=2), requires_grad=True)
+        c = cg.input(rand(B, H, seed=3))  # no gradient wanted
+        Wx, Wh, b = (
+            cg.parameter(rand(I, 4 * H, seed=4)),
+            cg.parameter(rand(H, 4 * H, seed=5)),
+            cg.parameter(rand(4 * H, seed=6)),
+        )
+        if fused:
+            s = vg.functions.lstm_cell(x @ Wx, h @ Wh, b, c)
+            hn, cn = s[0], s[1]
+        else:
+            z = x @ Wx + h @ Wh + b
+            i, f = vg.sigmoid(z[..., :H]), vg.sigmoid(z[..., H : 2 * H])
+            gg, o = vg.tanh(z[..., 2 * H : 3 * H]), vg.sigmoid(z[..., 3 * H :])
+            cn = f * c + i * gg
+            hn = o * vg.tanh(cn)
+        cgs[fused] = (cg, hn, cn, x, h, b)
+    for seed in (7, 8):
+        got = {}
+        for fused, (cg, hn, cn, x, h, b) in cgs.items():
+            out = (hn * rand(B, H, seed=seed)).sum() + (cn * rand(B, H, seed=seed + 10)).sum()
+            got[fused] = cg.grad(out, [b, h], retain_graph=True) + cg.grad(out, [x], retain_graph=True)
+        for a, r in zip(got[True], got[False]):
+            np.testing.assert_allclose(a, r, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("fn, shapes", [
+    (vg.functions.lstm_cell, [(B, 4 * H), (B, 4 * H), (4 * H,), (B, H + 1)]),
+    (vg.functions.lstm_cell, [(B, 4 * H), (B, 4 * H), (4 * H,), ()]),
+    (vg.functions.gru_cell, [(B, 3 * H), (B, 3 * H), (3 * H,), (3 * H,), (B, H - 1)]),
+])  # fmt: skip
+def test_fused_cell_bad_shapes_name_the_node(fn, shapes):
+    cg = vg.ComputeGraph(dtype=np.float64)
+    nodes = [cg.input(np.ones(s)) for s in shapes]
+    n_before = len(cg)
+    with pytest.raises(vg.ShapeError, match=r"<(LSTM|GRU)Cell:1>.*columns|<(LSTM|GRU)Cell:1>.*scalar"):
+        fn(*nodes)
+    assert len(cg) == n_before
 
 
 # --- tying ------------------------------------------------------------------------------------

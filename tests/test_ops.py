@@ -13,6 +13,7 @@ The table ``CASES`` below has one row per (op, input shapes, attributes). Each r
 
 from __future__ import annotations
 
+import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,7 @@ import pytest
 import vgraph
 from vgraph import ComputeGraph
 from vgraph.check import gradcheck
-from vgraph.ops import OPS, unbroadcast
+from vgraph.ops import OPS, as_array, unbroadcast
 
 STRUCTURAL = {"Detach", "Branch", "Identity"}
 ZERO_GRADIENT = {"Step", "Sign"}
@@ -128,6 +129,11 @@ MATMUL_SHAPES = [
     ((2, 1, 3, 4), (5, 4, 2)),
     ((4,), (2, 4, 3)),
     ((2, 3, 4), (4,)),
+    ((2, 5, 3, 4), (4, 2)),  # weight gradient summed over two batch axes in one product
+    ((2, 1, 3, 4), (1, 5, 4, 2)),  # both operands broadcast over different axes
+    ((2, 5, 3, 4), (5, 4, 2)),
+    ((3, 8), (2, 8, 2)),  # a matrix on the left summed over the batch (m*k > n*(m+k))
+    ((4,), (2, 3, 4, 5)),
 ]
 for sa, sb in MATMUL_SHAPES:
     case(shape_id(sa, sb), "MatMul", lambda a, b: a @ b, np.matmul, normal(*sa), normal(*sb))
@@ -274,6 +280,50 @@ for shape, axis in [((5,), -1), ((3, 5), -1), ((3, 5), 0), ((2, 3, 4), 1)]:
         lambda x, a=axis: np.log(np_softmax(x, a)),
         normal(*shape),
     )  # fmt: skip
+
+
+# Fused recurrent cells: the value stacks the new state and the gate activations on a new axis 0.
+def np_sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def np_lstm_cell(xw, hw, b, c):
+    H = c.shape[-1]
+    z = xw + hw + b
+    i, f = np_sigmoid(z[..., :H]), np_sigmoid(z[..., H : 2 * H])
+    g, o = np.tanh(z[..., 2 * H : 3 * H]), np_sigmoid(z[..., 3 * H :])
+    c2 = f * c + i * g
+    return np.stack(np.broadcast_arrays(o * np.tanh(c2), c2, i, f, g, o))
+
+
+def np_gru_cell(xw, hw, bx, bh, h):
+    H = h.shape[-1]
+    gx, gh = xw + bx, hw + bh
+    r = np_sigmoid(gx[..., :H] + gh[..., :H])
+    z = np_sigmoid(gx[..., H : 2 * H] + gh[..., H : 2 * H])
+    n = np.tanh(gx[..., 2 * H :] + r * gh[..., 2 * H :])
+    return np.stack(np.broadcast_arrays((1 - z) * n + z * h, r, z, n))
+
+
+# (batch shape of xw, of hw, of the state): plain, no batch, broadcast batch dimensions.
+for bx, bh, bs in [((3,), (3,), (3,)), ((), (), ()), ((2, 3), (3,), (1, 3)), ((3,), (3,), (2, 1))]:
+    case(
+        shape_id(bx, bh, bs), "LSTMCell", vgraph.functions.lstm_cell, np_lstm_cell,
+        normal(*bx, 8), normal(*bh, 8), normal(8), normal(*bs, 2),
+    )  # fmt: skip
+    case(
+        shape_id(bx, bh, bs), "GRUCell", vgraph.functions.gru_cell, np_gru_cell,
+        normal(*bx, 6), normal(*bh, 6), normal(6), normal(6), normal(*bs, 2),
+    )  # fmt: skip
+# A bias with batch axes of its own (wider than the projections').
+case(
+    "batched-bias", "LSTMCell", vgraph.functions.lstm_cell, np_lstm_cell,
+    normal(1, 8), normal(8), normal(3, 8), normal(2),
+)  # fmt: skip
+case(
+    "batched-bias", "GRUCell", vgraph.functions.gru_cell, np_gru_cell,
+    normal(1, 6), normal(6), normal(3, 6), normal(6), normal(2),
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- table-driven tests
@@ -480,3 +530,87 @@ def test_unbroadcast_known_values():
     np.testing.assert_array_equal(unbroadcast(g, (3, 1)), [[3.0], [7.0], [11.0]])
     assert unbroadcast(g, ()) == 21.0
     np.testing.assert_array_equal(unbroadcast(g, (3, 2)), g)
+
+
+# ---------------------------------------------------------------------------- allocations of VJPs
+# A VJP must not allocate more than its result needs (issue 10 §2): a trap that grows with the
+# length of a sequence turns training on long sequences quadratic. Peak allocations are measured
+# with tracemalloc (numpy reports its buffers to it); bounds, not timings.
+
+
+def _peak_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """``fn()`` and the peak number of bytes traced while it ran."""
+    was_tracing = tracemalloc.is_tracing()
+    if not was_tracing:
+        tracemalloc.start()
+    tracemalloc.reset_peak()
+    base = tracemalloc.get_traced_memory()[0]
+    try:
+        result = fn()
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()
+    return result, peak
+
+
+def test_matmul_weight_gradient_of_a_stack_is_one_product():
+    """``(T, B, H) @ (H, V)`` (nn.Linear on a stacked sequence): the weight's VJP sums over T and B
+    inside one product; it allocates about its (H, V) result, not a (T, H, V) stack."""
+    T, B, H, V = 256, 2, 8, 64
+    r = np.random.default_rng(0)
+    a, b, g = r.standard_normal((T, B, H)), r.standard_normal((H, V)), r.standard_normal((T, B, V))
+    expected = sum(a[t].T @ g[t] for t in range(T))
+    got, peak = _peak_bytes(lambda: as_array(OPS["MatMul"].vjps[1](g, None, a, b)))
+    assert got.shape == (H, V)
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+    assert peak <= 2 * expected.nbytes + 4096, peak  # a (T, H, V) stack would be T / 2 times more
+
+
+def test_matmul_gradient_of_a_vector_weight_over_a_stack():
+    T, B, H = 512, 2, 16
+    r = np.random.default_rng(1)
+    a, b, g = r.standard_normal((T, B, H)), r.standard_normal(H), r.standard_normal((T, B))
+    got, peak = _peak_bytes(lambda: OPS["MatMul"].vjps[1](g, None, a, b))
+    np.testing.assert_allclose(got, np.einsum("tbh,tb->h", a, g), rtol=1e-12)
+    assert got.shape == (H,)
+    assert peak <= 2 * got.nbytes + 4096, peak
+
+
+def test_matmul_left_matrix_gradient_over_a_stack_allocates_inputs_not_a_stack():
+    """``(M, K) @ (T, K, N)`` with M*K > N*(M+K): the left operand's VJP copies g and b once
+    rather than building a (T, M, K) stack."""
+    T, M, K, N = 256, 32, 32, 2
+    r = np.random.default_rng(2)
+    a, b, g = r.standard_normal((M, K)), r.standard_normal((T, K, N)), r.standard_normal((T, M, N))
+    expected = sum(g[t] @ b[t].T for t in range(T))
+    got, peak = _peak_bytes(lambda: OPS["MatMul"].vjps[0](g, None, a, b))
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+    assert peak <= g.nbytes + b.nbytes + 2 * got.nbytes + 4096, peak
+    assert peak < T * M * K * 8 / 2, peak
+
+
+def test_linear_on_a_stack_backward_allocates_no_stack():
+    """Through the engine: backward of ``x @ W`` for a (T, B, H) input that needs no gradient
+    allocates about the size of W's gradient (plus its copy into W.grad)."""
+    T, B, H, V = 256, 2, 8, 64
+    r = np.random.default_rng(3)
+    cg = ComputeGraph(dtype=np.float64)
+    x = cg.input(r.standard_normal((T, B, H)))
+    W = cg.parameter(r.standard_normal((H, V)))
+    y = x @ W
+    seed = r.standard_normal((T, B, V))
+    _, peak = _peak_bytes(lambda: cg.backward(y, seed=seed))
+    np.testing.assert_allclose(W.grad, x.value.reshape(-1, H).T @ seed.reshape(-1, V), rtol=1e-12)
+    assert peak <= 3 * W.value.nbytes + 8192, peak
+
+
+def test_stack_gradient_is_a_view_of_the_incoming_gradient():
+    g = np.arange(24.0).reshape(2, 3, 4)
+    xs = [np.zeros((2, 4))] * 3
+    for i in range(3):
+        got = OPS["Stack"].vjps(i, g, g, *xs, axis=1)
+        np.testing.assert_array_equal(got, g[:, i])
+        assert np.shares_memory(got, g)
+    got = OPS["Stack"].vjps(1, g, g, *xs, axis=-2)
+    np.testing.assert_array_equal(got, g[:, 1])

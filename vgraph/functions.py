@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .errors import VGraphError
+from .ops import GRU_GATES, LSTM_GATES
 
 
 class Operand:
@@ -231,3 +232,64 @@ def log_softmax(x: Any, axis: int = -1) -> Any:
 def detach(x: Any) -> Any:
     """The same value, with the gradient stopped: nothing flows back through the result."""
     return _dispatch("Detach", (x,))
+
+
+def lstm_cell(xw: Any, hw: Any, b: Any, c: Any) -> Any:
+    """One fused LSTM step from its projections: a single ``LSTMCell`` node.
+
+    With ``z = xw + hw + b`` split into four blocks of H columns (gates in PyTorch's order)::
+
+        i, f, g, o = sigmoid(z_i), sigmoid(z_f), tanh(z_g), sigmoid(z_o)
+        c' = f * c + i * g
+        h' = o * tanh(c')
+
+    The node's value stacks the new state and the gate activations on a new leading axis:
+    ``value[k]`` is ``h', c', i, f, g, o`` for ``k = 0 … 5``; take ``h'`` and ``c'`` as
+    ``value[0]`` and ``value[1]`` (what :class:`vgraph.nn.LSTMCell` does). Its
+    VJP is hand-written: every input gets its gradient from one pass over the stored gates.
+
+    Args:
+        xw: ``x @ W_x``, shape ``(..., 4H)``.
+        hw: ``h @ W_h``, shape ``(..., 4H)``.
+        b: the bias, shape ``(4H,)`` (anything broadcastable against ``xw``).
+        c: the cell state, shape ``(..., H)``.
+
+    Returns:
+        A node of shape ``(6, ..., H)``, ``...`` the broadcast batch shape of the inputs.
+
+    Raises:
+        ShapeError: (when computed) the projections do not have ``4 * c.shape[-1]`` columns, or
+            the shapes do not broadcast; it names the node and the input shapes.
+    """
+    return _dispatch("LSTMCell", (xw, hw, b, c), {"gates": LSTM_GATES})
+
+
+def gru_cell(xw: Any, hw: Any, b_x: Any, b_h: Any, h: Any) -> Any:
+    """One fused GRU step from its projections: a single ``GRUCell`` node.
+
+    With ``gx = xw + b_x`` and ``gh = hw + b_h`` split into three blocks of H columns (PyTorch's
+    equations and gate order)::
+
+        r = sigmoid(gx_r + gh_r)
+        z = sigmoid(gx_z + gh_z)
+        n = tanh(gx_n + r * gh_n)
+        h' = (1 - z) * n + z * h
+
+    The node's value stacks ``h'`` and the gate activations on a new leading axis:
+    ``value[k]`` is ``h', r, z, n`` for ``k = 0 … 3``; take ``h'`` as ``value[0]`` (what
+    :class:`vgraph.nn.GRUCell` does).
+
+    Args:
+        xw: ``x @ W_x``, shape ``(..., 3H)``.
+        hw: ``h @ W_h``, shape ``(..., 3H)``.
+        b_x, b_h: the input and hidden biases, shape ``(3H,)``.
+        h: the hidden state, shape ``(..., H)``.
+
+    Returns:
+        A node of shape ``(4, ..., H)``, ``...`` the broadcast batch shape of the inputs.
+
+    Raises:
+        ShapeError: (when computed) the projections do not have ``3 * h.shape[-1]`` columns, or
+            the shapes do not broadcast; it names the node and the input shapes.
+    """
+    return _dispatch("GRUCell", (xw, hw, b_x, b_h, h), {"gates": GRU_GATES})

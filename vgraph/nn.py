@@ -264,6 +264,19 @@ class LSTMCell(Module):
     forget-gate block ``b[H:2H]``, which starts at ``forget_bias`` (default 1.0) so that the cell
     keeps its memory early in training (Jozefowicz et al., 2015). PyTorch's two biases
     ``b_ih + b_hh`` are one bias here (they only ever appear summed).
+
+    Fused by default: each call declares ``x @ W_x`` and ``h @ W_h`` (MatMul nodes) and one
+    ``LSTMCell`` node (:func:`vgraph.functions.lstm_cell`) that computes the bias, the gates and the
+    new state and has a hand-written VJP; ``h'`` and ``c'`` are GetItem views of its value
+    ``(6, ..., H)`` = ``[h', c', i, f, g, o]``. ``fused=False`` declares every gate as its own node
+    (about 17 nodes per step instead of 5), the same values and gradients: for looking at or
+    changing individual gates.
+
+    Args:
+        graph, name, share: see :class:`Module`.
+        input_size, hidden_size: the sizes of x and of h (and c).
+        forget_bias: the initial value of the forget gate's bias block.
+        fused: one fused node per step (default) or one node per gate operation.
     """
 
     def __init__(
@@ -274,9 +287,11 @@ class LSTMCell(Module):
         name: str,
         forget_bias: float = 1.0,
         share: bool = False,
+        fused: bool = True,
     ) -> None:
         super().__init__(graph, name, share)
         self.input_size, self.hidden_size = int(input_size), int(hidden_size)
+        self.fused = bool(fused)
         H = self.hidden_size
         bias = np.zeros(4 * H)
         bias[H : 2 * H] = forget_bias
@@ -291,6 +306,9 @@ class LSTMCell(Module):
             ``(h_new, c_new)``.
         """
         h, c = state
+        if self.fused:
+            cell = F.lstm_cell(x_t @ self.W_x, h @ self.W_h, self.b, c)
+            return cell[0], cell[1]
         H = self.hidden_size
         z = x_t @ self.W_x + h @ self.W_h + self.b
         i = F.sigmoid(z[..., 0:H])
@@ -314,13 +332,31 @@ class GRUCell(Module):
     hidden biases are separate. Parameters: ``{name}.W_x`` ``(input_size, 3H)`` (xavier_uniform),
     ``{name}.W_h`` ``(H, 3H)`` (one orthogonal block per gate), ``{name}.b_x`` and ``{name}.b_h``
     ``(3H,)`` (zeros); columns ``[0:H]`` are r, ``[H:2H]`` z, ``[2H:3H]`` n.
+
+    Fused by default: each call declares ``x @ W_x`` and ``h @ W_h`` (MatMul nodes) and one
+    ``GRUCell`` node (:func:`vgraph.functions.gru_cell`) that computes the biases, the gates and the
+    new state and has a hand-written VJP; ``h'`` is a GetItem view of its value ``(4, ..., H)`` =
+    ``[h', r, z, n]``. ``fused=False`` declares every gate as its own node (about 20 nodes per
+    step instead of 4), the same values and gradients.
+
+    Args:
+        graph, name, share: see :class:`Module`.
+        input_size, hidden_size: the sizes of x and of h.
+        fused: one fused node per step (default) or one node per gate operation.
     """
 
     def __init__(
-        self, graph: VirtualGraph, input_size: int, hidden_size: int, name: str, share: bool = False
+        self,
+        graph: VirtualGraph,
+        input_size: int,
+        hidden_size: int,
+        name: str,
+        share: bool = False,
+        fused: bool = True,
     ) -> None:
         super().__init__(graph, name, share)
         self.input_size, self.hidden_size = int(input_size), int(hidden_size)
+        self.fused = bool(fused)
         H = self.hidden_size
         self.W_x = self._param("W_x", (self.input_size, 3 * H), xavier_uniform())
         self.W_h = self._param("W_h", (H, 3 * H), _blocks(orthogonal, 3))
@@ -329,6 +365,8 @@ class GRUCell(Module):
 
     def __call__(self, x_t: Any, h: Any) -> Any:
         """One step: ``x_t`` ``(batch, input_size)``, ``h`` ``(batch, H)`` -> new h."""
+        if self.fused:
+            return F.gru_cell(x_t @ self.W_x, h @ self.W_h, self.b_x, self.b_h, h)[0]
         H = self.hidden_size
         gx = x_t @ self.W_x + self.b_x
         gh = h @ self.W_h + self.b_h
