@@ -70,17 +70,23 @@ def test_gradcheck_detects_a_wrong_vjp_and_names_input_and_element():
     assert "(2,)" in msg
     assert "(0,)" not in msg and "(1,)" not in msg and "(3,)" not in msg
     assert "1 of 4" in msg
+    assert "<Input:1> 'xin' at element (2,): analytic 9, numeric 3" in msg
+    assert "abs error 6, rel error 2" in msg
+    assert "check_vjps" in msg  # points to the localised check
     assert isinstance(info.value, AssertionError)
 
     result = gradcheck(loss, [x], raise_on_failure=False)
     assert not result.ok
     assert result.checked == 4
     assert len(result.failures) == 1
-    name, index, analytic, numeric = result.failures[0]
-    assert "Input:1" in name and index == (2,)
-    assert analytic == pytest.approx(3 * 2 * 1.5, rel=1e-12)
-    assert numeric == pytest.approx(2 * 1.5, rel=1e-6)
-    assert result.max_abs_error == pytest.approx(3 * 2 * 1.5 - 2 * 1.5, rel=1e-6)  # 9 vs 3
+    f = result.failures[0]
+    assert f.leaf == "<Input:1> 'xin'" and f.index == (2,)
+    assert f.analytic == pytest.approx(3 * 2 * 1.5, rel=1e-12)
+    assert f.numeric == pytest.approx(2 * 1.5, rel=1e-6)
+    assert f.abs_error == pytest.approx(6.0, rel=1e-6)  # 9 vs 3
+    assert f.rel_error == pytest.approx(2.0, rel=1e-6)  # 6 / 3
+    assert result.max_abs_error == pytest.approx(6.0, rel=1e-6)
+    assert result.max_rel_error == pytest.approx(2.0, rel=1e-6)
     assert "BadSquare" not in OPS  # the broken op was never registered globally
 
 
@@ -94,6 +100,44 @@ def test_gradcheck_detects_a_wrong_vjp_through_a_non_scalar_output():
     assert msg.startswith("2 of 4")  # row 1 of the VJP is wrong
     assert "<Parameter:1> at element (1, 0)" in msg and "<Parameter:1> at element (1, 1)" in msg
     assert "(0, 0)" not in msg and "(0, 1)" not in msg
+
+
+def test_gradcheck_of_an_unused_leaf_is_zero_on_both_sides():
+    cg, W, b, x, y, loss = _model()
+    unused = cg.parameter(np.ones(2), name="unused")
+    result = gradcheck(loss, [b, unused])
+    assert result.ok and result.checked == 3 + 2
+
+
+def test_gradcheck_reports_a_leaf_reached_only_through_detach():
+    # detach is a deliberate lie about the gradient: gradcheck must show it, not hide it.
+    cg = ComputeGraph(dtype=np.float64)
+    x = cg.parameter(np.array([1.0, 2.0]), name="x")
+    out = (vgraph.detach(x) * x).sum()  # true derivative 2x, backward sees only x
+    result = gradcheck(out, [x], raise_on_failure=False)
+    assert [f.index for f in result.failures] == [(1,), (0,)]
+    assert result.failures[0].analytic == pytest.approx(2.0)
+    assert result.failures[0].numeric == pytest.approx(4.0, rel=1e-6)
+    only_detached = vgraph.detach(x).sum() + (x * 0.0).sum()
+    f = gradcheck(only_detached, [x], raise_on_failure=False).failures
+    assert {(g.index, g.analytic) for g in f} == {((0,), 0.0), ((1,), 0.0)}
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, error, match",
+    [
+        (("loss", ["W"]), {}, TypeError, r"wrt\[0\] must be a ComputeNode, got str"),
+        ((None, []), {}, TypeError, "output must be a ComputeNode, got NoneType"),
+        (("loss", []), {"eps": 0.0}, ValueError, "eps must be positive"),
+        (("loss", []), {"atol": "1e-6"}, TypeError, "atol must be a number"),
+        (("loss", []), {"rtol": -1.0}, ValueError, "rtol must be non-negative"),
+    ],
+)
+def test_gradcheck_argument_errors(args, kwargs, error, match):
+    cg, W, b, x, y, loss = _model()
+    args = tuple(loss if a == "loss" else a for a in args)
+    with pytest.raises(error, match=match):
+        gradcheck(*args, **kwargs)
 
 
 def test_gradcheck_refuses_float32_graphs():

@@ -4,11 +4,38 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from .compute import ComputeNode
 from .errors import GradcheckError, GraphStateError, VGraphError
+
+
+class GradcheckFailure(NamedTuple):
+    """One gradient element on which the VJP and finite differences disagree.
+
+    Attributes:
+        leaf: the leaf, as ``<type:id@idx> 'name'``.
+        index: the element's index in the leaf's value.
+        analytic: the gradient element from the VJPs (backward).
+        numeric: the central finite difference.
+        abs_error: ``|analytic - numeric|``.
+        rel_error: ``abs_error / max(|numeric|, atol)``.
+    """
+
+    leaf: str
+    index: tuple[int, ...]
+    analytic: float
+    numeric: float
+    abs_error: float
+    rel_error: float
+
+    def __str__(self) -> str:
+        return (
+            f"{self.leaf} at element {self.index}: analytic {self.analytic:.8g}, numeric "
+            f"{self.numeric:.8g} (abs error {self.abs_error:.3g}, rel error {self.rel_error:.3g})"
+        )
 
 
 @dataclass
@@ -19,14 +46,13 @@ class GradcheckResult:
         max_abs_error: the largest ``|analytic - numeric|`` over all checked elements.
         max_rel_error: the largest ``|analytic - numeric| / max(|numeric|, atol)``.
         checked: the number of elements compared.
-        failures: ``(node description, element index, analytic, numeric)`` of the elements that
-            failed the tolerance, worst first (at most 10).
+        failures: the elements that failed the tolerance, worst first (at most 10).
     """
 
     max_abs_error: float
     max_rel_error: float
     checked: int
-    failures: list[tuple[str, tuple[int, ...], float, float]]
+    failures: list[GradcheckFailure]
 
     @property
     def ok(self) -> bool:
@@ -38,6 +64,34 @@ def _objective(output: ComputeNode, projection: np.ndarray | None) -> float:
     if projection is None:  # a size-1 output, possibly of shape (1,) or (1, 1): not float()-able
         return float(np.reshape(value, ()))
     return float(np.sum(value * projection))
+
+
+def _gradient_reaches(output: ComputeNode) -> set[ComputeNode]:
+    """The nodes a backward from ``output`` sends a gradient to (iteratively, no recursion).
+
+    The engine follows an edge only when the child requires a gradient, the op has a VJP for that
+    input and the parent requires a gradient; a leaf reached otherwise (through ``detach``, say)
+    gets no gradient, so its analytic gradient is zero.
+    """
+    seen = {output} if output.requires_grad else set()
+    stack = list(seen)
+    while stack:
+        n = stack.pop()
+        for p, vjp in zip(n.parents, n.vjps):
+            if vjp is not None and p.requires_grad and p not in seen:
+                seen.add(p)
+                stack.append(p)
+    return seen
+
+
+def _check_tolerances(eps: float, atol: float, rtol: float) -> None:
+    for name, v, positive in (("eps", eps, True), ("atol", atol, False), ("rtol", rtol, False)):
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
+            raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+        if not np.isfinite(v) or v < 0 or (positive and v == 0):
+            raise ValueError(
+                f"{name} must be {'positive' if positive else 'non-negative'} and finite, got {v}"
+            )
 
 
 def gradcheck(
@@ -57,9 +111,13 @@ def gradcheck(
     Run it in float64: float32 finite differences are too noisy to mean anything. Leaves are
     restored and ``.grad`` is untouched afterwards.
 
+    This answers "is the gradient of this graph right?". When it is not, :func:`check_vjps`
+    answers "which node's VJP is wrong?" (each op checked on its own).
+
     Args:
         output: the node to differentiate.
-        wrt: leaf nodes (inputs with ``requires_grad=True`` or parameters).
+        wrt: leaf nodes (inputs with ``requires_grad=True`` or parameters). A leaf the output's
+            gradient does not reach (unused, or only through ``detach``) has analytic gradient 0.
         eps: the finite-difference step.
         atol, rtol: an element passes if ``|analytic - numeric| <= atol + rtol * |numeric|``.
         raise_on_failure: raise :class:`GradcheckError` instead of returning a failing result.
@@ -69,9 +127,22 @@ def gradcheck(
         A :class:`GradcheckResult`.
 
     Raises:
-        GradcheckError: gradients disagree (names the input, the element, both values).
+        GradcheckError: gradients disagree. The message names, for the worst elements, the leaf
+            ``<type:id@idx>``, the element index, the analytic and numeric values and the
+            absolute and relative errors.
         VGraphError: the graph is not float64, or a ``wrt`` node is not a leaf.
+        TypeError, ValueError: ``output``/``wrt`` are not compute nodes, or a tolerance is not a
+            non-negative number (``eps`` positive).
     """
+    if not isinstance(output, ComputeNode):
+        raise TypeError(f"gradcheck: output must be a ComputeNode, got {type(output).__name__}")
+    if isinstance(wrt, ComputeNode):
+        wrt = [wrt]
+    wrt = list(wrt)
+    for i, x in enumerate(wrt):
+        if not isinstance(x, ComputeNode):
+            raise TypeError(f"gradcheck: wrt[{i}] must be a ComputeNode, got {type(x).__name__}")
+    _check_tolerances(eps, atol, rtol)
     graph = output.graph
     if graph is None:
         raise VGraphError(f"{output.describe()} belongs to no ComputeGraph")
@@ -88,12 +159,17 @@ def gradcheck(
     if np.size(output.value) != 1:
         projection = np.random.default_rng(seed).standard_normal(np.shape(output.value))
     graph.forward(output)
-    analytic = graph.grad(output, list(wrt), seeds=projection, retain_graph=True)
+    reached = _gradient_reaches(output)
+    used = [x for x in wrt if x in reached]
+    analytic = dict(zip(used, graph.grad(output, used, seeds=projection, retain_graph=True) if used else ()))
 
     failures = []
     max_abs = max_rel = 0.0
     checked = 0
-    for x, a in zip(wrt, analytic):
+    for x in wrt:
+        a = analytic.get(x)
+        if a is None:
+            a = np.zeros(np.shape(x.value))
         original = np.array(x.value, copy=True)
         try:
             for i in np.ndindex(original.shape):
@@ -106,25 +182,25 @@ def gradcheck(
                 f_minus = _objective(output, projection)
                 numeric = (f_plus - f_minus) / (2 * eps)
                 err = abs(a[i] - numeric)
+                rel = err / max(abs(numeric), atol)
                 max_abs = max(max_abs, err)
-                max_rel = max(max_rel, err / max(abs(numeric), atol))
+                max_rel = max(max_rel, rel)
                 checked += 1
                 if err > atol + rtol * abs(numeric):
-                    failures.append((x.describe(), i, float(a[i]), numeric))
+                    failures.append(GradcheckFailure(x.describe(), i, float(a[i]), numeric, err, rel))
         finally:
             x.value = original
             graph.forward(output)
-    failures.sort(key=lambda f: -abs(f[2] - f[3]))
+    failures.sort(key=lambda f: -f.abs_error)
     result = GradcheckResult(max_abs, max_rel, checked, failures[:10])
     if failures and raise_on_failure:
-        lines = [
-            f"gradient of {output.describe()} w.r.t. {name} at element {idx}: "
-            f"analytic {an:.8g}, numeric {num:.8g}"
-            for name, idx, an, num in result.failures
-        ]
+        more = f"\n  … and {len(failures) - 10} more" if len(failures) > 10 else ""
         raise GradcheckError(
-            f"{len(failures)} of {checked} gradient elements disagree (atol={atol}, rtol={rtol}):\n  "
-            + "\n  ".join(lines)
+            f"{len(failures)} of {checked} gradient elements of {output.describe()} disagree "
+            f"(atol={atol}, rtol={rtol}), worst first:\n  "
+            + "\n  ".join(str(f) for f in result.failures)
+            + more
+            + "\nTo find the op whose VJP is wrong, run vgraph.check_vjps on the output."
         )
     return result
 
@@ -150,4 +226,4 @@ def jacobian(output: ComputeNode, input: ComputeNode) -> np.ndarray:
     return rows.reshape(*out_shape, *np.shape(input.value))
 
 
-__all__ = ["GradcheckResult", "gradcheck", "jacobian"]
+__all__ = ["GradcheckFailure", "GradcheckResult", "gradcheck", "jacobian"]
