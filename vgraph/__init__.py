@@ -13,7 +13,7 @@ from . import (
     render,
     tbptt,
 )
-from .check import gradcheck, jacobian
+from .check import check_vjps, gradcheck, jacobian
 from .compute import (
     ComputeGraph,
     ComputeNode,
