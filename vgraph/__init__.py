@@ -40,6 +40,7 @@ from .errors import (
 from .functions import (
     abs,
     concat,
+    defop,
     detach,
     exp,
     log,
@@ -60,6 +61,7 @@ from .functions import (
     take_along_axis,
     tanh,
     transpose,
+    undefop,
     where,
 )
 from .virtual import (

@@ -19,7 +19,7 @@ class GradcheckFailure(NamedTuple):
 
     Attributes:
         leaf: the leaf, as ``<type:id@idx> 'name'``.
-        index: the element's index in the leaf's value.
+        element: the element's index in the leaf's value.
         analytic: the gradient element from the VJPs (backward).
         numeric: the central finite difference.
         abs_error: ``|analytic - numeric|``.
@@ -27,7 +27,7 @@ class GradcheckFailure(NamedTuple):
     """
 
     leaf: str
-    index: tuple[int, ...]
+    element: tuple[int, ...]
     analytic: float
     numeric: float
     abs_error: float
@@ -35,7 +35,7 @@ class GradcheckFailure(NamedTuple):
 
     def __str__(self) -> str:
         return (
-            f"{self.leaf} at element {self.index}: analytic {self.analytic:.8g}, numeric "
+            f"{self.leaf} at element {self.element}: analytic {self.analytic:.8g}, numeric "
             f"{self.numeric:.8g} (abs error {self.abs_error:.3g}, rel error {self.rel_error:.3g})"
         )
 
@@ -258,11 +258,11 @@ class InputCheck:
             return f"{head}: {self.error}"
         text = (
             f"{head}: max abs error {self.max_abs_error:.3g}, max rel error {self.max_rel_error:.3g}"
-            f" over {self.checked} elements"
+            f" over {_count(self.checked, 'element')}"
         )
         if self.failed:
             text += (
-                f"; {self.failed} of them wrong, the worst at element {self.worst_index}: analytic "
+                f"; {self.failed} wrong, the worst at element {self.worst_index}: analytic "
                 f"{self.analytic:.8g}, numeric {self.numeric:.8g}"
             )
         if self.nondifferentiable:
@@ -350,8 +350,9 @@ class VjpCheckResult:
         """A short report: the first wrong VJP (node, op, input, errors), or that all agree."""
         inputs = sum(1 for n in self.nodes for i in n.inputs if i.skipped is None)
         checked = (
-            f"{len(self.nodes)} op nodes ({inputs} inputs) checked against central finite "
-            f"differences, atol={self.atol}, rtol={self.rtol}; {self.skipped} op nodes had nothing to check"
+            f"{_count(len(self.nodes), 'op node')} ({_count(inputs, 'input')}) checked against "
+            f"central finite differences, atol={self.atol}, rtol={self.rtol}; "
+            f"{_count(self.skipped, 'op node')} with nothing to check"
         )
         failures = self.failures
         if not failures:
@@ -372,6 +373,10 @@ class VjpCheckResult:
 
 
 _by_serial = attrgetter("serial")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _op_nodes(target: ComputeGraph | ComputeNode) -> list[ComputeNode]:
@@ -482,10 +487,11 @@ def _check_node(
             checks.append(InputCheck(k, p.describe(), error=error))
             continue
 
+        flat: Iterable[int]
         if max_elements is None or x.size <= max_elements:
             flat = range(x.size)
         else:
-            flat = np.sort(rng.choice(x.size, size=max_elements, replace=False))
+            flat = np.sort(rng.choice(x.size, size=max_elements, replace=False)).tolist()
         checked = kinks = failed = 0
         max_abs = max_rel = -1.0
         worst: tuple[Any, float, float] = (None, float("nan"), float("nan"))
