@@ -27,7 +27,7 @@ def test_gradcheck_passes_on_a_correct_model():
     cg, W, b, x, y, loss = _model()
     result = gradcheck(loss, [W, b, x])
     assert isinstance(result, GradcheckResult)
-    assert result.ok and result.failures == []
+    assert result.ok and result.failures == [] and result.localized is None
     assert result.checked == 12 + 3 + 4
     assert 0 <= result.max_abs_error < 1e-8
     assert 0 <= result.max_rel_error < 1e-6
@@ -72,12 +72,22 @@ def test_gradcheck_detects_a_wrong_vjp_and_names_input_and_element():
     assert "1 of 4" in msg
     assert "<Input:1> 'xin' at element (2,): analytic 9, numeric 3" in msg
     assert "abs error 6, rel error 2" in msg
-    assert "check_vjps" in msg  # points to the localised check
+    # … and then which op node's VJP is wrong (the localised check, run on failure).
+    assert (
+        "Checked op by op (vgraph.check_vjps): wrong VJP at <BadSquare:1> (op BadSquare), input 0 <Input:1> 'xin'"
+        in msg
+    )
     assert isinstance(info.value, AssertionError)
 
     result = gradcheck(loss, [x], raise_on_failure=False)
     assert not result.ok
     assert result.checked == 4
+    assert [n.key for n in result.localized.failures] == [vgraph.NodeKey("BadSquare", 1)]
+    assert gradcheck(loss, [x], raise_on_failure=False, localize=False).localized is None
+    with pytest.raises(
+        vgraph.GradcheckError, match=r"disagree[\s\S]*run vgraph\.check_vjps on the output\.$"
+    ):
+        gradcheck(loss, [x], localize=False)
     assert len(result.failures) == 1
     f = result.failures[0]
     assert f.leaf == "<Input:1> 'xin'" and f.element == (2,)
@@ -116,6 +126,11 @@ def test_gradcheck_reports_a_leaf_reached_only_through_detach():
     out = (vgraph.detach(x) * x).sum()  # true derivative 2x, backward sees only x
     result = gradcheck(out, [x], raise_on_failure=False)
     assert [f.element for f in result.failures] == [(1,), (0,)]
+    assert result.localized.ok  # every VJP is right: the graph itself differs from the function
+    with pytest.raises(
+        vgraph.GradcheckError, match="Every VJP agrees with its op, so the difference comes from the graph"
+    ):
+        gradcheck(out, [x])
     assert result.failures[0].analytic == pytest.approx(2.0)
     assert result.failures[0].numeric == pytest.approx(4.0, rel=1e-6)
     only_detached = vgraph.detach(x).sum() + (x * 0.0).sum()

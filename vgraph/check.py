@@ -49,12 +49,15 @@ class GradcheckResult:
         max_rel_error: the largest ``|analytic - numeric| / max(|numeric|, atol)``.
         checked: the number of elements compared.
         failures: the elements that failed the tolerance, worst first (at most 10).
+        localized: when the check failed (with ``localize=True``), :func:`check_vjps` of the
+            output: which op node's VJP is wrong, if any; ``None`` otherwise.
     """
 
     max_abs_error: float
     max_rel_error: float
     checked: int
     failures: list[GradcheckFailure]
+    localized: VjpCheckResult | None = None
 
     @property
     def ok(self) -> bool:
@@ -104,6 +107,7 @@ def gradcheck(
     rtol: float = 1e-5,
     raise_on_failure: bool = True,
     seed: int = 0,
+    localize: bool = True,
 ) -> GradcheckResult:
     """Compare the VJP gradients of ``output`` with central finite differences.
 
@@ -124,6 +128,10 @@ def gradcheck(
         atol, rtol: an element passes if ``|analytic - numeric| <= atol + rtol * |numeric|``.
         raise_on_failure: raise :class:`GradcheckError` instead of returning a failing result.
         seed: seeds the random projection for non-scalar outputs.
+        localize: when gradients disagree, also run :func:`check_vjps` on the op nodes the output
+            depends on (costs about as much again, only on failure), so the error names the first
+            node whose VJP is wrong, or says that every VJP is right and the difference comes
+            from the graph itself (a ``detach``, a non-differentiable point).
 
     Returns:
         A :class:`GradcheckResult`.
@@ -131,7 +139,7 @@ def gradcheck(
     Raises:
         GradcheckError: gradients disagree. The message names, for the worst elements, the leaf
             ``<type:id@idx>``, the element index, the analytic and numeric values and the
-            absolute and relative errors.
+            absolute and relative errors; with ``localize``, then the first wrong VJP.
         VGraphError: the graph is not float64, or a ``wrt`` node is not a leaf.
         TypeError, ValueError: ``output``/``wrt`` are not compute nodes, or a tolerance is not a
             non-negative number (``eps`` positive).
@@ -195,14 +203,32 @@ def gradcheck(
             graph.forward(output)
     failures.sort(key=lambda f: -f.abs_error)
     result = GradcheckResult(max_abs, max_rel, checked, failures[:10])
-    if failures and raise_on_failure:
+    if not failures:
+        return result
+    where = "To find the op whose VJP is wrong, run vgraph.check_vjps on the output."
+    if localize:
+        try:
+            result.localized = check_vjps(
+                output, eps=eps, atol=atol, rtol=rtol, raise_on_failure=False, seed=seed
+            )
+        except VGraphError as e:
+            where = f"Could not check the VJPs op by op: {e}"
+        else:
+            where = "Checked op by op (vgraph.check_vjps): " + result.localized.summary()
+            if result.localized.ok:
+                where += (
+                    "\nEvery VJP agrees with its op, so the difference comes from the graph: a "
+                    "detach, a non-differentiable point, or an eps that changes the graph's structure."
+                )
+    if raise_on_failure:
         more = f"\n  … and {len(failures) - 10} more" if len(failures) > 10 else ""
         raise GradcheckError(
             f"{len(failures)} of {checked} gradient elements of {output.describe()} disagree "
             f"(atol={atol}, rtol={rtol}), worst first:\n  "
             + "\n  ".join(str(f) for f in result.failures)
             + more
-            + "\nTo find the op whose VJP is wrong, run vgraph.check_vjps on the output."
+            + "\n"
+            + where
         )
     return result
 
