@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -249,10 +250,15 @@ class OpFunction:
     after ``defop(..., replace=True)`` it uses the new definition.
     """
 
-    __slots__ = ("name",)
+    __slots__ = ("name", "_signatures")
 
     def __init__(self, name: str) -> None:
         self.name = name
+        # Inspecting signatures costs more than applying most ops: once per definition of the op
+        # and per form of call (number of inputs, attribute names) that passed.
+        self._signatures: (
+            tuple[_ops.Op, list[tuple[str, inspect.Signature, int]], set[tuple[Any, ...]]] | None
+        ) = None
 
     @property
     def op(self) -> _ops.Op:
@@ -275,7 +281,14 @@ class OpFunction:
             )
         if not inputs:
             raise TypeError(f"{op.name} needs at least one input")
-        _check_call(op, inputs, attrs)
+        cache = self._signatures
+        if cache is None or cache[0] is not op:
+            cache = self._signatures = (op, _signatures(op), set())
+        # Whether a call binds depends only on the number of inputs and the attribute names.
+        form = (len(inputs), *attrs)
+        if form not in cache[2]:
+            _check_call(op, cache[1], inputs, attrs)
+            cache[2].add(form)
         return _dispatch(op.name, inputs, attrs)
 
     def __repr__(self) -> str:
@@ -286,21 +299,33 @@ class OpFunction:
         return f"<vgraph op {self.name}: {inputs}>"
 
 
-def _check_call(op: _ops.Op, inputs: tuple[Any, ...], attrs: dict[str, Any]) -> None:
+def _signatures(op: _ops.Op) -> list[tuple[str, inspect.Signature, int]]:
+    """``(what, signature, extra positionals)`` for forward and each VJP whose signature Python
+    can tell (not numpy ufuncs); extra positionals are ``g, ans`` (and ``i`` for a variadic VJP)."""
+    funcs: list[tuple[str, Any, int]] = [("forward", op.forward, 0)]
+    if op.variadic:
+        funcs.append(("the VJP", op.vjps, 3))
+    else:
+        vjps: tuple[Any, ...] = op.vjps  # type: ignore[assignment]
+        funcs += [(f"VJP {i}", f, 2) for i, f in enumerate(vjps) if f is not None]
+    out = []
+    for what, f, extra in funcs:
+        with contextlib.suppress(TypeError, ValueError):  # numpy ufuncs and some builtins do not say
+            out.append((what, inspect.signature(f), extra))
+    return out
+
+
+def _check_call(
+    op: _ops.Op,
+    sigs: list[tuple[str, inspect.Signature, int]],
+    inputs: tuple[Any, ...],
+    attrs: dict[str, Any],
+) -> None:
     """Refuse, when the node is declared, a call that forward or a VJP could not accept later."""
     n = len(inputs)
-    calls: list[tuple[str, Callable[..., Any], int]] = [("forward", op.forward, n)]
-    if op.variadic:
-        calls.append(("the VJP", op.vjps, n + 3))
-    else:
-        calls += [(f"VJP {i}", f, n + 2) for i, f in enumerate(op.vjps) if f is not None]
-    for what, f, positionals in calls:
+    for what, sig, extra in sigs:
         try:
-            sig = inspect.signature(f)
-        except (TypeError, ValueError):
-            continue  # numpy ufuncs and some builtins do not say
-        try:
-            sig.bind(*range(positionals), **attrs)
+            sig.bind(*range(n + extra), **attrs)
         except TypeError as e:
             given = f" and attrs {attrs}" if attrs else " and no attrs"
             raise TypeError(
