@@ -1,4 +1,4 @@
-"""vgraph.check: gradcheck (finite differences against the VJPs) and jacobian."""
+"""vgraph.check: gradcheck (finite differences against the VJPs), check_vjps (localised) and jacobian."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import vgraph
-from vgraph import ComputeGraph
-from vgraph.check import GradcheckResult, gradcheck, jacobian
+from vgraph import ComputeGraph, NodeKey
+from vgraph.check import GradcheckResult, NodeCheck, VjpCheckResult, check_vjps, gradcheck, jacobian
 from vgraph.ops import OPS, Op
 
 
@@ -27,7 +27,7 @@ def test_gradcheck_passes_on_a_correct_model():
     cg, W, b, x, y, loss = _model()
     result = gradcheck(loss, [W, b, x])
     assert isinstance(result, GradcheckResult)
-    assert result.ok and result.failures == []
+    assert result.ok and result.failures == [] and result.localized is None
     assert result.checked == 12 + 3 + 4
     assert 0 <= result.max_abs_error < 1e-8
     assert 0 <= result.max_rel_error < 1e-6
@@ -70,17 +70,33 @@ def test_gradcheck_detects_a_wrong_vjp_and_names_input_and_element():
     assert "(2,)" in msg
     assert "(0,)" not in msg and "(1,)" not in msg and "(3,)" not in msg
     assert "1 of 4" in msg
+    assert "<Input:1> 'xin' at element (2,): analytic 9, numeric 3" in msg
+    assert "abs error 6, rel error 2" in msg
+    # … and then which op node's VJP is wrong (the localised check, run on failure).
+    assert (
+        "Checked op by op (vgraph.check_vjps): wrong VJP at <BadSquare:1> (op BadSquare), input 0 <Input:1> 'xin'"
+        in msg
+    )
     assert isinstance(info.value, AssertionError)
 
     result = gradcheck(loss, [x], raise_on_failure=False)
     assert not result.ok
     assert result.checked == 4
+    assert [n.key for n in result.localized.failures] == [vgraph.NodeKey("BadSquare", 1)]
+    assert gradcheck(loss, [x], raise_on_failure=False, localize=False).localized is None
+    with pytest.raises(
+        vgraph.GradcheckError, match=r"disagree[\s\S]*run vgraph\.check_vjps on the output\.$"
+    ):
+        gradcheck(loss, [x], localize=False)
     assert len(result.failures) == 1
-    name, index, analytic, numeric = result.failures[0]
-    assert "Input:1" in name and index == (2,)
-    assert analytic == pytest.approx(3 * 2 * 1.5, rel=1e-12)
-    assert numeric == pytest.approx(2 * 1.5, rel=1e-6)
-    assert result.max_abs_error == pytest.approx(3 * 2 * 1.5 - 2 * 1.5, rel=1e-6)  # 9 vs 3
+    f = result.failures[0]
+    assert f.leaf == "<Input:1> 'xin'" and f.element == (2,)
+    assert f.analytic == pytest.approx(3 * 2 * 1.5, rel=1e-12)
+    assert f.numeric == pytest.approx(2 * 1.5, rel=1e-6)
+    assert f.abs_error == pytest.approx(6.0, rel=1e-6)  # 9 vs 3
+    assert f.rel_error == pytest.approx(2.0, rel=1e-6)  # 6 / 3
+    assert result.max_abs_error == pytest.approx(6.0, rel=1e-6)
+    assert result.max_rel_error == pytest.approx(2.0, rel=1e-6)
     assert "BadSquare" not in OPS  # the broken op was never registered globally
 
 
@@ -94,6 +110,49 @@ def test_gradcheck_detects_a_wrong_vjp_through_a_non_scalar_output():
     assert msg.startswith("2 of 4")  # row 1 of the VJP is wrong
     assert "<Parameter:1> at element (1, 0)" in msg and "<Parameter:1> at element (1, 1)" in msg
     assert "(0, 0)" not in msg and "(0, 1)" not in msg
+
+
+def test_gradcheck_of_an_unused_leaf_is_zero_on_both_sides():
+    cg, W, b, x, y, loss = _model()
+    unused = cg.parameter(np.ones(2), name="unused")
+    result = gradcheck(loss, [b, unused])
+    assert result.ok and result.checked == 3 + 2
+
+
+def test_gradcheck_reports_a_leaf_reached_only_through_detach():
+    # detach is a deliberate lie about the gradient: gradcheck must show it, not hide it.
+    cg = ComputeGraph(dtype=np.float64)
+    x = cg.parameter(np.array([1.0, 2.0]), name="x")
+    out = (vgraph.detach(x) * x).sum()  # true derivative 2x, backward sees only x
+    result = gradcheck(out, [x], raise_on_failure=False)
+    assert [f.element for f in result.failures] == [(1,), (0,)]
+    assert result.localized.ok  # every VJP is right: the graph itself differs from the function
+    with pytest.raises(
+        vgraph.GradcheckError, match="Every VJP agrees with its op, so the difference comes from the graph"
+    ):
+        gradcheck(out, [x])
+    assert result.failures[0].analytic == pytest.approx(2.0)
+    assert result.failures[0].numeric == pytest.approx(4.0, rel=1e-6)
+    only_detached = vgraph.detach(x).sum() + (x * 0.0).sum()
+    f = gradcheck(only_detached, [x], raise_on_failure=False).failures
+    assert {(g.element, g.analytic) for g in f} == {((0,), 0.0), ((1,), 0.0)}
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, error, match",
+    [
+        (("loss", ["W"]), {}, TypeError, r"wrt\[0\] must be a ComputeNode, got str"),
+        ((None, []), {}, TypeError, "output must be a ComputeNode, got NoneType"),
+        (("loss", []), {"eps": 0.0}, ValueError, "eps must be positive"),
+        (("loss", []), {"atol": "1e-6"}, TypeError, "atol must be a number"),
+        (("loss", []), {"rtol": -1.0}, ValueError, "rtol must be non-negative"),
+    ],
+)
+def test_gradcheck_argument_errors(args, kwargs, error, match):
+    cg, W, b, x, y, loss = _model()
+    args = tuple(loss if a == "loss" else a for a in args)
+    with pytest.raises(error, match=match):
+        gradcheck(*args, **kwargs)
 
 
 def test_gradcheck_refuses_float32_graphs():
@@ -153,6 +212,258 @@ def test_gradcheck_leaves_retained_intermediate_grads_unchanged():
     before = y.grad.copy()
     gradcheck(loss, [W, b, x])
     np.testing.assert_array_equal(y.grad, before)
+
+
+# ---------------------------------------------------------------------------- check_vjps (localised)
+def _every_kind_of_op(dtype=np.float64):
+    """A graph using broadcasting, reductions, indexing, variadic ops and no-gradient inputs."""
+    r = np.random.default_rng(1)
+    cg = ComputeGraph(dtype=dtype)
+    W = cg.parameter(r.standard_normal((3, 4)), name="W")
+    b = cg.parameter(r.standard_normal(3), name="b")
+    x = cg.input(r.standard_normal((2, 4)), name="x")
+    col = cg.parameter(r.standard_normal((2, 1)), name="col")
+    h = vgraph.tanh(x @ W.T + b) * col  # (2, 3) + (3,), then (2, 3) * (2, 1)
+    p = vgraph.softmax(h, axis=1)
+    lp = vgraph.log_softmax(h, axis=0)
+    cat = vgraph.concat([h, p, lp], axis=1)  # (2, 9)
+    st = vgraph.stack([h, p], axis=0)  # (2, 2, 3)
+    idx = cg.input(np.array([1, 0, 1]))  # integer input: skipped
+    picked = vgraph.take(cat, idx)  # (3, 9)
+    labels = cg.input(np.array([[2], [0]]))
+    along = vgraph.take_along_axis(h, labels, axis=1)
+    mask = cg.input(np.array([[True, False, True], [False, True, True]]))
+    w = vgraph.where(mask, h, vgraph.exp(h))
+    out = (
+        picked.sum()
+        + st.max(axis=(0, 2)).mean()
+        + along.sum()
+        + (w / (1.0 + vgraph.sigmoid(h))).sum()
+        + vgraph.softplus(cat[:, ::2]).sum()
+        + (vgraph.abs(h) ** 3).sum()
+        + vgraph.log(p).mean()
+        + vgraph.detach(h).sum()
+        + vgraph.reshape(st, (4, 3)).transpose()[1, [0, 2]].sum()
+    )
+    return cg, out
+
+
+def test_check_vjps_passes_on_every_builtin_op_with_broadcasting_and_variadics():
+    cg, out = _every_kind_of_op()
+    result = check_vjps(cg)
+    assert isinstance(result, VjpCheckResult) and result.ok and result.failures == []
+    assert result.first_failure is None
+    ops = {n.op for n in result.nodes}
+    assert {"MatMul", "Add", "Mul", "Concat", "Stack", "Take", "TakeAlongAxis", "Where", "Max"} <= ops
+    assert {"Softmax", "LogSoftmax", "Div", "Pow", "Abs", "Log", "Exp", "GetItem", "Transpose"} <= ops
+    assert result.skipped == 1  # Detach: no VJP for its one input
+    assert result.max_abs_error < 1e-7 and result.max_rel_error < 1e-5
+    # Variadic ops: one entry per input, each compared element by element.
+    concat = next(n for n in result.nodes if n.op == "Concat")
+    assert [i.position for i in concat.inputs] == [0, 1, 2]
+    assert all(i.checked == 6 for i in concat.inputs)
+    # Broadcast inputs are compared in their own shape (the VJP's result is unbroadcast).
+    add = next(n for n in result.nodes if n.op == "Add" and "'b'" in n.inputs[1].parent)
+    assert (add.inputs[0].checked, add.inputs[1].checked) == (6, 3)
+    # Inputs without a VJP or with integer values are listed as skipped, with the reason.
+    take = next(n for n in result.nodes if n.op == "Take")
+    assert take.inputs[1].skipped == "no VJP"
+    where = next(n for n in result.nodes if n.op == "Where")
+    assert where.inputs[0].skipped == "no VJP" and where.inputs[1].skipped is None
+    assert "all VJPs agree" in str(result)
+
+
+def test_check_vjps_on_a_node_checks_only_what_it_depends_on():
+    cg, W, b, x, y, loss = _model()
+    other = vgraph.exp(b).sum()
+    result = check_vjps(y)
+    assert [n.op for n in result.nodes] == ["MatMul", "Add", "Tanh"]
+    assert [n.key for n in result.nodes] == [NodeKey("MatMul", 1), NodeKey("Add", 1), NodeKey("Tanh", 1)]
+    assert len(check_vjps(cg).nodes) == 3 + 2 + 2  # y, loss = sum(y*y), other
+    assert other.op.name == "Sum"
+
+
+def _wrong_square_vjp(g, ans, x):
+    out = 2.0 * x * g
+    out[..., 1] *= 3.0  # wrong in column 1 only
+    return out
+
+
+def test_check_vjps_pinpoints_a_wrong_vjp_deep_inside_a_graph():
+    cg, W, b, x, y, loss = _model()
+    bad = cg.apply(Op("BadSquare", lambda v: v * v, (_wrong_square_vjp,), arity=1), [y])
+    out = vgraph.tanh(bad * 0.5 + y).sum()
+    assert not gradcheck(out, [W], raise_on_failure=False).ok  # the whole gradient is wrong …
+    with pytest.raises(vgraph.GradcheckError) as info:
+        check_vjps(out)  # … and this says where
+    msg = str(info.value)
+    assert msg.startswith("wrong VJP at <BadSquare:1> (op BadSquare), input 0 <Tanh:1>:")
+    assert "3 elements; 1 wrong, the worst at element (1,)" in msg
+    result = check_vjps(out, raise_on_failure=False)
+    assert [n.key for n in result.failures] == [NodeKey("BadSquare", 1)]
+    first = result.first_failure
+    assert isinstance(first, NodeCheck) and first.op == "BadSquare" and not first.ok
+    (inp,) = first.inputs
+    y0 = y.value[1]
+    # The worst element: analytic 3 * 2 y u, numeric 2 y u for the random cotangent u.
+    assert inp.worst_index == (1,) and inp.failed == 1 and inp.checked == 3
+    assert inp.analytic == pytest.approx(3 * inp.numeric, rel=1e-6)
+    assert abs(inp.numeric) > 0 and y0 != 0
+    assert inp.max_rel_error == pytest.approx(2.0, rel=1e-5)
+    assert inp.max_abs_error == pytest.approx(2 * abs(inp.numeric), rel=1e-5)
+    # Every other node is checked and right.
+    assert all(n.ok for n in result.nodes if n.key != first.key)
+
+
+def test_check_vjps_pinpoints_the_wrong_input_of_a_variadic_op():
+    def vjp(i, g, ans, *xs, axis=0):
+        start = sum(x.shape[axis] for x in xs[:i])
+        part = np.take(g, range(start, start + xs[i].shape[axis]), axis=axis)
+        return 2 * part if i == 1 else part  # input 1 gets twice its gradient
+
+    bad_concat = Op("BadConcat", lambda *xs, axis=0: np.concatenate(xs, axis=axis), vjp, variadic=True)
+    cg = ComputeGraph(dtype=np.float64)
+    a, b, c = (cg.input(np.arange(n, dtype=float) + 1, requires_grad=True) for n in (2, 3, 1))
+    out = cg.apply(bad_concat, [a, b, c], {"axis": 0})
+    result = check_vjps(out, raise_on_failure=False)
+    (node,) = result.nodes
+    assert [i.ok for i in node.inputs] == [True, False, True]
+    assert node.inputs[1].failed == 3 and "<Input:2>" in node.inputs[1].parent
+
+
+def test_check_vjps_finds_the_first_wrong_iteration_of_an_unrolled_loop(monkeypatch):
+    def wrong_tanh_vjp(g, ans, x):
+        return g * (1 - ans)  # forgot to square
+
+    monkeypatch.setitem(OPS, "Tanh", Op("Tanh", np.tanh, (wrong_tanh_vjp,), arity=1))
+    g = vgraph.VirtualGraph(dtype=np.float64, seed=0)
+    xs = g.input("xs", shape=(None, 3))
+    Wx = g.parameter("Wx", (3, 2))
+    Wh = g.parameter("Wh", (2, 2))
+    h0 = g.constant(np.zeros(2))
+    with g.loop() as L:
+        h = L.carry(h0, name="h")
+        h_new = vgraph.tanh(L.step(xs) @ Wx + h @ Wh)
+        L.update(h, h_new)
+    loss = (L.final(h) ** 2).sum()
+    cg = g.build({"xs": np.random.default_rng(0).standard_normal((4, 3))}, loss)
+
+    result = check_vjps(cg, raise_on_failure=False)
+    assert result.first_failure.key == NodeKey("Tanh", h_new.id, (0,))
+    assert [n.key for n in result.failures] == [NodeKey("Tanh", h_new.id, (t,)) for t in range(4)]
+    ops_checked = {n.op for n in result.nodes}
+    assert {"GetItem", "MatMul", "Add", "Tanh", "Pow", "Sum"} <= ops_checked  # loop items too
+    assert len(result.nodes) > 4 * 4
+    with pytest.raises(vgraph.GradcheckError, match=rf"wrong VJP at <Tanh:{h_new.id}@0> \(op Tanh\)"):
+        check_vjps(cg.node(loss))
+
+
+def test_check_vjps_with_the_builtin_ops_passes_on_an_unrolled_rnn():
+    g = vgraph.VirtualGraph(dtype=np.float64, seed=0)
+    xs = g.input("xs", shape=(None, 2, 3))
+    Wx, Wh, b = g.parameter("Wx", (3, 4)), g.parameter("Wh", (4, 4)), g.parameter("b", (4,))
+    with g.loop() as L:
+        h = L.carry(g.constant(np.zeros((2, 4))), name="h")
+        h_new = vgraph.tanh(L.step(xs) @ Wx + h @ Wh + b)
+        L.update(h, h_new)
+    loss = vgraph.log_softmax(L.stack(h_new), axis=-1).mean()
+    cg = g.build({"xs": np.random.default_rng(2).standard_normal((5, 2, 3))}, loss)
+    result = check_vjps(cg)
+    assert result.ok and sum(n.op == "Tanh" for n in result.nodes) == 5
+    stack = next(n for n in result.nodes if n.op == "Stack")
+    assert len(stack.inputs) == 5  # one VJP per iteration's input
+
+
+def test_check_vjps_reports_vjps_that_raise_return_none_or_a_wrong_shape():
+    def raising(g, ans, x):
+        return g[:, 7]
+
+    def in_place(g, ans, x):
+        g *= 2
+        return g
+
+    cases = {
+        "Raises": (raising, "the VJP raised IndexError"),
+        "InPlace": (in_place, "must not modify g, ans or the inputs in place"),
+        "ReturnsNone": (lambda g, ans, x: None, "returned None"),
+        "WrongShape": (lambda g, ans, x: np.ones((2, 5)), "returned shape (2, 5), which does not reduce"),
+    }
+    cg = ComputeGraph(dtype=np.float64)
+    x = cg.input(np.ones((2, 3)), requires_grad=True)
+    nodes = {name: cg.apply(Op(name, np.sin, (vjp,), arity=1), [x]) for name, (vjp, _) in cases.items()}
+    result = check_vjps(cg, raise_on_failure=False)
+    assert [n.op for n in result.failures] == list(cases)
+    for node_check in result.failures:
+        assert cases[node_check.op][1] in node_check.inputs[0].error
+    assert set(nodes) == {n.op for n in result.nodes}
+
+
+def test_check_vjps_skips_kinks_instead_of_reporting_them():
+    cg = ComputeGraph(dtype=np.float64)
+    x = cg.input(np.array([-1.0, 0.0, 2.0]), requires_grad=True)  # relu and abs at exactly 0
+    ties = cg.input(np.array([[1.0, 1.0, 1.0, 0.5]]), requires_grad=True)  # a 3-way tie
+    result = check_vjps(vgraph.relu(x).sum() + vgraph.abs(x).sum() + ties.max(axis=1).sum())
+    assert result.ok
+    by_op = {n.op: n.inputs[0] for n in result.nodes}
+    assert by_op["Relu"].nondifferentiable == 1 and by_op["Relu"].checked == 2
+    assert by_op["Abs"].nondifferentiable == 1
+    assert by_op["Max"].nondifferentiable == 3 and by_op["Max"].checked == 1
+
+
+def test_check_vjps_upcasts_float32_graphs_but_refuses_ops_that_compute_in_float32():
+    cg, out = _every_kind_of_op(dtype=np.float32)
+    assert check_vjps(cg).ok  # the ops' arithmetic, checked in float64 at the float32 values
+    x = cg.input(np.ones(3, dtype=np.float32), requires_grad=True)
+    f32 = Op(
+        "Float32Sin", lambda v: np.sin(v).astype(np.float32), (lambda g, ans, v: g * np.cos(v),), arity=1
+    )
+    cg.apply(f32, [x])
+    with pytest.raises(vgraph.VGraphError, match=r"<Float32Sin:1> \(op Float32Sin\) returned float32"):
+        check_vjps(cg)
+
+
+def test_check_vjps_filters_by_op_and_samples_elements():
+    cg, W, b, x, y, loss = _model()
+    result = check_vjps(cg, ops="Tanh")
+    assert [n.op for n in result.nodes] == ["Tanh"]
+    result = check_vjps(cg, ops=["MatMul", "Sum"], max_elements=5, seed=1)
+    assert [n.op for n in result.nodes] == ["MatMul", "Sum"]
+    matmul = result.nodes[0]
+    assert [i.checked for i in matmul.inputs] == [5, 4]  # W has 12 elements, x 4
+    with pytest.raises(vgraph.VGraphError, match="no node to check computes 'Tanhh'"):
+        check_vjps(cg, ops=["Tanh", "Tanhh"])
+
+
+def test_check_vjps_changes_nothing():
+    cg, W, b, x, y, loss = _model()
+    cg.backward_ex(loss, retain_graph=True)
+    before = {
+        n: (n.version, np.array(n.value), None if n.grad is None else n.grad.copy()) for n in cg.nodes()
+    }
+    check_vjps(cg)
+    for n, (version, value, grad) in before.items():
+        assert n.version == version
+        np.testing.assert_array_equal(n.value, value)
+        if grad is not None:
+            np.testing.assert_array_equal(n.grad, grad)
+    cg.backward(loss)  # the graph is still usable (retained)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"target": "Tanh:1"}, TypeError, "target must be a ComputeGraph or a ComputeNode, got str"),
+        ({"ops": [1]}, TypeError, "ops must be op names"),
+        ({"eps": -1.0}, ValueError, "eps must be positive"),
+        ({"max_elements": 0}, ValueError, "max_elements must be a positive integer"),
+        ({"seed": "abc"}, ValueError, "seed 'abc' is not a valid numpy seed"),
+    ],
+)
+def test_check_vjps_argument_errors(kwargs, error, match):
+    cg, *_ = _model()
+    kwargs = {"target": cg, **kwargs}
+    with pytest.raises(error, match=match):
+        check_vjps(**kwargs)
 
 
 # ---------------------------------------------------------------------------- jacobian

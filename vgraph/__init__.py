@@ -13,7 +13,7 @@ from . import (
     render,
     tbptt,
 )
-from .check import gradcheck, jacobian
+from .check import check_vjps, gradcheck, jacobian
 from .compute import (
     ComputeGraph,
     ComputeNode,
@@ -44,6 +44,7 @@ from .errors import (
 from .functions import (
     abs,
     concat,
+    defop,
     detach,
     exp,
     log,
@@ -64,6 +65,7 @@ from .functions import (
     take_along_axis,
     tanh,
     transpose,
+    undefop,
     where,
 )
 from .virtual import (

@@ -9,9 +9,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import inspect
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import ops as _ops
 from .errors import VGraphError
 from .ops import GRU_GATES, LSTM_GATES
 
@@ -293,3 +296,178 @@ def gru_cell(xw: Any, hw: Any, b_x: Any, b_h: Any, h: Any) -> Any:
             the shapes do not broadcast; it names the node and the input shapes.
     """
     return _dispatch("GRUCell", (xw, hw, b_x, b_h, h), {"gates": GRU_GATES})
+
+
+# ---------------------------------------------------------------------------- user-defined ops
+_USER_OPS: set[str] = set()  # names registered by defop below (built-ins are never replaced or removed)
+
+
+class OpFunction:
+    """The function :func:`defop` returns: applies a user-defined op to graph nodes.
+
+    ``f(*inputs, **attrs)`` works on compute nodes (computes now) and on virtual nodes (declares a
+    node that every build computes), like the built-in functions (``vgraph.tanh``). Numbers and
+    arrays among the inputs become constants; keyword arguments are the op's static attributes,
+    passed to its forward and VJPs. It applies the op registered under its name at call time, so
+    after ``defop(..., replace=True)`` it uses the new definition.
+    """
+
+    __slots__ = ("name", "_signatures")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        # Inspecting signatures costs more than applying most ops: once per definition of the op
+        # and per form of call (number of inputs, attribute names) that passed.
+        self._signatures: (
+            tuple[_ops.Op, list[tuple[str, inspect.Signature, int]], set[tuple[Any, ...]]] | None
+        ) = None
+
+    @property
+    def op(self) -> _ops.Op:
+        """The registered op.
+
+        Raises:
+            VGraphError: the op was removed with :func:`undefop`.
+        """
+        op = _ops.OPS.get(self.name)
+        if op is None or self.name not in _USER_OPS:
+            raise VGraphError(f"op {self.name!r} is no longer defined (removed with vgraph.undefop)")
+        return op
+
+    def __call__(self, *inputs: Any, **attrs: Any) -> Any:
+        op = self.op
+        if op.arity is not None and len(inputs) != op.arity:
+            raise TypeError(
+                f"{op.name} takes {op.arity} input{'s' if op.arity != 1 else ''} (one per VJP given to "
+                f"defop), got {len(inputs)}"
+            )
+        if not inputs:
+            raise TypeError(f"{op.name} needs at least one input")
+        cache = self._signatures
+        if cache is None or cache[0] is not op:
+            cache = self._signatures = (op, _signatures(op), set())
+        # Whether a call binds depends only on the number of inputs and the attribute names.
+        form = (len(inputs), *attrs)
+        if form not in cache[2]:
+            _check_call(op, cache[1], inputs, attrs)
+            cache[2].add(form)
+        return _dispatch(op.name, inputs, attrs)
+
+    def __repr__(self) -> str:
+        op = _ops.OPS.get(self.name)
+        if op is None or self.name not in _USER_OPS:
+            return f"<vgraph op {self.name} (removed)>"
+        inputs = "any number of inputs" if op.variadic else f"{op.arity} input{'s' if op.arity != 1 else ''}"
+        return f"<vgraph op {self.name}: {inputs}>"
+
+
+def _signatures(op: _ops.Op) -> list[tuple[str, inspect.Signature, int]]:
+    """``(what, signature, extra positionals)`` for forward and each VJP whose signature Python
+    can tell (not numpy ufuncs); extra positionals are ``g, ans`` (and ``i`` for a variadic VJP)."""
+    funcs: list[tuple[str, Any, int]] = [("forward", op.forward, 0)]
+    if op.variadic:
+        funcs.append(("the VJP", op.vjps, 3))
+    else:
+        vjps: tuple[Any, ...] = op.vjps  # type: ignore[assignment]
+        funcs += [(f"VJP {i}", f, 2) for i, f in enumerate(vjps) if f is not None]
+    out = []
+    for what, f, extra in funcs:
+        with contextlib.suppress(TypeError, ValueError):  # numpy ufuncs and some builtins do not say
+            out.append((what, inspect.signature(f), extra))
+    return out
+
+
+def _check_call(
+    op: _ops.Op,
+    sigs: list[tuple[str, inspect.Signature, int]],
+    inputs: tuple[Any, ...],
+    attrs: dict[str, Any],
+) -> None:
+    """Refuse, when the node is declared, a call that forward or a VJP could not accept later."""
+    n = len(inputs)
+    for what, sig, extra in sigs:
+        try:
+            sig.bind(*range(n + extra), **attrs)
+        except TypeError as e:
+            given = f" and attrs {attrs}" if attrs else " and no attrs"
+            raise TypeError(
+                f"{op.name}: {what}{sig} cannot be called with {n} input(s){given}: {e}"
+            ) from None
+
+
+def defop(
+    name: str,
+    forward: Callable[..., Any],
+    *vjps: Callable[..., Any] | None,
+    variadic: bool = False,
+    replace: bool = False,
+) -> OpFunction:
+    """Add a primitive with its own VJPs, and get the function that applies it to nodes.
+
+    The op joins the same table as the built-in ones, with the same convention (see
+    :mod:`vgraph.ops`)::
+
+        forward(*xs, **attrs) -> ans                     # numpy arrays in, numpy array out
+        vjp(g, ans, *xs, **attrs) -> gradient for x_i    # one per input, or None: no gradient
+
+    A VJP may return the gradient in the broadcast shape: the engine sums it back to the input's
+    shape. A variadic op (``variadic=True``) takes one ``vjp(i, g, ans, *xs, **attrs)`` that gets
+    the input's position first. Check the VJPs with :func:`vgraph.check_vjps` (in float64).
+
+    Example::
+
+        square = vgraph.defop("Square", lambda x: x * x, lambda g, ans, x: 2 * x * g)
+        y = square(x)                       # x a compute node or a virtual node
+        y = cg.apply("Square", [x])         # the same, on a ComputeGraph
+
+    Args:
+        name: the op's name, also the node type in keys (``Square:1@3``): an identifier, not a
+            built-in op or a reserved node type (``Input``, ``Loop``, …).
+        forward: computes the op's value from its inputs' values.
+        vjps: one VJP (or ``None``) per input; exactly one VJP for a variadic op.
+        variadic: the op takes any number of inputs (like ``concat``).
+        replace: redefine an op that an earlier ``defop`` added (e.g. when re-running a notebook
+            cell). Nodes declared or built before keep the old definition.
+
+    Returns:
+        An :class:`OpFunction`: call it on nodes, ``f(*inputs, **attrs)``.
+
+    Raises:
+        ValueError: ``name`` is a built-in op, was defined already (without ``replace``), is not
+            an identifier or is reserved; no VJP given, or not exactly one for a variadic op.
+        TypeError: ``name`` is not a str; ``forward`` or a VJP is not callable, or cannot take
+            the inputs the VJPs imply (a VJP must take ``g, ans`` and every input).
+    """
+    if not isinstance(replace, bool):
+        raise TypeError(f"defop: replace must be a bool, got {type(replace).__name__}")
+    if isinstance(name, str) and name in _ops.OPS:
+        if name not in _USER_OPS:
+            raise ValueError(f"{name!r} is a built-in op of vgraph; give your op another name")
+        if not replace:
+            raise ValueError(
+                f"op {name!r} is already defined by an earlier vgraph.defop; pass replace=True to "
+                "redefine it (e.g. when re-running a notebook cell), or choose another name"
+            )
+    op = _ops.defop(name, forward, *vjps, variadic=variadic, replace=replace)
+    _USER_OPS.add(op.name)
+    return OpFunction(op.name)
+
+
+def undefop(name: str) -> None:
+    """Remove an op added with :func:`defop` (in tests, or before defining it differently).
+
+    Nodes already declared or built keep working; new declarations of ``name`` are refused, and
+    the function ``defop`` returned raises.
+
+    Raises:
+        TypeError: ``name`` is not a str.
+        ValueError: ``name`` is a built-in op, or no op of that name was added with ``defop``.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"undefop: name must be a str, got {type(name).__name__}")
+    if name not in _USER_OPS:
+        if name in _ops.OPS:
+            raise ValueError(f"{name!r} is a built-in op of vgraph and cannot be removed")
+        raise ValueError(f"no op named {name!r} was added with vgraph.defop")
+    del _ops.OPS[name]
+    _USER_OPS.discard(name)

@@ -12,11 +12,15 @@ One convention for every op:
 A VJP may return a gradient with the *broadcast* shape; the engine reduces it back to the input's
 shape in one place (:func:`unbroadcast`), so no op repeats that logic.
 
-Adding an op is adding one ``defop`` entry below.
+Adding a built-in op is adding one ``defop`` entry below. Users add their own primitives with
+:func:`vgraph.defop` (the same arguments, validated the same way by :func:`defop` here), which
+also returns the function to call on nodes; see docs/custom_ops.md.
 """
 
 from __future__ import annotations
 
+import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,17 +44,117 @@ class Op:
 
 OPS: dict[str, Op] = {}
 
+#: Node types that are not ops of the table (leaves, loop parts, structure checks): an op may not
+#: take these names, or its nodes would be confused with them in keys, renders and look-ups.
+RESERVED_TYPES = frozenset(
+    {"Input", "Parameter", "Constant", "Sample", "Loop", "Carry", "Item", "Final", "LengthCheck", "LoopCheck"}
+)
+_OP_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
-def defop(name: str, forward: Callable[..., Any], *vjps: VJP | None, variadic: bool = False) -> Op:
-    """Register a primitive. Fixed-arity ops pass one VJP (or ``None``) per input; variadic ops
-    pass a single ``vjp(i, g, ans, *xs, **attrs)``."""
-    if name in OPS:
-        raise ValueError(f"op {name!r} is already defined")
+
+def _signature(f: Callable[..., Any]) -> inspect.Signature | None:
+    """``f``'s signature, or ``None`` where Python cannot tell (numpy ufuncs, some builtins)."""
+    try:
+        return inspect.signature(f)
+    except (TypeError, ValueError):
+        return None
+
+
+def _takes_positionals(f: Callable[..., Any], n: int) -> bool:
+    """Whether ``f`` can be called with ``n`` positional arguments (``True`` if unknowable)."""
+    sig = _signature(f)
+    if sig is None:
+        return True
+    try:
+        sig.bind_partial(*range(n))
+    except TypeError:
+        return False
+    return True
+
+
+def _validated_op(name: Any, forward: Any, vjps: tuple[Any, ...], variadic: bool) -> Op:
+    """Build an :class:`Op` after checking every argument; raises before anything is registered."""
+    if not isinstance(name, str):
+        raise TypeError(f"an op name must be a str, got {type(name).__name__}")
+    if not _OP_NAME.fullmatch(name):
+        raise ValueError(
+            f"op name {name!r} is not an identifier (letters, digits, '_'): it is the node type in "
+            "keys such as 'MatMul:1@2.5', so it cannot contain ':', '@', '.' or spaces"
+        )
+    if name in RESERVED_TYPES:
+        raise ValueError(f"op name {name!r} is reserved for vgraph's own {name} nodes; choose another name")
+    if not isinstance(variadic, bool):
+        raise TypeError(f"{name}: variadic must be a bool, got {type(variadic).__name__}")
+    if not callable(forward):
+        raise TypeError(f"{name}: forward must be callable, got {type(forward).__name__}")
+    for i, vjp in enumerate(vjps):
+        if vjp is not None and not callable(vjp):
+            raise TypeError(
+                f"{name}: VJP {i} must be callable or None (no gradient), got {type(vjp).__name__}"
+            )
     if variadic:
-        (vjp,) = vjps
-        op = Op(name, forward, vjp, variadic=True, arity=None)
-    else:
-        op = Op(name, forward, tuple(vjps), variadic=False, arity=len(vjps))
+        if len(vjps) != 1 or vjps[0] is None:
+            got = "None" if len(vjps) == 1 else f"{len(vjps)} arguments after forward"
+            raise ValueError(
+                f"{name}: a variadic op takes exactly one VJP function, vjp(i, g, ans, *xs, **attrs), "
+                f"got {got}"
+            )
+        sig = _signature(forward)
+        if sig is not None and not any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values()):
+            raise TypeError(f"{name}: a variadic op's forward must take *xs, got forward{sig}")
+        if not _takes_positionals(vjps[0], 4):
+            raise TypeError(
+                f"{name}: a variadic op's VJP must take (i, g, ans, *xs), got vjp{_signature(vjps[0])}"
+            )
+        return Op(name, forward, vjps[0], variadic=True, arity=None)
+    arity = len(vjps)
+    if arity == 0:
+        raise ValueError(
+            f"{name}: give one VJP (or None) per input after forward; with none, the op has no inputs"
+        )
+    if not _takes_positionals(forward, arity):
+        raise TypeError(
+            f"{name}: {arity} VJPs say the op has {arity} inputs, but forward{_signature(forward)} "
+            f"cannot take {arity} positional arguments"
+        )
+    args = ", ".join(f"x{k}" for k in range(arity))
+    for i, vjp in enumerate(vjps):
+        if vjp is not None and not _takes_positionals(vjp, 2 + arity):
+            raise TypeError(
+                f"{name}: VJP {i} must take (g, ans, {args}) — the incoming gradient, the op's "
+                f"output and every input — but its signature is {_signature(vjp)}"
+            )
+    return Op(name, forward, tuple(vjps), variadic=False, arity=arity)
+
+
+def defop(
+    name: str, forward: Callable[..., Any], *vjps: VJP | None, variadic: bool = False, replace: bool = False
+) -> Op:
+    """Register a primitive in the table and return it.
+
+    Fixed-arity ops pass one VJP (or ``None``) per input; variadic ops pass a single
+    ``vjp(i, g, ans, *xs, **attrs)``. This is the table's own registration; users call
+    :func:`vgraph.defop`, which validates the same way and also gives a function to call on nodes.
+
+    Args:
+        name: the node type of the op's nodes (an identifier, not a reserved node type).
+        forward: ``forward(*xs, **attrs) -> ans`` in numpy.
+        vjps: one ``vjp(g, ans, *xs, **attrs)`` or ``None`` per input (one function for a variadic op).
+        variadic: the op takes any number of inputs.
+        replace: overwrite an op already registered under ``name``.
+
+    Returns:
+        The registered :class:`Op`.
+
+    Raises:
+        ValueError: ``name`` is taken (and not ``replace``), not an identifier or reserved; no VJP
+            given, or not exactly one for a variadic op.
+        TypeError: ``name`` is not a str; ``forward`` or a VJP is not callable, or cannot take
+            the number of inputs the VJPs imply.
+    """
+    op = _validated_op(name, forward, vjps, variadic)
+    if name in OPS and not replace:
+        raise ValueError(f"op {name!r} is already defined")
     OPS[name] = op
     return op
 
