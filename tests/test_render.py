@@ -31,8 +31,7 @@ MODELS = ROOT / "examples" / "models"
 # ---------------------------------------------------------------------------- helpers
 
 
-@pytest.fixture
-def needs_dot() -> str:
+def require_dot() -> str:
     """Graphviz's ``dot``: skip without it, or fail when VGRAPH_REQUIRE_DOT=1 (CI)."""
     exe = shutil.which("dot")
     if exe is None:
@@ -40,6 +39,12 @@ def needs_dot() -> str:
             pytest.fail("Graphviz's `dot` is not installed but VGRAPH_REQUIRE_DOT=1 requires it")
         pytest.skip("Graphviz's `dot` is not installed (set VGRAPH_REQUIRE_DOT=1 to make this a failure)")
     return exe
+
+
+@pytest.fixture
+def needs_dot() -> str:
+    """Graphviz's ``dot`` (see :func:`require_dot`)."""
+    return require_dot()
 
 
 @pytest.fixture
@@ -510,7 +515,9 @@ def test_missing_dot_raises_with_install_hint_and_keeps_dot_text(no_dot, tmp_pat
     dot_file = tmp_path / "rnn.dot"
     assert dot_file.read_text() == R.to_dot(cg) and str(dot_file) in message
     assert not (tmp_path / "rnn.svg").exists()
-    assert cg._repr_mimebundle_() == {"text/plain": repr(cg)}
+    bundle = cg._repr_mimebundle_()
+    assert set(bundle) == {"text/plain"} and bundle["text/plain"].startswith(repr(cg))
+    assert "`dot` program was not found" in bundle["text/plain"]
     assert g._repr_svg_() is None
 
 

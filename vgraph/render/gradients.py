@@ -53,6 +53,14 @@ def gradient_color(norm: float, scale: tuple[int, int]) -> tuple[float, str]:
     return pos, _cmap(pos)
 
 
+def _check_graph(cg: Any, name: str = "cg") -> None:
+    """A TypeError naming the argument unless ``cg`` is a ComputeGraph."""
+    if not isinstance(cg, ComputeGraph):
+        raise TypeError(
+            f"{name} must be a ComputeGraph (e.g. the result of g.build(...)), got {type(cg).__name__}"
+        )
+
+
 def retain_all_grads(cg: ComputeGraph) -> int:
     """Call ``retain_grad()`` on every op node that requires a gradient, before ``backward``.
 
@@ -61,7 +69,11 @@ def retain_all_grads(cg: ComputeGraph) -> int:
 
     Returns:
         The number of nodes marked.
+
+    Raises:
+        TypeError: ``cg`` is not a ComputeGraph.
     """
+    _check_graph(cg)
     count = 0
     for n in cg.nodes():
         if n.op is not None and n.requires_grad:
@@ -72,7 +84,12 @@ def retain_all_grads(cg: ComputeGraph) -> int:
 
 def gradient_norms(cg: ComputeGraph) -> dict[NodeKey, float]:
     """``np.linalg.norm(node.grad)`` for every node of ``cg`` that has a ``.grad``, by key, in
-    creation order — the numbers the gradient overlay shows and colours by."""
+    creation order — the numbers the gradient overlay shows and colours by.
+
+    Raises:
+        TypeError: ``cg`` is not a ComputeGraph.
+    """
+    _check_graph(cg)
     return {
         n.key: float(np.linalg.norm(np.asarray(n.grad, dtype=np.float64)))
         for n in cg.nodes()
@@ -149,7 +166,13 @@ def gradient_through_time(
         GraphStateError: a use of ``W`` has no retained gradient.
         VGraphError: unknown or untied parameter, or ambiguous ``loop``.
         RenderError: ``plot`` given but matplotlib is not installed.
+        TypeError: ``cg``, ``param``, ``loop`` or ``plot`` of the wrong type.
     """
+    _check_graph(cg)
+    if loop is not None and not isinstance(loop, (LoopNode, str)):
+        raise TypeError(f"loop must be a LoopNode, a loop's name or None, got {type(loop).__name__}")
+    if plot is not None and not isinstance(plot, (str, os.PathLike)):
+        raise TypeError(f"plot must be a file path (str or os.PathLike) or None, got {type(plot).__name__}")
     P = _resolve_param(cg, param)
     uses = [n for n in cg.nodes() if n.op is not None and any(p is P for p in n.parents)]
     view: _Frames | None = None
@@ -160,6 +183,10 @@ def gradient_through_time(
             if len(named) != 1:
                 raise VGraphError(f"no single loop named {loop!r} in this graph")
             loop = named[0]
+        elif isinstance(loop, LoopNode) and loop.graph is not cg.virtual:
+            raise VGraphError(
+                f"{loop.describe()} belongs to another VirtualGraph, not to the one {type(cg).__name__} was built from"
+            )
         if loop is None:
             tops = set()
             for n in uses:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..compute import ComputeGraph
-from ..errors import RenderError, VGraphError
+from ..errors import RenderError
 from ..virtual import VirtualGraph
 from .views import _scene, to_dot
 
@@ -77,7 +77,12 @@ def render(
         RenderError: ``dot`` is not installed (the DOT text is then written next to ``path``, as
             ``path`` with suffix ``.dot``, so it can be rendered elsewhere), ``dot`` failed, or the
             format is unknown.
+        TypeError: ``path`` or ``format`` of the wrong type (and the errors of :func:`to_dot`).
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a file path (str or os.PathLike), got {type(path).__name__}")
+    if format is not None and not isinstance(format, str):
+        raise TypeError(f"format must be a string such as 'svg' or None, got {type(format).__name__}")
     path = Path(path)
     fmt = (format or path.suffix.lstrip(".")).lower()
     if not fmt:
@@ -110,24 +115,45 @@ def to_svg(graph: VirtualGraph | ComputeGraph, **options: Any) -> str:
 # ============================================================================ Jupyter display
 
 
-def _repr_svg_(self: Any) -> str | None:
-    """SVG for Jupyter; ``None`` (plain text shown) if ``dot`` is missing or the drawing is huge."""
+def _display_svg(graph: Any) -> tuple[str | None, str]:
+    """The SVG Jupyter shows for ``graph`` (default options), or None and the reason why not.
+
+    Never raises (display must not): any failure becomes the reason.
+    """
     try:
-        scene = _scene(self)
-        if len(scene.nodes) > REPR_MAX_NODES or not dot_available():
-            return None
-        return _run_dot(scene.source(), "svg").decode("utf-8")
-    except (VGraphError, ValueError, OSError):  # display must never raise: fall back to the text repr
-        return None
+        scene = _scene(graph)
+        if len(scene.nodes) > REPR_MAX_NODES:
+            return None, (
+                f"the drawing has {len(scene.nodes)} nodes, more than render.REPR_MAX_NODES "
+                f"({REPR_MAX_NODES}); draw it with vgraph.render.render(graph, 'out.svg', fold=...)"
+            )
+        if not dot_available():
+            return None, "Graphviz's `dot` program was not found on PATH. " + _INSTALL_HINT
+        return _run_dot(scene.source(), "svg").decode("utf-8"), ""
+    except Exception as e:  # display must never raise: fall back to text saying why
+        return None, f"drawing failed: {type(e).__name__}: {e}"
+
+
+def _safe_repr(obj: Any) -> str:
+    try:
+        return repr(obj)
+    except Exception as e:
+        return f"<{type(obj).__name__} (repr failed: {type(e).__name__}: {e})>"
+
+
+def _repr_svg_(self: Any) -> str | None:
+    """SVG for Jupyter; ``None`` (plain text shown) if ``dot`` is missing, the drawing is huge
+    or drawing fails. Never raises."""
+    return _display_svg(self)[0]
 
 
 def _repr_mimebundle_(self: Any, include: Any = None, exclude: Any = None) -> dict[str, str]:
-    """Jupyter's rich display: the drawing as SVG (default options) plus the plain repr."""
-    bundle = {"text/plain": repr(self)}
-    svg = _repr_svg_(self)
-    if svg is not None:
-        bundle["image/svg+xml"] = svg
-    return bundle
+    """Jupyter's rich display: the drawing as SVG (default options) plus the plain repr; when
+    there is no drawing, the plain repr says why. Never raises."""
+    svg, reason = _display_svg(self)
+    if svg is None:
+        return {"text/plain": f"{_safe_repr(self)}\n(no drawing: {reason})"}
+    return {"text/plain": _safe_repr(self), "image/svg+xml": svg}
 
 
 for _cls in (ComputeGraph, VirtualGraph):

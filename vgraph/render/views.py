@@ -3,8 +3,11 @@ and :func:`to_digraph` (a graphviz.Digraph)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
+
+import numpy as np
 
 from ..compute import ComputeGraph
 from ..errors import RenderError
@@ -57,7 +60,8 @@ def to_dot(
         DOT source text; identical for identical graphs and options.
 
     Raises:
-        TypeError: ``graph`` is neither kind of graph.
+        TypeError: ``graph`` is neither kind of graph, or an option has the wrong type
+            (``dpi="abc"``, ``gradients="yes"``, ``build=5`` …); the message names the option.
         ValueError: invalid options (``fold`` not a pair of non-negative ints, ``build`` not a
             build of ``graph``, ``gradients`` or ``fold`` options for the virtual view…).
     """
@@ -101,52 +105,96 @@ def _scene(
     dpi: float | None = None,
 ) -> _Scene:
     """The scene for :func:`to_dot`'s options, validated (one place for every entry point)."""
-    if dpi is not None and not float(dpi) > 0:
-        raise ValueError(f"dpi must be positive, got {dpi!r}")
+    if not isinstance(graph, (VirtualGraph, ComputeGraph)):
+        raise TypeError(
+            f"graph must be a VirtualGraph or a ComputeGraph (the result of g.build(...)), "
+            f"got {type(graph).__name__}"
+        )
+    for name, flag in (("show_all", show_all), ("gradients", gradients), ("guards", guards),
+                       ("constants", constants), ("shapes", shapes)):  # fmt: skip
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be True or False, got {type(flag).__name__} {flag!r}")
+    if dpi is not None:
+        if isinstance(dpi, bool) or not isinstance(dpi, (int, float, np.integer, np.floating)):
+            raise TypeError(
+                f"dpi must be a positive number (e.g. 144) or None, got {type(dpi).__name__} {dpi!r}"
+            )
+        if not (math.isfinite(dpi) and dpi > 0):
+            raise ValueError(f"dpi must be a positive number, got {dpi!r}")
+    if title is not None and not isinstance(title, str):
+        raise TypeError(f"title must be a string or None, got {type(title).__name__}")
+    if not isinstance(rankdir, str):
+        raise TypeError(f"rankdir must be 'TB', 'LR', 'BT' or 'RL', got {type(rankdir).__name__}")
     if rankdir not in ("TB", "LR", "BT", "RL"):
         raise ValueError(f"rankdir must be 'TB', 'LR', 'BT' or 'RL', got {rankdir!r}")
+    fold = _check_fold(fold)
+    fold_given = fold is not None and fold != DEFAULT_FOLD
+    if iterations is not None:
+        if isinstance(iterations, (str, bytes)) or not isinstance(iterations, Iterable):
+            raise TypeError(
+                f"iterations must be a range or a collection of ints, got {type(iterations).__name__}"
+            )
+        try:
+            if not isinstance(iterations, range):  # a range answers `t in` without expanding
+                iterations = frozenset(_as_int(t) for t in iterations)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"iterations must be a range or a collection of ints, got {iterations!r}"
+            ) from None
+    if build is not None and not isinstance(build, UnrolledGraph):
+        raise TypeError(
+            f"build must be an unrolled build of the VirtualGraph (the result of g.build(...)) or None, "
+            f"got {type(build).__name__}"
+        )
     if isinstance(graph, VirtualGraph):
         if gradients:
             raise ValueError(
                 "gradients=True draws gradient norms of compute nodes: pass the unrolled graph "
                 "(the result of g.build(...)) after backward, not the VirtualGraph"
             )
-        if iterations is not None or show_all or (fold is not None and tuple(fold) != DEFAULT_FOLD):
+        if iterations is not None or show_all or fold_given:
             raise ValueError(
                 "fold=, show_all= and iterations= apply to the unrolled view (pass a ComputeGraph)"
             )
-        if build is not None and (not isinstance(build, UnrolledGraph) or build.virtual is not graph):
+        if build is not None and build.virtual is not graph:
             raise ValueError(
                 "build= must be an unrolled build of this VirtualGraph (the result of g.build(...))"
             )
         scene = _VirtualView(graph, build, guards, constants, shapes, rankdir, title).scene
-    elif isinstance(graph, ComputeGraph):
+    else:
         if build is not None:
             raise ValueError("build= applies to the virtual view (pass the VirtualGraph and build=cg)")
         if show_all:
             fold = None
-        if fold is not None:
-            try:
-                first, last = (int(v) for v in fold)
-                ok = first >= 0 and last >= 0 and (first, last) == tuple(fold)
-            except (TypeError, ValueError):
-                ok = False
-            if not ok:
-                raise ValueError(f"fold must be (first, last) with non-negative ints, or None; got {fold!r}")
-            fold = (first, last)
-        if iterations is not None:
-            try:
-                if not isinstance(iterations, range):  # a range answers `t in` without expanding
-                    iterations = frozenset(int(t) for t in iterations)
-            except (TypeError, ValueError):
-                raise ValueError(
-                    f"iterations must be a range or a collection of ints, got {iterations!r}"
-                ) from None
         scene = _UnrolledView(
             graph, fold, iterations, gradients, guards, constants, shapes, rankdir, title
         ).scene
-    else:
-        raise TypeError(f"cannot draw {type(graph).__name__}: pass a VirtualGraph or a ComputeGraph")
     if dpi is not None:
         scene.graph_attrs["dpi"] = float(dpi)
     return scene
+
+
+def _as_int(value: Any) -> int:
+    """``value`` as an int, if it is an integer (``2.0`` and ``True`` are not)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"expected an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _check_fold(fold: Any) -> tuple[int, int] | None:
+    """``fold`` as ``(first, last)`` or None; a TypeError or ValueError naming ``fold`` otherwise."""
+    if fold is None:
+        return None
+    if not isinstance(fold, (tuple, list)):
+        raise TypeError(
+            f"fold must be (first, last) with non-negative ints, or None; got {type(fold).__name__}"
+        )
+    try:
+        first, last = (_as_int(v) for v in fold)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"fold must be (first, last) with non-negative ints, or None; got {fold!r}"
+        ) from None
+    if first < 0 or last < 0:
+        raise ValueError(f"fold must be (first, last) with non-negative ints, or None; got {fold!r}")
+    return first, last

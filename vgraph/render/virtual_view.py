@@ -49,13 +49,15 @@ class _VirtualView:
                     counts[d.value] = counts.get(d.value, 0) + 1
         hidden = set() if constants else {v for v in g.nodes if v.kind == "constant"}
         self.hidden = hidden
-        # Clusters for loops, nested by scope.
+        # Clusters for loops, nested by scope. All clusters exist before any is placed: a loop
+        # takes its place in `g.nodes` when its `with` block closes, so an inner loop comes before
+        # the outer loop that contains it.
+        loops = [v for v in g.nodes if v.kind == "loop"]
         clusters: dict[LoopNode | None, _Cluster] = {None: scene.root}
-        for v in g.nodes:
-            if v.kind == "loop":
-                c = _Cluster(_cluster_name("loop", v.id), self._loop_attrs(v))
-                clusters[v] = c
-                clusters[v.scope].items.append(c)
+        for v in loops:
+            clusters[v] = _Cluster(_cluster_name("loop", v.id), self._loop_attrs(v))
+        for v in loops:
+            clusters[v.scope].items.append(clusters[v])
         for v in g.nodes:
             if v.kind == "loop" or v in hidden:
                 continue
@@ -91,10 +93,13 @@ class _VirtualView:
         if self.build is not None:
             trips = self.trips.get(loop)
             if trips:
-                ran = (
-                    str(trips[0]) if len(trips) == 1 else f"{min(trips)}–{max(trips)} (in {len(trips)} runs)"
-                )
-                lines.append(("s", f"this build: {ran} iterations"))
+                if len(trips) == 1:
+                    ran = f"{trips[0]} iterations"
+                elif min(trips) == max(trips):
+                    ran = f"{trips[0]} iterations in each of {len(trips)} runs"
+                else:
+                    ran = f"{min(trips)}–{max(trips)} iterations (in {len(trips)} runs)"
+                lines.append(("s", f"this build: {ran}"))
             else:
                 lines.append(("s", "not run by this build"))
                 attrs.update(color="#c8c8c8", fontcolor="#a8a8a8", fillcolor="#fafafa")
