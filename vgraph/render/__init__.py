@@ -36,6 +36,10 @@ from __future__ import annotations
 # ``vgraph.render._name``, as they were before the module became a package.
 from .frames import _Frame, _Frames, _Run  # noqa: F401
 from .gradients import (  # noqa: F401
+    GRADIENT_DECADES,
+    INF_COLOR,
+    NAN_COLOR,
+    GradientScale,
     _cmap,
     _luminance,
     _plot_through_time,
@@ -61,6 +65,7 @@ from .scene import _HTML, _Cluster, _esc, _label, _quote, _Scene, _shape_text  #
 from .unrolled_view import (
     DEFAULT_FOLD,
     GUARD_TYPES,
+    REFERENCE_THRESHOLD,
     _UnrolledView,  # noqa: F401
 )
 from .views import (
@@ -73,7 +78,12 @@ from .virtual_view import _VirtualView  # noqa: F401
 __all__ = [
     "DEFAULT_FOLD",
     "FORMATS",
+    "GRADIENT_DECADES",
     "GUARD_TYPES",
+    "INF_COLOR",
+    "NAN_COLOR",
+    "REFERENCE_THRESHOLD",
+    "GradientScale",
     "dot_available",
     "gradient_color",
     "gradient_norms",

@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 import math
 import os
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,18 +38,80 @@ def _luminance(color: str) -> float:
     return 0.2126 * r + 0.7152 * g + 0.0722 * b
 
 
-def gradient_color(norm: float, scale: tuple[int, int]) -> tuple[float, str]:
-    """Where ``norm`` falls on the log10 colour scale ``scale = (lo, hi)`` (powers of ten) and
-    its colour: ``(position in [0, 1], "#rrggbb")``. Zero norms get position 0 and white.
+#: Decades of gradient norm the colour scale spans below the largest norm; smaller norms are
+#: clipped to the scale's pale end (the legend says so).
+GRADIENT_DECADES = 8
+#: Colours of a NaN gradient norm and of an infinite one (outside the colour scale).
+NAN_COLOR = "#7b3294"
+INF_COLOR = "#000000"
+ZERO_COLOR = "#ffffff"
 
-    The position is ``(log10(norm) - lo) / (hi - lo)``, clipped; colours run from pale blue (0)
-    through yellow to red (1).
+
+@dataclass(frozen=True)
+class GradientScale:
+    """The log10 colour scale of the gradient overlay: ``lo`` and ``hi`` are log10 norms (pale
+    blue at ``lo``, red at ``hi``); ``clipped`` counts the norms below ``10**lo`` (drawn as ``lo``).
     """
-    lo, hi = scale
+
+    lo: float
+    hi: float
+    clipped: int = 0
+
+    @classmethod
+    def of(cls, norms: Iterable[float], decades: float = GRADIENT_DECADES) -> GradientScale:
+        """The scale for these norms: from the largest finite one down ``decades`` decades at
+        most (to the smallest positive one if that is closer). Zero, NaN and Inf are ignored."""
+        positive = [v for v in norms if v > 0 and math.isfinite(v)]
+        if not positive:
+            return cls(-1.0, 0.0)
+        hi = math.log10(max(positive))
+        lo = max(math.log10(min(positive)), hi - decades)
+        if hi - lo < 1:  # a scale of at least one decade, its top at the largest norm
+            lo = hi - 1
+        clipped = sum(1 for v in positive if math.log10(v) < lo)
+        return cls(lo, hi, clipped)
+
+    def cells(self) -> list[float]:
+        """The norms the legend shows, from the scale's low end to the largest norm: one per
+        decade below the maximum, the lowest at the scale's end."""
+        steps = math.floor(self.hi - self.lo + 1e-9)
+        values = [10.0 ** (self.hi - k) for k in range(steps + 1)]
+        if self.hi - steps - self.lo > 1e-9:
+            values.append(10.0**self.lo)
+        return values[::-1]
+
+
+def gradient_color(norm: float, scale: tuple[float, float] | GradientScale) -> tuple[float, str]:
+    """Where ``norm`` falls on the log10 colour scale and its colour: ``(position, "#rrggbb")``.
+
+    ``scale`` is ``(lo, hi)`` in log10 units (e.g. ``(-3, 0)`` for 1e-3 … 1) or a
+    :class:`GradientScale`. The position is ``(log10(norm) - lo) / (hi - lo)`` clipped to
+    ``[0, 1]``; colours run from pale blue (0) through yellow to red (1). Outside the scale: a
+    zero norm is white (position 0), NaN is purple (:data:`NAN_COLOR`, position NaN) and an
+    infinite norm black (:data:`INF_COLOR`, position 1).
+
+    Raises:
+        TypeError: ``norm`` is not a real number or ``scale`` not a pair of numbers.
+        ValueError: ``scale`` is empty (``hi <= lo``).
+    """
+    if isinstance(norm, bool) or not isinstance(norm, (int, float, np.integer, np.floating)):
+        raise TypeError(f"norm must be a real number, got {type(norm).__name__}")
+    if isinstance(scale, GradientScale):
+        lo, hi = scale.lo, scale.hi
+    else:
+        try:
+            lo, hi = (float(v) for v in scale)
+        except (TypeError, ValueError):
+            raise TypeError(f"scale must be (lo, hi) in log10 units, got {scale!r}") from None
+    if not hi > lo:
+        raise ValueError(f"scale must have lo < hi (log10 units), got {(lo, hi)!r}")
+    norm = float(norm)
+    if math.isnan(norm):
+        return math.nan, NAN_COLOR
+    if math.isinf(norm):
+        return 1.0, INF_COLOR
     if not norm > 0:
-        return 0.0, "#ffffff"
-    if not math.isfinite(norm):
-        return 1.0, _cmap(1.0)
+        return 0.0, ZERO_COLOR
     pos = (math.log10(norm) - lo) / (hi - lo)
     pos = min(1.0, max(0.0, pos))
     return pos, _cmap(pos)
@@ -241,27 +305,44 @@ def gradient_through_time(
 
 
 def _plot_through_time(contrib: np.ndarray, P: ComputeNode, path: Path) -> None:
+    """Plot the norm of each iteration's contribution. Iterations are integers on the x axis;
+    on a log y axis (norms spanning more than 50x) zero contributions, which a log axis cannot
+    show, are drawn as hollow markers on the bottom edge and labelled "= 0"."""
     try:
         import matplotlib
 
         matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise RenderError("plot= needs matplotlib: pip install matplotlib") from None
     norms = np.linalg.norm(contrib.reshape(len(contrib), -1), axis=1)
     fig, ax = plt.subplots(figsize=(6, 3.2), dpi=120)
     steps = np.arange(len(norms))
-    positive = norms > 0
+    finite = np.isfinite(norms)
+    positive = finite & (norms > 0)
+    color = "#d73027"
     if positive.sum() >= 2 and norms[positive].max() / norms[positive].min() > 50:
-        ax.plot(
-            steps[positive], norms[positive], marker="o", color="#d73027"
-        )  # zeros cannot show on a log axis
         ax.set_yscale("log")
+        ax.plot(steps[positive], norms[positive], marker="o", color=color, label="|contribution|")
+        low = norms[positive].min() / 3
+        ax.set_ylim(bottom=low / 3, top=norms[positive].max() * 3)
+        zeros = finite & (norms == 0)
+        if zeros.any():
+            ax.plot(steps[zeros], np.full(zeros.sum(), low), linestyle="none", marker="o",
+                    markerfacecolor="white", markeredgecolor=color, label="= 0 (not on a log axis)")  # fmt: skip
+            ax.legend(loc="best", fontsize=8)
     else:
-        ax.plot(steps, norms, marker="o", color="#d73027")
+        ax.plot(steps[finite], norms[finite], marker="o", color=color)
+    if not finite.all():
+        for t in steps[~finite]:
+            ax.axvline(t, color=NAN_COLOR, linestyle=":", linewidth=1)
+        ax.set_title("dotted lines: NaN/Inf contributions", fontsize=8, loc="right")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlim(-0.5, max(len(norms) - 0.5, 0.5))
     ax.set_xlabel("iteration t")
     ax.set_ylabel("|contribution to grad|")
-    ax.set_title(f"gradient of {P.name or P.key} by iteration (BPTT)")
+    ax.set_title(f"gradient of {P.name or P.key} by iteration (BPTT)", loc="left")
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)

@@ -164,6 +164,8 @@ _KIND_STYLE: dict[str, dict[str, Any]] = {
     "Branch": {"shape": "box", "style": "filled,diagonals,bold", "fillcolor": "#e8dcf5", "color": "#6c3483"},
     "Guard": {"shape": "octagon", "style": "dotted", "fontsize": 8, "color": "#aaaaaa", "fontcolor": "#888888",
               "height": 0.2, "margin": "0.04,0.02"},
+    "Reference": {"shape": "box", "style": "rounded,dashed", "fontsize": 9, "color": "#8a8a8a",
+                  "fontcolor": "#444444", "height": 0.2, "margin": "0.05,0.02"},
     "Fold": {"shape": "box", "style": "rounded,dashed,filled", "fillcolor": "#fafafa", "color": "#888888",
              "fontcolor": "#333333"},
 }  # fmt: skip

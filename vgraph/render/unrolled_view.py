@@ -11,8 +11,8 @@ import numpy as np
 
 from ..compute import ComputeGraph, ComputeNode
 from ..virtual import LoopNode
-from .frames import _Frames
-from .gradients import _luminance, gradient_color
+from .frames import _Frame, _Frames
+from .gradients import INF_COLOR, NAN_COLOR, ZERO_COLOR, GradientScale, _luminance, gradient_color
 from .scene import (
     _CARRY_EDGE,
     _HTML,
@@ -23,6 +23,7 @@ from .scene import (
     _Cluster,
     _cluster_name,
     _cluster_nodes,
+    _esc,
     _kind_style,
     _label,
     _shape_text,
@@ -32,13 +33,17 @@ from .scene import (
 DEFAULT_FOLD: tuple[int, int] = (3, 3)
 #: Node types that are structural guards (re-checked loop conditions and sequence lengths).
 GUARD_TYPES = ("LoopCheck", "LengthCheck")
+#: With ``references=None`` (automatic), a node feeding more iterations than this (other than its
+#: own) is drawn once and referred to in each of them by a small reference node, not by edges.
+REFERENCE_THRESHOLD = 6
 
 
 class _UnrolledView(_Frames):
     def __init__(self, cg: ComputeGraph, fold: tuple[int, int] | None, iterations: range | frozenset[int] | None,
                  gradients: bool, guards: bool, constants: bool, shapes: bool, rankdir: str,
-                 title: str | None) -> None:  # fmt: skip
+                 title: str | None, references: bool | None = None) -> None:  # fmt: skip
         super().__init__(cg)
+        self.refs: set[str] = set()  # drawn nodes that have references in iterations
         nodes = self.nodes
         self.show_guards = guards
         self.shapes = shapes
@@ -56,12 +61,7 @@ class _UnrolledView(_Frames):
             for n in nodes
             if n.grad is not None
         }
-        positive = [v for v in self.norms.values() if v > 0 and math.isfinite(v)]
-        if positive:
-            lo, hi = math.floor(math.log10(min(positive))), math.ceil(math.log10(max(positive)))
-            self.scale = (lo, hi if hi > lo else lo + 1)
-        else:
-            self.scale = (-1, 0)
+        self.scale = GradientScale.of(self.norms.values())
 
         # Nodes.
         self.drawn: dict[ComputeNode, str | None] = {}
@@ -74,8 +74,11 @@ class _UnrolledView(_Frames):
                     hidden.setdefault(nid, []).append(self.norms[n])
             for nid, values in hidden.items():
                 attrs = scene.nodes[nid]
-                extra = _label([("s", f"|grad| {min(values):.1e} … {max(values):.1e}")])
-                attrs["label"] = _HTML(f"{attrs['label']}<BR/>{extra}")
+                finite = [v for v in values if math.isfinite(v)]
+                text = f"|grad| {min(finite):.1e} … {max(finite):.1e}" if finite else "|grad|"
+                if len(finite) < len(values):
+                    text += f", {len(values) - len(finite)} NaN/Inf"
+                attrs["label"] = _HTML(f"{attrs['label']}<BR/>{_label([('s', text)])}")
         for n in nodes:
             nid = self.drawn[n]
             if nid != str(n.key):
@@ -83,43 +86,99 @@ class _UnrolledView(_Frames):
             frame = self.owner.get(n)
             container = frame.cluster if frame is not None else scene.root
             scene.add_node(container, nid, self._node_attrs(n))
+        self._edges(references)
         for c in self._all_clusters():
             c.items.sort(key=lambda item: isinstance(item, _Cluster) and item.name.startswith("cluster_loop"))
-        # Edges.
-        for n in nodes:
+        self._order_iterations()
+        if gradients or self.refs:
+            self._legend()
+
+    def _edges(self, references: bool | None) -> None:
+        """Draw every parent -> child edge between drawn nodes.
+
+        A node feeding many iterations other than its own (a shared parameter, the stepped
+        sequence, a value of an outer iteration used by every inner one) gets a small reference
+        node in each of those iterations instead of an edge from its one drawn copy; likewise a
+        node outside a loop gathering a value from many of its iterations (``loop.stack``) gets
+        a reference in each of them. Edges from one node into every iteration cross the whole
+        drawing and make Graphviz's layout time explode (20 unfolded steps of an RNN took 14 s,
+        30 steps more than 90 s); with references 100 steps take under a second.
+        """
+        scene = self.scene
+        edges: list[tuple[ComputeNode, int, ComputeNode, str, str, _Frame | None, _Frame | None, bool]] = []
+        # (referable node id, outward) -> the iterations it would be referred to in
+        frames_of: dict[tuple[str, bool], set[int]] = {}
+        for n in self.nodes:
             head = self.drawn[n]
             if head is None:
                 continue
             frame = self.owner.get(n)
-            is_branch = self.virtual is not None and n.key in self.choice and n.op is not None
             for i, p in enumerate(n.parents):
                 tail = self.drawn.get(p)
                 if tail is None or tail == head:
                     continue
-                attrs: dict[str, Any] = {}
-                if is_branch:
-                    if i == 0:
-                        attrs["label"] = f"option {self.choice[n.key]}"
-                    else:
-                        attrs.update(label="key", **_KEY_EDGE)
-                elif n.key.type in GUARD_TYPES:
-                    attrs.update(style="dotted", color="#bbbbbb", arrowsize=0.5)
-                name = self.edge_names.get((p, frame))
-                if name is not None and "label" not in attrs and n.key.type not in GUARD_TYPES:
-                    attrs.update(label=name, **_CARRY_EDGE)
-                elif p.op is None and not p.key.idx and frame is not None and not attrs:
-                    attrs.update(_LEAF_EDGE)  # a leaf used in every iteration: keep it in the background
-                if tail.startswith("fold:") or head.startswith("fold:"):
-                    attrs["style"] = "dashed"
-                scene.add_edge(tail, head, attrs)
-        self._order_iterations()
-        if gradients:
-            self._legend()
+                ref_frame, outward = None, False
+                if tail == str(p.key) and head == str(n.key):
+                    tail_frame = self.owner.get(p)
+                    if frame is not None and frame.cluster is not None and not _encloses(frame, tail_frame):
+                        ref_frame = frame  # p feeds this iteration from outside it
+                    elif (
+                        tail_frame is not None and tail_frame.cluster is not None and tail_frame is not frame
+                    ):
+                        ref_frame, outward = tail_frame, True  # n, around the iteration, gathers from it
+                edges.append((n, i, p, tail, head, frame, ref_frame, outward))
+                if ref_frame is not None:
+                    frames_of.setdefault((head if outward else tail, outward), set()).add(id(ref_frame))
+        least = REFERENCE_THRESHOLD + 1 if references is None else 2
+        referenced = {key for key, fs in frames_of.items() if references is not False and len(fs) >= least}
+        for n, i, p, tail, head, frame, ref_frame, outward in edges:
+            attrs: dict[str, Any] = {}
+            if n.key in self.choice and n.op is not None and self.virtual is not None:  # a branch
+                if i == 0:
+                    attrs["label"] = f"option {self.choice[n.key]}"
+                else:
+                    attrs.update(label="key", **_KEY_EDGE)
+            elif n.key.type in GUARD_TYPES:
+                attrs.update(style="dotted", color="#bbbbbb", arrowsize=0.5)
+            name = self.edge_names.get((p, frame))
+            if name is not None and "label" not in attrs and n.key.type not in GUARD_TYPES:
+                attrs.update(label=name, **_CARRY_EDGE)
+            elif p.op is None and not p.key.idx and frame is not None and not attrs:
+                attrs.update(_LEAF_EDGE)  # a leaf used in every iteration: keep it in the background
+            if ref_frame is not None:
+                if outward and (head, True) in referenced:
+                    head = self._reference(n, head, ref_frame, outward=True)
+                elif not outward and (tail, False) in referenced:
+                    tail = self._reference(p, tail, ref_frame, outward=False)
+            if tail.startswith("fold:") or head.startswith("fold:"):
+                attrs["style"] = "dashed"
+            scene.add_edge(tail, head, attrs)
+
+    def _reference(self, n: ComputeNode, nid: str, frame: _Frame, outward: bool) -> str:
+        """The id of the reference to ``n`` (drawn as ``nid``) in ``frame``'s cluster, created on
+        first use. ``outward``: ``n`` takes a value from the iteration (drawn ``→ name``)."""
+        ref = f"ref:{nid} in t={'.'.join(map(str, frame.idx))}"
+        if ref not in self.scene.nodes:
+            assert frame.cluster is not None
+            text = n.name or str(n.key)
+            attrs = {**_kind_style("Reference"), "label": _label([("i", f"→ {text}" if outward else text)]),
+                     "tooltip": f"{n.key}: drawn once, outside this iteration"}  # fmt: skip
+            self.scene.add_node(frame.cluster, ref, attrs)
+            self.refs.add(nid)
+        return ref
 
     def _fold(self, fold: tuple[int, int] | None, iterations: frozenset[int] | None) -> None:
         """Create the clusters of visible iterations and the fold nodes of hidden ones."""
         scene = self.scene
         runs = sorted(self.runs.values(), key=lambda r: (len(r.outer), self._loop_order(r.loop), r.outer))
+        if iterations is not None and runs and not any(t in iterations for r in runs for t in r.frames):
+            trips = sorted({r.trips for r in runs})
+            raise ValueError(
+                f"iterations={iterations!r} selects no iteration of any loop (the loops run "
+                f"{', '.join(map(str, trips))} iterations, t = 0 … {max(trips) - 1})"
+                if max(trips) > 0
+                else f"iterations={iterations!r}: no loop of this graph ran any iteration"
+            )
         for run in runs:
             parent = run.parent
             if parent is not None and (parent.hidden_as is not None or parent.cluster is None):
@@ -271,7 +330,7 @@ class _UnrolledView(_Frames):
                 small.append(("s", f"|grad| {norm:.2e}"))
                 _, color = gradient_color(norm, self.scale)
                 attrs["fillcolor"] = color
-                if norm > 0 and _luminance(color) < 0.45:
+                if _luminance(color) < 0.45:
                     attrs["fontcolor"] = "white"
                 attrs["tooltip"] = f"{k}: |grad| = {norm:.6g}"
             if "filled" not in attrs.get("style", "filled"):
@@ -281,44 +340,96 @@ class _UnrolledView(_Frames):
         attrs["label"] = _label(lines)
         return attrs
 
+    def _gradient_root(self) -> ComputeNode | None:
+        """The node backward started from, if the retained gradients tell: the one op node
+        with a gradient that no node with a gradient depends on."""
+        has_child_grad: set[ComputeNode] = set()
+        for n in self.nodes:
+            if n.grad is not None:
+                has_child_grad.update(n.parents)
+        roots = [n for n in self.nodes if n.grad is not None and n.op is not None and n not in has_child_grad]
+        return roots[0] if len(roots) == 1 else None
+
     def _legend(self) -> None:
-        lo, hi = self.scale
-        span = hi - lo
-        step = 1 if span <= 10 else math.ceil(span / 10)
-        cells = []
-        for e in range(lo, hi + 1, step):
-            _, color = gradient_color(10.0**e, self.scale)
+        """The legend: what the gradient colours mean and what reference nodes are."""
+
+        def note(text: str, color: str = "#555555", size: int = 10) -> str:
+            return (f'<TR><TD BORDER="0" ALIGN="LEFT"><FONT POINT-SIZE="{size}" '
+                    f'COLOR="{color}">{_esc(text)}</FONT></TD></TR>')  # fmt: skip
+
+        def cell(color: str, text: str, width: int = 56, border: str = "") -> str:
             font = ' COLOR="white"' if _luminance(color) < 0.45 else ""
-            cells.append(
-                f'<TD BGCOLOR="{color}" WIDTH="56" HEIGHT="24"><FONT POINT-SIZE="12"{font}>1e{e}</FONT></TD>'
-            )
-        extra = (
-            '<TD BGCOLOR="#ffffff" WIDTH="30"><FONT POINT-SIZE="12">0</FONT></TD>'
-            '<TD BGCOLOR="#ffffff" COLOR="#bbbbbb"><FONT POINT-SIZE="11" COLOR="#777777">no .grad</FONT></TD>'
-        )
-        ncols = len(cells) + 2
-        rows = [
-            (
-                f'<TR><TD COLSPAN="{ncols}" BORDER="0"><B><FONT POINT-SIZE="13">gradient norm |grad| '
-                "(log10 scale)</FONT></B></TD></TR>"
-            ),
-            "<TR>" + "".join(cells) + extra + "</TR>",
-            (
-                f'<TR><TD COLSPAN="{ncols}" BORDER="0"><FONT POINT-SIZE="10" COLOR="#555555">|grad| = '
-                "np.linalg.norm(node.grad); small: pale blue, large: red</FONT></TD></TR>"
-            ),
-        ]
-        op_nodes = [n for n in self.nodes if n.op is not None and n.requires_grad]
-        if op_nodes and not any(n in self.norms for n in op_nodes):
+            return (f'<TD BGCOLOR="{color}" WIDTH="{width}" HEIGHT="24"{border}><FONT POINT-SIZE="11"{font}>'
+                    f"{_esc(text)}</FONT></TD>")  # fmt: skip
+
+        rows: list[str] = []
+        if self.gradients:
+            scale = self.scale
+            root = self._gradient_root()
+            of = f"L = {root.describe()}" if root is not None else "L = the node backward() started from"
+            cells = []
+            values = scale.cells()
+            for i, v in enumerate(values):
+                _, color = gradient_color(v, scale)
+                text = f"{v:.1e}"
+                if i == 0 and scale.clipped:
+                    text = "≤ " + text
+                elif i == len(values) - 1:
+                    text += " max"
+                cells.append(cell(color, text, 64))
+            cells += [cell(ZERO_COLOR, "0", 30), cell(NAN_COLOR, "NaN", 36), cell(INF_COLOR, "Inf", 36),
+                      cell("#ffffff", "no .grad", 56, ' COLOR="#bbbbbb"')]  # fmt: skip
             rows.append(
-                f'<TR><TD COLSPAN="{ncols}" BORDER="0"><FONT POINT-SIZE="11" COLOR="#b03a2e">no intermediate node kept its '
-                "gradient: call vgraph.render.retain_all_grads(cg) before backward</FONT></TD></TR>"
+                '<TR><TD BORDER="0"><B><FONT POINT-SIZE="13">gradient norm |dL/dv| '
+                f"of each node's value v, {_esc(of)}</FONT></B></TD></TR>"
             )
+            rows.append(
+                '<TR><TD BORDER="0" ALIGN="LEFT"><TABLE BORDER="0" CELLBORDER="1" CELLSPACING="0" '
+                f'CELLPADDING="4"><TR>{"".join(cells)}</TR></TABLE></TD></TR>'
+            )
+            top = 10.0**scale.hi
+            if scale.clipped:
+                rows.append(note(
+                    f"log10 colour scale from the largest norm ({top:.2e}) down {scale.hi - scale.lo:.0f} decades; "
+                    f"{scale.clipped} smaller norm{'s are' if scale.clipped != 1 else ' is'} clipped to the palest colour"
+                ))  # fmt: skip
+            else:
+                rows.append(note(
+                    f"log10 colour scale from the smallest positive norm ({10.0**scale.lo:.2e}) "
+                    f"to the largest ({top:.2e}); |dL/dv| = np.linalg.norm(node.grad)"
+                ))  # fmt: skip
+            rows.append(note(
+                "in a loop, a node's gradient sums every path from L back to it: for a loss on the "
+                "last step it fades going back in time; for a loss summed over all steps it grows"
+            ))  # fmt: skip
+            op_nodes = [n for n in self.nodes if n.op is not None and n.requires_grad]
+            if op_nodes and not any(n in self.norms for n in op_nodes):
+                rows.append(note(
+                    "no intermediate node kept its gradient: call vgraph.render.retain_all_grads(cg) before backward",
+                    "#b03a2e", 11,
+                ))  # fmt: skip
+        if self.refs:
+            rows.append(note(
+                "dashed italic boxes: references to a node drawn once outside the iteration (a shared "
+                "parameter, a stepped sequence); the edges from it into every iteration are left out "
+                "so that the iterations stay a chain",
+                "#333333", 10,
+            ))  # fmt: skip
         table = _HTML(
-            '<TABLE BORDER="0" CELLBORDER="1" CELLSPACING="0" CELLPADDING="4">' + "".join(rows) + "</TABLE>"
+            '<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="2" CELLPADDING="2">' + "".join(rows) + "</TABLE>"
         )
         legend = _Cluster("cluster_legend", {"label": "", "style": "rounded", "color": "#999999"})
         self.scene.root.items.append(legend)
         self.scene.add_node(
             legend, "legend", {"shape": "plaintext", "style": "", "label": table, "margin": 0}
         )
+
+
+def _encloses(outer: _Frame | None, inner: _Frame | None) -> bool:
+    """Whether iteration ``outer`` is ``inner`` or encloses it (``None``, the top level, encloses all)."""
+    f = inner
+    while f is not None:
+        if f is outer:
+            return True
+        f = f.parent
+    return outer is None

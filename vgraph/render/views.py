@@ -31,6 +31,7 @@ def to_dot(
     rankdir: str = "TB",
     title: str | None = None,
     dpi: float | None = None,
+    references: bool | None = None,
 ) -> str:
     """The DOT text drawing ``graph`` (no Graphviz program needed).
 
@@ -55,6 +56,12 @@ def to_dot(
         rankdir: Graphviz layout direction, ``"TB"`` (top to bottom) or ``"LR"``.
         title: a title drawn above the graph (default: a short description).
         dpi: resolution of bitmap output (Graphviz's default is 96); e.g. 144 for a sharper PNG.
+        references: unrolled view: how a node used by many iterations other than its own (a
+            shared parameter, the stepped sequence) is connected to them. ``True``: it is drawn
+            once and each iteration using it holds a small dashed reference node to it (no long
+            edges, so the layout stays a chain of iterations and fast); ``False``: an edge from it
+            into every iteration; ``None`` (default): references when it feeds more than
+            ``REFERENCE_THRESHOLD`` (6) drawn iterations. The legend says when references are used.
 
     Returns:
         DOT source text; identical for identical graphs and options.
@@ -67,7 +74,7 @@ def to_dot(
     """
     return _scene(graph, build=build, fold=fold, show_all=show_all, iterations=iterations, gradients=gradients,
                   guards=guards, constants=constants, shapes=shapes, rankdir=rankdir, title=title,
-                  dpi=dpi).source()  # fmt: skip
+                  dpi=dpi, references=references).source()  # fmt: skip
 
 
 def to_digraph(graph: VirtualGraph | ComputeGraph, **options: Any) -> Any:
@@ -103,6 +110,7 @@ def _scene(
     rankdir: str = "TB",
     title: str | None = None,
     dpi: float | None = None,
+    references: bool | None = None,
 ) -> _Scene:
     """The scene for :func:`to_dot`'s options, validated (one place for every entry point)."""
     if not isinstance(graph, (VirtualGraph, ComputeGraph)):
@@ -121,6 +129,8 @@ def _scene(
             )
         if not (math.isfinite(dpi) and dpi > 0):
             raise ValueError(f"dpi must be a positive number, got {dpi!r}")
+    if references is not None and not isinstance(references, (bool, np.bool_)):
+        raise TypeError(f"references must be True, False or None, got {type(references).__name__}")
     if title is not None and not isinstance(title, str):
         raise TypeError(f"title must be a string or None, got {type(title).__name__}")
     if not isinstance(rankdir, str):
@@ -152,9 +162,9 @@ def _scene(
                 "gradients=True draws gradient norms of compute nodes: pass the unrolled graph "
                 "(the result of g.build(...)) after backward, not the VirtualGraph"
             )
-        if iterations is not None or show_all or fold_given:
+        if iterations is not None or show_all or fold_given or references is not None:
             raise ValueError(
-                "fold=, show_all= and iterations= apply to the unrolled view (pass a ComputeGraph)"
+                "fold=, show_all=, iterations= and references= apply to the unrolled view (pass a ComputeGraph)"
             )
         if build is not None and build.virtual is not graph:
             raise ValueError(
@@ -166,8 +176,15 @@ def _scene(
             raise ValueError("build= applies to the virtual view (pass the VirtualGraph and build=cg)")
         if show_all:
             fold = None
+        if isinstance(iterations, range) and len(iterations) == 0:
+            raise ValueError(
+                f"iterations={iterations!r} is empty: it would draw no iteration; give start < stop, "
+                "e.g. range(2, 5)"
+            )
+        if isinstance(iterations, frozenset) and not iterations:
+            raise ValueError("iterations is empty: it would draw no iteration")
         scene = _UnrolledView(
-            graph, fold, iterations, gradients, guards, constants, shapes, rankdir, title
+            graph, fold, iterations, gradients, guards, constants, shapes, rankdir, title, references
         ).scene
     if dpi is not None:
         scene.graph_attrs["dpi"] = float(dpi)
