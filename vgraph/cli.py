@@ -30,11 +30,19 @@ class _UsageError(Exception):
     """A problem with the command line or the script's convention (exit code 2)."""
 
 
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vgraph",
         description="vgraph command line tools.",
     )
+    parser.add_argument("--version", action="version", version=f"vgraph {_version()}",
+                        help="print vgraph's version and exit")  # fmt: skip
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     r = sub.add_parser(
