@@ -410,9 +410,9 @@ class _UnrolledView(_Frames):
                 ))  # fmt: skip
         if self.refs:
             rows.append(note(
-                "dashed italic boxes: references to a node drawn once outside the iteration (a shared "
-                "parameter, a stepped sequence); the edges from it into every iteration are left out "
-                "so that the iterations stay a chain",
+                "dashed italic boxes: references to a node drawn once outside the iteration (Wh: a shared "
+                "parameter or sequence it reads; → stacked: a node that collects its value); the edges "
+                "between that node and every iteration are left out so that the iterations stay a chain",
                 "#333333", 10,
             ))  # fmt: skip
         table = _HTML(
