@@ -44,6 +44,7 @@ class _UnrolledView(_Frames):
                  title: str | None, references: bool | None = None) -> None:  # fmt: skip
         super().__init__(cg)
         self.refs: set[str] = set()  # drawn nodes that have references in iterations
+        self.as_itself: set[ComputeNode] = set()  # nodes drawn as themselves (not folded or hidden)
         nodes = self.nodes
         self.show_guards = guards
         self.shapes = shapes
@@ -81,7 +82,7 @@ class _UnrolledView(_Frames):
                 attrs["label"] = _HTML(f"{attrs['label']}<BR/>{_label([('s', text)])}")
         for n in nodes:
             nid = self.drawn[n]
-            if nid != str(n.key):
+            if n not in self.as_itself:
                 continue
             frame = self.owner.get(n)
             container = frame.cluster if frame is not None else scene.root
@@ -118,7 +119,7 @@ class _UnrolledView(_Frames):
                 if tail is None or tail == head:
                     continue
                 ref_frame, outward = None, False
-                if tail == str(p.key) and head == str(n.key):
+                if p in self.as_itself and n in self.as_itself:
                     tail_frame = self.owner.get(p)
                     if frame is not None and frame.cluster is not None and not _encloses(frame, tail_frame):
                         ref_frame = frame  # p feeds this iteration from outside it
@@ -288,6 +289,7 @@ class _UnrolledView(_Frames):
                 return f.hidden_as
             if f.cluster is None:  # an iteration not drawn at all (should not happen)
                 return None
+        self.as_itself.add(n)
         return str(n.key)
 
     # -- node look
