@@ -3,7 +3,8 @@
 A *model script* is a Python file defining ``build()``, which returns
 ``(virtual_graph, feed, outputs)``: the :class:`~vgraph.virtual.VirtualGraph`, a feed dict for
 one build, and the output node(s) to build; with ``--gradients`` the first output is the loss
-(a scalar). See ``examples/models/`` and ``docs/rendering.md``.
+(a scalar). ``--set KEY=VALUE`` passes keyword arguments to ``build()`` (``--set steps=50``). See
+``examples/models/`` and ``docs/rendering.md``.
 
 Exit codes: 0 success; 1 the model or the drawing failed (an exception in the script, Graphviz
 missing — the ``.dot`` text is then written next to the output —, ``dot`` failing); 2 bad
@@ -13,7 +14,9 @@ arguments, or a script that is missing or does not follow the convention.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
+import inspect
 import sys
 import traceback
 from collections.abc import Sequence
@@ -27,11 +30,19 @@ class _UsageError(Exception):
     """A problem with the command line or the script's convention (exit code 2)."""
 
 
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vgraph",
         description="vgraph command line tools.",
     )
+    parser.add_argument("--version", action="version", version=f"vgraph {_version()}",
+                        help="print vgraph's version and exit")  # fmt: skip
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     r = sub.add_parser(
@@ -68,7 +79,30 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--no-constants", action="store_true", help="leave constant nodes out")
     r.add_argument("--lr", action="store_true", help="lay out left to right instead of top to bottom")
     r.add_argument("--title", help="title drawn above the graph")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
+                   help="pass KEY=VALUE to the script's build() as a keyword argument (repeatable), "
+                        "e.g. --set steps=50; VALUE is a Python literal (50, 0.5, 'tanh', (2, 3)) or else "
+                        "a string")  # fmt: skip
     return parser
+
+
+def _parse_settings(settings: Sequence[str]) -> dict[str, Any]:
+    """``["steps=50", "name=x"]`` -> ``{"steps": 50, "name": "x"}`` (values as Python literals)."""
+    out: dict[str, Any] = {}
+    for item in settings:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise _UsageError(
+                f"--set takes KEY=VALUE with KEY a Python name, e.g. --set steps=50; got {item!r}"
+            )
+        if key in out:
+            raise _UsageError(f"--set {key}=... given twice")
+        try:
+            out[key] = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            out[key] = text
+    return out
 
 
 def _load_script(path_text: str) -> Any:
@@ -93,10 +127,29 @@ def _load_script(path_text: str) -> Any:
     return module
 
 
-def _call_build(module: Any, script: str) -> tuple[Any, dict[str, Any], list[Any]]:
+def _call_build(
+    module: Any, script: str, settings: dict[str, Any] | None = None
+) -> tuple[Any, dict[str, Any], list[Any]]:
     from .virtual import VirtualGraph, VirtualNode
 
-    result = module.build()
+    settings = settings or {}
+    if settings:
+        try:
+            params = inspect.signature(module.build).parameters
+        except (TypeError, ValueError):  # a builtin or C callable: let the call decide
+            params = None
+        if params is not None and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            accepted = [
+                name for name, p in params.items()
+                if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+            ]  # fmt: skip
+            unknown = [k for k in settings if k not in accepted]
+            if unknown:
+                raise _UsageError(
+                    f"{script}: build() takes no parameter {', '.join(map(repr, unknown))} (given with --set); "
+                    f"it takes: {', '.join(accepted) or 'none'}"
+                )
+    result = module.build(**settings)
     if not (isinstance(result, tuple) and len(result) == 3):
         raise _UsageError(
             f"{script}: build() must return (virtual_graph, feed, outputs), got {type(result).__name__}"
@@ -119,8 +172,26 @@ def _render(args: argparse.Namespace) -> int:
     from . import render as R
     from .errors import RenderError, VGraphError
 
+    settings = _parse_settings(args.settings)
+    if args.iterations and not 0 <= args.iterations[0] < args.iterations[1]:
+        start, stop = args.iterations
+        raise _UsageError(
+            f"--iterations {start} {stop} selects no iteration: it shows START <= t < STOP, so give "
+            "0 <= START < STOP (e.g. --iterations 2 5)"
+        )
+    unrolled = args.unrolled or args.gradients or args.all or bool(args.fold) or bool(args.iterations)
+    if args.taken and unrolled:
+        implied = next(
+            flag for flag, on in (("--unrolled", args.unrolled), ("--gradients", args.gradients),
+                                  ("--all", args.all), ("--fold", args.fold), ("--iterations", args.iterations))
+            if on
+        )  # fmt: skip
+        raise _UsageError(
+            f"--taken applies to the virtual view (it greys out what one build did not use); {implied} draws "
+            "the unrolled view, which shows only what the build used: drop one of them"
+        )
     module = _load_script(args.script)
-    g, feed, outputs = _call_build(module, args.script)
+    g, feed, outputs = _call_build(module, args.script, settings)
     options: dict[str, Any] = {"guards": args.guards, "constants": not args.no_constants,
                                "rankdir": "LR" if args.lr else "TB", "title": args.title}  # fmt: skip
     fmt = (args.format or Path(args.output).suffix.lstrip(".")).lower()
@@ -131,7 +202,6 @@ def _render(args: argparse.Namespace) -> int:
     if fmt not in R.FORMATS:
         raise _UsageError(f"unknown output format {fmt!r}; use one of {', '.join(R.FORMATS)}")
     # Folding options only make sense for the unrolled graph, so they imply it.
-    unrolled = args.unrolled or args.gradients or args.all or bool(args.fold) or bool(args.iterations)
     if unrolled:
         if args.all:
             options["fold"] = None
@@ -158,6 +228,8 @@ def _render(args: argparse.Namespace) -> int:
         target = g
     try:
         out = R.render(target, args.output, format=args.format, **options)
+    except (ValueError, TypeError) as e:  # drawing options this graph cannot take
+        raise _UsageError(str(e)) from None
     except RenderError as e:
         print(f"vgraph render: error: {e}", file=sys.stderr)
         return EXIT_FAILED

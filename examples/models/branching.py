@@ -18,7 +18,8 @@ def positive_mean(x_t: np.ndarray) -> int:
     return 0 if float(np.mean(x_t)) > 0 else 1
 
 
-def model() -> tuple[vg.VirtualGraph, vg.VirtualNode]:
+def model(batch: int = B, hidden: int = H) -> tuple[vg.VirtualGraph, vg.VirtualNode]:
+    B, H = batch, hidden
     g = vg.VirtualGraph(dtype=np.float64, seed=2, name="branching RNN")
     x = g.input("x", shape=(None, None, I))
     Wx = g.parameter("Wx", (I, H))
@@ -40,7 +41,8 @@ def model() -> tuple[vg.VirtualGraph, vg.VirtualNode]:
     return g, loss
 
 
-def build(steps: int = T, seed: int = 3):
-    g, loss = model()
+def build(steps: int = T, batch: int = B, hidden: int = H, seed: int = 3):
+    """The model and one feed of ``steps`` time steps (``--set steps=50`` on the command line)."""
+    g, loss = model(batch, hidden)
     rng = np.random.default_rng(seed)
-    return g, {"x": rng.standard_normal((steps, B, I))}, [loss]
+    return g, {"x": rng.standard_normal((steps, batch, I))}, [loss]

@@ -6,6 +6,7 @@ A model script for ``python -m vgraph render`` (see docs/rendering.md): ``build(
     python -m vgraph render examples/models/elman_rnn.py -o rnn.svg                 # the model
     python -m vgraph render examples/models/elman_rnn.py -o rnn.svg --unrolled      # one build
     python -m vgraph render examples/models/elman_rnn.py -o rnn.png --gradients     # + BPTT
+    python -m vgraph render examples/models/elman_rnn.py -o rnn.svg --all --set steps=50 --set hidden=8
 """
 
 import numpy as np
@@ -15,7 +16,8 @@ import vgraph as vg
 T, B, I, H, O = 12, 2, 3, 4, 2  # time steps, batch, input, hidden and output sizes
 
 
-def model() -> tuple[vg.VirtualGraph, vg.VirtualNode]:
+def model(batch: int = B, hidden: int = H) -> tuple[vg.VirtualGraph, vg.VirtualNode]:
+    B, H = batch, hidden
     g = vg.VirtualGraph(dtype=np.float64, seed=1, name="Elman RNN")
     x = g.input("x", shape=(None, None, I))  # (time, batch, features)
     y = g.input("y", shape=(None, O))
@@ -40,8 +42,10 @@ def model() -> tuple[vg.VirtualGraph, vg.VirtualNode]:
     return g, loss
 
 
-def build(steps: int = T, seed: int = 0):
-    g, loss = model()
+def build(steps: int = T, batch: int = B, hidden: int = H, seed: int = 0):
+    """The model and one feed: ``steps`` time steps of a batch of ``batch`` sequences; ``hidden``
+    units. The CLI passes these with ``--set``, e.g. ``--set steps=50``."""
+    g, loss = model(batch, hidden)
     rng = np.random.default_rng(seed)
-    feed = {"x": rng.standard_normal((steps, B, I)), "y": rng.standard_normal((B, O))}
+    feed = {"x": rng.standard_normal((steps, batch, I)), "y": rng.standard_normal((batch, O))}
     return g, feed, [loss]

@@ -11,7 +11,8 @@ import vgraph as vg
 T, B, H, LAYERS = 4, 2, 3, 2
 
 
-def model() -> tuple[vg.VirtualGraph, vg.VirtualNode]:
+def model(layers: int = LAYERS, batch: int = B, hidden: int = H) -> tuple[vg.VirtualGraph, vg.VirtualNode]:
+    B, H, LAYERS = batch, hidden, layers
     g = vg.VirtualGraph(dtype=np.float64, seed=3, name="stacked RNN")
     x = g.input("x", shape=(None, None, H))
     Wo = g.parameter("Wo", (H, 1))
@@ -33,7 +34,9 @@ def model() -> tuple[vg.VirtualGraph, vg.VirtualNode]:
     return g, loss
 
 
-def build(steps: int = T, seed: int = 4):
-    g, loss = model()
+def build(steps: int = T, layers: int = LAYERS, batch: int = B, hidden: int = H, seed: int = 4):
+    """The model and one feed of ``steps`` time steps through ``layers`` layers
+    (``--set steps=20 --set layers=3`` on the command line)."""
+    g, loss = model(layers, batch, hidden)
     rng = np.random.default_rng(seed)
-    return g, {"x": rng.standard_normal((steps, B, H))}, [loss]
+    return g, {"x": rng.standard_normal((steps, batch, hidden))}, [loss]
