@@ -239,6 +239,11 @@ def gradient_through_time(
         raise TypeError(f"plot must be a file path (str or os.PathLike) or None, got {type(plot).__name__}")
     P = _resolve_param(cg, param)
     uses = [n for n in cg.nodes() if n.op is not None and any(p is P for p in n.parents)]
+    # Where each use sits: itself, or for a hoisted group (one op for every iteration, see
+    # vgraph.virtual.hoist) each iteration's copy and the group's row for it.
+    groups = cg._groups if isinstance(cg, UnrolledGraph) else {}
+    sites = [(n, c, c.attrs["index"]) for n in uses if n in groups for c in groups[n]]
+    sites += [(n, n, None) for n in uses if n not in groups]
     view: _Frames | None = None
     if isinstance(cg, UnrolledGraph):
         view = _Frames(cg)
@@ -253,7 +258,7 @@ def gradient_through_time(
             )
         if loop is None:
             tops = set()
-            for n in uses:
+            for _, n, _ in sites:
                 f = view.owner.get(n)
                 while f is not None and f.parent is not None:
                     f = f.parent
@@ -270,9 +275,9 @@ def gradient_through_time(
     else:
         T = max((n.key.idx[0] + 1 for n in uses if n.key.idx), default=0)
     out = np.zeros((T, *np.shape(P.value)), dtype=np.result_type(P.value, np.float64))
-    for n in uses:
+    for n, site, row in sites:
         if view is not None:
-            f = view.owner.get(n)
+            f = view.owner.get(site)
             while f is not None and f.loop is not loop:
                 f = f.parent
             if f is None:
@@ -291,11 +296,15 @@ def gradient_through_time(
                 "vgraph.render.retain_all_grads(cg) (or node.retain_grad()) before backward"
             )
         values = [p.value for p in n.parents]
+        ans = n.value
+        if row is not None:  # this iteration's row of a group: of its stepped inputs (groups) too
+            values = [v[row] if p in groups else v for p, v in zip(n.parents, values)]
+            g, ans = g[row], ans[row]
         for i, p in enumerate(n.parents):
             vjp = n.vjps[i] if i < len(n.vjps) else None
             if p is not P or vjp is None:
                 continue
-            pg = as_array(vjp(g, n.value, *values, **n.attrs))
+            pg = as_array(vjp(g, ans, *values, **n.attrs))
             if pg.shape != np.shape(P.value):
                 pg = unbroadcast(pg, np.shape(P.value))
             out[t] += pg

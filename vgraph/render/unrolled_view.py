@@ -314,8 +314,14 @@ class _UnrolledView(_Frames):
         if k in self.choice and n.op is not None:
             lines.append(("", f"option {self.choice[k]}"))
         small: list[tuple[str, str]] = []
-        if n.op is not None and n.op.name not in (k.type, "GetItem"):
+        if n.op is not None and n.op.name == "Hoisted":  # row t of a group (vgraph.virtual.hoist)
+            small.append(("sg", f"hoisted: row {n.attrs['index']} of <{n.parents[0].key}>"))
+        elif k.type.endswith("*") and n.op is not None:
+            small.append(("sg", f"{n.op.name} for every iteration (hoisted)"))
+        elif n.op is not None and n.op.name not in (k.type, "GetItem"):
             small.append(("sg", n.op.name))
+        if n.op is not None and "gates" in n.attrs:  # a fused cell
+            small.append(("sg", "gates " + " ".join(n.attrs["gates"])))
         if k.type == "Parameter" and k.idx:
             small.append(("sg", "untied"))
         if k.type == "Constant" and n.op is None and np.size(n.value) == 1:
