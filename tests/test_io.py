@@ -226,3 +226,27 @@ def test_save_rejects_bad_input(tmp_path):
     with pytest.raises(TypeError):
         io.save({"a": np.array(["text"])}, tmp_path / "x.npz")
     assert os.listdir(tmp_path) == []
+
+
+# --- symmetric state_dict / load_state_dict ------------------------------------------------------
+
+
+def test_graph_and_store_both_have_state_dict_and_load_state_dict():
+    g = built(seed=1)
+    sd = g.state_dict()
+    assert_same(sd, g.params.state_dict())
+    g2 = built(seed=2)
+    g2.params.load_state_dict(sd)
+    assert_same(values(g2), sd)
+    before = values(g2)
+    with pytest.raises(KeyError, match="decoder"):
+        g2.params.load_state_dict({**sd, "decoder": np.zeros(3)})
+    with pytest.raises(vg.ShapeError, match=r"enc\.fc\.b"):
+        g2.params.load_state_dict({**sd, "enc.fc.b": np.zeros(4)})
+    with pytest.raises(KeyError, match="lacks"):
+        g2.params.load_state_dict({"enc.fc.b": np.zeros(3)})
+    with pytest.raises(TypeError):
+        g2.params.load_state_dict([1, 2])
+    assert_same(values(g2), before)
+    g2.params.load_state_dict({"enc.fc.b": np.full(3, 2.0)}, strict=False)
+    assert g2.params["enc.fc.b"].value.tolist() == [2.0, 2.0, 2.0]
