@@ -967,6 +967,14 @@ class LRScheduler:
             TypeError / ValueError: a state dict of another schedule class, missing or extra
                 keys, or bad values. Nothing is changed when raised.
         """
+        epoch, base, hyper = self._prepare_load(state_dict)
+        self.last_epoch = epoch
+        self.base_lr = base
+        for k, v in hyper.items():
+            setattr(self, k, v)
+
+    def _prepare_load(self, state_dict: Any) -> tuple[int, float, dict[str, Any]]:
+        """``state_dict`` checked and normalised; changes nothing."""
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
         keys = {"scheduler", "last_epoch", "base_lr", *self._hyper}
@@ -980,11 +988,7 @@ class LRScheduler:
             )
         epoch = _int("last_epoch", state_dict["last_epoch"], 0)
         base = _real("base_lr", state_dict["base_lr"])
-        hyper = self._check_hyper(state_dict)
-        self.last_epoch = epoch
-        self.base_lr = base
-        for k, v in hyper.items():
-            setattr(self, k, v)
+        return epoch, base, self._check_hyper(state_dict)
 
     def __repr__(self) -> str:
         hp = ", ".join(f"{k}={getattr(self, k)!r}" for k in self._hyper)
