@@ -479,3 +479,10 @@ def test_training_state_load_checks_everything_first(tmp_path):
     assert_same(values(g2), values(g))
     assert s2.state_dict() == sched.state_dict() and o2.lr == opt.lr
     assert r2.bit_generator.state == rng.bit_generator.state and g2._builds == g._builds
+
+
+def test_save_into_a_missing_directory_names_the_target(tmp_path):
+    target = tmp_path / "no" / "such" / "ck.npz"
+    with pytest.raises(FileNotFoundError) as info:
+        io.save(built(), target)
+    assert info.value.filename == str(target)

@@ -747,3 +747,10 @@ def test_scheduler_state_dict_round_trip_and_checks():
         with pytest.raises(error):
             sched2.load_state_dict(bad)
         assert sched2.state_dict() == before
+
+
+def test_zero_d_arrays_are_accepted_as_numbers():
+    params, _ = make_params()
+    assert optim.SGD(params, lr=np.array(0.5)).lr == 0.5
+    with pytest.raises(TypeError, match="lr"):
+        optim.SGD(params, lr=np.array([0.5]))

@@ -120,3 +120,41 @@ def test_truncated_bptt_reports_each_chunk_with_its_loss(capsys):
     assert "TBPTT  2/2" in capsys.readouterr().out
     with pytest.raises(TypeError, match="progress"):
         truncated_bptt(g, [], loss, {"h0": h_final}, {"h0": np.zeros((2, 4))}, progress=3)
+
+
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (lambda: list(vg.tbptt.chunks(np.zeros(5), "5")), TypeError, "k must be an int"),
+        (lambda: list(vg.tbptt.chunks(np.zeros(5), 2.5)), TypeError, "k must be an int"),
+        (lambda: list(vg.tbptt.chunks(np.zeros(5), 0)), ValueError, ">= 1"),
+        (lambda: list(vg.tbptt.chunks(5.0, 2)), ValueError, "scalar"),
+        (lambda: list(vg.tbptt.chunks(np.zeros(5), 2, axis=1)), ValueError, "axis 1"),
+        (lambda: chunk_feeds({"xs": np.zeros(4)}, 2, sequences="xs"), TypeError, r"\['xs'\]"),
+        (lambda: chunk_feeds([1, 2], 2, sequences=["x"]), TypeError, "feed must be a mapping"),
+        (lambda: chunk_feeds({"x": np.zeros(4)}, 2, sequences=["y"]), ValueError, "not in the feed"),
+    ],
+)
+def test_chunking_misuse_is_a_typed_error(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_truncated_bptt_misuse_is_refused_before_any_change():
+    g, loss, h_final = rnn()
+    before = g.state_dict()
+    feeds = [{"x": np.zeros((3, 2, 3)), "y": np.zeros((3, 2, 1))}]
+    init = {"h0": np.zeros((2, 4))}
+    for kwargs, error, match in [
+        ({"graph": "g"}, TypeError, "graph must be a VirtualGraph"),
+        ({"optimizer": "adam"}, TypeError, "optimizer must have a step"),
+        ({"state": [h_final]}, TypeError, "state must be a mapping"),
+        ({"callback": 3}, TypeError, "callback must be callable"),
+        ({"initial": {"c0": np.zeros((2, 4))}}, ValueError, "differ"),
+    ]:
+        args = {"graph": g, "feeds": feeds, "loss": loss, "state": {"h0": h_final}, "initial": init, **kwargs}
+        with pytest.raises(error, match=match):
+            truncated_bptt(**args)
+    after = g.state_dict()
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in g.params.values())

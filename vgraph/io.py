@@ -195,6 +195,8 @@ def _atomic_write(path: str, arrays: Mapping[str, np.ndarray]) -> None:
         raise PermissionError(
             errno.EACCES, "Permission denied: cannot create a file in the directory", path
         ) from e
+    except FileNotFoundError as e:
+        raise FileNotFoundError(errno.ENOENT, "No such directory to save the checkpoint in", path) from e
     try:
         with os.fdopen(fd, "wb") as f:
             _write_npz(f, arrays)

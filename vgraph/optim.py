@@ -82,6 +82,8 @@ def _real(
         TypeError: not a real number (a string, a bool, None, an array …).
         ValueError: NaN, infinite (unless ``allow_inf``), or outside the interval.
     """
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "fiu":
+        value = value.item()  # a 0-d array, e.g. a computed learning rate
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
     v = float(value)

@@ -222,6 +222,14 @@ def _progress(progress: Any, total: int | None, desc: str, unit: str) -> Progres
     return Progress(total, desc=desc, mode=progress, unit=unit)
 
 
+def _chunk_length(k: Any) -> int:
+    if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)):
+        raise TypeError(f"chunk length k must be an int, got {type(k).__name__} {k!r}")
+    if k < 1:
+        raise ValueError(f"chunk length k must be >= 1, got {k}")
+    return int(k)
+
+
 def chunks(xs: Any, k: int, axis: int = 0, drop_last: bool = False) -> Iterator[np.ndarray]:
     """Consecutive slices of ``k`` steps of ``xs`` along ``axis`` (time; the leading axis by default).
 
@@ -236,11 +244,15 @@ def chunks(xs: Any, k: int, axis: int = 0, drop_last: bool = False) -> Iterator[
         Views of ``xs``, ``ceil(T / k)`` of them (``floor(T / k)`` with ``drop_last``).
 
     Raises:
-        ValueError: ``k < 1``.
+        TypeError: ``k`` is not an int.
+        ValueError: ``k < 1``, a scalar ``xs`` or an ``axis`` it does not have.
     """
-    if int(k) != k or k < 1:
-        raise ValueError(f"chunk length k must be a positive int, got {k}")
+    k = _chunk_length(k)
     arr = np.asarray(xs)
+    if arr.ndim == 0:
+        raise ValueError(f"xs must be a sequence (an array with a time axis), got a scalar {xs!r}")
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -arr.ndim <= axis < arr.ndim:
+        raise ValueError(f"axis {axis!r} is not an axis of an array of shape {arr.shape}")
     n = arr.shape[axis]
     for start in range(0, n, int(k)):
         stop = min(start + int(k), n)
@@ -284,10 +296,16 @@ def chunk_feeds(
         An iterator over the chunk feeds, with ``len()``.
 
     Raises:
+        TypeError: ``feed`` is not a mapping, ``sequences`` a string, ``k`` not an int.
         ValueError: sequences of different lengths, an unknown name, or ``k < 1``.
     """
-    if int(k) != k or k < 1:
-        raise ValueError(f"chunk length k must be a positive int, got {k}")
+    if not isinstance(feed, Mapping):
+        raise TypeError(f"feed must be a mapping input name -> value, got {type(feed).__name__}")
+    k = _chunk_length(k)
+    if isinstance(sequences, str):
+        raise TypeError(
+            f"sequences must be a list of input names, got the string {sequences!r} (use [{sequences!r}])"
+        )
     names = list(sequences)
     unknown = [n for n in names if n not in feed]
     if unknown:
@@ -351,10 +369,19 @@ def truncated_bptt(
 
     Raises:
         ValueError: ``state`` and ``initial`` name different inputs; a bad ``progress`` mode.
-        TypeError: ``state``/``initial`` not mappings, ``callback`` not callable, ``progress`` of
-            another type.
+        TypeError: ``graph`` not a VirtualGraph, ``optimizer`` without ``step()``,
+            ``state``/``initial`` not mappings, ``callback`` not callable, ``progress`` of another
+            type.
         Whatever a build raises (FeedError, BuildError …).
     """
+    from .virtual import VirtualGraph
+
+    if not isinstance(graph, VirtualGraph):
+        raise TypeError(f"graph must be a VirtualGraph, got {type(graph).__name__}")
+    if optimizer is not None and not callable(getattr(optimizer, "step", None)):
+        raise TypeError(
+            f"optimizer must have a step() method (a vgraph.optim optimiser), got {type(optimizer).__name__}"
+        )
     for name, m in (("state", state), ("initial", initial)):
         if not isinstance(m, Mapping):
             raise TypeError(f"{name} must be a mapping input name -> ..., got {type(m).__name__}")
