@@ -73,10 +73,8 @@ def _write_npz(fileobj: Any, arrays: Mapping[str, np.ndarray]) -> None:
 
 def _fspath(path: Any, what: str = "path") -> str:
     """``os.fspath(path)`` as a str, with a TypeError naming the argument."""
-    if isinstance(path, bytes):
-        return os.fsdecode(path)
     try:
-        return os.fspath(path)
+        return os.fsdecode(os.fspath(path))
     except TypeError:
         raise TypeError(f"{what} must be a str or os.PathLike, got {type(path).__name__} {path!r}") from None
 
@@ -547,11 +545,11 @@ def load_training_state(
 
     _load_params(graph, params, path, strict)  # checks names and shapes before changing anything
     # Everything below was checked above and cannot fail.
-    if optimizer is not None:
+    if optimizer is not None and optim_sd is not None:
         optimizer.load_state_dict(optim_sd)
     if scheduler is not None:
         scheduler.load_state_dict(meta["scheduler"])
-    if rng is not None:
+    if rng is not None and rng_state is not None:
         rng.bit_generator.state = rng_state
     graph._builds = builds
     return step

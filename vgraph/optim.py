@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -180,11 +181,11 @@ def _param_source(params: Any) -> Callable[[], list[ComputeNode]]:
         if isinstance(item, ComputeNode):
             if item.op is not None:
                 raise TypeError(f"{item.describe()} is computed by {item.op.name}; optimisers update leaves")
-            sources.append(lambda item=item: [item])
+            sources.append(partial(_single, item))
         elif isinstance(item, VirtualNode):
             if item.kind != "parameter":
                 raise TypeError(f"{item.describe()} is not a parameter")
-            sources.append(lambda item=item: _store_entries(item))
+            sources.append(partial(_store_entries, item))
         elif isinstance(item, (ParameterStore, VirtualGraph)) or callable(getattr(item, "parameters", None)):
             sources.append(_param_source(item))
         else:
@@ -193,6 +194,10 @@ def _param_source(params: Any) -> Callable[[], list[ComputeNode]]:
         fixed = _unique(items)  # the common case: a fixed list, resolved once
         return lambda: fixed
     return lambda: _unique(p for src in sources for p in src())
+
+
+def _single(node: ComputeNode) -> list[ComputeNode]:
+    return [node]
 
 
 def _store_entries(decl: Any) -> list[ComputeNode]:
@@ -444,7 +449,7 @@ class Optimizer:
                     f"optimiser state of parameter {name!r} has {sorted(entry)}, "
                     f"expected {sorted({'step', *arrays})} for {kind} with these hyper-parameters"
                 )
-            new = {"step": _int(f"step of parameter {name!r}", entry["step"], 1)}
+            new: dict[str, Any] = {"step": _int(f"step of parameter {name!r}", entry["step"], 1)}
             for k in arrays:
                 arr = entry[k]
                 if not isinstance(arr, np.ndarray) or arr.dtype.kind != "f":
@@ -536,6 +541,10 @@ class SGD(Optimizer):
     """
 
     _hyper = ("lr", "momentum", "dampening", "nesterov", "weight_decay")
+    momentum: float
+    dampening: float
+    nesterov: bool
+    weight_decay: float
 
     def __init__(
         self,
@@ -605,6 +614,9 @@ class Adam(Optimizer):
 
     _decoupled = False
     _hyper = ("lr", "betas", "eps", "weight_decay")
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
 
     def __init__(
         self,
@@ -652,7 +664,8 @@ class Adam(Optimizer):
         bias1 = 1.0 - b1**t
         bias2 = 1.0 - b2**t
         denom = np.sqrt(v) / math.sqrt(bias2) + self.eps
-        return value - (self.lr / bias1) * (m / denom)
+        new: np.ndarray = value - (self.lr / bias1) * (m / denom)
+        return new
 
 
 class AdamW(Adam):
@@ -709,6 +722,11 @@ class RMSprop(Optimizer):
     """
 
     _hyper = ("lr", "alpha", "eps", "weight_decay", "momentum", "centered")
+    alpha: float
+    eps: float
+    weight_decay: float
+    momentum: float
+    centered: bool
 
     def __init__(
         self,
@@ -764,8 +782,11 @@ class RMSprop(Optimizer):
             buf = state.setdefault("momentum_buffer", np.zeros_like(value))
             buf *= self.momentum
             buf += grad / avg
-            return value - self.lr * buf
-        return value - self.lr * (grad / avg)
+            step: np.ndarray = self.lr * buf
+        else:
+            step = self.lr * (grad / avg)
+        new: np.ndarray = value - step
+        return new
 
 
 class Adagrad(Optimizer):
@@ -789,6 +810,10 @@ class Adagrad(Optimizer):
     """
 
     _hyper = ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps")
+    lr_decay: float
+    weight_decay: float
+    initial_accumulator_value: float
+    eps: float
 
     def __init__(
         self,
@@ -827,16 +852,17 @@ class Adagrad(Optimizer):
             s = state["sum"] = np.full_like(value, self.initial_accumulator_value)
         s += grad * grad
         clr = self.lr / (1.0 + (t - 1) * self.lr_decay)
-        return value - clr * (grad / (np.sqrt(s) + self.eps))
+        new: np.ndarray = value - clr * (grad / (np.sqrt(s) + self.eps))
+        return new
 
 
 # ---------------------------------------------------------------------------- clipping
 
 
-def _with_grads(params: Any) -> Iterator[ComputeNode]:
+def _with_grads(params: Any) -> Iterator[tuple[ComputeNode, np.ndarray]]:
     for p in _param_source(params)():
         if p.grad is not None:
-            yield p
+            yield p, p.grad
 
 
 def clip_grad_norm_(
@@ -867,24 +893,24 @@ def clip_grad_norm_(
     max_norm = _real("max_norm", max_norm, lo_open=True, allow_inf=True)
     norm_type = _real("norm_type", norm_type, lo_open=True, allow_inf=True)
     error_if_nonfinite = _flag("error_if_nonfinite", error_if_nonfinite)
-    nodes = list(_with_grads(params))
-    if not nodes:
+    pairs = list(_with_grads(params))
+    if not pairs:
         return 0.0
     if math.isinf(norm_type):
-        total = max(float(np.max(np.abs(p.grad))) if np.size(p.grad) else 0.0 for p in nodes)
+        total = max(float(np.max(np.abs(g))) if np.size(g) else 0.0 for _, g in pairs)
     else:
-        acc = sum(float(np.sum(np.abs(np.asarray(p.grad, dtype=np.float64)) ** norm_type)) for p in nodes)
+        acc = sum(float(np.sum(np.abs(np.asarray(g, dtype=np.float64)) ** norm_type)) for _, g in pairs)
         total = acc ** (1.0 / norm_type)
     if error_if_nonfinite and not math.isfinite(total):
-        bad = [repr(p.name) if p.name else p.describe() for p in nodes if not np.isfinite(p.grad).all()]
+        bad = [repr(p.name) if p.name else p.describe() for p, g in pairs if not np.isfinite(g).all()]
         raise NonFiniteGradientError(
             f"the total {norm_type:g}-norm of the gradients is {total}; non-finite gradients in "
             f"{', '.join(bad)}; nothing was clipped"
         )
     coef = max_norm / (total + 1e-6)
     if coef < 1.0:
-        for p in nodes:
-            p.grad = p.grad * np.asarray(coef, dtype=p.grad.dtype)
+        for p, g in pairs:
+            p.grad = g * np.asarray(coef, dtype=g.dtype)
     return total
 
 
@@ -902,8 +928,8 @@ def clip_grad_value_(params: Any, clip_value: float) -> None:
         TypeError: a non-numeric ``clip_value``. ValueError: a negative one.
     """
     clip_value = _real("clip_value", clip_value)
-    for p in _with_grads(params):
-        p.grad = np.clip(p.grad, -clip_value, clip_value)
+    for p, g in _with_grads(params):
+        p.grad = np.clip(g, -clip_value, clip_value)
 
 
 clip_grad_norm = clip_grad_norm_  # the vgraph 0.1 name, kept so existing training scripts run

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -53,7 +53,7 @@ def _in_notebook() -> bool:
 def _tqdm() -> Any:
     """tqdm.auto's ``tqdm`` class, or ``None`` if tqdm is not installed."""
     try:
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm  # type: ignore[import-untyped,unused-ignore]
     except ImportError:
         return None
     return tqdm
@@ -389,7 +389,7 @@ def truncated_bptt(
         raise TypeError(f"callback must be callable, got {type(callback).__name__}")
     if set(state) != set(initial):
         raise ValueError(f"state names {sorted(state)} and initial names {sorted(initial)} differ")
-    total = len(feeds) if hasattr(feeds, "__len__") else None
+    total = len(feeds) if isinstance(feeds, Sized) else None
     own = not isinstance(progress, Progress)
     bar = _progress(progress, total, "TBPTT", "chunk")
     try:
