@@ -481,6 +481,12 @@ def test_training_state_load_checks_everything_first(tmp_path):
     assert r2.bit_generator.state == rng.bit_generator.state and g2._builds == g._builds
 
 
+def test_negative_step_is_a_value_error(tmp_path):
+    with pytest.raises(ValueError, match="step"):
+        io.save_training_state(built(), tmp_path / "s.npz", step=-1)
+    assert os.listdir(tmp_path) == []
+
+
 def test_save_into_a_missing_directory_names_the_target(tmp_path):
     target = tmp_path / "no" / "such" / "ck.npz"
     with pytest.raises(FileNotFoundError) as info:

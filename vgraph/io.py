@@ -400,10 +400,11 @@ def save_training_state(
     _check_graph(graph)
     path = _fspath(path)
     _check_components(optimizer, scheduler, rng)
-    if step is not None and (
-        isinstance(step, (bool, np.bool_)) or not isinstance(step, numbers.Integral) or step < 0
-    ):
-        raise TypeError(f"step must be an int >= 0 or None, got {type(step).__name__} {step!r}")
+    if step is not None:
+        if isinstance(step, (bool, np.bool_)) or not isinstance(step, numbers.Integral):
+            raise TypeError(f"step must be an int >= 0 or None, got {type(step).__name__} {step!r}")
+        if step < 0:
+            raise ValueError(f"step must be an int >= 0 or None, got {step}")
     arrays: dict[str, np.ndarray] = {f"param/{k}": v for k, v in graph.params.state_dict().items()}
     meta: dict[str, Any] = {
         "format": _FORMAT,
