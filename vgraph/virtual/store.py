@@ -75,8 +75,9 @@ class ParameterStore(Mapping[str, ComputeNode]):
             strict: every entry of the store must be in ``state``.
 
         Raises:
-            TypeError: ``state`` is not a mapping. KeyError: a name not in the store, or (strict) a
-            missing one. ShapeError: a shape differing from the entry's. Nothing is changed then.
+            TypeError: ``state`` is not a mapping, or holds a non-numeric array. KeyError: a name
+            not in the store, or (strict) a missing one. ShapeError: a shape differing from the
+            entry's. Nothing is changed when any of them is raised.
         """
         from ..errors import ShapeError
 
