@@ -32,12 +32,12 @@ Run: ``python examples/adaptive_loop.py`` (``--help`` for options).
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
 import vgraph as vg
 from vgraph import losses, optim
+from vgraph.tbptt import Progress
 
 MAX_STEP = 0.5  # the largest move of one refinement step
 START = 1.0  # the initial guess
@@ -93,14 +93,22 @@ def evaluate(g: vg.VirtualGraph, outs: dict, inputs: np.ndarray) -> tuple[float,
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
-    parser.add_argument("--batch", type=int, default=8, help="inputs per step, one build each (default 8)")
-    parser.add_argument("--hidden", type=int, default=16, help="hidden units of the update step (default 16)")
-    parser.add_argument("--tol", type=float, default=0.05, help="halt when |update| <= tol (default 0.05)")
-    parser.add_argument("--max-steps", type=int, default=16, help="at most this many iterations (default 16)")
-    parser.add_argument("--lr", type=float, default=2e-2, help="Adam learning rate (default 2e-2)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=300, help="training steps")
+    parser.add_argument("--batch", type=int, default=8, help="inputs per step, one build each")
+    parser.add_argument("--hidden", type=int, default=16, help="hidden units of the update step")
+    parser.add_argument("--tol", type=float, default=0.05, help="halt when |update| <= tol")
+    parser.add_argument("--max-steps", type=int, default=16, help="at most this many iterations")
+    parser.add_argument("--lr", type=float, default=2e-2, help="Adam learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initial parameters and of the data")
+    parser.add_argument(
+        "--progress",
+        choices=("auto", "bar", "lines", "off"),
+        default="auto",
+        help="a tqdm bar with rate and ETA (auto: in a terminal, when tqdm is installed), plain lines, or nothing",
+    )
     args = parser.parse_args(argv)
 
     g, outs = build_model(args.hidden, args.tol, args.max_steps, args.seed)
@@ -123,27 +131,30 @@ def main(argv: list[str] | None = None) -> dict:
     first, trips, _ = evaluate(g, outs, test_inputs)
     print(f"  step {0:4d}/{args.steps}  held-out MSE {first:.4f}  mean iterations {np.mean(trips):4.1f}")
     history = [(0, first)]
-    start = time.perf_counter()
     report_every = max(1, args.steps // 10)
     seed = np.array(1.0 / args.batch)
     train_loss = train_trips = 0.0
-    for step in range(1, args.steps + 1):
-        for a in rng.uniform(*ROOT_RANGE, size=args.batch) ** 2:
-            cg = g.build(feed(a), outs["loss"])  # unrolled for as many iterations as this input needs
-            train_loss += cg.backward(outs["loss"], seed=seed)  # accumulates mean-of-batch gradients
-            train_trips += cg.trip_count(outs["loop"])
-        opt.step()
-        opt.zero_grad()
-        if step % report_every == 0 or step == args.steps:
-            mse, trips, _ = evaluate(g, outs, test_inputs)
-            history.append((step, mse))
-            n = args.batch * (report_every if step % report_every == 0 else step % report_every)
-            print(
-                f"  step {step:4d}/{args.steps}  train loss {train_loss / n:.4f}  held-out MSE "
-                f"{mse:.4f}  mean iterations {train_trips / n:4.1f}  {time.perf_counter() - start:5.1f}s",
-                flush=True,
-            )
-            train_loss = train_trips = 0.0
+    with Progress(args.steps, desc="train", mode=args.progress, every=report_every) as progress:
+        for step in range(1, args.steps + 1):
+            for a in rng.uniform(*ROOT_RANGE, size=args.batch) ** 2:
+                cg = g.build(feed(a), outs["loss"])  # unrolled for as many iterations as this input needs
+                train_loss += cg.backward(outs["loss"], seed=seed)  # accumulates mean-of-batch gradients
+                train_trips += cg.trip_count(outs["loop"])
+            opt.step()
+            opt.zero_grad()
+            if step % report_every == 0 or step == args.steps:
+                mse, trips, _ = evaluate(g, outs, test_inputs)
+                history.append((step, mse))
+                n = args.batch * (report_every if step % report_every == 0 else step % report_every)
+                metrics = {
+                    "train loss": train_loss / n,
+                    "held-out MSE": mse,
+                    "mean iterations": train_trips / n,
+                }
+                train_loss = train_trips = 0.0
+                progress.update(log=True, **metrics)
+            else:
+                progress.update()
 
     final, _, _ = evaluate(g, outs, test_inputs)
     _, show_trips, show_est = evaluate(g, outs, np.array(SHOW))

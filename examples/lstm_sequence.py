@@ -26,12 +26,12 @@ Run: ``python examples/lstm_sequence.py`` (``--cell gru``; ``--help`` for option
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
 import vgraph as vg
 from vgraph import losses, nn, optim
+from vgraph.tbptt import Progress
 
 BASELINE = 1.0 / 6.0  # MSE of always predicting 1.0: the variance of the sum of two U(0, 1)
 
@@ -88,14 +88,22 @@ def evaluate(g: vg.VirtualGraph, outs: dict, x: np.ndarray, y: np.ndarray, hidde
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cell", choices=("lstm", "gru"), default="lstm", help="the cell (default lstm)")
-    parser.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
-    parser.add_argument("--seq", type=int, default=12, help="sequence length (default 12)")
-    parser.add_argument("--hidden", type=int, default=24, help="hidden units (default 24)")
-    parser.add_argument("--batch", type=int, default=32, help="sequences per step (default 32)")
-    parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (default 1e-2)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--cell", choices=("lstm", "gru"), default="lstm", help="the cell")
+    parser.add_argument("--steps", type=int, default=300, help="training steps")
+    parser.add_argument("--seq", type=int, default=12, help="sequence length")
+    parser.add_argument("--hidden", type=int, default=24, help="hidden units")
+    parser.add_argument("--batch", type=int, default=32, help="sequences per step")
+    parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initial parameters and of the data")
+    parser.add_argument(
+        "--progress",
+        choices=("auto", "bar", "lines", "off"),
+        default="auto",
+        help="a tqdm bar with rate and ETA (auto: in a terminal, when tqdm is installed), plain lines, or nothing",
+    )
     args = parser.parse_args(argv)
 
     g, outs = build_model(args.cell, args.hidden, args.seed)
@@ -114,23 +122,22 @@ def main(argv: list[str] | None = None) -> dict:
 
     history = [(0, first)]
     running = None
-    start = time.perf_counter()
     report_every = max(1, args.steps // 10)
-    for step in range(1, args.steps + 1):
-        x, y = adding_batch(rng, args.batch, args.seq)
-        cg = g.build({"x": x, "y": y, "h0": h0}, outs["loss"])  # unroll over args.seq steps
-        loss = cg.backward(outs["loss"])  # BPTT
-        optim.clip_grad_norm(g.params, 1.0)
-        opt.step()
-        opt.zero_grad()
-        running = loss if running is None else 0.9 * running + 0.1 * loss
-        if step % report_every == 0 or step == args.steps:
-            test = evaluate(g, outs, x_test, y_test, args.hidden)
-            history.append((step, test))
-            print(
-                f"  step {step:5d}/{args.steps}  train MSE {running:.4f}  held-out MSE {test:.4f}  "
-                f"{time.perf_counter() - start:5.1f}s",
-                flush=True,
+    with Progress(args.steps, desc="train", mode=args.progress, every=report_every) as progress:
+        for step in range(1, args.steps + 1):
+            x, y = adding_batch(rng, args.batch, args.seq)
+            cg = g.build({"x": x, "y": y, "h0": h0}, outs["loss"])  # unroll over args.seq steps
+            loss = cg.backward(outs["loss"])  # BPTT
+            optim.clip_grad_norm_(g.params, 1.0)
+            opt.step()
+            opt.zero_grad()
+            running = loss if running is None else 0.9 * running + 0.1 * loss
+            report = step % report_every == 0 or step == args.steps
+            if report:
+                test = evaluate(g, outs, x_test, y_test, args.hidden)
+                history.append((step, test))
+            progress.update(
+                log=report, **{"train MSE": running, **({"held-out MSE": history[-1][1]} if report else {})}
             )
 
     final = history[-1][1]

@@ -25,6 +25,7 @@ import numpy as np
 
 import vgraph as vg
 from vgraph import losses, nn, optim
+from vgraph.tbptt import Progress
 
 QUALITY_BAR = 0.3  # nats per character over the whole text
 
@@ -167,14 +168,22 @@ def plot_losses(history: list[tuple[int, float]], final: float, path: Path) -> b
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=600, help="training steps (default 600)")
-    parser.add_argument("--hidden", type=int, default=128, help="hidden units (default 128)")
-    parser.add_argument("--seq", type=int, default=32, help="BPTT window length (default 32)")
-    parser.add_argument("--batch", type=int, default=16, help="windows per step (default 16)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=600, help="training steps")
+    parser.add_argument("--hidden", type=int, default=128, help="hidden units")
+    parser.add_argument("--seq", type=int, default=32, help="BPTT window length")
+    parser.add_argument("--batch", type=int, default=16, help="windows per step")
     parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("out"), help="where pictures go (default out/)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initial parameters and of the data")
+    parser.add_argument(
+        "--progress",
+        choices=("auto", "bar", "lines", "off"),
+        default="auto",
+        help="a tqdm bar with rate and ETA (auto: in a terminal, when tqdm is installed), plain lines, or nothing",
+    )
+    parser.add_argument("--out", type=Path, default=Path("out"), help="where pictures go")
     parser.add_argument("--no-render", action="store_true", help="skip the pictures")
     args = parser.parse_args(argv)
 
@@ -193,23 +202,22 @@ def main(argv: list[str] | None = None) -> dict:
     running = None
     start = time.perf_counter()
     report_every = max(1, args.steps // 15)
-    for step in range(1, args.steps + 1):
-        x, y = text.windows(rng, args.batch, args.seq)
-        cg = g.build({"x": x, "y": y, "h0": h0}, outs["loss"])  # unroll for this batch
-        loss = cg.backward(outs["loss"])  # BPTT
-        optim.clip_grad_norm(g.params, 5.0)
-        opt.step()
-        opt.zero_grad()
-        del cg  # free this step's graph before the next build allocates (see docs/performance.md)
-        running = loss if running is None else 0.95 * running + 0.05 * loss
-        if step % report_every == 0 or step == args.steps:
-            elapsed = time.perf_counter() - start
-            history.append((step, running))
-            rate = step * args.batch * args.seq / elapsed
-            print(
-                f"  step {step:5d}/{args.steps}  loss {running:.3f}  {rate:8,.0f} chars/s  {elapsed:5.1f}s",
-                flush=True,
-            )
+    with Progress(args.steps, desc="train", mode=args.progress, every=report_every) as progress:
+        for step in range(1, args.steps + 1):
+            x, y = text.windows(rng, args.batch, args.seq)
+            cg = g.build({"x": x, "y": y, "h0": h0}, outs["loss"])  # unroll for this batch
+            loss = cg.backward(outs["loss"])  # BPTT
+            optim.clip_grad_norm_(g.params, 5.0)
+            opt.step()
+            opt.zero_grad()
+            del cg  # free this step's graph before the next build allocates (see docs/performance.md)
+            running = loss if running is None else 0.95 * running + 0.05 * loss
+            report = step % report_every == 0 or step == args.steps
+            if report:
+                history.append((step, running))
+            progress.update(log=report, loss=running)
+    elapsed = time.perf_counter() - start
+    print(f"Trained in {elapsed:.1f}s: {args.steps * args.batch * args.seq / elapsed:,.0f} characters/s")
 
     final = evaluate(g, outs, text, args.hidden)
     baseline = text.unigram_entropy()

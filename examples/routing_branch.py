@@ -27,12 +27,12 @@ Run: ``python examples/routing_branch.py`` (``--help`` for options).
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
 import vgraph as vg
 from vgraph import losses, nn, optim
+from vgraph.tbptt import Progress
 
 BOUNDS = (-1.0, 1.0)  # the pieces' boundaries
 LOW, HIGH = -3.0, 3.0
@@ -74,12 +74,20 @@ def batch(x: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=400, help="training steps (default 400)")
-    parser.add_argument("--batch", type=int, default=24, help="examples per step (default 24)")
-    parser.add_argument("--hidden", type=int, default=12, help="hidden units per expert (default 12)")
-    parser.add_argument("--lr", type=float, default=3e-2, help="Adam learning rate (default 3e-2)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=400, help="training steps")
+    parser.add_argument("--batch", type=int, default=24, help="examples per step")
+    parser.add_argument("--hidden", type=int, default=12, help="hidden units per expert")
+    parser.add_argument("--lr", type=float, default=3e-2, help="Adam learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initial parameters and of the data")
+    parser.add_argument(
+        "--progress",
+        choices=("auto", "bar", "lines", "off"),
+        default="auto",
+        help="a tqdm bar with rate and ETA (auto: in a terminal, when tqdm is installed), plain lines, or nothing",
+    )
     args = parser.parse_args(argv)
 
     g, outs = build_model(args.hidden, args.seed)
@@ -108,22 +116,25 @@ def main(argv: list[str] | None = None) -> dict:
     first, _ = evaluate()
     print(f"  step {0:4d}/{args.steps}  held-out MSE {first:.4f}")
     history = [(0, first)]
-    start = time.perf_counter()
     report_every = max(1, args.steps // 10)
-    for step in range(1, args.steps + 1):
-        # One build per mini-batch; the branch decides anew for every example (loop iteration).
-        cg = g.build(batch(rng.uniform(LOW, HIGH, args.batch)), outs["loss"])
-        cg.backward(outs["loss"])
-        chosen = {cg.choice(branch, (t,)) for t in range(cg.trip_count(loop))}
-        for k in set(range(len(PIECES))) - chosen:  # (rare with a full batch) no example chose expert k:
-            assert all(g.params[name].grad is None for name in expert_params(g, k))  # no gradient, no update
-        opt.step()
-        opt.zero_grad()
-        if step % report_every == 0 or step == args.steps:
-            mse, _ = evaluate()
-            history.append((step, mse))
-            elapsed = time.perf_counter() - start
-            print(f"  step {step:4d}/{args.steps}  held-out MSE {mse:.4f}  {elapsed:5.1f}s", flush=True)
+    with Progress(args.steps, desc="train", mode=args.progress, every=report_every) as progress:
+        for step in range(1, args.steps + 1):
+            # One build per mini-batch; the branch decides anew for every example (loop iteration).
+            cg = g.build(batch(rng.uniform(LOW, HIGH, args.batch)), outs["loss"])
+            cg.backward(outs["loss"])
+            chosen = {cg.choice(branch, (t,)) for t in range(cg.trip_count(loop))}
+            for k in set(range(len(PIECES))) - chosen:  # (rare with a full batch) no example chose expert k:
+                assert all(
+                    g.params[name].grad is None for name in expert_params(g, k)
+                )  # no gradient, no update
+            opt.step()
+            opt.zero_grad()
+            if step % report_every == 0 or step == args.steps:
+                mse, _ = evaluate()
+                history.append((step, mse))
+                progress.update(log=True, **{"held-out MSE": mse})
+            else:
+                progress.update()
 
     final, cg = evaluate()
     choices = np.array([cg.choice(branch, (t,)) for t in range(len(x_test))])

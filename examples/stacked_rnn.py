@@ -30,12 +30,12 @@ Run: ``python examples/stacked_rnn.py`` (``--help`` for options).
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
 import vgraph as vg
 from vgraph import losses, nn, optim
+from vgraph.tbptt import Progress
 
 
 def parity_batch(rng: np.random.Generator, batch: int, steps: int, window: int) -> tuple[np.ndarray, ...]:
@@ -78,15 +78,23 @@ def build_model(layers: int, hidden: int, seed: int) -> tuple[vg.VirtualGraph, d
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=2, help="stacked layers (default 2)")
-    parser.add_argument("--hidden", type=int, default=16, help="hidden units per layer (default 16)")
-    parser.add_argument("--window", type=int, default=5, help="parity of this many last bits (default 5)")
-    parser.add_argument("--seq", type=int, default=12, help="sequence length (default 12)")
-    parser.add_argument("--batch", type=int, default=32, help="sequences per step (default 32)")
-    parser.add_argument("--steps", type=int, default=400, help="training steps (default 400)")
-    parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (default 1e-2)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--layers", type=int, default=2, help="stacked layers")
+    parser.add_argument("--hidden", type=int, default=16, help="hidden units per layer")
+    parser.add_argument("--window", type=int, default=5, help="parity of this many last bits")
+    parser.add_argument("--seq", type=int, default=12, help="sequence length")
+    parser.add_argument("--batch", type=int, default=32, help="sequences per step")
+    parser.add_argument("--steps", type=int, default=400, help="training steps")
+    parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initial parameters and of the data")
+    parser.add_argument(
+        "--progress",
+        choices=("auto", "bar", "lines", "off"),
+        default="auto",
+        help="a tqdm bar with rate and ETA (auto: in a terminal, when tqdm is installed), plain lines, or nothing",
+    )
     args = parser.parse_args(argv)
 
     g, outs = build_model(args.layers, args.hidden, args.seed)
@@ -122,24 +130,22 @@ def main(argv: list[str] | None = None) -> dict:
     first_loss, first_acc = evaluate()
     print(f"  step {0:4d}/{args.steps}  held-out loss {first_loss:.3f}  accuracy {first_acc:.1%}")
     history = [(0, first_loss, first_acc)]
-    start = time.perf_counter()
     report_every = max(1, args.steps // 10)
-    for step in range(1, args.steps + 1):
-        if step > 1:
-            x, y = parity_batch(rng, args.batch, args.seq, args.window)
-            cg = g.build({"x": x, "y": y, "h0": h0}, outs["loss"])  # unroll layers x time
-        cg.backward(outs["loss"])
-        optim.clip_grad_norm(g.params, 5.0)
-        opt.step()
-        opt.zero_grad()
-        if step % report_every == 0 or step == args.steps:
-            loss, acc = evaluate()
-            history.append((step, loss, acc))
-            print(
-                f"  step {step:4d}/{args.steps}  held-out loss {loss:.3f}  accuracy {acc:.1%}  "
-                f"{time.perf_counter() - start:5.1f}s",
-                flush=True,
-            )
+    with Progress(args.steps, desc="train", mode=args.progress, every=report_every) as progress:
+        for step in range(1, args.steps + 1):
+            if step > 1:
+                x, y = parity_batch(rng, args.batch, args.seq, args.window)
+                cg = g.build({"x": x, "y": y, "h0": h0}, outs["loss"])  # unroll layers x time
+            cg.backward(outs["loss"])
+            optim.clip_grad_norm_(g.params, 5.0)
+            opt.step()
+            opt.zero_grad()
+            if step % report_every == 0 or step == args.steps:
+                loss, acc = evaluate()
+                history.append((step, loss, acc))
+                progress.update(log=True, **{"held-out loss": loss, "accuracy": f"{acc:.1%}"})
+            else:
+                progress.update()
 
     final_loss, final_acc = history[-1][1:]
     print(

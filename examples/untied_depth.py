@@ -23,12 +23,12 @@ Run: ``python examples/untied_depth.py`` (``--help`` for options).
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
 import vgraph as vg
 from vgraph import losses, nn, optim
+from vgraph.tbptt import Progress
 
 
 def target(x: np.ndarray) -> np.ndarray:
@@ -57,13 +57,21 @@ def count(g: vg.VirtualGraph, prefix: str = "") -> int:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=6, help="depth of the loop (default 6)")
-    parser.add_argument("--hidden", type=int, default=16, help="width (default 16)")
-    parser.add_argument("--points", type=int, default=256, help="training points (default 256)")
-    parser.add_argument("--steps", type=int, default=600, help="full-batch training steps (default 600)")
-    parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (default 1e-2)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--layers", type=int, default=6, help="depth of the loop")
+    parser.add_argument("--hidden", type=int, default=16, help="width")
+    parser.add_argument("--points", type=int, default=256, help="training points")
+    parser.add_argument("--steps", type=int, default=600, help="full-batch training steps")
+    parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initial parameters and of the data")
+    parser.add_argument(
+        "--progress",
+        choices=("auto", "bar", "lines", "off"),
+        default="auto",
+        help="a tqdm bar with rate and ETA (auto: in a terminal, when tqdm is installed), plain lines, or nothing",
+    )
     args = parser.parse_args(argv)
 
     rng = np.random.default_rng(args.seed)
@@ -107,22 +115,20 @@ def main(argv: list[str] | None = None) -> dict:
         f"  step {0:4d}/{args.steps}  held-out MSE  untied {history['untied'][0][1]:.4f}  "
         f"tied {history['tied'][0][1]:.4f}"
     )
-    start = time.perf_counter()
     report_every = max(1, args.steps // 10)
-    for step in range(1, args.steps + 1):
-        for m in models.values():
-            cg = m["cg"] if step == 1 else m["g"].build(train, m["outs"]["loss"])
-            cg.backward(m["outs"]["loss"])
-            m["opt"].step()
-            m["opt"].zero_grad()
-        if step % report_every == 0 or step == args.steps:
-            for kind, m in models.items():
-                history[kind].append((step, evaluate(m)))
-            print(
-                f"  step {step:4d}/{args.steps}  held-out MSE  untied {history['untied'][-1][1]:.4f}  "
-                f"tied {history['tied'][-1][1]:.4f}  {time.perf_counter() - start:5.1f}s",
-                flush=True,
-            )
+    with Progress(args.steps, desc="train", mode=args.progress, every=report_every) as progress:
+        for step in range(1, args.steps + 1):
+            for m in models.values():
+                cg = m["cg"] if step == 1 else m["g"].build(train, m["outs"]["loss"])
+                cg.backward(m["outs"]["loss"])
+                m["opt"].step()
+                m["opt"].zero_grad()
+            if step % report_every == 0 or step == args.steps:
+                for kind, m in models.items():
+                    history[kind].append((step, evaluate(m)))
+                progress.update(log=True, **{f"held-out MSE {kind}": h[-1][1] for kind, h in history.items()})
+            else:
+                progress.update()
 
     final = {kind: h[-1][1] for kind, h in history.items()}
     print(

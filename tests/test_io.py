@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -226,3 +229,266 @@ def test_save_rejects_bad_input(tmp_path):
     with pytest.raises(TypeError):
         io.save({"a": np.array(["text"])}, tmp_path / "x.npz")
     assert os.listdir(tmp_path) == []
+
+
+# --- symmetric state_dict / load_state_dict ------------------------------------------------------
+
+
+def test_graph_and_store_both_have_state_dict_and_load_state_dict():
+    g = built(seed=1)
+    sd = g.state_dict()
+    assert_same(sd, g.params.state_dict())
+    g2 = built(seed=2)
+    g2.params.load_state_dict(sd)
+    assert_same(values(g2), sd)
+    before = values(g2)
+    with pytest.raises(KeyError, match="decoder"):
+        g2.params.load_state_dict({**sd, "decoder": np.zeros(3)})
+    with pytest.raises(vg.ShapeError, match=r"enc\.fc\.b"):
+        g2.params.load_state_dict({**sd, "enc.fc.b": np.zeros(4)})
+    with pytest.raises(KeyError, match="lacks"):
+        g2.params.load_state_dict({"enc.fc.b": np.zeros(3)})
+    with pytest.raises(TypeError):
+        g2.params.load_state_dict([1, 2])
+    assert_same(values(g2), before)
+    g2.params.load_state_dict({"enc.fc.b": np.full(3, 2.0)}, strict=False)
+    assert g2.params["enc.fc.b"].value.tolist() == [2.0, 2.0, 2.0]
+
+
+# --- saving over read-only files, stale temporaries, argument types (issue 9 §2, §3) -------------
+
+
+def test_save_over_a_read_only_checkpoint_is_refused_like_np_save(tmp_path, monkeypatch):
+    g, path, old_bytes = _old_checkpoint(tmp_path)
+    os.chmod(path, 0o444)
+    g.params.set_value("enc.fc.b", np.full(3, 5.0))
+    if os.geteuid() == 0:  # root may write anything: simulate the permission check (np.save's open)
+        real_access = os.access
+        monkeypatch.setattr(
+            os, "access", lambda p, m: False if os.fspath(p) == str(path) else real_access(p, m)
+        )
+    else:
+        with pytest.raises(PermissionError):
+            np.save(str(path), np.zeros(1))  # what we imitate
+    with pytest.raises(PermissionError, match="read-only") as info:
+        io.save(g, path)
+    assert info.value.filename == str(path)
+    assert path.read_bytes() == old_bytes
+    assert os.listdir(tmp_path) == ["ck.npz"]
+
+
+def test_save_onto_a_directory_is_an_error(tmp_path):
+    (tmp_path / "d.npz").mkdir()
+    with pytest.raises(IsADirectoryError):
+        io.save(built(), tmp_path / "d.npz")
+    assert os.listdir(tmp_path) == ["d.npz"]
+
+
+KILLED_SAVE = """
+import sys, time
+import numpy as np
+from vgraph import io
+real = np.lib.format.write_array
+def slow(*args, **kwargs):
+    real(*args, **kwargs)
+    print("writing", flush=True)
+    time.sleep(60)  # killed here, mid-save
+np.lib.format.write_array = slow
+io.save({"a": np.zeros(3), "b": np.ones(2)}, sys.argv[1])
+"""
+
+
+def test_a_killed_save_leaves_a_temporary_that_the_next_save_removes(tmp_path):
+    g, path, old_bytes = _old_checkpoint(tmp_path)
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_SAVE)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(path)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    script.unlink()
+    stale = [n for n in os.listdir(tmp_path) if n != "ck.npz"]
+    assert len(stale) == 1 and stale[0].startswith(".ck.npz.") and stale[0].endswith(".tmp"), stale
+    assert path.read_bytes() == old_bytes  # the kill did not touch the checkpoint
+    # A temporary of another target, and one of a live process (a save in progress), are kept.
+    other = tmp_path / f".other.npz.{proc.pid}-0123456789ab.tmp"
+    live = tmp_path / f".ck.npz.{os.getppid()}-0123456789ab.tmp"
+    other.write_bytes(b"")
+    live.write_bytes(b"")
+    io.save(g, path)
+    assert sorted(os.listdir(tmp_path)) == sorted(["ck.npz", other.name, live.name])
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda p: io.load(5, p), "graph must be a VirtualGraph"),
+        (lambda p: io.load("model", p), "graph must be a VirtualGraph"),
+        (lambda p: io.load(built(), 5), "path must be a str or os.PathLike"),
+        (lambda p: io.load(built(), p, strict="yes"), "strict"),
+        (lambda p: io.load(built(), p, cast=None), "cast"),
+        (lambda p: io.save(built(), None), "path must be"),
+        (lambda p: io.read(3.5), "path must be"),
+        (lambda p: io.save_training_state(built(), p, optimizer="adam"), "optimizer must be"),
+        (lambda p: io.save_training_state(built(), p, rng=np.random.RandomState(0)), "rng must be"),
+        (lambda p: io.save_training_state(built(), p, step="3"), "step must be"),
+        (lambda p: io.load_training_state(5, p), "graph must be"),
+    ],
+)
+def test_wrong_argument_types_are_type_errors_naming_the_argument(tmp_path, call, match):
+    path = tmp_path / "ck.npz"
+    io.save(built(), path)
+    with pytest.raises(TypeError, match=match):
+        call(path)
+
+
+# --- whole training state: resume bit for bit in a fresh process (issue 14) ----------------------
+
+TRAIN = """
+import sys
+import numpy as np
+import vgraph as vg
+from vgraph import io, nn, optim
+
+def model():
+    g = vg.VirtualGraph(dtype=np.float64, seed=0)
+    x = g.input("x", (None, None, 3))
+    y = g.input("y", (None, 1))
+    cell = nn.RNNCell(g, 3, 8, "rnn")
+    drop = nn.Dropout(g, p=0.3)                 # masks seeded by the graph's build counter
+    with g.loop() as L:
+        h = L.carry(np.zeros((4, 8)), name="h")
+        x_t = L.step(x)
+        scale = g.parameter("scale", init=np.ones(8))  # untied: one copy per time step
+        L.update(h, cell(drop(x_t), h) * scale)
+    loss = vg.losses.mse_loss(nn.Linear(g, 8, 1, "head")(L.final(h)), y)
+    return g, loss
+
+def train(g, loss, opt, sched, rng, steps):
+    for _ in range(steps):
+        T = int(rng.integers(1, 7))              # longer sequences later create new untied copies
+        feed = {"x": rng.standard_normal((T, 4, 3)), "y": rng.standard_normal((4, 1))}
+        cg = g.build(feed, loss)
+        opt.zero_grad()
+        cg.backward(loss)
+        optim.clip_grad_norm_(g.params, 1.0)
+        opt.step()
+        sched.step()
+
+mode, path, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+g, loss = model()
+opt = optim.Adam(g.params, lr=0.05)
+sched = optim.StepLR(opt, step_size=3, gamma=0.5)
+rng = np.random.default_rng(1)
+if mode == "resume":
+    start = io.load_training_state(g, path, opt, sched, rng=rng)
+    assert start == steps, start
+train(g, loss, opt, sched, rng, steps)
+if mode == "first":
+    io.save_training_state(g, path, opt, sched, step=steps, rng=rng)
+else:
+    io.save(g, sys.argv[4])
+"""
+
+
+def test_resume_in_a_fresh_process_is_bit_for_bit(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+
+    def run(*args):
+        subprocess.run([sys.executable, str(script), *map(str, args)], check=True, env=env, cwd=tmp_path)
+
+    run("straight", tmp_path / "unused", 12, tmp_path / "straight.npz")
+    run("first", tmp_path / "state.npz", 6)
+    run("resume", tmp_path / "state.npz", 6, tmp_path / "resumed.npz")
+    straight, resumed = io.read(tmp_path / "straight.npz"), io.read(tmp_path / "resumed.npz")
+    assert any(k.startswith("scale@") and int(k[6:]) >= 2 for k in straight)
+    assert straight.keys() == resumed.keys()
+    for k in straight:
+        assert straight[k].tobytes() == resumed[k].tobytes(), k
+    # The half-way file holds untied copies created in the first half, with their Adam moments.
+    half = io.read(tmp_path / "state.npz")
+    assert "param/scale@0" in half and "optim/scale@0/exp_avg" in half
+
+
+def _train_once(g):
+    out = next(n for n in reversed(g.nodes) if n.kind == "op")
+    cg = g.build({"x": np.ones((2, 1, 2))}, out)
+    g.params.zero_grad()
+    cg.backward(out)
+
+
+def test_training_state_load_checks_everything_first(tmp_path):
+    g = built(seed=1)
+    opt = vg.optim.Adam(g.params, lr=0.1)
+    sched = vg.optim.StepLR(opt, step_size=2)
+    _train_once(g)
+    opt.step()
+    sched.step()
+    rng = np.random.default_rng(0)
+    path = tmp_path / "state.npz"
+    io.save_training_state(g, path, opt, sched, step=1, rng=rng)
+
+    def fresh():
+        g2 = built(seed=2)
+        o2 = vg.optim.Adam(g2.params, lr=0.5)
+        return g2, o2, vg.optim.StepLR(o2, step_size=2), np.random.default_rng(5)
+
+    def unchanged(case, match, **kw):
+        g2, o2, s2, r2 = fresh()
+        before = (values(g2), o2.state_dict(), s2.state_dict(), r2.bit_generator.state, g2._builds)
+        args = dict(optimizer=o2, scheduler=s2, rng=r2)
+        args.update(kw)
+        with pytest.raises(vg.CheckpointError, match=match):
+            io.load_training_state(g2, case, **args)
+        after = (values(g2), o2.state_dict(), s2.state_dict(), r2.bit_generator.state, g2._builds)
+        assert_same(after[0], before[0])
+        assert after[2:] == before[2:]
+        assert after[1]["hyperparameters"] == before[1]["hyperparameters"] and after[1]["state"] == {}
+
+    arrays = io.read(path)
+    # A wrong optimiser class, a mangled moment, a wrong generator, a missing component.
+    bad = dict(arrays)
+    bad["optim/enc.fc.b/exp_avg"] = np.zeros(7)
+    io.save(bad, tmp_path / "bad_moment.npz")
+    unchanged(tmp_path / "bad_moment.npz", "optimiser state does not match.*enc.fc.b")
+    unchanged(path, "random generator", rng=np.random.Generator(np.random.MT19937(0)))
+    unchanged(path, "holds optimizer state", optimizer=None, scheduler=None)
+    bad = dict(arrays)
+    bad["param/enc.fc.W"] = np.zeros((5, 5))
+    io.save(bad, tmp_path / "bad_param.npz")
+    unchanged(tmp_path / "bad_param.npz", "shape")
+    io.save(g, tmp_path / "params_only.npz")
+    unchanged(tmp_path / "params_only.npz", "not a training state")
+    g2, o2, _, _ = fresh()
+    sgd = vg.optim.SGD(g2.params, lr=0.1)
+    with pytest.raises(vg.CheckpointError, match="Adam optimiser; this one is SGD"):
+        io.load_training_state(g2, path, sgd, strict=False)
+    with pytest.raises(vg.CheckpointError, match="training state"):
+        io.load(g2, path)  # a parameters-only load is pointed to load_training_state
+    # And a good load restores everything.
+    g2, o2, s2, r2 = fresh()
+    assert io.load_training_state(g2, path, o2, s2, rng=r2) == 1
+    assert_same(values(g2), values(g))
+    assert s2.state_dict() == sched.state_dict() and o2.lr == opt.lr
+    assert r2.bit_generator.state == rng.bit_generator.state and g2._builds == g._builds
+
+
+def test_negative_step_is_a_value_error(tmp_path):
+    with pytest.raises(ValueError, match="step"):
+        io.save_training_state(built(), tmp_path / "s.npz", step=-1)
+    assert os.listdir(tmp_path) == []
+
+
+def test_save_into_a_missing_directory_names_the_target(tmp_path):
+    target = tmp_path / "no" / "such" / "ck.npz"
+    with pytest.raises(FileNotFoundError) as info:
+        io.save(built(), target)
+    assert info.value.filename == str(target)

@@ -363,3 +363,394 @@ def test_schedule_drives_the_update():
         expected = expected - (0.1**t) * grads[t][0]
         sched.step()
     np.testing.assert_allclose(a.value, expected)
+
+
+# --- a refused step changes nothing (issue 9 §2, §6) -------------------------------------------
+
+ALL_OPTIMISERS = [
+    ("sgd-momentum", lambda ps, **kw: optim.SGD(ps, lr=0.1, momentum=0.9, **kw)),
+    ("sgd-nesterov-wd", lambda ps, **kw: optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1, **kw)),
+    ("adam", lambda ps, **kw: optim.Adam(ps, lr=0.01, **kw)),
+    ("adamw", lambda ps, **kw: optim.AdamW(ps, lr=0.01, **kw)),
+    ("rmsprop-centered-momentum",
+     lambda ps, **kw: optim.RMSprop(ps, lr=0.01, momentum=0.5, centered=True, **kw)),
+    ("adagrad", lambda ps, **kw: optim.Adagrad(ps, lr=0.1, **kw)),
+]  # fmt: skip
+
+
+def snapshot(opt, params):
+    """Parameter values and the whole optimiser state, as independent copies."""
+    values = [np.array(p.value) for p in params]
+    state = {k: {n: (np.array(v) if isinstance(v, np.ndarray) else v) for n, v in st.items() if n != "node"}
+             for k, st in opt.state.items()}  # fmt: skip
+    return values, state
+
+
+def assert_same_snapshot(a, b):
+    (va, sa), (vb, sb) = a, b
+    for x, y in zip(va, vb):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(x, y)
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].keys() == sb[k].keys()
+        for n in sa[k]:
+            np.testing.assert_array_equal(sa[k][n], sb[k][n])
+
+
+def one_good_step(opt, params, grads):
+    for p, gr in zip(params, grads):
+        p.grad = np.array(gr, dtype=p.value.dtype)
+    opt.step()
+
+
+@pytest.mark.parametrize("name,make", ALL_OPTIMISERS, ids=[c[0] for c in ALL_OPTIMISERS])
+def test_wrong_shaped_gradient_refuses_the_whole_step(name, make):
+    params, grads = make_params()
+    a, b = params
+    a.name, b.name = "enc.W", "enc.b"
+    opt = make(params)
+    one_good_step(opt, params, grads[0])  # state exists for both
+    before = snapshot(opt, params)
+    a.grad = np.array(grads[1][0])  # the first parameter's gradient is fine ...
+    b.grad = np.ones((4, 1))  # ... the second one's broadcasts but is the wrong shape
+    with pytest.raises(vg.ShapeError, match=r"'enc\.b'.*\(4, 1\).*\(4,\)"):
+        opt.step()
+    assert_same_snapshot(snapshot(opt, params), before)  # not even the first parameter moved
+    # The next good step is exactly the step that would have happened without the refused one.
+    ref_params, _ = make_params()
+    ref = make(ref_params)
+    one_good_step(ref, ref_params, grads[0])
+    one_good_step(ref, ref_params, grads[1])
+    one_good_step(opt, params, grads[1])
+    for p, q in zip(params, ref_params):
+        np.testing.assert_array_equal(p.value, q.value)
+
+
+@pytest.mark.parametrize("name,make", ALL_OPTIMISERS, ids=[c[0] for c in ALL_OPTIMISERS])
+def test_wrong_shape_on_the_first_step_creates_no_state(name, make):
+    params, grads = make_params()
+    opt = make(params)
+    params[0].grad = np.array(grads[0][0])
+    params[1].grad = np.ones(5)
+    before = snapshot(opt, params)
+    with pytest.raises(vg.ShapeError, match="shape"):
+        opt.step()
+    assert opt.state == {}
+    assert_same_snapshot(snapshot(opt, params), before)
+    one_good_step(opt, params, grads[0])
+    assert len(opt.state) == 2
+
+
+@pytest.mark.parametrize(
+    "bad", [np.array([1 + 2j] * 4), np.array(["a"] * 4), np.ones(4, dtype=bool), [[1], [2, 3]]]
+)
+def test_non_numeric_gradient_is_a_type_error_naming_the_parameter(bad):
+    params, grads = make_params()
+    params[1].name = "b"
+    opt = optim.Adam(params, lr=0.1)
+    params[0].grad = np.array(grads[0][0])
+    params[1].grad = bad
+    before = snapshot(opt, params)
+    with pytest.raises(TypeError, match="'b'"):
+        opt.step()
+    assert_same_snapshot(snapshot(opt, params), before)
+
+
+@pytest.mark.parametrize("name,make", ALL_OPTIMISERS, ids=[c[0] for c in ALL_OPTIMISERS])
+@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf])
+def test_check_finite_refuses_non_finite_gradients(name, make, poison):
+    params, grads = make_params()
+    params[0].name = "W"
+    opt = make(params, check_finite=True)
+    one_good_step(opt, params, grads[0])
+    before = snapshot(opt, params)
+    params[0].grad = np.array(grads[1][0])
+    params[0].grad[1, 0] = poison
+    params[1].grad = np.array(grads[1][1])
+    with pytest.raises(optim.NonFiniteGradientError, match="'W'") as info:
+        opt.step()
+    assert isinstance(info.value, vg.VGraphError)
+    assert_same_snapshot(snapshot(opt, params), before)
+    one_good_step(opt, params, grads[1])  # the next good step works
+    assert all(np.isfinite(p.value).all() for p in params)
+
+
+def test_check_finite_sees_overflow_when_casting_to_the_parameter_dtype():
+    params, _ = make_params(np.float32)
+    opt = optim.SGD(params[:1], lr=0.1, check_finite=True)
+    params[0].grad = np.full((3, 2), 1e39)  # finite in float64, inf in float32
+    with pytest.raises(optim.NonFiniteGradientError):
+        opt.step()
+
+
+def test_without_check_finite_a_nan_gradient_is_applied():
+    params, _ = make_params()
+    opt = optim.SGD(params[:1], lr=0.1)
+    params[0].grad = np.full((3, 2), np.nan)
+    opt.step()  # the default: no per-step scan (PyTorch's behaviour)
+    assert np.isnan(params[0].value).all()
+
+
+# --- argument checking (issue 9 §3) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (lambda ps: optim.SGD(ps, lr="0.1"), TypeError, "lr must be a real number, got str"),
+        (lambda ps: optim.SGD(ps, lr=None), TypeError, "lr"),
+        (lambda ps: optim.SGD(ps, lr=True), TypeError, "lr"),
+        (lambda ps: optim.SGD(ps, lr=float("nan")), ValueError, "lr"),
+        (lambda ps: optim.SGD(ps, lr=float("inf")), ValueError, "lr"),
+        (lambda ps: optim.SGD(ps, lr=0.1, momentum=-0.5), ValueError, "momentum"),
+        (lambda ps: optim.SGD(ps, lr=0.1, momentum=1.5), ValueError, "momentum"),
+        (lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9, nesterov="yes"), TypeError, "nesterov"),
+        (lambda ps: optim.SGD(ps, lr=0.1, dampening=2.0), ValueError, "dampening"),
+        (lambda ps: optim.Adam(ps, betas=(0.9,)), ValueError, "betas must be a pair.*1 value"),
+        (lambda ps: optim.Adam(ps, betas=(0.9, 0.99, 0.999)), ValueError, "betas"),
+        (lambda ps: optim.Adam(ps, betas=0.9), TypeError, "betas must be a pair"),
+        (lambda ps: optim.Adam(ps, betas="ab"), TypeError, "betas"),
+        (lambda ps: optim.Adam(ps, betas=(0.9, -0.1)), ValueError, r"betas\[1\]"),
+        (lambda ps: optim.Adam(ps, eps=-1e-8), ValueError, "eps"),
+        (lambda ps: optim.AdamW(ps, weight_decay="0.01"), TypeError, "weight_decay"),
+        (lambda ps: optim.RMSprop(ps, alpha=1.5), ValueError, "alpha"),
+        (lambda ps: optim.RMSprop(ps, centered=1), TypeError, "centered"),
+        (lambda ps: optim.Adagrad(ps, lr_decay=-1), ValueError, "lr_decay"),
+        (lambda ps: optim.Adagrad(ps, initial_accumulator_value=-1), ValueError, "initial_accumulator_value"),
+        (lambda ps: optim.Adam(ps, check_finite="no"), TypeError, "check_finite"),
+        (lambda ps: optim.Adam("g.params"), TypeError, "params must be"),
+        (lambda ps: optim.Adam({"W": ps[0]}), TypeError, "params must be"),
+        (lambda ps: optim.StepLR(optim.SGD(ps, lr=1), step_size="5"), TypeError, "step_size"),
+        (lambda ps: optim.StepLR(optim.SGD(ps, lr=1), step_size=2.5), ValueError, "step_size"),
+        (lambda ps: optim.StepLR(optim.SGD(ps, lr=1), step_size=0), ValueError, "step_size"),
+        (lambda ps: optim.StepLR(optim.SGD(ps, lr=1), step_size=2, gamma=-1), ValueError, "gamma"),
+        (lambda ps: optim.CosineAnnealingLR(optim.SGD(ps, lr=1), T_max=None), TypeError, "T_max"),
+        (lambda ps: optim.CosineAnnealingLR(optim.SGD(ps, lr=1), T_max=3, eta_min=-1), ValueError, "eta_min"),
+        (lambda ps: optim.StepLR("opt", step_size=2), TypeError, "optimiser"),
+        (lambda ps: optim.clip_grad_norm_(ps, "1.0"), TypeError, "max_norm"),
+        (lambda ps: optim.clip_grad_norm_(ps, 1.0, norm_type=0), ValueError, "norm_type"),
+        (lambda ps: optim.clip_grad_value_(ps, None), TypeError, "clip_value"),
+    ],
+)
+def test_bad_arguments_are_typed_errors_naming_the_argument(call, error, match):
+    params, _ = make_params()
+    with pytest.raises(error, match=match):
+        call(params)
+
+
+def test_setting_lr_later_is_checked():
+    params, _ = make_params()
+    opt = optim.SGD(params, lr=0.1)
+    with pytest.raises(TypeError, match="lr"):
+        opt.lr = "0.01"
+    assert opt.lr == 0.1
+    opt.lr = 0.01
+    assert opt.lr == 0.01
+    assert (
+        optim.StepLR(
+            opt,
+            step_size=2,
+            gamma=0.5,
+        ).step()
+        == 0.01
+    )  # integral floats as ints are fine
+    assert optim.StepLR(opt, step_size=2.0).step_size == 2
+
+
+# --- clipping names ------------------------------------------------------------------------------
+
+
+def test_pytorch_clip_names_are_canonical_and_old_names_alias_them():
+    assert optim.clip_grad_norm is optim.clip_grad_norm_
+    assert optim.clip_grad_value is optim.clip_grad_value_
+    assert optim.clip_grad_norm_.__name__ == "clip_grad_norm_"
+
+
+def test_clip_grad_norm_error_if_nonfinite_leaves_gradients():
+    params, grads = make_params()
+    params[0].grad = np.array(grads[0][0])
+    params[0].grad[0, 0] = np.nan
+    params[1].grad = np.array(grads[0][1])
+    before = [np.array(p.grad) for p in params]
+    with pytest.raises(optim.NonFiniteGradientError, match="'a'"):
+        optim.clip_grad_norm_(params, 0.1, error_if_nonfinite=True)
+    for p, g0 in zip(params, before):
+        np.testing.assert_array_equal(p.grad, g0)
+
+
+# --- readable objects ------------------------------------------------------------------------------
+
+
+def test_optimizer_repr_lists_hyper_parameters_and_parameter_count():
+    params, _ = make_params()
+    text = repr(optim.Adam(params, lr=0.01, betas=(0.8, 0.99)))
+    assert text.splitlines()[0] == "Adam ("
+    assert "parameters: 2 (10 values)" in text  # (3, 2) and (4,)
+    assert "lr: 0.01" in text and "betas: (0.8, 0.99)" in text and "eps: 1e-08" in text
+    assert "weight_decay: 0.0" in text and "check_finite: False" in text
+    assert "object at 0x" not in text
+    sched = optim.StepLR(optim.SGD(params, lr=1.0), step_size=3, gamma=0.5)
+    assert repr(sched) == "StepLR(step_size=3, gamma=0.5, base_lr=1.0, last_epoch=0, lr=1.0)"
+
+
+# --- state_dict / load_state_dict (issue 14) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,make", ALL_OPTIMISERS, ids=[c[0] for c in ALL_OPTIMISERS])
+def test_state_dict_round_trip_continues_bit_for_bit(name, make):
+    params, grads = make_params(seed=1)
+    for p, n in zip(params, ("W", "b")):
+        p.name = n
+    opt = make(params)
+    one_good_step(opt, params, grads[0])
+    one_good_step(opt, params, grads[1])
+    sd = opt.state_dict()
+    assert set(sd["state"]) == {"W", "b"} and sd["state"]["W"]["step"] == 2
+    values = [np.array(p.value) for p in params]
+    one_good_step(opt, params, grads[2])
+    expected = [np.array(p.value) for p in params]
+    # A fresh optimiser, with the saved values and state, takes the same third step.
+    fresh, _ = make_params(seed=5)
+    for p, n, v in zip(fresh, ("W", "b"), values):
+        p.name = n
+        p.value = v
+    opt2 = make(fresh, check_finite=True)
+    opt2.lr = 123.0  # hyper-parameters come from the state dict
+    opt2.load_state_dict(sd)
+    assert opt2.lr == opt.lr
+    one_good_step(opt2, fresh, grads[2])
+    for p, e in zip(fresh, expected):
+        np.testing.assert_array_equal(p.value, e)
+
+
+def test_state_dict_is_a_copy():
+    params, grads = make_params()
+    opt = optim.Adam(params, lr=0.1)
+    one_good_step(opt, params, grads[0])
+    sd = opt.state_dict()
+    m = np.array(sd["state"]["a"]["exp_avg"])
+    one_good_step(opt, params, grads[1])
+    np.testing.assert_array_equal(sd["state"]["a"]["exp_avg"], m)
+
+
+def test_parameters_without_distinct_names_are_keyed_by_position():
+    params, grads = make_params()
+    params[1].name = "a"
+    opt = optim.SGD(params, lr=0.1, momentum=0.9)
+    one_good_step(opt, params, grads[0])
+    assert set(opt.state_dict()["state"]) == {"0", "1"}  # as PyTorch does
+
+
+def _adam_sd():
+    params, grads = make_params()
+    params[0].name, params[1].name = "W", "b"
+    opt = optim.Adam(params, lr=0.1)
+    one_good_step(opt, params, grads[0])
+    return params, opt, opt.state_dict()
+
+
+@pytest.mark.parametrize(
+    "corrupt,error,match",
+    [
+        (lambda sd: sd.update(optimizer="SGD"), ValueError, "of a SGD optimiser; this one is Adam"),
+        (lambda sd: sd["hyperparameters"].update(lr="fast"), TypeError, "lr"),
+        (lambda sd: sd["hyperparameters"].update(betas=(0.9,)), ValueError, "betas"),
+        (lambda sd: sd["hyperparameters"].pop("eps"), ValueError, "hyper-parameters must be"),
+        (lambda sd: sd["state"]["b"].pop("exp_avg_sq"), ValueError, "'b' has"),
+        (lambda sd: sd["state"]["b"].update(step=0), ValueError, "step"),
+        (lambda sd: sd["state"]["b"].update(step="1"), TypeError, "step"),
+        (lambda sd: sd["state"]["b"].update(exp_avg=np.zeros(5)), vg.ShapeError, r"'b'.*\(5,\).*\(4,\)"),
+        (lambda sd: sd["state"]["b"].update(exp_avg=np.zeros(4, np.float32)), TypeError, "dtype"),
+        (lambda sd: sd["state"]["b"].update(exp_avg=[0, 0, 0, 0]), TypeError, "float array"),
+        (lambda sd: sd["state"].update(decoder=sd["state"]["b"]), ValueError, "'decoder'.*does not update"),
+        (lambda sd: sd.pop("state"), ValueError, "not an optimiser state dict"),
+    ],
+)
+def test_load_state_dict_checks_everything_and_changes_nothing(corrupt, error, match):
+    params, opt, sd = _adam_sd()
+    corrupt(sd)
+    before = snapshot(opt, params)
+    lr = opt.lr
+    with pytest.raises(error, match=match):
+        opt.load_state_dict(sd)
+    assert_same_snapshot(snapshot(opt, params), before)
+    assert opt.lr == lr
+
+
+def test_state_for_an_untied_copy_not_created_yet_is_adopted_when_it_appears():
+    g = vg.VirtualGraph(dtype=np.float64, seed=0)
+    x = g.input("x", (None, 2))
+    zeros = g.constant(np.zeros(2))
+    with g.loop() as L:
+        xt = L.step(x)
+        h = L.carry(zeros, name="h")
+        w = g.parameter("w", (2,), init="normal")  # untied: w@0, w@1, ...
+        L.update(h, h + w * xt)
+    loss = (L.final(h) ** 2).sum()
+
+    def train(opt, T):
+        cg = g.build({"x": np.ones((T, 2))}, loss)
+        opt.zero_grad()
+        cg.backward(loss)
+        opt.step()
+
+    opt = optim.Adam(g.params, lr=0.1)
+    train(opt, 3)
+    sd = opt.state_dict()
+    assert set(sd["state"]) == {"w@0", "w@1", "w@2"}
+    values = g.params.state_dict()
+    train(opt, 3)
+    expected = g.params.state_dict()
+
+    g2 = vg.VirtualGraph(dtype=np.float64, seed=7)  # the same model, fresh: no untied copies yet
+    g, g_old = g2, g
+    x = g.input("x", (None, 2))
+    zeros = g.constant(np.zeros(2))
+    with g.loop() as L:
+        xt = L.step(x)
+        h = L.carry(zeros, name="h")
+        w = g.parameter("w", (2,), init="normal")
+        L.update(h, h + w * xt)
+    loss = (L.final(h) ** 2).sum()
+    opt2 = optim.Adam(g.params, lr=0.1)
+    opt2.load_state_dict(sd)  # state for w@0..2, which do not exist yet: kept for later
+    assert opt2.state_dict()["state"].keys() == sd["state"].keys()
+    g.load_state_dict(values)
+    train(opt2, 3)
+    for k, v in expected.items():
+        np.testing.assert_array_equal(g.params[k].value, v)
+    assert g_old is not g
+
+
+def test_scheduler_state_dict_round_trip_and_checks():
+    params, _ = make_params()
+    opt = optim.SGD(params, lr=1.0)
+    sched = optim.CosineAnnealingLR(opt, T_max=10, eta_min=0.1)
+    for _ in range(4):
+        sched.step()
+    sd = sched.state_dict()
+    assert sd == {
+        "scheduler": "CosineAnnealingLR",
+        "last_epoch": 4,
+        "base_lr": 1.0,
+        "T_max": 10,
+        "eta_min": 0.1,
+    }
+    opt2 = optim.SGD(params, lr=1.0)
+    sched2 = optim.CosineAnnealingLR(opt2, T_max=3)
+    sched2.load_state_dict(sd)
+    assert sched2.step() == sched.step()
+    for bad, error in [({**sd, "scheduler": "StepLR"}, ValueError), ({**sd, "last_epoch": -1}, ValueError),
+                       ({**sd, "T_max": "10"}, TypeError), ({**sd, "extra": 1}, ValueError)]:  # fmt: skip
+        before = sched2.state_dict()
+        with pytest.raises(error):
+            sched2.load_state_dict(bad)
+        assert sched2.state_dict() == before
+
+
+def test_zero_d_arrays_are_accepted_as_numbers():
+    params, _ = make_params()
+    assert optim.SGD(params, lr=np.array(0.5)).lr == 0.5
+    with pytest.raises(TypeError, match="lr"):
+        optim.SGD(params, lr=np.array([0.5]))

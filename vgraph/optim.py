@@ -17,17 +17,29 @@ Parameters whose ``.grad`` is ``None`` are skipped (their state does not advance
 optimiser is not bound to are never touched. Updates assign a *new* array through the value
 setter (``p.value = p.value - step``), which bumps the version so compute graphs recompute; an
 array read from ``p.value`` earlier is never modified.
+
+**A step is all or nothing.** :meth:`Optimizer.step` first checks every gradient (shape, dtype,
+and with ``check_finite=True`` that it holds no NaN or infinity); only when all pass does it touch
+any step count, moment or value. A refused step raises an error naming the parameter and leaves
+parameters and optimiser state bit for bit as they were.
+
+**Resuming.** :meth:`Optimizer.state_dict` / :meth:`Optimizer.load_state_dict` (and the same pair
+on every schedule) give the complete state by parameter name; :func:`vgraph.io.save_training_state`
+writes it, with the parameters, to one checkpoint.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+import numbers
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from .compute import ComputeNode
+from .errors import ShapeError, VGraphError
 
 __all__ = [
     "SGD",
@@ -36,12 +48,98 @@ __all__ = [
     "AdamW",
     "CosineAnnealingLR",
     "LRScheduler",
+    "NonFiniteGradientError",
     "Optimizer",
     "RMSprop",
     "StepLR",
     "clip_grad_norm",
+    "clip_grad_norm_",
     "clip_grad_value",
+    "clip_grad_value_",
 ]
+
+
+class NonFiniteGradientError(VGraphError, ValueError):
+    """A gradient holds NaN or infinite values where the caller asked for a check
+    (``Optimizer(..., check_finite=True)``, ``clip_grad_norm_(..., error_if_nonfinite=True)``).
+    Nothing was changed."""
+
+
+# ---------------------------------------------------------------------------- checking arguments
+
+
+def _real(
+    name: str,
+    value: Any,
+    lo: float = 0.0,
+    hi: float = math.inf,
+    lo_open: bool = False,
+    hi_open: bool = True,
+    allow_inf: bool = False,
+) -> float:
+    """``value`` as a float after checking it is a real number in the interval (lo, hi).
+
+    Raises:
+        TypeError: not a real number (a string, a bool, None, an array …).
+        ValueError: NaN, infinite (unless ``allow_inf``), or outside the interval.
+    """
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "fiu":
+        value = value.item()  # a 0-d array, e.g. a computed learning rate
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    v = float(value)
+    interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+    bad = math.isnan(v) or (math.isinf(v) and not allow_inf)
+    bad = bad or v < lo or (lo_open and v == lo) or v > hi or (hi_open and v == hi and not allow_inf)
+    if bad:
+        raise ValueError(f"invalid {name}: {value!r} (expected a number in {interval})")
+    return v
+
+
+def _int(name: str, value: Any, lo: int) -> int:
+    """``value`` as an int >= ``lo``; integral floats (``50.0``) are accepted, ``2.5`` is not.
+
+    Raises:
+        TypeError: not a number. ValueError: not integral, or below ``lo``.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if isinstance(value, numbers.Integral):
+        v = int(value)
+    elif math.isfinite(float(value)) and float(value).is_integer():
+        v = int(float(value))
+    else:
+        raise ValueError(f"invalid {name}: {value!r} (expected an int >= {lo})")
+    if v < lo:
+        raise ValueError(f"invalid {name}: {value!r} (expected an int >= {lo})")
+    return v
+
+
+def _flag(name: str, value: Any) -> bool:
+    """``value`` as a bool, accepting only ``True``/``False``.
+
+    Raises:
+        TypeError: anything else (``"yes"``, ``1``, ``None``).
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def _betas(value: Any) -> tuple[float, float]:
+    """Adam's ``betas``: a pair of numbers, each in [0, 1).
+
+    Raises:
+        TypeError: not a sequence of two numbers. ValueError: a wrong length or a value outside [0, 1).
+    """
+    if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list, np.ndarray)):
+        raise TypeError(f"betas must be a pair (beta1, beta2), got {type(value).__name__} {value!r}")
+    if len(value) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {len(value)} value(s): {value!r}")
+    b1 = _real("betas[0]", value[0], 0.0, 1.0)
+    b2 = _real("betas[1]", value[1], 0.0, 1.0)
+    return (b1, b2)
+
 
 # ---------------------------------------------------------------------------- resolving params
 
@@ -51,6 +149,7 @@ def _param_source(params: Any) -> Callable[[], list[ComputeNode]]:
 
     Raises:
         TypeError: something that is neither a store, a module, nor an iterable of parameter nodes.
+        ValueError: an empty list.
     """
     from .virtual import ParameterStore, VirtualGraph, VirtualNode
 
@@ -63,13 +162,18 @@ def _param_source(params: Any) -> Callable[[], list[ComputeNode]]:
         params = [params]
     elif callable(getattr(params, "parameters", None)):
         return lambda: list(params.parameters())
-    try:
-        items = list(params)
-    except TypeError:
+    if isinstance(params, (str, bytes, Mapping)):
+        items: list[Any] | None = None
+    else:
+        try:
+            items = list(params)
+        except TypeError:
+            items = None
+    if items is None:
         raise TypeError(
             f"params must be a ParameterStore, a VirtualGraph, a module with parameters(), or an "
             f"iterable of parameter nodes; got {type(params).__name__}"
-        ) from None
+        )
     if not items:
         raise ValueError("the optimiser got an empty parameter list")
     sources: list[Callable[[], list[ComputeNode]]] = []
@@ -77,11 +181,11 @@ def _param_source(params: Any) -> Callable[[], list[ComputeNode]]:
         if isinstance(item, ComputeNode):
             if item.op is not None:
                 raise TypeError(f"{item.describe()} is computed by {item.op.name}; optimisers update leaves")
-            sources.append(lambda item=item: [item])
+            sources.append(partial(_single, item))
         elif isinstance(item, VirtualNode):
             if item.kind != "parameter":
                 raise TypeError(f"{item.describe()} is not a parameter")
-            sources.append(lambda item=item: _store_entries(item))
+            sources.append(partial(_store_entries, item))
         elif isinstance(item, (ParameterStore, VirtualGraph)) or callable(getattr(item, "parameters", None)):
             sources.append(_param_source(item))
         else:
@@ -90,6 +194,10 @@ def _param_source(params: Any) -> Callable[[], list[ComputeNode]]:
         fixed = _unique(items)  # the common case: a fixed list, resolved once
         return lambda: fixed
     return lambda: _unique(p for src in sources for p in src())
+
+
+def _single(node: ComputeNode) -> list[ComputeNode]:
+    return [node]
 
 
 def _store_entries(decl: Any) -> list[ComputeNode]:
@@ -106,35 +214,79 @@ def _unique(nodes: Iterable[ComputeNode]) -> list[ComputeNode]:
     return list(seen.values())
 
 
-def _check_nonneg(**values: float) -> None:
-    for name, v in values.items():
-        if not v >= 0.0:  # also rejects NaN
-            raise ValueError(f"invalid {name}: {v} (must be >= 0)")
+def _names(params: list[ComputeNode]) -> list[str]:
+    """The names under which state is saved: the parameters' names (their keys in ``g.params``)
+    when all are distinct, otherwise positions ``"0"``, ``"1"`` … as PyTorch does."""
+    names = [p.name for p in params]
+    if all(isinstance(n, str) and n for n in names) and len(set(names)) == len(names):
+        return names  # type: ignore[return-value]
+    return [str(i) for i in range(len(params))]
+
+
+def _label(p: ComputeNode) -> str:
+    return f"parameter {p.name!r}" if p.name else f"parameter {p.describe()}"
 
 
 # ---------------------------------------------------------------------------- base class
 
 
 class Optimizer:
-    """Base class: holds the parameter source, the learning rate ``lr`` and per-parameter state.
+    """Base class: holds the parameter source, the hyper-parameters and per-parameter state.
 
-    Subclasses implement :meth:`_update` for one parameter. ``lr`` is a plain attribute that
-    schedules (and users) may change between steps.
+    Subclasses list their hyper-parameters in ``_hyper``, check them in :meth:`_check_hyper`
+    (shared by the constructor and :meth:`load_state_dict`), name their per-parameter arrays in
+    :meth:`_state_arrays`, and implement :meth:`_update` for one parameter. ``lr`` may be changed
+    between steps (schedules do); it is checked when set.
 
     Args:
         params: what to update (see the module docstring).
-        lr: the learning rate (>= 0).
+        lr: the learning rate (a finite number >= 0).
+        check_finite: refuse a step whose gradients hold NaN or infinity
+            (:class:`NonFiniteGradientError`, nothing changed). Off by default: it costs one
+            pass over every gradient per step.
+        **hyper: the subclass's other hyper-parameters.
 
     Raises:
-        TypeError: ``params`` holds something that is not a parameter.
-        ValueError: an empty parameter list, or a negative learning rate.
+        TypeError: ``params`` holds something that is not a parameter, or a hyper-parameter is not
+            a number (``lr="0.1"``) / a flag is not a bool.
+        ValueError: an empty parameter list, or a hyper-parameter out of its range.
     """
 
-    def __init__(self, params: Any, lr: float) -> None:
-        _check_nonneg(lr=lr)
+    _hyper: tuple[str, ...] = ("lr",)
+
+    def __init__(self, params: Any, lr: float, *, check_finite: bool = False, **hyper: Any) -> None:
+        checked = self._check_hyper({"lr": lr, **hyper})
+        finite = _flag("check_finite", check_finite)
         self._source = _param_source(params)
-        self.lr = float(lr)
+        for k, v in checked.items():
+            setattr(self, k, v)
+        self.check_finite = finite
         self.state: dict[int, dict[str, Any]] = {}  # keyed by id(node); nodes are kept alive in "node"
+        # Loaded state for parameters that do not exist yet (untied copies a later build creates),
+        # by name: adopted the first time such a parameter is stepped.
+        self._pending: dict[str, dict[str, Any]] = {}
+
+    @property
+    def lr(self) -> float:
+        """The learning rate; setting it checks it (a finite number >= 0)."""
+        return self._lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self._lr = _real("lr", value)
+
+    @classmethod
+    def _check_hyper(cls, hp: Mapping[str, Any]) -> dict[str, Any]:
+        """The hyper-parameters checked and normalised (floats, bools, tuples).
+
+        Raises:
+            TypeError / ValueError: naming the first bad one.
+        """
+        return {"lr": _real("lr", hp["lr"])}
+
+    def _state_arrays(self, hp: Mapping[str, Any]) -> set[str]:
+        """Names of the per-parameter state arrays under hyper-parameters ``hp``."""
+        return set()
 
     def parameters(self) -> list[ComputeNode]:
         """The parameter nodes this optimiser updates, as of now."""
@@ -145,20 +297,221 @@ class Optimizer:
         for p in self._source():
             p.grad = None
 
-    def step(self) -> None:
-        """Update every bound parameter that has a gradient, by the optimiser's formula."""
-        for p in self._source():
-            if p.grad is None:
+    # -- stepping
+    def _checked_grads(self) -> list[tuple[ComputeNode, np.ndarray, str | None]]:
+        """Every (parameter, gradient in the parameter's dtype, name of pending state to adopt) to
+        update, after
+        checking all of them. Changes nothing.
+
+        Raises:
+            ShapeError: a gradient whose shape is not its parameter's.
+            TypeError: a gradient that is not real numbers (complex, bool, object …).
+            NonFiniteGradientError: with ``check_finite``, a NaN or infinite gradient element.
+        """
+        params = self._source()
+        names = _names(params) if self._pending else None
+        work: list[tuple[ComputeNode, np.ndarray, str | None]] = []
+        for i, p in enumerate(params):
+            g = p.grad
+            if g is None:
                 continue
+            value = p.value
+            try:
+                arr = g if isinstance(g, np.ndarray) else np.asarray(g)
+            except (TypeError, ValueError) as e:
+                raise TypeError(
+                    f"{_label(p)}: .grad is not an array ({e}); step refused, nothing changed"
+                ) from e
+            if arr.dtype.kind not in "fiu":
+                raise TypeError(
+                    f"{_label(p)}: .grad has dtype {arr.dtype}, expected real numbers; "
+                    "step refused, nothing changed"
+                )
+            if arr.shape != value.shape:
+                raise ShapeError(
+                    f"{_label(p)}: .grad has shape {arr.shape} but the parameter has shape "
+                    f"{value.shape}; step refused, nothing changed"
+                )
+            if arr.dtype == value.dtype:
+                grad = arr
+            else:
+                with np.errstate(over="ignore"):  # an overflow is an inf that check_finite reports
+                    grad = arr.astype(value.dtype)
+            if self.check_finite and not np.isfinite(grad).all():
+                n_nan = int(np.isnan(grad).sum())
+                n_inf = int(np.isinf(grad).sum())
+                raise NonFiniteGradientError(
+                    f"{_label(p)}: .grad has {n_nan} NaN and {n_inf} infinite element(s) of "
+                    f"{grad.size} (check_finite=True); step refused, nothing changed"
+                )
+            adopt = None
+            st = self.state.get(id(p))
+            if names is not None and (st is None or st["node"] is not p) and names[i] in self._pending:
+                adopt = names[i]
+                _check_arrays(adopt, self._pending[adopt], value.shape, value.dtype)
+            work.append((p, grad, adopt))
+        return work
+
+    def step(self) -> None:
+        """Update every bound parameter that has a gradient, by the optimiser's formula.
+
+        All gradients are checked first; a refused step changes nothing (see the module docstring).
+
+        Raises:
+            ShapeError: a ``.grad`` whose shape differs from its parameter's (the message names
+                the parameter and both shapes).
+            TypeError: a ``.grad`` that is not real numbers.
+            NonFiniteGradientError: with ``check_finite=True``, a gradient with NaN or infinity.
+        """
+        work = self._checked_grads()
+        for p, grad, adopt in work:
             st = self.state.get(id(p))
             if st is None or st["node"] is not p:
                 st = self.state[id(p)] = {"node": p, "step": 0}
+                if adopt is not None:
+                    st.update(self._pending.pop(adopt))
             st["step"] += 1
-            grad = np.asarray(p.grad, dtype=p.value.dtype)
             p.value = self._update(p.value, grad, st)
 
     def _update(self, value: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> np.ndarray:
         raise NotImplementedError
+
+    # -- saving and loading
+    def state_dict(self) -> dict[str, Any]:
+        """The optimiser's complete state, as copies: what :meth:`load_state_dict` takes.
+
+        ``{"optimizer": class name, "hyperparameters": {name: value}, "state": {parameter name:
+        {"step": int, <array name>: ndarray, ...}}}``. Parameters are named by their names (keys
+        in ``g.params``, untied copies included); if the bound nodes have no distinct names, by
+        position. Parameters that were never stepped have no entry.
+        """
+        params = self._source()
+        state: dict[str, dict[str, Any]] = {}
+        for name, p in zip(_names(params), params):
+            st = self.state.get(id(p))
+            if st is not None and st["node"] is p:
+                state[name] = {
+                    k: (np.array(v) if isinstance(v, np.ndarray) else v) for k, v in st.items() if k != "node"
+                }
+        for name, st in self._pending.items():
+            state.setdefault(
+                name, {k: (np.array(v) if isinstance(v, np.ndarray) else v) for k, v in st.items()}
+            )
+        return {
+            "optimizer": type(self).__name__,
+            "hyperparameters": {k: getattr(self, k) for k in self._hyper},
+            "state": state,
+        }
+
+    def _prepare_load(
+        self,
+        state_dict: Mapping[str, Any],
+        shapes: Mapping[str, tuple[tuple[int, ...], np.dtype]] | None = None,
+    ) -> tuple[dict[str, Any], dict[int, dict[str, Any]], dict[str, dict[str, Any]]]:
+        """Check ``state_dict`` completely and stage what :meth:`load_state_dict` would set.
+
+        ``shapes`` gives (shape, dtype) of parameters that will exist but are not bound yet (a
+        checkpoint's untied copies, before the model has loaded them); their entries are staged as
+        pending. Changes nothing.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"state_dict must be a mapping (from Optimizer.state_dict()), got {type(state_dict).__name__}"
+            )
+        expected_keys = {"optimizer", "hyperparameters", "state"}
+        if set(state_dict) != expected_keys:
+            raise ValueError(
+                f"not an optimiser state dict: keys {sorted(map(str, state_dict))}, expected {sorted(expected_keys)}"
+            )
+        kind = state_dict["optimizer"]
+        if kind != type(self).__name__:
+            raise ValueError(f"the state dict is of a {kind} optimiser; this one is {type(self).__name__}")
+        hp = state_dict["hyperparameters"]
+        if not isinstance(hp, Mapping) or set(hp) != set(self._hyper):
+            got = sorted(hp) if isinstance(hp, Mapping) else type(hp).__name__
+            raise ValueError(f"{kind} hyper-parameters must be {sorted(self._hyper)}, got {got}")
+        hyper = self._check_hyper(hp)
+        arrays = self._state_arrays(hyper)
+        entries = state_dict["state"]
+        if not isinstance(entries, Mapping):
+            raise TypeError(f"state_dict['state'] must be a mapping, got {type(entries).__name__}")
+        params = self._source()
+        bound = dict(zip(_names(params), params))
+        staged: dict[int, dict[str, Any]] = {}
+        pending: dict[str, dict[str, Any]] = {}
+        for name, entry in entries.items():
+            if not isinstance(entry, Mapping):
+                raise TypeError(
+                    f"optimiser state of parameter {name!r} must be a mapping, got {type(entry).__name__}"
+                )
+            if set(entry) != {"step", *arrays}:
+                raise ValueError(
+                    f"optimiser state of parameter {name!r} has {sorted(entry)}, "
+                    f"expected {sorted({'step', *arrays})} for {kind} with these hyper-parameters"
+                )
+            new: dict[str, Any] = {"step": _int(f"step of parameter {name!r}", entry["step"], 1)}
+            for k in arrays:
+                arr = entry[k]
+                if not isinstance(arr, np.ndarray) or arr.dtype.kind != "f":
+                    raise TypeError(
+                        f"optimiser state {k!r} of parameter {name!r} must be a float array, got {arr!r}"
+                    )
+                new[k] = np.array(arr)
+            node = bound.get(name)
+            if node is not None:
+                _check_arrays(name, new, node.value.shape, node.value.dtype)
+                staged[id(node)] = {"node": node, **new}
+            elif shapes is not None and name in shapes:
+                _check_arrays(name, new, *shapes[name])
+                pending[name] = new
+            elif isinstance(name, str) and "@" in name:
+                pending[name] = new  # an untied copy no build has created yet: checked when adopted
+            else:
+                raise ValueError(
+                    f"the state dict has state for parameter {name!r}, which this optimiser does not update "
+                    f"(it updates {', '.join(map(repr, bound)) or 'nothing'})"
+                )
+        return hyper, staged, pending
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Replace hyper-parameters and per-parameter state with ``state_dict``'s, checked first.
+
+        State is matched to the bound parameters by name. State for an untied copy (``"W@7"``)
+        that no build has created yet is kept and taken up when that parameter is first stepped.
+        Bound parameters without an entry start fresh.
+
+        Raises:
+            TypeError / ValueError: not a state dict of this optimiser class, a bad hyper-parameter,
+                missing or extra arrays, a step count < 1, or a name this optimiser does not update.
+            ShapeError: an array whose shape differs from its parameter's. Nothing is changed when
+                any error is raised.
+        """
+        hyper, staged, pending = self._prepare_load(state_dict)
+        for k, v in hyper.items():
+            setattr(self, k, v)
+        self.state = staged
+        self._pending = pending
+
+    def __repr__(self) -> str:
+        params = self._source()
+        size = sum(int(np.size(p.value)) for p in params)
+        lines = [f"{type(self).__name__} (", f"    parameters: {len(params)} ({size:,} values)"]
+        lines += [f"    {k}: {getattr(self, k)!r}" for k in self._hyper]
+        lines += [f"    check_finite: {self.check_finite}", ")"]
+        return "\n".join(lines)
+
+
+def _check_arrays(name: str, entry: Mapping[str, Any], shape: tuple[int, ...], dtype: np.dtype) -> None:
+    for k, v in entry.items():
+        if isinstance(v, np.ndarray):
+            if v.shape != shape:
+                raise ShapeError(
+                    f"optimiser state {k!r} of parameter {name!r} has shape {v.shape}, the parameter has shape {shape}"
+                )
+            if v.dtype != dtype:
+                raise TypeError(
+                    f"optimiser state {k!r} of parameter {name!r} has dtype {v.dtype}, the parameter's is {dtype}"
+                )
 
 
 class SGD(Optimizer):
@@ -176,14 +529,22 @@ class SGD(Optimizer):
     Args:
         params: what to update (see the module docstring).
         lr: learning rate.
-        momentum: momentum factor μ (default 0: plain SGD).
-        dampening: dampening τ of the momentum (default 0).
+        momentum: momentum factor μ in [0, 1) (default 0: plain SGD).
+        dampening: dampening τ in [0, 1] of the momentum (default 0).
         nesterov: use Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
-        weight_decay: L2 penalty λ added to the gradient.
+        weight_decay: L2 penalty λ >= 0 added to the gradient.
+        check_finite: refuse steps with non-finite gradients (see :class:`Optimizer`).
 
     Raises:
-        ValueError: negative hyper-parameters, or Nesterov without momentum / with dampening.
+        TypeError: a hyper-parameter that is not a number (or a bool for ``nesterov``).
+        ValueError: hyper-parameters out of range, or Nesterov without momentum / with dampening.
     """
+
+    _hyper = ("lr", "momentum", "dampening", "nesterov", "weight_decay")
+    momentum: float
+    dampening: float
+    nesterov: bool
+    weight_decay: float
 
     def __init__(
         self,
@@ -193,15 +554,27 @@ class SGD(Optimizer):
         dampening: float = 0.0,
         nesterov: bool = False,
         weight_decay: float = 0.0,
+        *,
+        check_finite: bool = False,
     ) -> None:
-        _check_nonneg(momentum=momentum, dampening=dampening, weight_decay=weight_decay)
-        if nesterov and (momentum <= 0 or dampening != 0):
+        super().__init__(params, lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
+                         weight_decay=weight_decay, check_finite=check_finite)  # fmt: skip
+
+    @classmethod
+    def _check_hyper(cls, hp: Mapping[str, Any]) -> dict[str, Any]:
+        out = {
+            "lr": _real("lr", hp["lr"]),
+            "momentum": _real("momentum", hp["momentum"], 0.0, 1.0),
+            "dampening": _real("dampening", hp["dampening"], 0.0, 1.0, hi_open=False),
+            "nesterov": _flag("nesterov", hp["nesterov"]),
+            "weight_decay": _real("weight_decay", hp["weight_decay"]),
+        }
+        if out["nesterov"] and (out["momentum"] <= 0 or out["dampening"] != 0):
             raise ValueError("Nesterov momentum needs momentum > 0 and dampening = 0")
-        super().__init__(params, lr)
-        self.momentum = float(momentum)
-        self.dampening = float(dampening)
-        self.nesterov = bool(nesterov)
-        self.weight_decay = float(weight_decay)
+        return out
+
+    def _state_arrays(self, hp: Mapping[str, Any]) -> set[str]:
+        return {"momentum_buffer"} if hp["momentum"] else set()
 
     def _update(self, value: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> np.ndarray:
         if self.weight_decay:
@@ -230,14 +603,20 @@ class Adam(Optimizer):
 
     Args:
         params: what to update. lr: learning rate (default 1e-3).
-        betas: (β1, β2), each in [0, 1). eps: ε added to the denominator.
-        weight_decay: λ, added to the gradient (see :class:`AdamW` for decoupled decay).
+        betas: (β1, β2), each in [0, 1). eps: ε >= 0 added to the denominator.
+        weight_decay: λ >= 0, added to the gradient (see :class:`AdamW` for decoupled decay).
+        check_finite: refuse steps with non-finite gradients (see :class:`Optimizer`).
 
     Raises:
-        ValueError: hyper-parameters out of range.
+        TypeError: a hyper-parameter that is not a number, or ``betas`` that is not a pair.
+        ValueError: hyper-parameters out of range, ``betas`` of another length than 2.
     """
 
     _decoupled = False
+    _hyper = ("lr", "betas", "eps", "weight_decay")
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
 
     def __init__(
         self,
@@ -246,15 +625,24 @@ class Adam(Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
+        *,
+        check_finite: bool = False,
     ) -> None:
-        b1, b2 = betas
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise ValueError(f"invalid betas {betas}: each must be in [0, 1)")
-        _check_nonneg(eps=eps, weight_decay=weight_decay)
-        super().__init__(params, lr)
-        self.betas = (float(b1), float(b2))
-        self.eps = float(eps)
-        self.weight_decay = float(weight_decay)
+        super().__init__(
+            params, lr, betas=betas, eps=eps, weight_decay=weight_decay, check_finite=check_finite
+        )
+
+    @classmethod
+    def _check_hyper(cls, hp: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            "lr": _real("lr", hp["lr"]),
+            "betas": _betas(hp["betas"]),
+            "eps": _real("eps", hp["eps"]),
+            "weight_decay": _real("weight_decay", hp["weight_decay"]),
+        }
+
+    def _state_arrays(self, hp: Mapping[str, Any]) -> set[str]:
+        return {"exp_avg", "exp_avg_sq"}
 
     def _update(self, value: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> np.ndarray:
         b1, b2 = self.betas
@@ -276,7 +664,8 @@ class Adam(Optimizer):
         bias1 = 1.0 - b1**t
         bias2 = 1.0 - b2**t
         denom = np.sqrt(v) / math.sqrt(bias2) + self.eps
-        return value - (self.lr / bias1) * (m / denom)
+        new: np.ndarray = value - (self.lr / bias1) * (m / denom)
+        return new
 
 
 class AdamW(Adam):
@@ -290,6 +679,9 @@ class AdamW(Adam):
 
     Args:
         weight_decay: λ (default 1e-2, as in PyTorch); other arguments as :class:`Adam`.
+
+    Raises:
+        TypeError / ValueError: as :class:`Adam`.
     """
 
     _decoupled = True
@@ -301,8 +693,10 @@ class AdamW(Adam):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        *,
+        check_finite: bool = False,
     ) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay)
+        super().__init__(params, lr, betas, eps, weight_decay, check_finite=check_finite)
 
 
 class RMSprop(Optimizer):
@@ -317,12 +711,22 @@ class RMSprop(Optimizer):
         else:      θ ← θ − lr · g / (√ṽ + ε)
 
     Args:
-        params: what to update. lr: learning rate (default 1e-2). alpha: smoothing α (0.99).
-        eps: ε (1e-8). weight_decay: λ. momentum: μ. centered: normalise by the variance estimate.
+        params: what to update. lr: learning rate (default 1e-2). alpha: smoothing α in [0, 1]
+        (0.99). eps: ε >= 0 (1e-8). weight_decay: λ >= 0. momentum: μ in [0, 1).
+        centered: normalise by the variance estimate.
+        check_finite: refuse steps with non-finite gradients (see :class:`Optimizer`).
 
     Raises:
-        ValueError: negative hyper-parameters.
+        TypeError: a hyper-parameter that is not a number (or a bool for ``centered``).
+        ValueError: hyper-parameters out of range.
     """
+
+    _hyper = ("lr", "alpha", "eps", "weight_decay", "momentum", "centered")
+    alpha: float
+    eps: float
+    weight_decay: float
+    momentum: float
+    centered: bool
 
     def __init__(
         self,
@@ -333,14 +737,30 @@ class RMSprop(Optimizer):
         weight_decay: float = 0.0,
         momentum: float = 0.0,
         centered: bool = False,
+        *,
+        check_finite: bool = False,
     ) -> None:
-        _check_nonneg(alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum)
-        super().__init__(params, lr)
-        self.alpha = float(alpha)
-        self.eps = float(eps)
-        self.weight_decay = float(weight_decay)
-        self.momentum = float(momentum)
-        self.centered = bool(centered)
+        super().__init__(params, lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
+                         centered=centered, check_finite=check_finite)  # fmt: skip
+
+    @classmethod
+    def _check_hyper(cls, hp: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            "lr": _real("lr", hp["lr"]),
+            "alpha": _real("alpha", hp["alpha"], 0.0, 1.0, hi_open=False),
+            "eps": _real("eps", hp["eps"]),
+            "weight_decay": _real("weight_decay", hp["weight_decay"]),
+            "momentum": _real("momentum", hp["momentum"], 0.0, 1.0),
+            "centered": _flag("centered", hp["centered"]),
+        }
+
+    def _state_arrays(self, hp: Mapping[str, Any]) -> set[str]:
+        out = {"square_avg"}
+        if hp["centered"]:
+            out.add("grad_avg")
+        if hp["momentum"] > 0:
+            out.add("momentum_buffer")
+        return out
 
     def _update(self, value: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> np.ndarray:
         a = self.alpha
@@ -362,8 +782,11 @@ class RMSprop(Optimizer):
             buf = state.setdefault("momentum_buffer", np.zeros_like(value))
             buf *= self.momentum
             buf += grad / avg
-            return value - self.lr * buf
-        return value - self.lr * (grad / avg)
+            step: np.ndarray = self.lr * buf
+        else:
+            step = self.lr * (grad / avg)
+        new: np.ndarray = value - step
+        return new
 
 
 class Adagrad(Optimizer):
@@ -377,12 +800,20 @@ class Adagrad(Optimizer):
         θ ← θ − lr_t · g / (√sum + ε)
 
     Args:
-        params: what to update. lr: learning rate (default 1e-2). lr_decay: η.
-        weight_decay: λ. initial_accumulator_value: the sum's start. eps: ε (1e-10).
+        params: what to update. lr: learning rate (default 1e-2). lr_decay: η >= 0.
+        weight_decay: λ >= 0. initial_accumulator_value: the sum's start (>= 0). eps: ε >= 0 (1e-10).
+        check_finite: refuse steps with non-finite gradients (see :class:`Optimizer`).
 
     Raises:
+        TypeError: a hyper-parameter that is not a number.
         ValueError: negative hyper-parameters.
     """
+
+    _hyper = ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps")
+    lr_decay: float
+    weight_decay: float
+    initial_accumulator_value: float
+    eps: float
 
     def __init__(
         self,
@@ -392,14 +823,25 @@ class Adagrad(Optimizer):
         weight_decay: float = 0.0,
         initial_accumulator_value: float = 0.0,
         eps: float = 1e-10,
+        *,
+        check_finite: bool = False,
     ) -> None:
-        _check_nonneg(lr_decay=lr_decay, weight_decay=weight_decay,
-                      initial_accumulator_value=initial_accumulator_value, eps=eps)  # fmt: skip
-        super().__init__(params, lr)
-        self.lr_decay = float(lr_decay)
-        self.weight_decay = float(weight_decay)
-        self.initial_accumulator_value = float(initial_accumulator_value)
-        self.eps = float(eps)
+        super().__init__(params, lr, lr_decay=lr_decay, weight_decay=weight_decay,
+                         initial_accumulator_value=initial_accumulator_value, eps=eps,
+                         check_finite=check_finite)  # fmt: skip
+
+    @classmethod
+    def _check_hyper(cls, hp: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            "lr": _real("lr", hp["lr"]),
+            "lr_decay": _real("lr_decay", hp["lr_decay"]),
+            "weight_decay": _real("weight_decay", hp["weight_decay"]),
+            "initial_accumulator_value": _real("initial_accumulator_value", hp["initial_accumulator_value"]),
+            "eps": _real("eps", hp["eps"]),
+        }
+
+    def _state_arrays(self, hp: Mapping[str, Any]) -> set[str]:
+        return {"sum"}
 
     def _update(self, value: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> np.ndarray:
         t = state["step"]
@@ -410,68 +852,88 @@ class Adagrad(Optimizer):
             s = state["sum"] = np.full_like(value, self.initial_accumulator_value)
         s += grad * grad
         clr = self.lr / (1.0 + (t - 1) * self.lr_decay)
-        return value - clr * (grad / (np.sqrt(s) + self.eps))
+        new: np.ndarray = value - clr * (grad / (np.sqrt(s) + self.eps))
+        return new
 
 
 # ---------------------------------------------------------------------------- clipping
 
 
-def _with_grads(params: Any) -> Iterator[ComputeNode]:
+def _with_grads(params: Any) -> Iterator[tuple[ComputeNode, np.ndarray]]:
     for p in _param_source(params)():
         if p.grad is not None:
-            yield p
+            yield p, p.grad
 
 
-def clip_grad_norm(params: Any, max_norm: float, norm_type: float = 2.0) -> float:
-    """Scale all gradients together so that their joint norm is at most ``max_norm``.
+def clip_grad_norm_(
+    params: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+) -> float:
+    """Scale all gradients together, in place, so that their joint norm is at most ``max_norm``.
 
-    The norm is taken over all gradients as if concatenated into one vector. If it exceeds
-    ``max_norm``, every gradient is multiplied by ``max_norm / (norm + 1e-6)`` (PyTorch's rule).
-    Parameters without a gradient are ignored.
+    PyTorch's ``torch.nn.utils.clip_grad_norm_``, same name and rule: the norm is taken over all
+    gradients as if concatenated into one vector; if it exceeds ``max_norm``, every gradient is
+    multiplied by ``max_norm / (norm + 1e-6)``. Parameters without a gradient are ignored.
+    ``clip_grad_norm`` (no underscore) is the same function under its vgraph 0.1 name.
 
     Args:
         params: the parameters (same forms an optimiser takes, e.g. ``g.params``).
-        max_norm: the largest allowed norm (> 0).
-        norm_type: the p of the p-norm (``2.0``; ``float("inf")`` for the largest magnitude).
+        max_norm: the largest allowed norm (> 0; ``inf`` never clips).
+        norm_type: the p of the p-norm (> 0: ``2.0``; ``float("inf")`` for the largest magnitude).
+        error_if_nonfinite: raise instead of scaling when the total norm is NaN or infinite.
 
     Returns:
         The total norm *before* clipping (0.0 if no parameter has a gradient).
 
     Raises:
-        ValueError: ``max_norm`` is not positive or ``norm_type`` is not positive.
+        TypeError: a non-numeric ``max_norm`` or ``norm_type``.
+        ValueError: ``max_norm`` or ``norm_type`` not positive.
+        NonFiniteGradientError: with ``error_if_nonfinite``, a NaN or infinite total norm (the
+            gradients are left unchanged).
     """
-    if not max_norm > 0:
-        raise ValueError(f"max_norm must be > 0, got {max_norm}")
-    if not norm_type > 0:
-        raise ValueError(f"norm_type must be > 0, got {norm_type}")
-    nodes = list(_with_grads(params))
-    if not nodes:
+    max_norm = _real("max_norm", max_norm, lo_open=True, allow_inf=True)
+    norm_type = _real("norm_type", norm_type, lo_open=True, allow_inf=True)
+    error_if_nonfinite = _flag("error_if_nonfinite", error_if_nonfinite)
+    pairs = list(_with_grads(params))
+    if not pairs:
         return 0.0
     if math.isinf(norm_type):
-        total = max(float(np.max(np.abs(p.grad))) if np.size(p.grad) else 0.0 for p in nodes)
+        total = max(float(np.max(np.abs(g))) if np.size(g) else 0.0 for _, g in pairs)
     else:
-        acc = sum(float(np.sum(np.abs(np.asarray(p.grad, dtype=np.float64)) ** norm_type)) for p in nodes)
+        acc = sum(float(np.sum(np.abs(np.asarray(g, dtype=np.float64)) ** norm_type)) for _, g in pairs)
         total = acc ** (1.0 / norm_type)
+    if error_if_nonfinite and not math.isfinite(total):
+        bad = [repr(p.name) if p.name else p.describe() for p, g in pairs if not np.isfinite(g).all()]
+        raise NonFiniteGradientError(
+            f"the total {norm_type:g}-norm of the gradients is {total}; non-finite gradients in "
+            f"{', '.join(bad)}; nothing was clipped"
+        )
     coef = max_norm / (total + 1e-6)
     if coef < 1.0:
-        for p in nodes:
-            p.grad = p.grad * np.asarray(coef, dtype=p.grad.dtype)
+        for p, g in pairs:
+            p.grad = g * np.asarray(coef, dtype=g.dtype)
     return total
 
 
-def clip_grad_value(params: Any, clip_value: float) -> None:
-    """Clamp every gradient element into ``[-clip_value, clip_value]``.
+def clip_grad_value_(params: Any, clip_value: float) -> None:
+    """Clamp every gradient element into ``[-clip_value, clip_value]``, in place.
+
+    PyTorch's ``torch.nn.utils.clip_grad_value_``. ``clip_grad_value`` is the same function under
+    its vgraph 0.1 name.
 
     Args:
         params: the parameters (same forms an optimiser takes).
         clip_value: the bound (>= 0).
 
     Raises:
-        ValueError: a negative ``clip_value``.
+        TypeError: a non-numeric ``clip_value``. ValueError: a negative one.
     """
-    _check_nonneg(clip_value=clip_value)
-    for p in _with_grads(params):
-        p.grad = np.clip(p.grad, -clip_value, clip_value)
+    clip_value = _real("clip_value", clip_value)
+    for p, g in _with_grads(params):
+        p.grad = np.clip(g, -clip_value, clip_value)
+
+
+clip_grad_norm = clip_grad_norm_  # the vgraph 0.1 name, kept so existing training scripts run
+clip_grad_value = clip_grad_value_  # likewise
 
 
 # ---------------------------------------------------------------------------- schedules
@@ -482,7 +944,12 @@ class LRScheduler:
 
     Creating a schedule sets ``last_epoch = 0`` and the optimiser's lr to the schedule's value at
     epoch 0 (the optimiser's lr at that moment, ``base_lr``); each :meth:`step` advances one epoch.
+
+    Raises:
+        TypeError: ``optimizer`` is not a vgraph optimiser.
     """
+
+    _hyper: tuple[str, ...] = ()
 
     def __init__(self, optimizer: Optimizer) -> None:
         if not isinstance(optimizer, Optimizer):
@@ -491,6 +958,10 @@ class LRScheduler:
         self.base_lr = optimizer.lr
         self.last_epoch = 0
         optimizer.lr = self.lr_at(0)
+
+    @classmethod
+    def _check_hyper(cls, hp: Mapping[str, Any]) -> dict[str, Any]:
+        return {}
 
     def lr_at(self, epoch: int) -> float:
         """The learning rate at ``epoch``."""
@@ -506,21 +977,82 @@ class LRScheduler:
         """The lr set by the latest step (or at creation)."""
         return self.optimizer.lr
 
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule's state (plain numbers): ``{"scheduler": class name, "last_epoch",
+        "base_lr", and its hyper-parameters}``. The optimiser's lr is in the optimiser's state."""
+        return {
+            "scheduler": type(self).__name__,
+            "last_epoch": self.last_epoch,
+            "base_lr": self.base_lr,
+            **{k: getattr(self, k) for k in self._hyper},
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s values, checked first. As in PyTorch, the optimiser's lr
+        is not changed (load the optimiser's state for it); the next :meth:`step` sets it.
+
+        Raises:
+            TypeError / ValueError: a state dict of another schedule class, missing or extra
+                keys, or bad values. Nothing is changed when raised.
+        """
+        epoch, base, hyper = self._prepare_load(state_dict)
+        self.last_epoch = epoch
+        self.base_lr = base
+        for k, v in hyper.items():
+            setattr(self, k, v)
+
+    def _prepare_load(self, state_dict: Any) -> tuple[int, float, dict[str, Any]]:
+        """``state_dict`` checked and normalised; changes nothing."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+        keys = {"scheduler", "last_epoch", "base_lr", *self._hyper}
+        if set(state_dict) != keys:
+            raise ValueError(
+                f"a {type(self).__name__} state dict has keys {sorted(keys)}, got {sorted(state_dict)}"
+            )
+        if state_dict["scheduler"] != type(self).__name__:
+            raise ValueError(
+                f"the state dict is of a {state_dict['scheduler']} schedule; this one is {type(self).__name__}"
+            )
+        epoch = _int("last_epoch", state_dict["last_epoch"], 0)
+        base = _real("base_lr", state_dict["base_lr"])
+        return epoch, base, self._check_hyper(state_dict)
+
+    def __repr__(self) -> str:
+        hp = ", ".join(f"{k}={getattr(self, k)!r}" for k in self._hyper)
+        return (
+            f"{type(self).__name__}({hp}{', ' if hp else ''}base_lr={self.base_lr!r}, "
+            f"last_epoch={self.last_epoch}, lr={self.optimizer.lr!r})"
+        )
+
 
 class StepLR(LRScheduler):
     """Multiply the learning rate by ``gamma`` every ``step_size`` epochs:
     ``lr = base_lr * gamma ** (epoch // step_size)``.
 
+    Args:
+        optimizer: the optimiser whose ``lr`` to set.
+        step_size: epochs between decays (an int >= 1).
+        gamma: the factor (a number > 0).
+
     Raises:
-        ValueError: ``step_size < 1``.
+        TypeError: non-numeric arguments. ValueError: ``step_size < 1`` or ``gamma <= 0``.
     """
 
+    _hyper = ("step_size", "gamma")
+
     def __init__(self, optimizer: Optimizer, step_size: int, gamma: float = 0.1) -> None:
-        if int(step_size) != step_size or step_size < 1:
-            raise ValueError(f"step_size must be a positive int, got {step_size}")
-        self.step_size = int(step_size)
-        self.gamma = float(gamma)
+        hp = self._check_hyper({"step_size": step_size, "gamma": gamma})
+        self.step_size: int = hp["step_size"]
+        self.gamma: float = hp["gamma"]
         super().__init__(optimizer)
+
+    @classmethod
+    def _check_hyper(cls, hp: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            "step_size": _int("step_size", hp["step_size"], 1),
+            "gamma": _real("gamma", hp["gamma"], lo_open=True),
+        }
 
     def lr_at(self, epoch: int) -> float:
         return self.base_lr * self.gamma ** (epoch // self.step_size)
@@ -532,16 +1064,26 @@ class CosineAnnealingLR(LRScheduler):
 
     Past ``T_max`` the cosine continues (the lr rises again), as PyTorch's closed form does.
 
+    Args:
+        optimizer: the optimiser whose ``lr`` to set.
+        T_max: the half period in epochs (an int >= 1).
+        eta_min: the smallest lr (>= 0).
+
     Raises:
-        ValueError: ``T_max < 1``.
+        TypeError: non-numeric arguments. ValueError: ``T_max < 1`` or a negative ``eta_min``.
     """
 
+    _hyper = ("T_max", "eta_min")
+
     def __init__(self, optimizer: Optimizer, T_max: int, eta_min: float = 0.0) -> None:
-        if int(T_max) != T_max or T_max < 1:
-            raise ValueError(f"T_max must be a positive int, got {T_max}")
-        self.T_max = int(T_max)
-        self.eta_min = float(eta_min)
+        hp = self._check_hyper({"T_max": T_max, "eta_min": eta_min})
+        self.T_max: int = hp["T_max"]
+        self.eta_min: float = hp["eta_min"]
         super().__init__(optimizer)
+
+    @classmethod
+    def _check_hyper(cls, hp: Mapping[str, Any]) -> dict[str, Any]:
+        return {"T_max": _int("T_max", hp["T_max"], 1), "eta_min": _real("eta_min", hp["eta_min"])}
 
     def lr_at(self, epoch: int) -> float:
         return self.eta_min + (self.base_lr - self.eta_min) * (1 + math.cos(math.pi * epoch / self.T_max)) / 2

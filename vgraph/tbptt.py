@@ -15,17 +15,219 @@ this is what ``detach`` does in other frameworks — while the forward state flo
 
 The gradient of one chunk is exactly full BPTT of that chunk's loss over its k steps, starting
 from the carried-in state as a constant. :func:`truncated_bptt` runs that loop.
+
+:class:`Progress` reports the progress of a training loop (this module's and any other): a tqdm
+bar with rate and ETA when tqdm is installed and the output is a terminal or a notebook, plain
+periodic lines otherwise (logs, CI).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
-__all__ = ["TBPTTResult", "chunk_feeds", "chunks", "truncated_bptt"]
+__all__ = ["Progress", "TBPTTResult", "chunk_feeds", "chunks", "truncated_bptt"]
+
+# ---------------------------------------------------------------------------- progress
+
+_MODES = ("auto", "bar", "lines", "off")
+
+
+def _in_notebook() -> bool:
+    """Whether we run in a Jupyter kernel (where tqdm.auto shows a widget)."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return False
+    try:
+        shell = ipython.get_ipython()
+    except Exception:
+        return False
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
+def _tqdm() -> Any:
+    """tqdm.auto's ``tqdm`` class, or ``None`` if tqdm is not installed."""
+    try:
+        from tqdm.auto import tqdm  # type: ignore[import-untyped,unused-ignore]
+    except ImportError:
+        return None
+    return tqdm
+
+
+def _duration(seconds: float) -> str:
+    h, rest = divmod(round(seconds), 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+def _fmt(metrics: Mapping[str, Any]) -> str:
+    return "  ".join(
+        f"{k} {v:.4g}" if isinstance(v, (float, np.floating)) else f"{k} {v}" for k, v in metrics.items()
+    )
+
+
+class Progress:
+    """Progress of a loop of ``total`` steps: a tqdm bar, or plain periodic lines.
+
+    * ``mode="bar"``: a ``tqdm.auto`` bar (a widget in Jupyter) with rate, elapsed time and ETA,
+      and the latest metrics after it. Without tqdm installed it falls back to lines.
+    * ``mode="lines"``: one line every ``every`` steps (and at the last), for logs and CI::
+
+          train   40/600  loss 1.234  15.2 step/s  elapsed 00:02  ETA 00:36
+
+    * ``mode="auto"`` (default): the bar if tqdm is installed and ``file`` is a terminal or we run
+      in a notebook, else lines.
+    * ``mode="off"``: nothing.
+
+    Use it as a context manager (or call :meth:`close`)::
+
+        with Progress(steps, desc="train") as progress:
+            for step in range(steps):
+                ...
+                progress.update(loss=loss)                         # every step
+                # at a report step, also keep a line in the output:
+                progress.update(0, log=True, **{"held-out MSE": mse})
+
+    Args:
+        total: the number of steps (``None`` if unknown: no ETA).
+        desc: a label in front of the bar or lines.
+        mode: ``"auto"``, ``"bar"``, ``"lines"`` or ``"off"``.
+        every: lines mode: print every this many steps (default: a tenth of ``total``, or 100).
+        file: where to write (default ``sys.stderr`` for the bar, ``sys.stdout`` for lines).
+        unit: the name of one step (``"step"``, ``"chunk"``, ``"batch"`` …).
+
+    Raises:
+        ValueError: an unknown ``mode``, a negative ``total`` or ``every < 1``.
+        TypeError: ``total``/``every`` not ints.
+    """
+
+    def __init__(
+        self,
+        total: int | None,
+        desc: str = "",
+        mode: str = "auto",
+        every: int | None = None,
+        file: IO[str] | None = None,
+        unit: str = "step",
+    ) -> None:
+        if mode not in _MODES:
+            raise ValueError(f"progress mode must be one of {', '.join(map(repr, _MODES))}, got {mode!r}")
+        for name, v in (("total", total), ("every", every)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
+                raise TypeError(f"{name} must be an int or None, got {type(v).__name__} {v!r}")
+        if total is not None and total < 0:
+            raise ValueError(f"total must be >= 0, got {total}")
+        if every is not None and every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.total = None if total is None else int(total)
+        self.desc = desc
+        self.unit = unit
+        self.every = int(every) if every is not None else max(1, (self.total or 1000) // 10)
+        self.count = 0
+        self.metrics: dict[str, Any] = {}
+        self._start = time.perf_counter()
+        self._bar: Any = None
+        tqdm = _tqdm() if mode in ("auto", "bar") else None
+        if mode == "auto" and tqdm is not None:
+            out = file if file is not None else sys.stderr
+            isatty = getattr(out, "isatty", None)
+            if not (_in_notebook() or (callable(isatty) and isatty())):
+                tqdm = None
+        if tqdm is not None:
+            self.mode = "bar"
+            self._bar = tqdm(total=self.total, desc=desc or None, unit=unit, file=file, dynamic_ncols=True)
+        else:
+            self.mode = "off" if mode == "off" else "lines"
+        self._file = file
+
+    def line(self) -> str:
+        """The current state as one line: count, metrics, rate, elapsed time, ETA."""
+        elapsed = time.perf_counter() - self._start
+        rate = self.count / elapsed if elapsed > 0 else 0.0
+        parts = [self.desc] if self.desc else []
+        width = len(str(self.total)) if self.total is not None else 0
+        parts.append(f"{self.count:>{width}}/{self.total}" if self.total is not None else f"{self.count}")
+        if self.metrics:
+            parts.append(_fmt(self.metrics))
+        parts.append(f"{rate:.3g} {self.unit}/s")
+        parts.append(f"elapsed {_duration(elapsed)}")
+        if self.total is not None and rate > 0:
+            parts.append(f"ETA {_duration(max(0, self.total - self.count) / rate)}")
+        return "  ".join(parts)
+
+    def _print(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text, file=self._file)
+        else:
+            print(text, file=self._file if self._file is not None else sys.stdout, flush=True)
+
+    def update(self, n: int = 1, log: bool = False, **metrics: Any) -> None:
+        """Advance ``n`` steps and record ``metrics`` (shown after the count).
+
+        Args:
+            n: steps done since the last call (0 to only record metrics).
+            log: also keep a line with the current state in the output now (above the bar).
+            **metrics: name -> value, e.g. ``loss=0.25``; they stay shown until replaced.
+        """
+        self.count += n
+        self.metrics.update(metrics)
+        if self.mode == "off":
+            return
+        if self._bar is not None:
+            if metrics:
+                self._bar.set_postfix_str(_fmt(self.metrics), refresh=False)
+            self._bar.update(n)
+            if log:
+                self._print(self.line())
+            return
+        due = n > 0 and (self.count % self.every == 0 or self.count == self.total)
+        if log or due:
+            self._print(self.line())
+
+    def write(self, text: str) -> None:
+        """Print ``text`` without breaking the bar (nothing in ``"off"`` mode)."""
+        if self.mode != "off":
+            self._print(text)
+
+    def close(self) -> None:
+        """Finish the bar (lines mode: nothing to do)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _progress(progress: Any, total: int | None, desc: str, unit: str) -> Progress | None:
+    """``truncated_bptt``'s ``progress`` argument as a :class:`Progress` (``None``: off)."""
+    if progress is None or progress is False:
+        return None
+    if isinstance(progress, Progress):
+        return progress
+    if progress is True:
+        progress = "auto"
+    if not isinstance(progress, str):
+        raise TypeError(
+            f"progress must be a bool, 'auto', 'bar', 'lines', 'off' or a Progress, got {type(progress).__name__}"
+        )
+    return Progress(total, desc=desc, mode=progress, unit=unit)
+
+
+def _chunk_length(k: Any) -> int:
+    if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)):
+        raise TypeError(f"chunk length k must be an int, got {type(k).__name__} {k!r}")
+    if k < 1:
+        raise ValueError(f"chunk length k must be >= 1, got {k}")
+    return int(k)
 
 
 def chunks(xs: Any, k: int, axis: int = 0, drop_last: bool = False) -> Iterator[np.ndarray]:
@@ -42,11 +244,15 @@ def chunks(xs: Any, k: int, axis: int = 0, drop_last: bool = False) -> Iterator[
         Views of ``xs``, ``ceil(T / k)`` of them (``floor(T / k)`` with ``drop_last``).
 
     Raises:
-        ValueError: ``k < 1``.
+        TypeError: ``k`` is not an int.
+        ValueError: ``k < 1``, a scalar ``xs`` or an ``axis`` it does not have.
     """
-    if int(k) != k or k < 1:
-        raise ValueError(f"chunk length k must be a positive int, got {k}")
+    k = _chunk_length(k)
     arr = np.asarray(xs)
+    if arr.ndim == 0:
+        raise ValueError(f"xs must be a sequence (an array with a time axis), got a scalar {xs!r}")
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -arr.ndim <= axis < arr.ndim:
+        raise ValueError(f"axis {axis!r} is not an axis of an array of shape {arr.shape}")
     n = arr.shape[axis]
     for start in range(0, n, int(k)):
         stop = min(start + int(k), n)
@@ -57,15 +263,49 @@ def chunks(xs: Any, k: int, axis: int = 0, drop_last: bool = False) -> Iterator[
         yield arr[tuple(index)]
 
 
+class ChunkFeeds:
+    """The per-chunk feeds of :func:`chunk_feeds`: an iterator that also knows its length (so a
+    progress bar can show an ETA)."""
+
+    def __init__(
+        self, feed: Mapping[str, Any], k: int, names: list[str], axis: int, drop_last: bool, n: int
+    ) -> None:
+        static = {name: v for name, v in feed.items() if name not in names}
+        parts = [chunks(feed[name], k, axis, drop_last) for name in names]
+        self._it = ({**static, **dict(zip(names, pieces))} for pieces in zip(*parts))
+        self._len = (n // k if drop_last else -(-n // k)) if names else 0
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        return next(self._it)
+
+    def __len__(self) -> int:
+        """The number of chunks (as created; it does not shrink while iterating)."""
+        return self._len
+
+
 def chunk_feeds(
     feed: Mapping[str, Any], k: int, sequences: Iterable[str], axis: int = 0, drop_last: bool = False
-) -> Iterator[dict[str, Any]]:
+) -> ChunkFeeds:
     """Split a feed into per-chunk feeds: the inputs named in ``sequences`` are cut into chunks of
     ``k`` steps (all must have the same length), the other inputs are passed to every chunk.
 
+    Returns:
+        An iterator over the chunk feeds, with ``len()``.
+
     Raises:
+        TypeError: ``feed`` is not a mapping, ``sequences`` a string, ``k`` not an int.
         ValueError: sequences of different lengths, an unknown name, or ``k < 1``.
     """
+    if not isinstance(feed, Mapping):
+        raise TypeError(f"feed must be a mapping input name -> value, got {type(feed).__name__}")
+    k = _chunk_length(k)
+    if isinstance(sequences, str):
+        raise TypeError(
+            f"sequences must be a list of input names, got the string {sequences!r} (use [{sequences!r}])"
+        )
     names = list(sequences)
     unknown = [n for n in names if n not in feed]
     if unknown:
@@ -73,10 +313,8 @@ def chunk_feeds(
     lengths = {n: np.shape(feed[n])[axis] for n in names}
     if len(set(lengths.values())) > 1:
         raise ValueError(f"sequences to chunk have different lengths: {lengths}")
-    static = {n: v for n, v in feed.items() if n not in names}
-    parts = [chunks(feed[n], k, axis, drop_last) for n in names]
-    for pieces in zip(*parts):
-        yield {**static, **dict(zip(names, pieces))}
+    n = next(iter(lengths.values())) if lengths else 0
+    return ChunkFeeds(feed, int(k), names, axis, drop_last, n)
 
 
 @dataclass
@@ -100,6 +338,7 @@ def truncated_bptt(
     initial: Mapping[str, Any],
     optimizer: Any = None,
     callback: Callable[[int, Any, float], None] | None = None,
+    progress: bool | str | Progress = False,
 ) -> TBPTTResult:
     """Run a model chunk by chunk, carrying its recurrent state across chunks without gradient.
 
@@ -120,16 +359,56 @@ def truncated_bptt(
             of each chunk for ``callback`` to use, and cleared before the next chunk).
         callback: ``callback(chunk_index, compute_graph, loss_value)``, after backward and before
             the optimiser step (e.g. to clip gradients or to log).
+        progress: report progress per chunk with each chunk's loss: ``True`` / ``"auto"`` (a tqdm
+            bar with rate and ETA in a terminal or notebook when tqdm is installed, else plain
+            lines), ``"bar"``, ``"lines"``, or a :class:`Progress` you made (left open). The
+            total is ``len(feeds)`` when known (:func:`chunk_feeds` knows it).
 
     Returns:
         A :class:`TBPTTResult` with every chunk's loss and the final state.
 
     Raises:
-        ValueError: ``state`` and ``initial`` name different inputs.
+        ValueError: ``state`` and ``initial`` name different inputs; a bad ``progress`` mode.
+        TypeError: ``graph`` not a VirtualGraph, ``optimizer`` without ``step()``,
+            ``state``/``initial`` not mappings, ``callback`` not callable, ``progress`` of another
+            type.
         Whatever a build raises (FeedError, BuildError …).
     """
+    from .virtual import VirtualGraph
+
+    if not isinstance(graph, VirtualGraph):
+        raise TypeError(f"graph must be a VirtualGraph, got {type(graph).__name__}")
+    if optimizer is not None and not callable(getattr(optimizer, "step", None)):
+        raise TypeError(
+            f"optimizer must have a step() method (a vgraph.optim optimiser), got {type(optimizer).__name__}"
+        )
+    for name, m in (("state", state), ("initial", initial)):
+        if not isinstance(m, Mapping):
+            raise TypeError(f"{name} must be a mapping input name -> ..., got {type(m).__name__}")
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback must be callable, got {type(callback).__name__}")
     if set(state) != set(initial):
         raise ValueError(f"state names {sorted(state)} and initial names {sorted(initial)} differ")
+    total = len(feeds) if isinstance(feeds, Sized) else None
+    own = not isinstance(progress, Progress)
+    bar = _progress(progress, total, "TBPTT", "chunk")
+    try:
+        return _run_chunks(graph, feeds, loss, state, initial, optimizer, callback, bar)
+    finally:
+        if bar is not None and own:
+            bar.close()
+
+
+def _run_chunks(
+    graph: Any,
+    feeds: Iterable[Mapping[str, Any]],
+    loss: Any,
+    state: Mapping[str, Any],
+    initial: Mapping[str, Any],
+    optimizer: Any,
+    callback: Callable[[int, Any, float], None] | None,
+    bar: Progress | None,
+) -> TBPTTResult:
     values = {name: np.asarray(v) for name, v in initial.items()}
     result = TBPTTResult(state=values)
     names = list(state)
@@ -152,4 +431,6 @@ def truncated_bptt(
                 callback(i, cg, value)
         result.losses.append(value)
         result.state = values
+        if bar is not None:
+            bar.update(loss=value)
     return result

@@ -330,6 +330,10 @@ class VirtualGraph:
 
         return build_compute_graph(self, feed, outputs, hoist=hoist, detect_anomaly=detect_anomaly)
 
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Copies of all parameter values by name, untied copies included (``g.params.state_dict()``)."""
+        return self.params.state_dict()
+
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Set parameter values from ``state`` (name -> array), checking all of it first.
 

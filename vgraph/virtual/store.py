@@ -64,6 +64,45 @@ class ParameterStore(Mapping[str, ComputeNode]):
         """Copies of all values by name (what a checkpoint holds)."""
         return {k: np.array(p.value) for k, p in self._nodes.items()}
 
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
+        """Set the values of existing entries from ``state`` (name -> array), checking all of it first.
+
+        The store holds no declarations, so it cannot create an untied copy (``"W@7"``) that no
+        build has made yet: :meth:`VirtualGraph.load_state_dict` (or :func:`vgraph.io.load`) can.
+
+        Args:
+            state: name -> array, e.g. from :meth:`state_dict`.
+            strict: every entry of the store must be in ``state``.
+
+        Raises:
+            TypeError: ``state`` is not a mapping, or holds a non-numeric array. KeyError: a name
+            not in the store, or (strict) a missing one. ShapeError: a shape differing from the
+            entry's. Nothing is changed when any of them is raised.
+        """
+        from ..errors import ShapeError
+
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state must be a mapping name -> array, got {type(state).__name__}")
+        staged: dict[str, np.ndarray] = {}
+        for name, value in state.items():
+            node = self._nodes.get(name)
+            if node is None:
+                raise KeyError(
+                    f"no parameter {name!r} in the store (an untied copy no build has created yet "
+                    "is created by VirtualGraph.load_state_dict)"
+                )
+            arr = np.asarray(value)
+            if arr.dtype.kind not in "fiu":
+                raise TypeError(f"parameter {name!r}: cannot load dtype {arr.dtype}")
+            if arr.shape != node.shape:
+                raise ShapeError(f"parameter {name!r}: state shape {arr.shape}, parameter shape {node.shape}")
+            staged[name] = arr
+        missing = [k for k in self._nodes if k not in staged]
+        if strict and missing:
+            raise KeyError(f"state lacks parameters {', '.join(missing)}")
+        for name, arr in staged.items():
+            self._nodes[name].set_value(arr)
+
     def _add(self, name: str, node: ComputeNode) -> None:
         self._nodes[name] = node
 
