@@ -248,7 +248,7 @@ def _stats(value: Any) -> list[float | str] | None:
         ]
 
 
-def _shape_text(shape: tuple[int, ...]) -> str:
+def _shape_text(shape: tuple[Any, ...]) -> str:
     if shape == ():
         return "scalar"
     return "(" + ", ".join(map(str, shape)) + (",)" if len(shape) == 1 else ")")
@@ -302,8 +302,8 @@ def _unrolled_data(cg: ComputeGraph) -> dict[str, Any]:
         cols["op"].append(strings(n.op.name if n.op is not None else None))
         cols["shape"].append(strings(_shape_text(tuple(np.shape(n.value)))))
         cols["dtype"].append(strings(str(np.asarray(n.value).dtype)))
-        f = frames_view.owner.get(n)
-        cols["frame"].append(frame_index.get(f, -1) if f is not None else -1)
+        owner = frames_view.owner.get(n)
+        cols["frame"].append(frame_index.get(owner, -1) if owner is not None else -1)
         cols["parents"].append([index[p] for p in n.parents if p in index])
         cols["stats"].append(_stats(n.value))
         g = norms.get(n)
@@ -382,7 +382,7 @@ def _virtual_data(g: VirtualGraph, build: UnrolledGraph | None) -> dict[str, Any
         entry: dict[str, Any] = {"key": f"{v.type}:{v.id}", "name": v.name, "kind": v.kind}
         shape = v.attrs.get("shape") if isinstance(v.attrs, dict) else None
         if shape is not None:
-            entry["shape"] = _shape_text(tuple("?" if s is None else s for s in shape))  # type: ignore[arg-type]
+            entry["shape"] = _shape_text(tuple("?" if s is None else s for s in shape))
         if v.kind == "parameter":
             entry["share"] = bool(v.attrs.get("share", True))
         if v.scope is not None:
