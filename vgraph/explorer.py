@@ -517,11 +517,11 @@ button:hover{background:#eef1f4}
 #vg-toolbar label{display:flex;align-items:center;gap:4px}
 #vg-zoom{min-width:42px;text-align:center}
 #vg-legend{display:flex;align-items:center;gap:0;margin-left:auto;font-size:11px}
-#vg-legend .cell{width:34px;height:16px;display:flex;align-items:center;justify-content:center;border:1px solid #c9d1d9;margin-left:-1px}
+#vg-legend .cell{min-width:34px;padding:0 3px;white-space:nowrap;height:16px;display:flex;align-items:center;justify-content:center;border:1px solid #c9d1d9;margin-left:-1px}
 #vg-legend .cap{margin-right:6px}
 .pane{flex:1;overflow:auto;background:#fff;position:relative}
 .pane[hidden]{display:none}
-.pane svg{display:block}
+.pane svg{display:block;margin:0 auto}
 .empty{padding:40px;color:var(--muted)}
 #vg-side{width:340px;border-left:1px solid var(--line);overflow:auto;background:var(--bg);padding:10px}
 .card{background:#fff;border:1px solid var(--line);border-radius:8px;padding:10px 12px;margin-bottom:10px}
@@ -555,8 +555,7 @@ code{font:12px ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;background:#
 .vg-btn rect{fill:#fff;stroke:#b6c0cc}
 .vg-btn:hover rect{fill:#eef4fb;stroke:var(--accent)}
 .vg-e{fill:none;stroke:#6e7781;stroke-width:1}
-.vg-e.leaf{stroke:#0b5cad;stroke-width:1;display:none}
-.vg-e.leaf.on{display:inline}
+.vg-e.leaf{stroke:#0b5cad;stroke-width:1}
 .vg-e.stub{stroke:#aab3bd;stroke-width:1}
 .vg-e.carry{stroke:#b03a2e;stroke-width:1.5}
 .vg-e.fold{stroke-dasharray:4 3}
@@ -746,7 +745,7 @@ function unrolledView(X){
   }
 
   // ---------------------------------------------------------------- layout
-  const PADX = 12, HEAD = 24, GAPX = 16, GAPY = 26, RUNGAP = 10, NODEH = 46;
+  const PADX = 12, HEAD = 24, GAPX = 16, GAPY = 26, RUNGAP = 10, NODEH = 46, DUMMYW = 6, MAXDUMMIES = 3000;
   function sizeLeaf(e){
     if (e.kind === 'node') { const [a, b, c] = nodeLines(e.i); e.lines = [a, b, c];
       e.w = Math.ceil(Math.max(tw(a, '600 12px ' + FONT), tw(b, '12px ' + FONT), tw(c, '11px ' + FONT)) + 18); e.h = b ? NODEH : 34; if (!b) e.lines = [a, c]; }
@@ -763,6 +762,7 @@ function unrolledView(X){
       while (depth[a.id] > depth[b.id]) a = a.parent; while (depth[b.id] > depth[a.id]) b = b.parent;
       while (a.parent !== b.parent) { a = a.parent; b = b.parent; }
       if (a === b) continue; const c = a.parent; if (c.kind === 'run') continue;
+      ed.via = [c, a.id + '>' + b.id];
       let l = cedges.get(c.id); if (!l) cedges.set(c.id, l = []); l.push([a, b]); }
     // bottom-up sizes: deepest first
     const order = els.slice().sort((x, y) => depth[y.id] - depth[x.id]);
@@ -795,37 +795,51 @@ function unrolledView(X){
     for (const k of topo) for (const p of par[k]) if (tpos[p] < tpos[k]) rank[k] = Math.max(rank[k], rank[p] + 1);
     for (let j = n - 1; j >= 0; j--) { const k = topo[j]; if (par[k].length || !chi[k].length) continue;  // sources sit just above their first consumer
       let m = Infinity; for (const c of chi[k]) if (tpos[c] > j) m = Math.min(m, rank[c]); if (m !== Infinity) rank[k] = Math.max(rank[k], m - 1); }
-    const R = Math.max(...rank) + 1, layers = Array.from({length: R}, () => []);
-    for (let k = 0; k < n; k++) layers[rank[k]].push(k);
-    const ord = new Float64Array(n); const setOrd = () => layers.forEach(L => L.forEach((k, j) => ord[k] = j));
-    setOrd();
+    // an edge spanning several layers runs through one dummy per layer, so it is routed around nodes
+    const w = items.map(c => c.w), rk = Array.from(rank), P = par.map(x => x.slice()), Q = chi.map(x => x.slice());
+    const routes = [];
+    let budget = MAXDUMMIES;  // a big flat graph keeps its long edges direct rather than growing quadratically
+    for (let ka = 0; ka < n; ka++) for (const kb of chi[ka]) { const span = rk[kb] - rk[ka]; if (span <= 1 || span > budget) continue; budget -= span - 1;
+      P[kb].splice(P[kb].indexOf(ka), 1); Q[ka].splice(Q[ka].indexOf(kb), 1);
+      let prev = ka; const ds = [];
+      for (let r = rk[ka] + 1; r < rk[kb]; r++) { const d = w.length; w.push(DUMMYW); rk.push(r); P.push([prev]); Q.push([]); Q[prev].push(d); ds.push(d); prev = d; }
+      Q[prev].push(kb); P[kb].push(prev); routes.push([items[ka].id + '>' + items[kb].id, ds]); }
+    const M = w.length, R = Math.max(...rk) + 1, layers = Array.from({length: R}, () => []);
+    for (let k = 0; k < M; k++) layers[rk[k]].push(k);
+    const ord = new Float64Array(M); layers.forEach(L => L.forEach((k, j) => ord[k] = j));
     const bary = (k, nb) => { let s = 0, c = 0; for (const o of nb[k]) { s += ord[o]; c++; } return c ? s / c : ord[k]; };
-    for (let sweep = 0; sweep < 4; sweep++) { const down = sweep % 2 === 0;
-      for (let li = down ? 1 : R - 2; down ? li < R : li >= 0; li += down ? 1 : -1) { const L = layers[li]; const b = new Map(L.map(k => [k, bary(k, down ? par : chi)]));
+    for (let sweep = 0; sweep < 6; sweep++) { const down = sweep % 2 === 0;
+      for (let li = down ? 1 : R - 2; down ? li < R : li >= 0; li += down ? 1 : -1) { const L = layers[li]; const b = new Map(L.map(k => [k, bary(k, down ? P : Q)]));
         L.sort((x, y) => b.get(x) - b.get(y) || ord[x] - ord[y]); L.forEach((k, j) => ord[k] = j); } }
     // coordinates
-    const w = items.map(c => c.w), cx = new Float64Array(n);
+    const cx = new Float64Array(M), gap = (a, b) => (a >= n || b >= n) ? GAPX / 2 : GAPX;
     layers.forEach(L => { let x = 0; for (const k of L) { cx[k] = x + w[k] / 2; x += w[k] + GAPX; } const off = x / 2; for (const k of L) cx[k] -= off; });
     const place = (L, want) => { // keep order, no overlap, as close to want as possible
       const m = L.length, l = new Float64Array(m), r = new Float64Array(m);
-      for (let j = 0; j < m; j++) { const k = L[j]; l[j] = j ? Math.max(want[j], l[j-1] + w[L[j-1]] / 2 + GAPX + w[k] / 2) : want[j]; }
-      for (let j = m - 1; j >= 0; j--) { const k = L[j]; r[j] = j < m - 1 ? Math.min(want[j], r[j+1] - w[L[j+1]] / 2 - GAPX - w[k] / 2) : want[j]; }
-      for (let j = 0; j < m; j++) { const k = L[j]; let x = (l[j] + r[j]) / 2; if (j) x = Math.max(x, cx[L[j-1]] + w[L[j-1]] / 2 + GAPX + w[k] / 2); cx[k] = x; } };
-    for (let sweep = 0; sweep < 6; sweep++) { const down = sweep % 2 === 0, nb = down ? par : chi;
+      for (let j = 0; j < m; j++) { const k = L[j]; l[j] = j ? Math.max(want[j], l[j-1] + w[L[j-1]] / 2 + gap(L[j-1], k) + w[k] / 2) : want[j]; }
+      for (let j = m - 1; j >= 0; j--) { const k = L[j]; r[j] = j < m - 1 ? Math.min(want[j], r[j+1] - w[L[j+1]] / 2 - gap(k, L[j+1]) - w[k] / 2) : want[j]; }
+      for (let j = 0; j < m; j++) { const k = L[j]; let x = (l[j] + r[j]) / 2; if (j) x = Math.max(x, cx[L[j-1]] + w[L[j-1]] / 2 + gap(L[j-1], k) + w[k] / 2); cx[k] = x; } };
+    for (let sweep = 0; sweep < 8; sweep++) { const down = sweep % 2 === 0, nb = down ? P : Q;
       for (let li = down ? 0 : R - 1; down ? li < R : li >= 0; li += down ? 1 : -1) { const L = layers[li];
         const want = L.map(k => { let s = 0, c = 0; for (const o of nb[k]) { s += cx[o]; c++; } return c ? s / c : cx[k]; }); place(L, want); } }
-    let minx = Infinity, maxx = -Infinity; for (let k = 0; k < n; k++) { minx = Math.min(minx, cx[k] - w[k] / 2); maxx = Math.max(maxx, cx[k] + w[k] / 2); }
+    let minx = Infinity, maxx = -Infinity; for (let k = 0; k < M; k++) { minx = Math.min(minx, cx[k] - w[k] / 2); maxx = Math.max(maxx, cx[k] + w[k] / 2); }
     const top = cont.kind === 'root' ? PADX : HEAD + 2; let y = top;
-    for (const L of layers) { let h = 0; for (const k of L) h = Math.max(h, items[k].h); for (const k of L) { const c = items[k]; c.x = PADX + cx[k] - w[k] / 2 - minx; c.y = y + (h - c.h) / 2; } y += h + GAPY; }
+    const band = new Array(R);
+    layers.forEach((L, li) => { let h = 0; for (const k of L) if (k < n) h = Math.max(h, items[k].h);
+      for (const k of L) if (k < n) { const c = items[k]; c.x = PADX + cx[k] - w[k] / 2 - minx;
+        // next to a tall loop box, a node sits by its producers (top) or, without any, by its consumers (bottom)
+        c.y = h <= 2 * NODEH || c.kind === 'run' || c.kind === 'frame' ? y + (h - c.h) / 2 : par[k].length ? y : y + h - c.h; }
+      band[li] = [y, y + h]; y += h + GAPY; });
+    cont.routes = new Map(routes.map(([key, ds]) => [key, ds.map(d => [PADX + cx[d] - minx, band[rk[d]][0], band[rk[d]][1]])]));
     cont.w = Math.max(maxx - minx + 2 * PADX, cont.kind === 'frame' ? 70 : 0); cont.h = y - GAPY + PADX;
   }
 
   // ---------------------------------------------------------------- drawing
   const pane = $('vg-pane-unrolled');
-  let T = null, selected = -1;
+  let T = null, selected = -1, leafPaths = new Map();
   function draw(){
     const t0 = performance.now();
-    T = build(); layout(T);
+    T = build(); const t1 = performance.now(); layout(T); const t2 = performance.now();
     const out = [], edgesOut = [], nodesOut = [];
     const W = Math.ceil(root.w + 20), H = Math.ceil(root.h + 20);
     out.push('<svg xmlns="' + NS + '" class="vg-g" viewBox="0 0 ' + W + ' ' + H + '" width="' + W + '" height="' + H + '">');
@@ -850,16 +864,26 @@ function unrolledView(X){
     for (const ed of T.edges) { let l = byHead.get(ed.b); if (!l) byHead.set(ed.b, l = []); l.push(ed); }
     for (const [b, l] of byHead) { const e = T.els[b]; l.sort((p, q) => (T.els[p.a].ax + T.els[p.a].w / 2) - (T.els[q.a].ax + T.els[q.a].w / 2));
       l.forEach((ed, j) => port.set(ed, e.ax + e.w * (j + 1) / (l.length + 1))); }
+    leafPaths = new Map();
     for (const ed of T.edges) { const a = T.els[ed.a], b = T.els[ed.b];
       let [x1, y1] = center(a), [x2, y2] = center(b); let d; x2 = port.get(ed);
       if (ed.cls === 'leaf' && b.ay > a.ay + a.h) { // a shared leaf used in an iteration: a short labelled stub; the full edge shows on hover
         const short = str(C.name[ed.p]) || C.key[ed.p];
         edgesOut.push('<path class="vg-e stub" d="M' + x2 + ',' + (b.ay - 13) + 'L' + x2 + ',' + b.ay + '" marker-end="url(#vg-al)"/><text class="vg-stub" x="' + x2 + '" y="' + (b.ay - 15) + '" font-size="10" text-anchor="middle" fill="#8c959f">' + esc(short) + '</text>'); }
-      if (b.ay >= a.ay + a.h - 1 && a.ay + a.h < b.ay + b.h) { y1 = a.ay + a.h; y2 = b.ay; const m = Math.max(18, (y2 - y1) / 2); d = 'M' + x1 + ',' + y1 + 'C' + x1 + ',' + (y1 + m) + ' ' + x2 + ',' + (y2 - m) + ' ' + x2 + ',' + y2; }
+      if (b.ay >= a.ay + a.h - 1 && a.ay + a.h < b.ay + b.h) { y1 = a.ay + a.h; y2 = b.ay;
+        const via = ed.via && ed.via[0].routes ? ed.via[0].routes.get(ed.via[1]) : null, c = ed.via ? ed.via[0] : null;
+        const pts = [[x1, y1]]; if (via) for (const [dx, t, u] of via) { pts.push([c.ax + dx, c.ay + t]); pts.push([c.ax + dx, c.ay + u]); } pts.push([x2, y2]);
+        d = 'M' + x1 + ',' + y1;
+        for (let j = 0; j + 1 < pts.length; j += 2) { const [p, q] = [pts[j], pts[j + 1]], m = Math.max(12, (q[1] - p[1]) / 2);
+          if (j) d += 'L' + p[0] + ',' + p[1];
+          d += 'C' + p[0] + ',' + (p[1] + m) + ' ' + q[0] + ',' + (q[1] - m) + ' ' + q[0] + ',' + q[1]; }
+        if (ed.label) { const mid = pts[Math.floor(pts.length / 2) - 1], mid2 = pts[Math.floor(pts.length / 2)]; x1 = mid[0]; y1 = mid[1]; x2 = mid2[0]; y2 = mid2[1]; } }
       else { const side = Math.max(a.ax + a.w, b.ax + b.w) + 30; y1 = a.ay + a.h / 2; y2 = b.ay + b.h / 2; x1 = a.ax + a.w; x2 = b.ax + b.w;
         d = 'M' + x1 + ',' + y1 + 'C' + side + ',' + y1 + ' ' + side + ',' + y2 + ' ' + x2 + ',' + y2; }
       const mk = ed.cls.includes('carry') ? 'ac' : ed.cls.includes('leaf') ? 'al' : 'a';
-      edgesOut.push('<path class="vg-e ' + ed.cls + '" data-a="' + ed.a + '" data-b="' + ed.b + '" d="' + d + '" marker-end="url(#vg-' + mk + ')"/>');
+      const path = '<path class="vg-e ' + ed.cls + '" data-a="' + ed.a + '" data-b="' + ed.b + '" d="' + d + '" marker-end="url(#vg-' + mk + ')"/>';
+      if (ed.cls.includes('leaf')) { for (const k of [ed.a, ed.b]) { let l = leafPaths.get(k); if (!l) leafPaths.set(k, l = []); l.push(path); } continue; }  // drawn on hover only
+      edgesOut.push(path);
       if (ed.label) edgesOut.push('<text x="' + ((x1 + x2) / 2 + 5) + '" y="' + ((y1 + y2) / 2 + 4) + '" font-size="11" fill="#b03a2e">' + esc(ed.label) + '</text>');
     }
     for (const e of T.els) {
@@ -875,8 +899,8 @@ function unrolledView(X){
           '<text x="' + cx + '" y="' + (e.ay + 17) + '" text-anchor="middle" font-size="12" font-weight="600" fill="#333">' + esc(e.lines[0]) + '</text>' +
           '<text x="' + cx + '" y="' + (e.ay + 31) + '" text-anchor="middle" font-size="11" fill="#57606a">' + esc(e.lines[1]) + '</text></g>'); }
     }
-    out.push('<g class="edges">' + edgesOut.join('') + '</g><g class="nodes">' + nodesOut.join('') + '</g></svg>');
-    pane.innerHTML = out.join('');
+    out.push('<g class="edges">' + edgesOut.join('') + '</g><g class="vg-hover"></g><g class="nodes">' + nodesOut.join('') + '</g></svg>');
+    const t3 = performance.now(); pane.innerHTML = out.join(''); U_stats.phases = [t1 - t0, t2 - t1, t3 - t2, performance.now() - t3].map(Math.round);
     natural.unrolled = [W, H];
     if (current === 'unrolled') applyZoom(); else { const s = pane.querySelector('svg'); s.setAttribute('width', W * zoom.unrolled); s.setAttribute('height', H * zoom.unrolled); }
     legend();
@@ -902,8 +926,10 @@ function unrolledView(X){
         row('loop', esc(r.label) + (r.outer ? ' @' + r.outer : '')) + row('iterations', r.trips) + '</table><p class="hint">Click to unfold.</p>'; }
   });
   pane.addEventListener('mouseout', e => { if (e.target.closest('.vg-n')) { hoverEdges(-1); if (selected >= 0) showInfo(selected); } });
-  function hoverEdges(i){ for (const p of pane.querySelectorAll('.vg-e.on')) p.classList.remove('on'); if (i < 0 || nodeEl[i] < 0) return;
-    for (const p of pane.querySelectorAll('.vg-e[data-a="' + nodeEl[i] + '"],.vg-e[data-b="' + nodeEl[i] + '"]')) p.classList.add('on'); }
+  function hoverEdges(i){ for (const p of pane.querySelectorAll('.vg-e.on')) p.classList.remove('on');
+    const layer = pane.querySelector('.vg-hover'); layer.innerHTML = ''; if (i < 0 || nodeEl[i] < 0) return;
+    layer.innerHTML = (leafPaths.get(nodeEl[i]) || []).join('').replace(/class="vg-e /g, 'class="vg-e on ');
+    for (const p of pane.querySelectorAll('.edges .vg-e[data-a="' + nodeEl[i] + '"],.edges .vg-e[data-b="' + nodeEl[i] + '"]')) p.classList.add('on'); }
   function select(i){ selected = i; for (const el of pane.querySelectorAll('.vg-n.sel')) el.classList.remove('sel');
     const el = pane.querySelector('.vg-n[data-i="' + i + '"]'); if (el) el.classList.add('sel'); showInfo(i); }
   function showInfo(i){
@@ -1003,9 +1029,9 @@ function chart(k){
   const xstep = niceStep(Math.max(1, n - 1), 6);
   for (let t = 0; t < n; t += xstep) h += '<line x1="' + X(t) + '" x2="' + X(t) + '" y1="' + (H - B) + '" y2="' + (H - B + 4) + '" stroke="#8c959f"/><text class="xt" x="' + X(t) + '" y="' + (H - B + 15) + '" font-size="10" text-anchor="middle" fill="#57606a">' + t + '</text>';
   if (log) { const ystep = Math.max(1, Math.ceil((y1 - y0) / 5)); for (let e = y0; e <= y1; e += ystep) h += '<line x1="' + L + '" x2="' + (W - R) + '" y1="' + Y(Math.pow(10, e)) + '" y2="' + Y(Math.pow(10, e)) + '" stroke="#eef1f4"/><text x="' + (L - 4) + '" y="' + (Y(Math.pow(10, e)) + 3) + '" font-size="10" text-anchor="end" fill="#57606a">1e' + e + '</text>'; }
-  else { for (let j = 0; j <= 4; j++) { const val = y1 * j / 4; h += '<line x1="' + L + '" x2="' + (W - R) + '" y1="' + Y(val) + '" y2="' + Y(val) + '" stroke="#eef1f4"/><text x="' + (L - 4) + '" y="' + (Y(val) + 3) + '" font-size="10" text-anchor="end" fill="#57606a">' + fmt(val) + '</text>'; } }
+  else { for (let j = 0; j <= 4; j++) { const val = y1 * j / 4; h += '<line x1="' + L + '" x2="' + (W - R) + '" y1="' + Y(val) + '" y2="' + Y(val) + '" stroke="#eef1f4"/><text x="' + (L - 4) + '" y="' + (Y(val) + 3) + '" font-size="10" text-anchor="end" fill="#57606a">' + (val === 0 ? '0' : Math.abs(val) >= 1e-3 && Math.abs(val) < 1e4 ? String(+val.toPrecision(2)) : val.toExponential(1)) + '</text>'; } }
   h += '<text x="' + ((L + W - R) / 2) + '" y="' + (H - 3) + '" font-size="10.5" text-anchor="middle" fill="#57606a">iteration t</text>';
-  h += '<text transform="translate(11 ' + ((T + H - B) / 2) + ') rotate(-90)" font-size="10.5" text-anchor="middle" fill="#57606a">|contribution to grad|</text>';
+  h += '<text transform="translate(10 ' + ((T + H - B) / 2) + ') rotate(-90)" font-size="10.5" text-anchor="middle" fill="#57606a">|contribution to grad|</text>';
   let d = ''; v.forEach((x, t) => { if (!isFinite(x)) return; d += (d ? 'L' : 'M') + X(t).toFixed(1) + ',' + Y(x).toFixed(1); });
   h += '<path d="' + d + '" fill="none" stroke="#d73027" stroke-width="1.5"/>';
   if (n <= 80) v.forEach((x, t) => { h += '<circle cx="' + X(t) + '" cy="' + Y(x) + '" r="2.6" fill="' + (log && !(x > 0) ? '#fff' : '#d73027') + '" stroke="#d73027"/>'; });
