@@ -160,6 +160,38 @@ def test_nan_and_infinite_values_are_encoded():
     assert all(v == "NaN" for v in stats["Constant:1"])
 
 
+def ragged_nest():
+    """Two nested loops; the inner one runs 0 iterations in the outer iteration 0, then 1."""
+    g = vg.VirtualGraph(dtype=np.float64, name="ragged")
+    x = g.input("x", shape=(3,))
+    W = g.parameter("W", (3, 3))
+    with g.loop(times=3, name="outer") as outer:
+        a = outer.carry(x, name="a")
+        with g.loop(while_=lambda t, s: t < 1 and float(s["b"].sum()) > 3.5, name="inner") as inner:
+            b = inner.carry(a, name="b")
+            inner.update(b, vg.tanh(b @ W))
+        outer.update(a, inner.final(b) + 1.0)
+    loss = (outer.final(a) ** 2).mean()
+    cg = g.build({"x": np.ones(3)}, loss)
+    R.retain_all_grads(cg)
+    cg.backward(cg.outputs[0])
+    return g, cg
+
+
+def test_loop_runs_without_iterations():
+    g, cg = ragged_nest()
+    X = page_data(explore(cg))["unrolled"]
+    trips = {(r["label"], r["outer"]): r["trips"] for r in X["runs"]}
+    assert trips == {("<Loop:1> outer", ""): 3, ("<Loop:2> inner", "0"): 0, ("<Loop:2> inner", "1"): 1,
+                     ("<Loop:2> inner", "2"): 1}  # fmt: skip
+    assert sorted(X["nodes"]["key"]) == sorted(str(n.key) for n in cg.nodes())
+    (inner,) = (r for r in X["runs"] if r["outer"] == "1")
+    assert [X["frames"][f] for f in inner["frames"]] == [[X["runs"].index(inner), 0, "1.0"]]
+    S, cols = X["strings"], X["nodes"]
+    note = cols["note"][cols["key"].index("Constant:1")]
+    assert S[note] == "= 1"
+
+
 def test_plain_compute_graph_has_no_virtual_view():
     cg = ComputeGraph(dtype=np.float64)
     x = cg.input(np.ones(3), name="x")
@@ -367,6 +399,23 @@ def test_browser_gradient_chart_highlights_the_hovered_iteration(rnn50_page):
     # a folded iteration highlights its fold node
     ActionChains(driver).move_to_element_with_offset(hit, int(-w / 2 + w * 20 / 49), 0).perform()
     assert [e.get_attribute("class") for e in driver.find_elements(By.CSS_SELECTOR, ".hl")] == ["vg-fold hl"]
+
+
+def test_browser_pages_of_other_models_draw_without_errors(browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    g, cg = ragged_nest()
+    pages = {"ragged": explore(g, tmp_path / "ragged.html", build=cg)}
+    for name in ("stacked_rnn", "branching"):
+        m_g, feed, outs = load_model(name).build()
+        pages[name] = explore_script_result(m_g, feed, outs, tmp_path / f"{name}.html")
+    for name in pages:
+        _load(browser, (tmp_path / f"{name}.html").as_uri())
+        drawn = {e.get_attribute("data-key") for e in browser.find_elements(By.CSS_SELECTOR, ".vg-n")}
+        keys = set(page_data(pages[name])["unrolled"]["nodes"]["key"])
+        assert drawn and drawn <= keys, name
+        if name == "ragged":
+            assert "no iterations" in browser.find_element(By.ID, "vg-pane-unrolled").text
 
 
 def test_browser_virtual_tab(rnn50_page):

@@ -316,6 +316,8 @@ def _unrolled_data(cg: ComputeGraph) -> dict[str, Any]:
             notes.append(f"option {frames_view.choice[k]}")
         if k.type == "Parameter" and k.idx:
             notes.append("untied")
+        if n.op is None and k.type == "Constant" and np.size(n.value) == 1:
+            notes.append(f"= {np.asarray(n.value).reshape(()).item():g}")
         cols["note"].append(strings("; ".join(notes) if notes else None))
     # Names of loop-carried edges (parent, frame of the child) -> "h", "h (final)".
     edge_names = [
@@ -666,6 +668,7 @@ function unrolledView(X){
   $('vg-gradcolor').checked = gradColor; $('vg-gradcolor').disabled = !X.hasGrad;
   $('vg-gradcolor').onchange = e => { gradColor = e.target.checked; draw(); };
   $('vg-guards').onchange = e => { showGuards = e.target.checked; draw(); };
+  document.querySelector('[data-act="fold-all"]').hidden = !runs.some(r => r.trips > F0 + F1 + 1);  // nothing to fold
 
   // gradient scale: the top DECADES decades below the largest finite norm
   let lo = -1, hi = 0;
@@ -770,7 +773,8 @@ function unrolledView(X){
       if (e.kind === 'node' || e.kind === 'fold') { sizeLeaf(e); continue; }
       if (e.kind === 'run') { let w = 0, y = HEAD + 4; for (const c of e.items) { c.x = 0; c.y = y; y += c.h + RUNGAP; w = Math.max(w, c.w); }
         const label = runs[e.ri].label + (runs[e.ri].outer ? ' @' + runs[e.ri].outer : '') + ' · ' + runs[e.ri].trips + ' iteration' + (runs[e.ri].trips === 1 ? '' : 's');
-        e.label = label; w = Math.max(w, tw(label, '600 12px ' + FONT) + 150);
+        e.label = label; e.foldable = runs[e.ri].trips > F0 + F1 + 1; w = Math.max(w, tw(label, '600 12px ' + FONT) + (e.foldable ? 150 : 20));
+        if (!e.items.length) y += 18;  // room for "no iterations"
         for (const c of e.items) c.x = PADX + (w - c.w) / 2; e.w = w + 2 * PADX; e.h = y - RUNGAP + PADX; continue; }
       dag(e, cedges.get(e.id) || []);
     }
@@ -849,8 +853,9 @@ function unrolledView(X){
       if (e.kind === 'run') { const r = runs[e.ri];
         out.push('<g class="vg-run" data-run="' + e.ri + '"><rect x="' + e.ax + '" y="' + e.ay + '" width="' + e.w + '" height="' + e.h + '" rx="8"/>' +
           '<text x="' + (e.ax + 10) + '" y="' + (e.ay + 16) + '" font-size="12" font-weight="600" fill="#2c3e50">' + esc(e.label) + '</text>');
+        if (!r.trips) out.push('<text x="' + (e.ax + e.w / 2) + '" y="' + (e.ay + HEAD + 14) + '" text-anchor="middle" font-size="11" font-style="italic" fill="#57606a">no iterations</text>');
         const bx = e.ax + e.w - 8; let x = bx;
-        for (const [act, label] of [['fold', 'fold'], ['unfold', 'unfold all']]) { const bw = tw(label, '11px ' + FONT) + 12; x -= bw;
+        if (e.foldable) for (const [act, label] of [['fold', 'fold'], ['unfold', 'unfold all']]) { const bw = tw(label, '11px ' + FONT) + 12; x -= bw;
           out.push('<g class="vg-btn" data-act="' + act + '" data-run="' + e.ri + '"><rect x="' + x + '" y="' + (e.ay + 4) + '" width="' + bw + '" height="17" rx="4"/><text x="' + (x + 6) + '" y="' + (e.ay + 16) + '" font-size="11" fill="#0b5cad">' + label + '</text></g>'); x -= 6; }
         out.push('</g>'); }
       else if (e.kind === 'frame') { const fr = frames[e.f], r = runs[fr[0]];
