@@ -401,6 +401,24 @@ def test_browser_gradient_chart_highlights_the_hovered_iteration(rnn50_page):
     assert [e.get_attribute("class") for e in driver.find_elements(By.CSS_SELECTOR, ".hl")] == ["vg-fold hl"]
 
 
+def test_browser_chart_of_a_clicked_node(rnn50_page):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    driver, cg, uri = rnn50_page
+    _load(driver, uri)
+    driver.find_element(By.CSS_SELECTOR, '.vg-n[data-key="Tanh:1@1"]').click()
+    assert driver.find_element(By.ID, "vg-chart-svg").get_attribute("data-param") == "Tanh:1"
+    hit = driver.find_element(By.ID, "vg-chart-hit")
+    w = hit.rect["width"]
+    ActionChains(driver).move_to_element_with_offset(hit, int(-w / 2 + w * 30 / 49), 0).perform()
+    assert driver.find_element(By.ID, "vg-chart-read").text.startswith("t=30 ")
+    g = np.asarray(cg.node("Tanh:1@30").grad, dtype=np.float64)
+    assert float(driver.find_element(By.ID, "vg-chart-value").text) == pytest.approx(
+        np.sqrt((g * g).sum()), rel=1e-4
+    )
+
+
 def test_browser_pages_of_other_models_draw_without_errors(browser, tmp_path):
     from selenium.webdriver.common.by import By
 

@@ -27,6 +27,7 @@ def main() -> None:
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select
 
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs" / "images" / "explorer.png"
     g, feed, outs = elman_rnn.build(steps=50)
@@ -47,7 +48,8 @@ def main() -> None:
             explore_script_result(g, feed, outs, page)
             driver.get(page.as_uri())
             box = driver.find_element(By.ID, "vg-search-input")
-            box.send_keys("Tanh:1@37", Keys.ENTER)
+            box.send_keys("Tanh:1@37", Keys.ENTER)  # selecting it charts its own |grad| by iteration:
+            Select(driver.find_element(By.ID, "vg-series")).select_by_index(0)  # back to Wx's
             hit = driver.find_element(By.ID, "vg-chart-hit")
             w = hit.rect["width"]
             ActionChains(driver).move_to_element_with_offset(hit, int(-w / 2 + w * 37 / 49), 0).perform()

@@ -575,7 +575,7 @@ const NS = 'http://www.w3.org/2000/svg';
 const esc = s => String(s).replace(/[&<>"]/g, c => ({'&':'&amp;','<':'&lt;','>':'&gt;','"':'&quot;'}[c]));
 const num = v => v === null || v === undefined ? null : (typeof v === 'string' ? (v === 'NaN' ? NaN : v === 'Inf' ? Infinity : -Infinity) : v);
 const fmt = v => { v = num(v); if (v === null) return '—'; if (!isFinite(v)) return String(v);
-  if (v === 0) return '0'; const a = Math.abs(v); return (a >= 1e-3 && a < 1e5) ? String(+v.toPrecision(5)) : v.toExponential(3); };
+  if (v === 0) return '0'; const a = Math.abs(v); return (a >= 1e-3 && a < 1e5) ? String(+v.toPrecision(5)) : v.toExponential(4); };
 $('vg-title').textContent = D.title;
 const status = (msg, err) => { const s = $('vg-status'); s.textContent = msg || ''; s.className = err ? 'err' : ''; };
 
@@ -936,7 +936,9 @@ function unrolledView(X){
     layer.innerHTML = (leafPaths.get(nodeEl[i]) || []).join('').replace(/class="vg-e /g, 'class="vg-e on ');
     for (const p of pane.querySelectorAll('.edges .vg-e[data-a="' + nodeEl[i] + '"],.edges .vg-e[data-b="' + nodeEl[i] + '"]')) p.classList.add('on'); }
   function select(i){ selected = i; for (const el of pane.querySelectorAll('.vg-n.sel')) el.classList.remove('sel');
-    const el = pane.querySelector('.vg-n[data-i="' + i + '"]'); if (el) el.classList.add('sel'); showInfo(i); }
+    const el = pane.querySelector('.vg-n[data-i="' + i + '"]'); if (el) el.classList.add('sel'); showInfo(i);
+    if (onSelect) onSelect(i); }
+  let onSelect = null;
   function showInfo(i){
     const st = C.stats[i], fr = C.frame[i];
     let h = '<div class="key" id="vg-info-key">&lt;' + esc(C.key[i]) + '&gt;</div><table>';
@@ -977,8 +979,16 @@ function unrolledView(X){
     runs.forEach((r, ri) => { if (r.loop === loop && t < r.trips) { shown[ri][t] = 1; let f = r.parent; while (f >= 0) { const [rj, u] = frames[f]; shown[rj][u] = 1; f = runs[rj].parent; } } });
     draw(); const el = highlightIteration(loop, t); if (el) scrollToEl(el); }
   draw();
+  // |grad| of every copy of a node in the iterations of its loop run: the chart of a chosen node
+  function nodeSeries(i){
+    const f = C.frame[i]; if (f < 0 || C.grad[i] === null) return null;
+    const ri = frames[f][0], r = runs[ri], key = C.key[i], base = key.slice(0, key.indexOf('@') < 0 ? key.length : key.indexOf('@'));
+    const norms = new Array(r.trips).fill(null);
+    for (const g of r.frames) for (const j of frameNodes[g]) if (C.key[j].startsWith(base + '@')) norms[frames[g][1]] = C.grad[j];
+    return {param: base, key: base, loop: r.loop, loopLabel: r.label + (r.outer ? ' @' + r.outer : ''), norms, node: true};
+  }
   return {draw, focusNode, foldAll, highlightIteration, revealIteration, keyIndex, stats: U_stats, shown, keys: C.key,
-          findKey: k => keyIndex.has(k) ? keyIndex.get(k) : -1, series: X.series};
+          findKey: k => keyIndex.has(k) ? keyIndex.get(k) : -1, series: X.series, nodeSeries, set onSelect(f){ onSelect = f; }};
 }
 
 // ------------------------------------------------------------------ the virtual view
@@ -1015,7 +1025,12 @@ function findKey(text){
 $('vg-search').addEventListener('submit', e => { e.preventDefault(); findKey($('vg-search-input').value); });
 
 // ------------------------------------------------------------------ gradient-through-time chart
-const series = U ? U.series : [];
+const series = U ? U.series.slice() : [], nParams = series.length;
+if (U) U.onSelect = i => { // a selected node inside a loop gets its own chart: |grad| of its copies by iteration
+  const s = U.nodeSeries(i); if (!s) return;
+  const sel = $('vg-series'); sel.style.display = ''; series[nParams] = s;
+  let o = sel.querySelector('option[value="' + nParams + '"]'); if (!o) { o = document.createElement('option'); o.value = nParams; sel.appendChild(o); }
+  o.textContent = 'node <' + s.key + '@t> |grad| over ' + s.loopLabel; sel.value = nParams; chart(nParams); };
 if (!series.length) { $('vg-chart-hint').textContent = D.unrolled ? (D.unrolled.hasGrad ? 'No tied parameter used in a loop kept per-iteration gradients (untied parameters have their own .grad per iteration; for tied ones call vgraph.render.retain_all_grads(cg) before backward).' : 'No gradients: run backward (after vgraph.render.retain_all_grads(cg)) before explore().') : 'Needs an unrolled build.';
   $('vg-series').style.display = 'none'; }
 series.forEach((s, k) => { const o = document.createElement('option'); o.value = k; o.textContent = s.param + ' <' + s.key + '> over ' + s.loopLabel; $('vg-series').appendChild(o); });
@@ -1036,16 +1051,18 @@ function chart(k){
   if (log) { const ystep = Math.max(1, Math.ceil((y1 - y0) / 5)); for (let e = y0; e <= y1; e += ystep) h += '<line x1="' + L + '" x2="' + (W - R) + '" y1="' + Y(Math.pow(10, e)) + '" y2="' + Y(Math.pow(10, e)) + '" stroke="#eef1f4"/><text x="' + (L - 4) + '" y="' + (Y(Math.pow(10, e)) + 3) + '" font-size="10" text-anchor="end" fill="#57606a">1e' + e + '</text>'; }
   else { for (let j = 0; j <= 4; j++) { const val = y1 * j / 4; h += '<line x1="' + L + '" x2="' + (W - R) + '" y1="' + Y(val) + '" y2="' + Y(val) + '" stroke="#eef1f4"/><text x="' + (L - 4) + '" y="' + (Y(val) + 3) + '" font-size="10" text-anchor="end" fill="#57606a">' + (val === 0 ? '0' : Math.abs(val) >= 1e-3 && Math.abs(val) < 1e4 ? String(+val.toPrecision(2)) : val.toExponential(1)) + '</text>'; } }
   h += '<text x="' + ((L + W - R) / 2) + '" y="' + (H - 3) + '" font-size="10.5" text-anchor="middle" fill="#57606a">iteration t</text>';
-  h += '<text transform="translate(10 ' + ((T + H - B) / 2) + ') rotate(-90)" font-size="10.5" text-anchor="middle" fill="#57606a">|contribution to grad|</text>';
-  let d = ''; v.forEach((x, t) => { if (!isFinite(x)) return; d += (d ? 'L' : 'M') + X(t).toFixed(1) + ',' + Y(x).toFixed(1); });
+  h += '<text transform="translate(10 ' + ((T + H - B) / 2) + ') rotate(-90)" font-size="10.5" text-anchor="middle" fill="#57606a">' + (s.node ? '|grad|' : '|contribution to grad|') + '</text>';
+  let d = ''; v.forEach((x, t) => { if (x === null || !isFinite(x)) { d += ' '; return; } d += (d && !d.endsWith(' ') ? 'L' : 'M') + X(t).toFixed(1) + ',' + Y(x).toFixed(1); });
   h += '<path d="' + d + '" fill="none" stroke="#d73027" stroke-width="1.5"/>';
-  if (n <= 80) v.forEach((x, t) => { h += '<circle cx="' + X(t) + '" cy="' + Y(x) + '" r="2.6" fill="' + (log && !(x > 0) ? '#fff' : '#d73027') + '" stroke="#d73027"/>'; });
+  if (n <= 80) v.forEach((x, t) => { if (x === null) return; h += '<circle cx="' + X(t) + '" cy="' + Y(x) + '" r="2.6" fill="' + (log && !(x > 0) ? '#fff' : '#d73027') + '" stroke="#d73027"/>'; });
   h += '<line id="vg-chart-guide" y1="' + T + '" y2="' + (H - B) + '" stroke="#0b5cad" stroke-dasharray="3 2" visibility="hidden"/><circle id="vg-chart-dot" r="4" fill="#0b5cad" visibility="hidden"/>';
   h += '<rect id="vg-chart-hit" x="' + L + '" y="' + T + '" width="' + (W - L - R) + '" height="' + (H - B - T) + '" fill="transparent" style="cursor:crosshair"/></svg>';
   h += '<div class="hint" id="vg-chart-read">Hover the chart to highlight an iteration; click to unfold it.</div>';
   el.innerHTML = h;
   const zeros = log ? v.filter(x => x === 0).length : 0;
-  $('vg-chart-hint').textContent = 'Row t of vgraph.render.gradient_through_time: the part of ' + s.param + '.grad (|total| ' + fmt(s.total) + ') coming from iteration t' + (log ? '; log scale' : '') + (zeros ? '; ' + zeros + ' zero rows drawn on the axis (hollow)' : '') + '.';
+  const tail = (log ? '; log scale' : '') + (zeros ? '; ' + zeros + ' zeros drawn on the axis (hollow)' : '') + '.';
+  $('vg-chart-hint').textContent = s.node ? 'Norm of .grad of the copies of <' + s.key + '> in each iteration t of ' + s.loopLabel + tail
+    : 'Row t of vgraph.render.gradient_through_time: the part of ' + s.param + '.grad (|total| ' + fmt(s.total) + ') coming from iteration t' + tail;
   const svg = $('vg-chart-svg'), hit = $('vg-chart-hit');
   const tAt = ev => { const r = svg.getBoundingClientRect(), x = (ev.clientX - r.left) / r.width * W; return Math.max(0, Math.min(n - 1, Math.round(n > 1 ? (x - L) / (W - L - R) * (n - 1) : 0))); };
   hit.addEventListener('mousemove', ev => { const t = tAt(ev); chartAt(s, t, X, Y, v); });
@@ -1057,7 +1074,7 @@ let chartState = null;
 function chartAt(s, t, X, Y, v){
   const g = $('vg-chart-guide'), dot = $('vg-chart-dot'); g.setAttribute('x1', X(t)); g.setAttribute('x2', X(t)); g.setAttribute('visibility', 'visible');
   dot.setAttribute('cx', X(t)); dot.setAttribute('cy', Y(v[t])); dot.setAttribute('visibility', 'visible');
-  $('vg-chart-read').innerHTML = '<b>t=' + t + '</b> · |contribution| <span id="vg-chart-value">' + fmt(v[t]) + '</span>';
+  $('vg-chart-read').innerHTML = '<b>t=' + t + '</b> · ' + (s.node ? '|grad|' : '|contribution|') + ' <span id="vg-chart-value">' + fmt(v[t]) + '</span>';
   if (U) U.highlightIteration(s.loop, t);
 }
 if (series.length) chart(0);
