@@ -1,4 +1,4 @@
-"""The explorer page (vgraph.explorer): the generated HTML and its embedded JSON, then the page
+"""The explorer page (vgraph.render.explore): the generated HTML and its embedded JSON, then the page
 itself in a real browser.
 
 Unit tests read the page's JSON and check it against numpy computed here. Browser tests drive
@@ -24,7 +24,7 @@ import pytest
 import vgraph as vg
 from vgraph import render as R
 from vgraph.compute import ComputeGraph
-from vgraph.explorer import ExplorerPage, explore, explore_script_result
+from vgraph.render import ExplorerPage, explore, explore_script_result
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "examples" / "models"
@@ -448,3 +448,13 @@ def test_browser_virtual_tab(rnn50_page):
     ActionChains(driver).move_to_element(node).perform()
     assert driver.find_element(By.ID, "vg-info-key").text == "<Tanh:1>"
     assert "50" in driver.find_element(By.ID, "vg-info").text  # unrolled copies
+
+
+def test_cli_writes_the_explorer_page(tmp_path):
+    from vgraph.cli import main
+
+    out = tmp_path / "page.html"
+    assert main(["render", str(MODELS / "stacked_rnn.py"), "--html", str(out), "--set", "steps=3"]) == 0
+    X = page_data(out.read_text())["unrolled"]
+    assert X is not None and X["hasGrad"] is True
+    assert main(["render", str(MODELS / "stacked_rnn.py")]) == 2  # neither -o nor --html

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples" / "models"))
 
 import vgraph as vg  # noqa: E402
-from vgraph.explorer import explore_script_result  # noqa: E402
+from vgraph.render import explore_script_result  # noqa: E402
 
 
 def nest3(n: int = 10):

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples" / "models"))
 
-from vgraph.explorer import explore_script_result  # noqa: E402
+from vgraph.render import explore_script_result  # noqa: E402
 
 
 def main() -> None:

@@ -57,8 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument(
         "script", metavar="SCRIPT", help="model script defining build() -> (virtual_graph, feed, outputs)"
     )
-    r.add_argument("-o", "--output", required=True, metavar="FILE",
+    r.add_argument("-o", "--output", metavar="FILE",
                    help="output file; the format comes from the suffix (.svg, .png, .pdf, .dot)")  # fmt: skip
+    r.add_argument("--html", metavar="FILE",
+                   help="also (or only) write the interactive explorer page of the model and one build, "
+                        "with gradients (see docs/explorer.md)")  # fmt: skip
     r.add_argument("--format", help="output format, overriding the suffix (svg, png, pdf, dot …)")
     r.add_argument("--unrolled", action="store_true",
                    help="draw the unrolled compute graph of one build (implied by --fold, --all, --iterations)")  # fmt: skip
@@ -190,8 +193,15 @@ def _render(args: argparse.Namespace) -> int:
             f"--taken applies to the virtual view (it greys out what one build did not use); {implied} draws "
             "the unrolled view, which shows only what the build used: drop one of them"
         )
+    if args.output is None and args.html is None:
+        raise _UsageError("give -o FILE (a drawing), --html FILE (the explorer page), or both")
     module = _load_script(args.script)
     g, feed, outputs = _call_build(module, args.script, settings)
+    if args.html is not None:
+        R.explore_script_result(g, feed, outputs, args.html)
+        print(f"wrote {args.html}")
+        if args.output is None:
+            return EXIT_OK
     options: dict[str, Any] = {"guards": args.guards, "constants": not args.no_constants,
                                "rankdir": "LR" if args.lr else "TB", "title": args.title}  # fmt: skip
     fmt = (args.format or Path(args.output).suffix.lstrip(".")).lower()

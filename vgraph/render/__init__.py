@@ -27,13 +27,15 @@ Importing this module also gives ``ComputeGraph`` and ``VirtualGraph`` rich disp
 Modules: ``scene`` (the DOT scene model and writing), ``frames`` (which iteration each compute node
 belongs to), ``virtual_view`` and ``unrolled_view`` (the two views), ``gradients`` (colour scale,
 gradient norms, gradient through time), ``views`` (option checking, :func:`to_dot`), ``output``
-(the ``dot`` program, :func:`render`, Jupyter display).
+(the ``dot`` program, :func:`render`, Jupyter display), ``explorer`` (:func:`explore`: one
+self-contained interactive HTML page).
 """
 
 from __future__ import annotations
 
 # The public names are __all__; the internals (``_scene``, ``_Frames`` …) stay reachable as
 # ``vgraph.render._name``, as they were before the module became a package.
+from .explorer import ExplorerPage, explore, explore_script_result
 from .frames import _Frame, _Frames, _Run  # noqa: F401
 from .gradients import (  # noqa: F401
     GRADIENT_DECADES,
@@ -83,8 +85,11 @@ __all__ = [
     "INF_COLOR",
     "NAN_COLOR",
     "REFERENCE_THRESHOLD",
+    "ExplorerPage",
     "GradientScale",
     "dot_available",
+    "explore",
+    "explore_script_result",
     "gradient_color",
     "gradient_norms",
     "gradient_through_time",

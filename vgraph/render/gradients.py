@@ -238,12 +238,8 @@ def gradient_through_time(
     if plot is not None and not isinstance(plot, (str, os.PathLike)):
         raise TypeError(f"plot must be a file path (str or os.PathLike) or None, got {type(plot).__name__}")
     P = _resolve_param(cg, param)
-    uses = [n for n in cg.nodes() if n.op is not None and any(p is P for p in n.parents)]
-    # Where each use sits: itself, or for a hoisted group (one op for every iteration, see
-    # vgraph.virtual.hoist) each iteration's copy and the group's row for it.
     groups = cg._groups if isinstance(cg, UnrolledGraph) else {}
-    sites = [(n, c, c.attrs["index"]) for n in uses if n in groups for c in groups[n]]
-    sites += [(n, n, None) for n in uses if n not in groups]
+    sites = _use_sites(cg, P)
     view: _Frames | None = None
     if isinstance(cg, UnrolledGraph):
         view = _Frames(cg)
@@ -273,7 +269,7 @@ def gradient_through_time(
         trips = [d.value for d in cg.decisions if d.kind == "iterations" and d.node is loop]
         T = max(trips) if trips else 0
     else:
-        T = max((n.key.idx[0] + 1 for n in uses if n.key.idx), default=0)
+        T = max((n.key.idx[0] + 1 for _, n, _ in sites if n.key.idx), default=0)
     out = np.zeros((T, *np.shape(P.value)), dtype=np.result_type(P.value, np.float64))
     for n, site, row in sites:
         if view is not None:
@@ -311,6 +307,17 @@ def gradient_through_time(
     if plot is not None:
         _plot_through_time(out, P, Path(plot))
     return out
+
+
+def _use_sites(cg: ComputeGraph, P: ComputeNode) -> list[tuple[ComputeNode, ComputeNode, int | None]]:
+    """The nodes that read ``P``, with where each sits: ``(use, site, row)``. A use sits where it
+    is, ``row`` ``None``; a hoisted group (one op for every iteration, see
+    :mod:`vgraph.virtual.hoist`) sits in each iteration at that iteration's copy, ``row`` its row."""
+    uses = [n for n in cg.nodes() if n.op is not None and any(p is P for p in n.parents)]
+    groups = cg._groups if isinstance(cg, UnrolledGraph) else {}
+    return [(n, c, c.attrs["index"]) for n in uses for c in groups.get(n, ())] + [
+        (n, n, None) for n in uses if n not in groups
+    ]
 
 
 def _plot_through_time(contrib: np.ndarray, P: ComputeNode, path: Path) -> None:

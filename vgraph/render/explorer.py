@@ -37,10 +37,13 @@ from typing import Any
 
 import numpy as np
 
-from . import render
-from .compute import ComputeGraph
-from .errors import RenderError, VGraphError
-from .virtual import LoopNode, UnrolledGraph, VirtualGraph, VirtualNode
+from ..compute import ComputeGraph
+from ..errors import RenderError, VGraphError
+from ..virtual import LoopNode, UnrolledGraph, VirtualGraph, VirtualNode
+from .frames import _Frames
+from .gradients import _use_sites, gradient_through_time, retain_all_grads
+from .output import dot_available, to_svg
+from .unrolled_view import DEFAULT_FOLD
 
 __all__ = ["ExplorerPage", "explore", "explore_script_result"]
 
@@ -81,7 +84,7 @@ def explore(
     *,
     build: ComputeGraph | None = None,
     title: str | None = None,
-    fold: tuple[int, int] = render.DEFAULT_FOLD,
+    fold: tuple[int, int] = DEFAULT_FOLD,
     virtual_view: bool = True,
 ) -> ExplorerPage:
     """An interactive, self-contained HTML page exploring a model and/or one unrolled build.
@@ -157,7 +160,7 @@ def explore_script_result(
     outs = [outputs] if isinstance(outputs, VirtualNode) else list(outputs)
     cg = graph.build(feed, outs)
     if gradients and cg.outputs and np.size(cg.outputs[0].value) == 1:
-        render.retain_all_grads(cg)
+        retain_all_grads(cg)
         cg.backward(cg.outputs[0])
     return explore(graph, path, build=cg, title=title)
 
@@ -259,7 +262,7 @@ def _loop_id(loop: Any) -> str:
 
 
 def _unrolled_data(cg: ComputeGraph) -> dict[str, Any]:
-    frames_view = render._Frames(cg)  # which loop iteration each node belongs to (shared with to_dot)
+    frames_view = _Frames(cg)  # which loop iteration each node belongs to (shared with to_dot)
     nodes = frames_view.nodes
     strings = _Strings()
 
@@ -343,17 +346,16 @@ def _series(cg: ComputeGraph, frames_view: Any) -> list[dict[str, Any]]:
     for p in cg.parameters():
         if p.key.idx or p.grad is None:
             continue
-        uses = [n for n in cg.nodes() if n.op is not None and any(q is p for q in n.parents)]
         loops = []
-        for n in uses:
-            f = frames_view.owner.get(n)
+        for _, site, _ in _use_sites(cg, p):
+            f = frames_view.owner.get(site)
             while f is not None and f.parent is not None:
                 f = f.parent
             if f is not None and f.loop not in loops:
                 loops.append(f.loop)
         for loop in loops:
             try:
-                contrib = render.gradient_through_time(
+                contrib = gradient_through_time(
                     cg, p, loop=loop if isinstance(loop, LoopNode) and len(loops) > 1 else None
                 )
             except VGraphError:  # uses without retained gradients, untied, …: no chart for it
@@ -396,9 +398,9 @@ def _virtual_data(g: VirtualGraph, build: UnrolledGraph | None) -> dict[str, Any
         info[f"{v.type}:{v.id}"] = entry
     svg = None
     error = None
-    if render.dot_available():
+    if dot_available():
         try:
-            svg = _strip_prolog(render.to_svg(g, build=build))
+            svg = _strip_prolog(to_svg(g, build=build))
         except Exception as e:  # the renderer's bug must not cost the user the rest of the page
             error = f"The virtual view could not be drawn ({type(e).__name__}: {e}); the unrolled view is unaffected."
     else:
