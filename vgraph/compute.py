@@ -39,7 +39,7 @@ from .errors import (
     VGraphError,
 )
 from .functions import Operand
-from .ops import OPS, LazyGrad, Op, add_grads, unbroadcast
+from .ops import OPS, LazyGrad, Op, RowSparseGrad, add_grads, add_grads_sparse, as_row_sparse, unbroadcast
 
 # ---------------------------------------------------------------------------- settings
 
@@ -248,11 +248,16 @@ class ComputeNode(Operand):
             only ever grows.
         requires_grad: whether backward computes a gradient for this node.
         grad: the accumulated gradient (leaves, and nodes that called ``retain_grad()``).
+        sparse_grad: for a 2-D parameter (an embedding table): backward gives ``.grad`` as a
+            :class:`~vgraph.ops.RowSparseGrad` holding only the rows that were looked up, when
+            every use of the parameter is a row look-up (``take``, integer indexing); see
+            docs/training.md, "Sparse embedding gradients". Set it through
+            ``parameter(..., sparse_grad=True)``.
     """
 
     __slots__ = (
         "key", "name", "op", "parents", "attrs", "vjps", "_value", "version",
-        "requires_grad", "grad", "retains_grad", "_graph", "serial", "_g", "_gown",
+        "requires_grad", "grad", "retains_grad", "_graph", "serial", "_g", "_gown", "sparse_grad",
     )  # fmt: skip
 
     def __init__(
@@ -279,13 +284,14 @@ class ComputeNode(Operand):
         # One clock for creation order (a topological order) and for value versions.
         self.serial = self.version = next(_clock)
         self.requires_grad = requires_grad
-        self.grad: np.ndarray | None = None
+        self.grad: np.ndarray | RowSparseGrad | None = None
         self.retains_grad = False
         # A weak reference: graph -> node -> graph would make every graph a reference cycle that
         # only the cyclic garbage collector frees (slowly, and after the memory piles up).
         self._graph = graph._weak_self if graph is not None else None
         self._g: Any = None  # gradient being accumulated during one backward pass
         self._gown = False  # whether _g is an array this pass allocated (safe to add into)
+        self.sparse_grad = False
 
     @property
     def graph(self) -> ComputeGraph | None:
@@ -375,6 +381,23 @@ class ComputeNode(Operand):
 
 
 _NO_ATTRS: dict[str, Any] = {}
+
+
+def sparse_grad_arg(flag: Any, shape: tuple[int, ...], what: str) -> bool:
+    """``flag`` checked as the ``sparse_grad`` setting of a parameter of ``shape``.
+
+    Raises:
+        TypeError: ``flag`` is not a bool.
+        ShapeError: ``flag`` is true and the parameter is not 2-D (a table of rows).
+    """
+    if not isinstance(flag, (bool, np.bool_)):
+        raise TypeError(f"{what}: sparse_grad must be True or False, got {type(flag).__name__} {flag!r}")
+    if flag and len(shape) != 2:
+        raise ShapeError(
+            f"{what}: sparse_grad=True needs a 2-D parameter (a table whose rows are looked up, "
+            f"e.g. an embedding (num_embeddings, dim)), got shape {tuple(shape)}"
+        )
+    return bool(flag)
 
 
 def _readonly(value: Any) -> Any:
@@ -471,9 +494,27 @@ class ComputeGraph:
         """
         return self._leaf("Input", value, name, key, requires_grad)
 
-    def parameter(self, value: Any, name: str | None = None, key: NodeKey | None = None) -> ComputeNode:
-        """Add a trainable leaf (``requires_grad=True``) holding a copy of ``value``."""
-        return self._leaf("Parameter", np.array(value, dtype=self.dtype), name, key, True)
+    def parameter(
+        self, value: Any, name: str | None = None, key: NodeKey | None = None, sparse_grad: bool = False
+    ) -> ComputeNode:
+        """Add a trainable leaf (``requires_grad=True``) holding a copy of ``value``.
+
+        Args:
+            value: the initial value.
+            name: a display name.
+            key: the node's key (default ``<Parameter, n, ()>``).
+            sparse_grad: keep its gradient row-sparse (a 2-D table; see
+                :attr:`ComputeNode.sparse_grad`).
+
+        Raises:
+            TypeError: ``sparse_grad`` is not a bool.
+            ShapeError: ``sparse_grad=True`` for a value that is not 2-D.
+        """
+        arr = np.array(value, dtype=self.dtype)
+        sparse = sparse_grad_arg(sparse_grad, arr.shape, f"parameter {name or key or ''!s}".rstrip())
+        node = self._leaf("Parameter", arr, name, key, True)
+        node.sparse_grad = sparse
+        return node
 
     def constant(self, value: Any, name: str | None = None, key: NodeKey | None = None) -> ComputeNode:
         """Add a leaf that never needs a gradient."""
@@ -1011,7 +1052,8 @@ class ComputeGraph:
         for it are staged, so a VJP that raises leaves every ``.grad`` as it was.
         """
         found: dict[ComputeNode, np.ndarray] = {}
-        staged: list[tuple[ComputeNode, np.ndarray, bool]] = []  # (node, gradient, owned)
+        staged: list[tuple[ComputeNode, Any, bool]] = []  # (node, gradient, owned)
+        g: Any
         check = _Anomaly.enabled
         try:
             for r, g in roots:
@@ -1026,7 +1068,8 @@ class ComputeGraph:
                 own = n._gown
                 n._gown = False
                 if isinstance(g, LazyGrad):  # every contribution is in: make it an array
-                    g = g.dense()
+                    # (a sparse_grad leaf's .grad keeps only the rows looked up)
+                    g = as_row_sparse(g) if n.sparse_grad and accumulate else g.dense()
                     own = True
                 if wanted is not None and n in wanted:
                     found[n] = g if own else np.array(g)
@@ -1066,7 +1109,7 @@ class ComputeGraph:
                         else:
                             np.add(acc, pg, out=acc)
                     else:
-                        p._g = add_grads(acc, pg)
+                        p._g = add_grads_sparse(acc, pg) if p.sparse_grad else add_grads(acc, pg)
                         p._gown = True
         except BaseException:  # leave no half-propagated gradients behind
             for n in plan:

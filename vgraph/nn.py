@@ -155,8 +155,12 @@ class Module:
         self.share = bool(share)
         self.declared: dict[str, VirtualNode] = {}
 
-    def _param(self, local: str, shape: tuple[int, ...], init_: Any) -> VirtualNode:
-        node = self.graph.parameter(f"{self.name}.{local}", shape, init=init_, share=self.share)
+    def _param(
+        self, local: str, shape: tuple[int, ...], init_: Any, sparse_grad: bool = False
+    ) -> VirtualNode:
+        node = self.graph.parameter(
+            f"{self.name}.{local}", shape, init=init_, share=self.share, sparse_grad=sparse_grad
+        )
         self.declared[local] = node
         return node
 
@@ -389,14 +393,31 @@ class Embedding(Module):
     * an integer **node** (e.g. ``g.input("tokens")`` fed at build time): ``take(W, indices)``,
       the same row look-up with data-dependent indices.
 
-    Either way the gradient of ``W`` is a dense ``(num_embeddings, dim)`` array filled by
-    ``np.add.at`` over the looked-up rows (the engine has no sparse gradients). Inside a loop every call adds one such dense array per iteration: for
-    long sequences embed the whole ``(time, batch)`` index array once, before the loop, and step
-    through the result — one look-up and one dense gradient in total::
+    By default the gradient of ``W`` is a dense ``(num_embeddings, dim)`` array filled by
+    ``np.add.at`` over the looked-up rows, and an optimiser updates the whole table at every step.
+    With ``sparse=True``, ``W.grad`` after backward is a :class:`~vgraph.ops.RowSparseGrad`:
+    only the rows looked up (repeated rows summed), equal to the dense gradient's rows bit for
+    bit. SGD and Adagrad then touch only those rows and give exactly the dense result;
+    ``optim.Adam(..., lazy=True)`` gives the lazy update of PyTorch's ``SparseAdam`` (see
+    docs/training.md, "Sparse embedding gradients"). If the table is also used other than by row
+    look-ups (e.g. tied as the output layer's weight), that backward's gradient is dense.
+
+    Inside a loop, each call is one look-up per iteration; for long sequences embed the whole
+    ``(time, batch)`` index array once, before the loop, and step through the result::
 
         embedded = emb(tokens)          # (time, batch, dim), declared outside the loop
         with g.loop() as L:
             e_t = L.step(embedded)
+
+    Args:
+        graph, name, share: see :class:`Module`.
+        num_embeddings: the number of rows (the vocabulary size).
+        dim: the size of each embedding.
+        init: the table's initialiser (default standard normal).
+        sparse: give ``W`` a row-sparse gradient (default ``False``: dense).
+
+    Raises:
+        TypeError: ``sparse`` is not a bool.
     """
 
     def __init__(
@@ -407,10 +428,19 @@ class Embedding(Module):
         name: str,
         init: Any = None,
         share: bool = False,
+        sparse: bool = False,
     ) -> None:
         super().__init__(graph, name, share)
         self.num_embeddings, self.dim = int(num_embeddings), int(dim)
-        self.W = self._param("W", (self.num_embeddings, self.dim), normal(1.0) if init is None else init)
+        if not isinstance(sparse, (bool, np.bool_)):
+            raise TypeError(f"{name}: sparse must be True or False, got {type(sparse).__name__} {sparse!r}")
+        self.sparse = bool(sparse)
+        self.W = self._param(
+            "W",
+            (self.num_embeddings, self.dim),
+            normal(1.0) if init is None else init,
+            sparse_grad=self.sparse,
+        )
 
     def __call__(self, indices: Any) -> Any:
         """The embeddings of ``indices`` (any shape S): a node of shape ``S + (dim,)``.

@@ -213,6 +213,218 @@ class IndexedGrad(LazyGrad):
             np.add.at(acc, self.index, self.g)  # integer arrays may repeat rows: accumulate
 
 
+class RowSparseGrad(LazyGrad):
+    """The gradient of a table (e.g. an embedding matrix) that is non-zero only in some rows.
+
+    Row ``indices[k]`` of the full gradient is ``values[k]``; every other row is zero. This is
+    what ``.grad`` of a parameter declared with ``sparse_grad=True`` (``nn.Embedding(...,
+    sparse=True)``) holds after backward: only the rows looked up, instead of a dense array the
+    size of the table. Optimisers, clipping and :func:`numpy.asarray` accept it (see
+    docs/training.md, "Sparse embedding gradients").
+
+    The rows are always *coalesced*: ``indices`` is sorted and holds each row once (the
+    contributions of a row looked up several times are summed, in the order backward produced
+    them, with the same floating-point additions as the dense gradient's ``np.add.at``, so
+    :meth:`dense` equals the dense gradient bit for bit).
+
+    ``np.asarray(grad)`` (``__array__``) gives the dense array, at the cost of allocating the
+    whole table: convenient for inspection and tests, not for a training loop. ``a + b`` of two
+    row-sparse gradients is row-sparse; adding a dense array gives a dense array.
+
+    Args:
+        indices: the row indices, a 1-D integer array (negative indices count from the end);
+            repeated rows are summed.
+        values: one row of values per index, shape ``(len(indices),) + shape[1:]``.
+        shape: the shape of the full gradient (the parameter's shape), at least 1-D.
+
+    Attributes:
+        indices: the sorted, distinct row indices (int64).
+        values: their rows, shape ``(len(indices),) + shape[1:]``.
+        shape: the full shape. dtype: the values' dtype.
+
+    Raises:
+        TypeError: ``indices`` not integers, or ``values`` not floating point.
+        ValueError: a shape that is not a tuple of non-negative ints with at least one axis,
+            ``indices`` not 1-D, ``values`` of the wrong shape, or an index out of range.
+    """
+
+    __slots__ = ("indices", "values")
+
+    def __init__(self, indices: Any, values: Any, shape: tuple[int, ...]) -> None:
+        try:
+            shape = tuple(int(n) for n in shape)
+        except (TypeError, ValueError):
+            raise ValueError(f"RowSparseGrad: shape must be a tuple of ints, got {shape!r}") from None
+        if not shape or min(shape) < 0:
+            raise ValueError(
+                f"RowSparseGrad: shape must have at least one axis and no negative size, got {shape}"
+            )
+        idx = np.asarray(indices)
+        vals = np.asarray(values)
+        if idx.dtype.kind not in "iu" and not (idx.size == 0 and idx.dtype.kind == "f"):
+            raise TypeError(f"RowSparseGrad: indices must be integers, got dtype {idx.dtype}")
+        if idx.ndim != 1:
+            raise ValueError(f"RowSparseGrad: indices must be 1-D, got shape {idx.shape}")
+        if vals.dtype.kind != "f":
+            raise TypeError(f"RowSparseGrad: values must be floating point, got dtype {vals.dtype}")
+        if vals.shape != (idx.size, *shape[1:]):
+            raise ValueError(
+                f"RowSparseGrad: values must have shape {(idx.size, *shape[1:])} (one row per index), "
+                f"got {vals.shape}"
+            )
+        idx = idx.astype(np.int64)
+        if idx.size and (idx.min() < -shape[0] or idx.max() >= shape[0]):
+            raise ValueError(
+                f"RowSparseGrad: row index out of range: must be in [-{shape[0]}, {shape[0]}), got {idx.min()}..{idx.max()}"
+            )
+        super().__init__(shape, vals.dtype)
+        self.indices, self.values = _coalesce(shape[0], [idx], [vals], vals.dtype)
+
+    @classmethod
+    def _of(cls, shape: tuple[int, ...], indices: np.ndarray, values: np.ndarray) -> RowSparseGrad:
+        """One from rows known to be coalesced and values the caller gives away (no checks)."""
+        out = cls.__new__(cls)
+        LazyGrad.__init__(out, shape, values.dtype)
+        out.indices, out.values = indices, values
+        return out
+
+    def with_values(self, values: np.ndarray) -> RowSparseGrad:
+        """The same rows with other values (e.g. scaled by gradient clipping).
+
+        Raises:
+            ValueError: ``values`` has another shape than :attr:`values`.
+        """
+        values = np.asarray(values)
+        if values.shape != self.values.shape:
+            raise ValueError(f"RowSparseGrad.with_values: shape {values.shape}, expected {self.values.shape}")
+        return RowSparseGrad._of(self.shape, self.indices, values)
+
+    def add_into(self, acc: np.ndarray) -> None:
+        acc[self.indices] += self.values  # distinct rows: a buffered add is exact
+
+    def dense(self) -> np.ndarray:
+        out = np.zeros(self.shape, dtype=self.dtype)
+        out[self.indices] = self.values
+        return out
+
+    def merge(self, other: LazyGrad) -> LazyGrad | np.ndarray:
+        if isinstance(other, RowSparseGrad) and other.shape == self.shape:
+            dtype = np.result_type(self.dtype, other.dtype)
+            rows, vals = _coalesce(
+                self.shape[0], [self.indices, other.indices], [self.values, other.values], dtype
+            )
+            return RowSparseGrad._of(self.shape, rows, vals)
+        return super().merge(other)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        if copy is False:
+            raise ValueError("a RowSparseGrad cannot be viewed as a dense array without a copy")
+        out = self.dense()
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def __add__(self, other: Any) -> Any:
+        if isinstance(other, LazyGrad):
+            return self.merge(other)
+        return add_grads(self, other)  # a dense array: the sum is dense
+
+    __radd__ = __add__
+
+    def __repr__(self) -> str:
+        return (
+            f"RowSparseGrad(shape={self.shape}, rows={self.indices.size}, dtype={self.dtype}, "
+            f"indices={np.array2string(self.indices, threshold=8)})"
+        )
+
+
+def _coalesce(
+    n_rows: int, indices: list[np.ndarray], values: list[np.ndarray], dtype: Any
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted distinct rows and their summed values from (possibly repeated) ``indices``.
+
+    Repeated rows are summed with ``np.add.at`` into zeros, in the order given: the same additions
+    in the same order as the dense gradient's (``IndexedGrad.add_into``), hence the same bits.
+    (Sorting and ``np.add.reduceat`` is faster but sums in another order.)
+    """
+    idx = indices[0] if len(indices) == 1 else np.concatenate(indices)
+    vals = values[0] if len(values) == 1 else np.concatenate(values)
+    idx = np.where(idx < 0, idx + n_rows, idx) if idx.size and idx.min() < 0 else idx
+    rows, inverse = np.unique(idx, return_inverse=True)
+    out = np.zeros((rows.size, *vals.shape[1:]), dtype=dtype)
+    if rows.size == idx.size:  # no repeats: a buffered add (0 + v, as the dense gradient's)
+        out[inverse] += vals
+    else:
+        np.add.at(out, inverse, vals)
+    return rows, out
+
+
+def _row_parts(g: Any, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(row indices, row values)`` of a gradient contribution that is a gather of whole rows
+    of an array of ``shape`` (a ``Take`` or an integer ``GetItem``), else ``None``."""
+    if type(g) is not IndexedGrad:
+        return None
+    index = g.index
+    if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
+        return np.array([index], dtype=np.int64), np.reshape(g.g, (1, *shape[1:]))
+    if isinstance(index, np.ndarray) and index.dtype.kind in "iu":
+        vals = np.broadcast_to(g.g, (*index.shape, *shape[1:]))
+        return index.reshape(-1), vals.reshape(-1, *shape[1:])
+    return None
+
+
+class _RowChunks(LazyGrad):
+    """The row-gather contributions reaching a ``sparse_grad`` leaf during one backward sweep,
+    kept as a list and coalesced once, when the leaf's turn comes."""
+
+    __slots__ = ("indices", "values")
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any) -> None:
+        super().__init__(shape, dtype)
+        self.indices: list[np.ndarray] = []
+        self.values: list[np.ndarray] = []
+
+    def rows(self) -> RowSparseGrad:
+        dtype = np.result_type(*self.values)
+        return RowSparseGrad._of(self.shape, *_coalesce(self.shape[0], self.indices, self.values, dtype))
+
+    def add_into(self, acc: np.ndarray) -> None:
+        for idx, vals in zip(self.indices, self.values):
+            np.add.at(acc, idx, vals)
+
+
+def add_grads_sparse(acc: Any, g: Any) -> Any:
+    """``acc + g`` for a leaf that keeps a row-sparse gradient (``sparse_grad=True``): row-gather
+    contributions are collected (nothing the size of the table is allocated); any other
+    contribution (the leaf used by a matmul, a slice …) makes the sum dense, as :func:`add_grads`."""
+    if type(acc) is not _RowChunks:
+        first = _row_parts(acc, acc.shape) if isinstance(acc, LazyGrad) else None
+        if first is None:
+            return add_grads(acc, g)
+        chunks = _RowChunks(acc.shape, acc.dtype)
+        chunks.indices.append(first[0])
+        chunks.values.append(first[1])
+        acc = chunks
+    parts = _row_parts(g, acc.shape)
+    if parts is None:
+        return add_grads(acc, g)
+    acc.indices.append(parts[0])
+    acc.values.append(parts[1])
+    return acc
+
+
+def as_row_sparse(g: LazyGrad) -> RowSparseGrad | np.ndarray:
+    """All that reached a ``sparse_grad`` leaf in one sweep as a :class:`RowSparseGrad` — or, if
+    some of it is not a gather of whole rows, as a dense array."""
+    if type(g) is _RowChunks:
+        return g.rows()
+    if type(g) is RowSparseGrad:
+        return g
+    parts = _row_parts(g, g.shape)
+    if parts is None:
+        return g.dense()
+    idx, vals = parts
+    return RowSparseGrad._of(g.shape, *_coalesce(g.shape[0], [idx], [vals], vals.dtype))
+
+
 class RowsProductGrad(LazyGrad):
     """``sum_k a_k.T @ g_k`` over 2-D ``a_k`` (rows, I) and ``g_k`` (rows, H): the gradient of a
     weight ``W`` in ``x @ W``, collected over every use of ``W`` (every iteration of a loop) and

@@ -23,6 +23,16 @@ and with ``check_finite=True`` that it holds no NaN or infinity); only when all 
 any step count, moment or value. A refused step raises an error naming the parameter and leaves
 parameters and optimiser state bit for bit as they were.
 
+**Row-sparse gradients.** A parameter declared with ``sparse_grad=True`` (``nn.Embedding(...,
+sparse=True)``) has a :class:`~vgraph.ops.RowSparseGrad` as ``.grad``: only the rows looked up.
+Every optimiser accepts it. :class:`SGD` (without momentum and weight decay) and :class:`Adagrad`
+(without weight decay) update only those rows and give bit for bit the dense result (the other
+rows would not move). :class:`Adam` / :class:`AdamW` with ``lazy=True`` give the lazy update of
+PyTorch's ``SparseAdam``: moments and values change only in the rows present. Everywhere else the
+gradient is made dense and the dense formula applies, so a result never depends on whether the
+gradient was sparse unless ``lazy=True`` was asked for. See docs/training.md, "Sparse embedding
+gradients".
+
 **Resuming.** :meth:`Optimizer.state_dict` / :meth:`Optimizer.load_state_dict` (and the same pair
 on every schedule) give the complete state by parameter name; :func:`vgraph.io.save_training_state`
 writes it, with the parameters, to one checkpoint.
@@ -34,12 +44,13 @@ import math
 import numbers
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from .compute import ComputeNode
 from .errors import ShapeError, VGraphError
+from .ops import RowSparseGrad
 
 __all__ = [
     "SGD",
@@ -253,6 +264,9 @@ class Optimizer:
     """
 
     _hyper: tuple[str, ...] = ("lr",)
+    #: Hyper-parameters added after state dicts were first written, with the value a state dict
+    #: that lacks them means (so that older training-state files still load).
+    _hyper_defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, params: Any, lr: float, *, check_finite: bool = False, **hyper: Any) -> None:
         checked = self._check_hyper({"lr": lr, **hyper})
@@ -298,7 +312,7 @@ class Optimizer:
             p.grad = None
 
     # -- stepping
-    def _checked_grads(self) -> list[tuple[ComputeNode, np.ndarray, str | None]]:
+    def _checked_grads(self) -> list[tuple[ComputeNode, np.ndarray | RowSparseGrad, str | None]]:
         """Every (parameter, gradient in the parameter's dtype, name of pending state to adopt) to
         update, after
         checking all of them. Changes nothing.
@@ -310,12 +324,15 @@ class Optimizer:
         """
         params = self._source()
         names = _names(params) if self._pending else None
-        work: list[tuple[ComputeNode, np.ndarray, str | None]] = []
+        work: list[tuple[ComputeNode, np.ndarray | RowSparseGrad, str | None]] = []
         for i, p in enumerate(params):
             g = p.grad
             if g is None:
                 continue
             value = p.value
+            if isinstance(g, RowSparseGrad):
+                work.append((p, self._checked_rows(p, g, value), self._adopt(names, i, p, value)))
+                continue
             try:
                 arr = g if isinstance(g, np.ndarray) else np.asarray(g)
             except (TypeError, ValueError) as e:
@@ -344,13 +361,38 @@ class Optimizer:
                     f"{_label(p)}: .grad has {n_nan} NaN and {n_inf} infinite element(s) of "
                     f"{grad.size} (check_finite=True); step refused, nothing changed"
                 )
-            adopt = None
-            st = self.state.get(id(p))
-            if names is not None and (st is None or st["node"] is not p) and names[i] in self._pending:
-                adopt = names[i]
-                _check_arrays(adopt, self._pending[adopt], value.shape, value.dtype)
-            work.append((p, grad, adopt))
+            work.append((p, grad, self._adopt(names, i, p, value)))
         return work
+
+    def _adopt(self, names: list[str] | None, i: int, p: ComputeNode, value: np.ndarray) -> str | None:
+        """The name of loaded state that parameter ``p`` (position ``i``) takes up at this step, if
+        any (checked against the parameter)."""
+        st = self.state.get(id(p))
+        if names is not None and (st is None or st["node"] is not p) and names[i] in self._pending:
+            _check_arrays(names[i], self._pending[names[i]], value.shape, value.dtype)
+            return names[i]
+        return None
+
+    def _checked_rows(self, p: ComputeNode, g: RowSparseGrad, value: np.ndarray) -> RowSparseGrad:
+        """A row-sparse gradient checked as :meth:`_checked_grads` checks a dense one (on its rows),
+        its values in the parameter's dtype."""
+        if g.shape != value.shape:
+            raise ShapeError(
+                f"{_label(p)}: .grad has shape {g.shape} but the parameter has shape "
+                f"{value.shape}; step refused, nothing changed"
+            )
+        vals = g.values
+        if vals.dtype != value.dtype:
+            with np.errstate(over="ignore"):
+                g = g.with_values(vals.astype(value.dtype))
+        if self.check_finite and not np.isfinite(g.values).all():
+            n_nan = int(np.isnan(g.values).sum())
+            n_inf = int(np.isinf(g.values).sum())
+            raise NonFiniteGradientError(
+                f"{_label(p)}: .grad has {n_nan} NaN and {n_inf} infinite element(s) in its "
+                f"{g.indices.size} rows (check_finite=True); step refused, nothing changed"
+            )
+        return g
 
     def step(self) -> None:
         """Update every bound parameter that has a gradient, by the optimiser's formula.
@@ -371,10 +413,18 @@ class Optimizer:
                 if adopt is not None:
                     st.update(self._pending.pop(adopt))
             st["step"] += 1
-            p.value = self._update(p.value, grad, st)
+            if isinstance(grad, RowSparseGrad):
+                p.value = self._update_rows(p.value, grad, st)
+            else:
+                p.value = self._update(p.value, grad, st)
 
     def _update(self, value: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> np.ndarray:
         raise NotImplementedError
+
+    def _update_rows(self, value: np.ndarray, grad: RowSparseGrad, state: dict[str, Any]) -> np.ndarray:
+        """The update for a row-sparse gradient; by default the dense update of its dense form.
+        Subclasses override it where touching only the rows present is exact (or asked for)."""
+        return self._update(value, grad.dense(), state)
 
     # -- saving and loading
     def state_dict(self) -> dict[str, Any]:
@@ -427,6 +477,8 @@ class Optimizer:
         if kind != type(self).__name__:
             raise ValueError(f"the state dict is of a {kind} optimiser; this one is {type(self).__name__}")
         hp = state_dict["hyperparameters"]
+        if isinstance(hp, Mapping):
+            hp = {**self._hyper_defaults, **hp}
         if not isinstance(hp, Mapping) or set(hp) != set(self._hyper):
             got = sorted(hp) if isinstance(hp, Mapping) else type(hp).__name__
             raise ValueError(f"{kind} hyper-parameters must be {sorted(self._hyper)}, got {got}")
@@ -589,6 +641,14 @@ class SGD(Optimizer):
             grad = grad + self.momentum * buf if self.nesterov else buf
         return value - self.lr * grad
 
+    def _update_rows(self, value: np.ndarray, grad: RowSparseGrad, state: dict[str, Any]) -> np.ndarray:
+        if self.momentum or self.weight_decay:  # every row moves: the dense update
+            return self._update(value, grad.dense(), state)
+        rows = grad.indices
+        new = value.copy()  # a new array, as every update gives (see the module docstring)
+        new[rows] = value[rows] - self.lr * grad.values
+        return new
+
 
 class Adam(Optimizer):
     """Adam (Kingma & Ba, 2015) with bias correction; ``weight_decay`` is an L2 penalty.
@@ -601,10 +661,22 @@ class Adam(Optimizer):
         m̂ = m / (1 − β1^t),   v̂ = v / (1 − β2^t)
         θ ← θ − lr · m̂ / (√v̂ + ε)
 
+    **Lazy updates** (``lazy=True``), for row-sparse gradients (``nn.Embedding(..., sparse=True)``;
+    PyTorch's ``SparseAdam``): when ``.grad`` is a :class:`~vgraph.ops.RowSparseGrad`, the formulas
+    above run on the rows present only — m, v and θ of every other row stay as they are, weight
+    decay included — with t the parameter's step count (as ``SparseAdam``). This is *not* dense
+    Adam: there, a row not looked up still moves (m decays but is not zero), and its m and v decay;
+    here it waits until it is looked up again, and then its moments resume from their old values.
+    When every row is present at every step the two agree bit for bit. ε is added as above, to
+    √v̂ (``SparseAdam`` adds it to √v before the bias correction, a difference in ε only).
+    Dense gradients (other parameters) get dense Adam either way.
+
     Args:
         params: what to update. lr: learning rate (default 1e-3).
         betas: (β1, β2), each in [0, 1). eps: ε >= 0 added to the denominator.
         weight_decay: λ >= 0, added to the gradient (see :class:`AdamW` for decoupled decay).
+        lazy: update only the rows present in a row-sparse gradient (see above). Default
+            ``False``: a row-sparse gradient is made dense and updated by the formula above.
         check_finite: refuse steps with non-finite gradients (see :class:`Optimizer`).
 
     Raises:
@@ -613,10 +685,12 @@ class Adam(Optimizer):
     """
 
     _decoupled = False
-    _hyper = ("lr", "betas", "eps", "weight_decay")
+    _hyper = ("lr", "betas", "eps", "weight_decay", "lazy")
+    _hyper_defaults: ClassVar[dict[str, Any]] = {"lazy": False}
     betas: tuple[float, float]
     eps: float
     weight_decay: float
+    lazy: bool
 
     def __init__(
         self,
@@ -626,10 +700,11 @@ class Adam(Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         *,
+        lazy: bool = False,
         check_finite: bool = False,
     ) -> None:
         super().__init__(
-            params, lr, betas=betas, eps=eps, weight_decay=weight_decay, check_finite=check_finite
+            params, lr, betas=betas, eps=eps, weight_decay=weight_decay, lazy=lazy, check_finite=check_finite
         )
 
     @classmethod
@@ -639,6 +714,7 @@ class Adam(Optimizer):
             "betas": _betas(hp["betas"]),
             "eps": _real("eps", hp["eps"]),
             "weight_decay": _real("weight_decay", hp["weight_decay"]),
+            "lazy": _flag("lazy", hp["lazy"]),
         }
 
     def _state_arrays(self, hp: Mapping[str, Any]) -> set[str]:
@@ -667,6 +743,26 @@ class Adam(Optimizer):
         new: np.ndarray = value - (self.lr / bias1) * (m / denom)
         return new
 
+    def _update_rows(self, value: np.ndarray, grad: RowSparseGrad, state: dict[str, Any]) -> np.ndarray:
+        if not self.lazy:
+            return self._update(value, grad.dense(), state)
+        # The dense formula on the rows present, with the rows' state gathered and scattered back.
+        if "exp_avg" not in state:
+            state["exp_avg"] = np.zeros_like(value)
+            state["exp_avg_sq"] = np.zeros_like(value)
+        rows = grad.indices
+        sub = {
+            "step": state["step"],
+            "exp_avg": state["exp_avg"][rows],
+            "exp_avg_sq": state["exp_avg_sq"][rows],
+        }
+        new_rows = self._update(value[rows], grad.values, sub)
+        state["exp_avg"][rows] = sub["exp_avg"]
+        state["exp_avg_sq"][rows] = sub["exp_avg_sq"]
+        new = value.copy()  # a new array, as every update gives (see the module docstring)
+        new[rows] = new_rows
+        return new
+
 
 class AdamW(Adam):
     """Adam with decoupled weight decay (Loshchilov & Hutter, 2019).
@@ -676,6 +772,9 @@ class AdamW(Adam):
 
         θ ← θ (1 − lr · λ)
         θ ← θ − lr · m̂ / (√v̂ + ε)          (m, v from the raw gradient)
+
+    With ``lazy=True`` a row-sparse gradient updates (and decays) only the rows present, as for
+    :class:`Adam`.
 
     Args:
         weight_decay: λ (default 1e-2, as in PyTorch); other arguments as :class:`Adam`.
@@ -694,9 +793,10 @@ class AdamW(Adam):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         *,
+        lazy: bool = False,
         check_finite: bool = False,
     ) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, check_finite=check_finite)
+        super().__init__(params, lr, betas, eps, weight_decay, lazy=lazy, check_finite=check_finite)
 
 
 class RMSprop(Optimizer):
@@ -799,6 +899,13 @@ class Adagrad(Optimizer):
         sum ← sum + g²
         θ ← θ − lr_t · g / (√sum + ε)
 
+    A row-sparse gradient (``nn.Embedding(..., sparse=True)``) updates only the rows present,
+    without weight decay: the other rows would not change anyway (their sum gains 0 and their step
+    is 0), so the result is the dense one bit for bit — PyTorch's sparse Adagrad. (The one
+    exception: with ``eps = 0`` and a zero sum, dense Adagrad turns a row never looked up into NaN
+    (0/0), the sparse update leaves it alone.) With weight decay every row moves: the gradient is
+    made dense.
+
     Args:
         params: what to update. lr: learning rate (default 1e-2). lr_decay: η >= 0.
         weight_decay: λ >= 0. initial_accumulator_value: the sum's start (>= 0). eps: ε >= 0 (1e-10).
@@ -855,14 +962,38 @@ class Adagrad(Optimizer):
         new: np.ndarray = value - clr * (grad / (np.sqrt(s) + self.eps))
         return new
 
+    def _update_rows(self, value: np.ndarray, grad: RowSparseGrad, state: dict[str, Any]) -> np.ndarray:
+        if self.weight_decay:  # every row moves: the dense update
+            return self._update(value, grad.dense(), state)
+        if "sum" not in state:
+            state["sum"] = np.full_like(value, self.initial_accumulator_value)
+        rows = grad.indices
+        sub = {"step": state["step"], "sum": state["sum"][rows]}
+        new_rows = self._update(value[rows], grad.values, sub)
+        state["sum"][rows] = sub["sum"]
+        new = value.copy()  # a new array, as every update gives (see the module docstring)
+        new[rows] = new_rows
+        return new
+
 
 # ---------------------------------------------------------------------------- clipping
 
 
-def _with_grads(params: Any) -> Iterator[tuple[ComputeNode, np.ndarray]]:
+def _with_grads(params: Any) -> Iterator[tuple[ComputeNode, Any]]:
     for p in _param_source(params)():
         if p.grad is not None:
             yield p, p.grad
+
+
+def _elements(g: Any) -> np.ndarray:
+    """The elements of a gradient that can be non-zero: a row-sparse gradient's rows, or the array."""
+    return g.values if isinstance(g, RowSparseGrad) else g
+
+
+def _scaled(g: Any, coef: float) -> Any:
+    if isinstance(g, RowSparseGrad):
+        return g.with_values(g.values * np.asarray(coef, dtype=g.values.dtype))
+    return g * np.asarray(coef, dtype=g.dtype)
 
 
 def clip_grad_norm_(
@@ -872,7 +1003,9 @@ def clip_grad_norm_(
 
     PyTorch's ``torch.nn.utils.clip_grad_norm_``, same name and rule: the norm is taken over all
     gradients as if concatenated into one vector; if it exceeds ``max_norm``, every gradient is
-    multiplied by ``max_norm / (norm + 1e-6)``. Parameters without a gradient are ignored.
+    multiplied by ``max_norm / (norm + 1e-6)``. Parameters without a gradient are ignored. A
+    row-sparse gradient (:class:`~vgraph.ops.RowSparseGrad`) counts its rows (the others are zero)
+    and stays row-sparse.
     ``clip_grad_norm`` (no underscore) is the same function under its vgraph 0.1 name.
 
     Args:
@@ -897,12 +1030,16 @@ def clip_grad_norm_(
     if not pairs:
         return 0.0
     if math.isinf(norm_type):
-        total = max(float(np.max(np.abs(g))) if np.size(g) else 0.0 for _, g in pairs)
+        total = max(float(np.max(np.abs(_elements(g)))) if np.size(_elements(g)) else 0.0 for _, g in pairs)
     else:
-        acc = sum(float(np.sum(np.abs(np.asarray(g, dtype=np.float64)) ** norm_type)) for _, g in pairs)
+        acc = sum(
+            float(np.sum(np.abs(np.asarray(_elements(g), dtype=np.float64)) ** norm_type)) for _, g in pairs
+        )
         total = acc ** (1.0 / norm_type)
     if error_if_nonfinite and not math.isfinite(total):
-        bad = [repr(p.name) if p.name else p.describe() for p, g in pairs if not np.isfinite(g).all()]
+        bad = [
+            repr(p.name) if p.name else p.describe() for p, g in pairs if not np.isfinite(_elements(g)).all()
+        ]
         raise NonFiniteGradientError(
             f"the total {norm_type:g}-norm of the gradients is {total}; non-finite gradients in "
             f"{', '.join(bad)}; nothing was clipped"
@@ -910,7 +1047,7 @@ def clip_grad_norm_(
     coef = max_norm / (total + 1e-6)
     if coef < 1.0:
         for p, g in pairs:
-            p.grad = g * np.asarray(coef, dtype=g.dtype)
+            p.grad = _scaled(g, coef)
     return total
 
 
@@ -918,7 +1055,7 @@ def clip_grad_value_(params: Any, clip_value: float) -> None:
     """Clamp every gradient element into ``[-clip_value, clip_value]``, in place.
 
     PyTorch's ``torch.nn.utils.clip_grad_value_``. ``clip_grad_value`` is the same function under
-    its vgraph 0.1 name.
+    its vgraph 0.1 name. A row-sparse gradient has its rows clamped and stays row-sparse.
 
     Args:
         params: the parameters (same forms an optimiser takes).
@@ -929,7 +1066,10 @@ def clip_grad_value_(params: Any, clip_value: float) -> None:
     """
     clip_value = _real("clip_value", clip_value)
     for p, g in _with_grads(params):
-        p.grad = np.clip(g, -clip_value, clip_value)
+        if isinstance(g, RowSparseGrad):
+            p.grad = g.with_values(np.clip(g.values, -clip_value, clip_value))
+        else:
+            p.grad = np.clip(g, -clip_value, clip_value)
 
 
 clip_grad_norm = clip_grad_norm_  # the vgraph 0.1 name, kept so existing training scripts run

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import init as initializers
-from ..compute import ComputeNode, NodeKey, _as_value, get_default_dtype
+from ..compute import ComputeNode, NodeKey, _as_value, get_default_dtype, sparse_grad_arg
 from ..errors import BuildError, ShapeError
 from ..functions import Operand
 from ..ops import OPS
@@ -154,6 +154,7 @@ class VirtualGraph:
         init: str | initializers.Initializer | np.ndarray | None = None,
         share: bool = False,
         seed: int | None = None,
+        sparse_grad: bool = False,
     ) -> VirtualNode:
         """Declare a trainable parameter.
 
@@ -168,13 +169,16 @@ class VirtualGraph:
                 ``xavier_uniform`` for 2+ dimensions, zeros otherwise.
             share: tie the parameter across iterations of enclosing loops.
             seed: overrides the graph's seed for this parameter.
+            sparse_grad: for a 2-D table whose rows are looked up (an embedding): backward gives
+                its ``.grad`` as a :class:`~vgraph.ops.RowSparseGrad` with only the rows looked
+                up (see docs/training.md, "Sparse embedding gradients"). Default: dense.
 
         Raises:
             BuildError: a duplicate name, a name containing ``@`` (reserved for untied copies,
                 ``W@3``), neither shape nor an array ``init``, or an initialiser that fails.
             ShapeError: an array ``init`` whose shape differs from ``shape``, or an initialiser
-                that returns another shape.
-            TypeError: a shape that is not a sequence of ints, an ``init`` that is not an
+                that returns another shape, or ``sparse_grad=True`` for a shape that is not 2-D.
+            TypeError: a shape that is not a sequence of ints, a ``sparse_grad`` that is not a bool, an ``init`` that is not an
                 initialiser, a name, or an array, or a ``seed`` that is not an int.
             ValueError: a negative dimension or seed, or an unknown initialiser name.
 
@@ -212,8 +216,11 @@ class VirtualGraph:
                     f"dtype)), an initialiser's name, or an array; got {type(init).__name__}"
                 )
             init_fn = initializers.get(init, shape)
+        sparse = sparse_grad_arg(sparse_grad, shape, f"parameter {name!r}")
         scope = self._scope()
         attrs = {"shape": shape, "init": init_fn, "share": bool(share) or scope is None, "seed": seed}
+        if sparse:
+            attrs["sparse_grad"] = True
         pid = self._counters.get("Parameter", 0) + 1  # the id the node will get
         # Run the initialiser once now (for an untied parameter, as its first copy would), so
         # that a failing one is reported here and not half-way through a build.
@@ -221,9 +228,9 @@ class VirtualGraph:
         node = VirtualNode(self, "Parameter", "parameter", (), attrs, name, scope)
         self._param_decls[name] = node
         if attrs["share"]:
-            self.params._add(
-                name, ComputeNode(NodeKey("Parameter", pid, ()), first, requires_grad=True, name=name)
-            )
+            leaf = ComputeNode(NodeKey("Parameter", pid, ()), first, requires_grad=True, name=name)
+            leaf.sparse_grad = sparse
+            self.params._add(name, leaf)
         return node
 
     def _initial_value(self, name: str, attrs: dict[str, Any], pid: int, idx: tuple[int, ...]) -> np.ndarray:
@@ -247,7 +254,9 @@ class VirtualGraph:
         attrs = decl.attrs
         value = self._initial_value(decl.name, attrs, decl.id, idx)
         key = NodeKey("Parameter", decl.id, () if attrs["share"] else idx)
-        return ComputeNode(key, value, requires_grad=True, name=_store_name(decl, idx))
+        leaf = ComputeNode(key, value, requires_grad=True, name=_store_name(decl, idx))
+        leaf.sparse_grad = attrs.get("sparse_grad", False)
+        return leaf
 
     def loop(
         self,

@@ -1,0 +1,496 @@
+"""Row-sparse embedding gradients: the engine, the optimisers, clipping and checkpoints.
+
+Every sparse result is compared with the same model declared with a dense table (the default),
+bit for bit where the arithmetic is the same, and with plain numpy references otherwise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import vgraph as vg
+from vgraph import functions as F
+from vgraph import io, nn, optim
+from vgraph.errors import ShapeError
+from vgraph.ops import RowSparseGrad
+
+V, D, H = 12, 4, 3
+
+
+def tagger(sparse, dtype=np.float64, seed=0, twice=False, tied=False):
+    """Tokens (T, B) -> embedding -> tanh RNN over time -> per-step linear scores -> a scalar.
+
+    ``twice``: the table is also looked up a second time (a shifted copy of the tokens) outside
+    the loop. ``tied``: the scores use the table's transpose too (the gradient is then dense).
+    """
+    g = vg.VirtualGraph(dtype=dtype, seed=seed)
+    tok = g.input("tok", (None, None))
+    h0 = g.input("h0", (None, H))
+    emb = nn.Embedding(g, V, D, "emb", sparse=sparse)
+    cell = nn.RNNCell(g, D, H, "rnn")
+    head = nn.Linear(g, H, D if tied else 5, "head")
+    with g.loop() as L:
+        x_t = emb(L.step(tok))  # one look-up per iteration
+        h = L.carry(h0, name="h")
+        h_new = cell(x_t, h)
+        L.update(h, h_new)
+        score = head(h_new)
+        if tied:
+            score = score @ F.transpose(emb.W)
+    loss = (L.stack(score) ** 2).mean()
+    if twice:
+        loss = loss + (emb(tok) * 0.5).sum() * (emb(tok[::-1]) ** 2).mean()
+    return g, loss
+
+
+def feed(seed=0, T=5, B=3):
+    rng = np.random.default_rng(seed)
+    return {"tok": rng.integers(0, V // 2, (T, B)), "h0": np.zeros((B, H))}  # repeats, half unused
+
+
+def grads_of(g, loss, fd, hoist=True, times=1):
+    cg = g.build(fd, loss, hoist=hoist)
+    for _ in range(times):
+        cg.backward_ex(loss, retain_graph=True)
+    return {k: p.grad for k, p in g.params.items()}
+
+
+# --- the gradient ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hoist", [True, False])
+@pytest.mark.parametrize("twice", [False, True])
+def test_sparse_gradient_equals_dense_bit_for_bit(hoist, twice):
+    fd = feed()
+    dense = grads_of(*tagger(False, twice=twice), fd, hoist=hoist)
+    sparse = grads_of(*tagger(True, twice=twice), fd, hoist=hoist)
+    gs = sparse["emb.W"]
+    assert isinstance(gs, RowSparseGrad)
+    used = np.unique(np.concatenate([fd["tok"].ravel()]))
+    np.testing.assert_array_equal(gs.indices, used)  # sorted, once each, only the rows looked up
+    assert gs.values.shape == (used.size, D)
+    np.testing.assert_array_equal(gs.dense(), dense["emb.W"])
+    np.testing.assert_array_equal(np.asarray(gs), dense["emb.W"])
+    assert not np.any(dense["emb.W"][np.setdiff1d(np.arange(V), used)])
+    for k in dense:
+        if k != "emb.W":
+            np.testing.assert_array_equal(sparse[k], dense[k])
+
+
+def test_sparse_gradient_against_finite_differences():
+    g, loss = tagger(True, twice=True)
+    cg = g.build(feed(1), loss)
+    vg.gradcheck(cg.node(loss), [g.params["emb.W"], g.params["rnn.W_h"]])
+
+
+def test_repeated_rows_are_summed():
+    cg = vg.ComputeGraph(np.float64)
+    W = cg.parameter(np.arange(12.0).reshape(4, 3), sparse_grad=True)
+    idx = cg.input(np.array([[2, 0], [2, 2]]))
+    R = np.arange(12.0).reshape(2, 2, 3) + 1
+    cg.backward(F.sum(F.take(W, idx) * R))
+    assert isinstance(W.grad, RowSparseGrad)
+    np.testing.assert_array_equal(W.grad.indices, [0, 2])
+    np.testing.assert_array_equal(W.grad.values, [R[0, 1], R[0, 0] + R[1, 0] + R[1, 1]])
+
+
+def test_integer_getitem_and_array_lookups_are_rows():
+    """``emb(array)`` (GetItem with an integer array) and ``W[3]`` (an integer index) are row
+    look-ups too; a negative index names the row counted from the end."""
+    cg = vg.ComputeGraph(np.float64)
+    W = cg.parameter(np.ones((5, 2)), sparse_grad=True)
+    loss = F.sum(W[np.array([1, -1, 1])] * 2.0) + F.sum(W[3] * 3.0)
+    cg.backward(loss)
+    assert isinstance(W.grad, RowSparseGrad)
+    np.testing.assert_array_equal(W.grad.indices, [1, 3, 4])
+    np.testing.assert_array_equal(W.grad.values, [[4.0, 4.0], [3.0, 3.0], [2.0, 2.0]])
+
+
+def test_gradient_accumulates_across_backward_calls_and_builds():
+    fd1, fd2 = feed(1), feed(2, T=3)
+    g_d, loss_d = tagger(False)
+    g_s, loss_s = tagger(True)
+    for g, loss in ((g_d, loss_d), (g_s, loss_s)):
+        grads_of(g, loss, fd1, times=2)  # two backward calls through one graph
+        grads_of(g, loss, fd2)  # and another build
+    gs, gd = g_s.params["emb.W"].grad, g_d.params["emb.W"].grad
+    assert isinstance(gs, RowSparseGrad)
+    used = np.unique(np.concatenate([fd1["tok"].ravel(), fd2["tok"].ravel()]))
+    np.testing.assert_array_equal(gs.indices, used)
+    np.testing.assert_array_equal(gs.dense(), gd)
+
+
+def test_a_use_that_is_not_a_row_lookup_makes_the_gradient_dense():
+    """A table also used as the output layer's weight (tied) gets a dense gradient, the dense
+    model's exactly."""
+    fd = feed()
+    dense = grads_of(*tagger(False, tied=True), fd)["emb.W"]
+    sparse = grads_of(*tagger(True, tied=True), fd)["emb.W"]
+    assert type(sparse) is np.ndarray
+    np.testing.assert_allclose(sparse, dense, rtol=1e-13, atol=1e-15)
+
+
+def test_grad_and_retain_grad_stay_dense():
+    fd = feed()
+    g, loss = tagger(True, twice=True)
+    g_dense, loss_dense = tagger(False, twice=True)
+    cg = g.build(fd, loss)
+    (gw,) = cg.grad(loss, [g.params["emb.W"]], retain_graph=True)
+    assert type(gw) is np.ndarray
+    assert g.params["emb.W"].grad is None  # grad() accumulates nothing
+    (ref,) = g_dense.build(fd, loss_dense).grad(loss_dense, [g_dense.params["emb.W"]])
+    np.testing.assert_array_equal(gw, ref)
+    # A retained intermediate (the looked-up rows of the last lookup) has a dense .grad.
+    look = next(n for n in reversed(cg.nodes()) if n.key.type == "Take")
+    look.retain_grad()
+    cg.backward(loss)
+    assert type(look.grad) is np.ndarray and look.grad.shape == look.shape
+    assert isinstance(g.params["emb.W"].grad, RowSparseGrad)
+
+
+def test_dense_grad_plus_sparse_contribution():
+    """A dense ``.grad`` (e.g. set by the user) takes a later row-sparse contribution densely."""
+    cg = vg.ComputeGraph(np.float64)
+    W = cg.parameter(np.ones((4, 2)), sparse_grad=True)
+    W.grad = np.full((4, 2), 0.5)
+    cg.backward(F.sum(F.take(W, cg.input(np.array([3, 3])))))
+    assert type(W.grad) is np.ndarray
+    np.testing.assert_array_equal(W.grad, [[0.5, 0.5]] * 3 + [[2.5, 2.5]])
+
+
+def test_untied_sparse_parameter_in_a_loop():
+    g = vg.VirtualGraph(dtype=np.float64)
+    tok = g.input("tok", (None,))
+    acc0 = g.constant(np.zeros(2))
+    with g.loop(times=2) as L:
+        table = g.parameter("table", (6, 2), init="normal", sparse_grad=True)  # untied: one per step
+        acc = L.carry(acc0, name="acc")
+        L.update(acc, acc + F.take(table, tok).sum(axis=0))
+    loss = (L.final(acc) ** 2).sum()
+    g.build({"tok": np.array([1, 4, 1])}, loss).backward(loss)
+    for name in ("table@0", "table@1"):
+        grad = g.params[name].grad
+        assert isinstance(grad, RowSparseGrad)
+        np.testing.assert_array_equal(grad.indices, [1, 4])
+
+
+# --- declaring ------------------------------------------------------------------------------
+
+
+def test_sparse_grad_on_a_non_table_is_a_typed_error_and_changes_nothing():
+    g = vg.VirtualGraph()
+    with pytest.raises(ShapeError, match=r"'b'.*2-D.*\(5,\)"):
+        g.parameter("b", (5,), sparse_grad=True)
+    with pytest.raises(ShapeError, match="2-D"):
+        g.parameter("c", (2, 3, 4), sparse_grad=True)
+    with pytest.raises(TypeError, match="sparse_grad must be True or False"):
+        g.parameter("d", (2, 3), sparse_grad="yes")
+    assert len(g.params) == 0 and not g.nodes
+    g.parameter("b", (5,))  # the name was not taken by the failed call
+    with pytest.raises(TypeError, match="sparse must be True or False"):
+        nn.Embedding(g, 4, 2, "emb", sparse=1)
+    cg = vg.ComputeGraph()
+    with pytest.raises(ShapeError, match="2-D"):
+        cg.parameter(np.zeros(3), name="v", sparse_grad=True)
+    assert len(cg) == 0
+
+
+def test_dense_is_the_default():
+    g = vg.VirtualGraph()
+    emb = nn.Embedding(g, 4, 2, "emb")
+    assert not emb.sparse and not g.params["emb.W"].sparse_grad
+    assert nn.Embedding(g, 4, 2, "emb2", sparse=True).sparse and g.params["emb2.W"].sparse_grad
+
+
+# --- RowSparseGrad on its own ----------------------------------------------------------------
+
+
+def test_row_sparse_grad_coalesces_and_densifies():
+    r = RowSparseGrad(np.array([3, -1, 3, 0]), np.arange(8.0).reshape(4, 2), (5, 2))
+    np.testing.assert_array_equal(r.indices, [0, 3, 4])
+    np.testing.assert_array_equal(r.values, [[6, 7], [0 + 4, 1 + 5], [2, 3]])
+    expected = np.zeros((5, 2))
+    np.add.at(expected, np.array([3, 4, 3, 0]), np.arange(8.0).reshape(4, 2))
+    np.testing.assert_array_equal(r.dense(), expected)
+    np.testing.assert_array_equal(np.asarray(r, dtype=np.float32), expected.astype(np.float32))
+    total = r + RowSparseGrad(np.array([1]), np.ones((1, 2)), (5, 2))
+    assert isinstance(total, RowSparseGrad)
+    np.testing.assert_array_equal(total.indices, [0, 1, 3, 4])
+    np.testing.assert_array_equal(
+        total.dense(), expected + np.array([[0, 0], [1, 1], [0, 0], [0, 0], [0, 0]])
+    )
+    dense_sum = r + np.ones((5, 2))
+    assert type(dense_sum) is np.ndarray
+    np.testing.assert_array_equal(dense_sum, expected + 1)
+    np.testing.assert_array_equal(r.with_values(r.values * 2).dense(), 2 * expected)
+    assert "rows=3" in repr(r)
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        ((np.array([0.5]), np.ones((1, 2)), (3, 2)), TypeError, "integers"),
+        ((np.array([[0]]), np.ones((1, 2)), (3, 2)), ValueError, "1-D"),
+        ((np.array([0]), np.ones((1, 3)), (3, 2)), ValueError, "shape"),
+        ((np.array([3]), np.ones((1, 2)), (3, 2)), ValueError, "range"),
+        ((np.array([0]), np.ones((1, 2), dtype=int), (3, 2)), TypeError, "floating"),
+        ((np.array([0]), np.ones((1, 2)), ()), ValueError, "axis"),
+    ],
+)
+def test_row_sparse_grad_bad_arguments(args, error, match):
+    with pytest.raises(error, match=match):
+        RowSparseGrad(*args)
+
+
+# --- optimisers ------------------------------------------------------------------------------
+
+
+def train(sparse, make_opt, steps=4, clip=None, dtype=np.float64):
+    """A few training steps of the tagger, on a different batch each step (different rows)."""
+    g, loss = tagger(sparse, dtype=dtype)
+    opt = make_opt(g.params)
+    for s in range(steps):
+        cg = g.build(feed(10 + s, T=3 + s % 2), loss)
+        opt.zero_grad()
+        cg.backward(loss)
+        if clip is not None:
+            clip(g.params)
+        opt.step()
+    return g, opt, loss
+
+
+def values(g):
+    return {k: np.array(p.value) for k, p in g.params.items()}
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda p: optim.SGD(p, lr=0.1),
+        lambda p: optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-3),
+        lambda p: optim.Adagrad(p, lr=0.1, lr_decay=0.01),
+        lambda p: optim.Adagrad(p, lr=0.1, weight_decay=0.01),
+        lambda p: optim.Adam(p, lr=0.01),  # not lazy: dense Adam on the densified gradient
+        lambda p: optim.RMSprop(p, lr=0.01),
+    ],
+    ids=["sgd", "sgd-momentum-wd", "adagrad", "adagrad-wd", "adam", "rmsprop"],
+)
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_exact_optimisers_give_the_dense_result_bit_for_bit(make_opt, dtype):
+    g_dense = train(False, make_opt, dtype=dtype)[0]
+    g_sparse = train(True, make_opt, dtype=dtype)[0]
+    assert_same(values(g_sparse), values(g_dense))
+
+
+def test_sparse_sgd_touches_only_the_rows_looked_up():
+    g, loss = tagger(True)
+    before = g.params.value("emb.W")
+    fd = feed()
+    g.build(fd, loss).backward(loss)
+    optim.SGD(g.params, lr=0.5).step()
+    after = g.params["emb.W"].value
+    unused = np.setdiff1d(np.arange(V), fd["tok"])
+    np.testing.assert_array_equal(after[unused], before[unused])
+    assert not np.allclose(after[fd["tok"].ravel()], before[fd["tok"].ravel()])
+
+
+def ref_lazy_adam(theta, grads, lr, b1, b2, eps, wd=0.0, decoupled=False):
+    """SparseAdam's lazy rule in numpy: per step, only the rows present move."""
+    theta = theta.copy()
+    m = np.zeros_like(theta)
+    v = np.zeros_like(theta)
+    for t, (rows, g) in enumerate(grads, start=1):
+        th = theta[rows]
+        if decoupled:
+            th = th - lr * wd * th
+        else:
+            g = g + wd * th
+        m[rows] = b1 * m[rows] + (1 - b1) * g
+        v[rows] = b2 * v[rows] + (1 - b2) * g**2
+        m_hat = m[rows] / (1 - b1**t)
+        v_hat = v[rows] / (1 - b2**t)
+        theta[rows] = th - lr * m_hat / (np.sqrt(v_hat) + eps)
+    return theta, m, v
+
+
+@pytest.mark.parametrize(
+    ("cls", "wd"),
+    [(optim.Adam, 0.0), (optim.Adam, 0.1), (optim.AdamW, 0.1)],
+    ids=["adam", "adam-l2", "adamw"],
+)
+def test_lazy_adam_against_numpy_reference(cls, wd):
+    rng = np.random.default_rng(0)
+    cg = vg.ComputeGraph(np.float64)
+    theta0 = rng.standard_normal((8, 3))
+    W = cg.parameter(theta0, name="W", sparse_grad=True)
+    b = cg.parameter(rng.standard_normal(3), name="b")
+    opt = cls([W, b], lr=0.05, betas=(0.8, 0.9), eps=1e-6, weight_decay=wd, lazy=True)
+    steps = [np.array([1, 5, 1]), np.array([2]), np.array([5, 6, 7, 7]), np.array([1])]
+    grads = []
+    for rows in steps:
+        vals = rng.standard_normal((rows.size, 3))
+        W.grad = RowSparseGrad(rows, vals, (8, 3))
+        grads.append((W.grad.indices, W.grad.values))
+        b.grad = rng.standard_normal(3)
+        opt.step()
+    theta, m, v = ref_lazy_adam(theta0, grads, 0.05, 0.8, 0.9, 1e-6, wd, cls is optim.AdamW)
+    np.testing.assert_allclose(W.value, theta, rtol=1e-13, atol=1e-15)
+    st = opt.state_dict()["state"]["W"]
+    np.testing.assert_allclose(st["exp_avg"], m, rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(st["exp_avg_sq"], v, rtol=1e-13, atol=1e-15)
+    assert st["step"] == 4
+    never = [0, 3, 4]  # never looked up: untouched, weight decay included
+    np.testing.assert_array_equal(W.value[never], theta0[never])
+
+
+def test_lazy_adam_with_every_row_present_is_dense_adam_bit_for_bit():
+    rng = np.random.default_rng(1)
+    results = []
+    for lazy in (False, True):
+        cg = vg.ComputeGraph(np.float32)
+        W = cg.parameter(np.ones((4, 2)), name="W", sparse_grad=True)
+        opt = optim.Adam([W], lr=0.1, lazy=lazy)
+        r = np.random.default_rng(1)
+        for _ in range(3):
+            W.grad = RowSparseGrad(r.permutation(4), r.standard_normal((4, 2)).astype(np.float32), (4, 2))
+            opt.step()
+        results.append(np.array(W.value))
+    np.testing.assert_array_equal(results[0], results[1])
+    del rng
+
+
+def test_lazy_adam_differs_from_dense_adam_where_rows_are_missing():
+    """The documented difference: dense Adam keeps moving a row whose gradient is now zero."""
+    for lazy in (False, True):
+        cg = vg.ComputeGraph(np.float64)
+        W = cg.parameter(np.zeros((3, 1)), name="W", sparse_grad=True)
+        opt = optim.Adam([W], lr=0.1, lazy=lazy)
+        W.grad = RowSparseGrad(np.array([0, 1]), np.ones((2, 1)), (3, 1))
+        opt.step()
+        W.grad = RowSparseGrad(np.array([1]), np.ones((1, 1)), (3, 1))
+        before = np.array(W.value[0])
+        opt.step()
+        moved = not np.array_equal(W.value[0], before)
+        assert moved is (not lazy)
+
+
+def test_lazy_flag_is_checked_and_saved():
+    cg = vg.ComputeGraph()
+    W = cg.parameter(np.ones((2, 2)), name="W")
+    with pytest.raises(TypeError, match="lazy"):
+        optim.Adam([W], lazy="yes")
+    opt = optim.Adam([W], lazy=True)
+    assert opt.state_dict()["hyperparameters"]["lazy"] is True
+    # A state dict written before ``lazy`` existed loads, as not lazy.
+    sd = optim.Adam([W]).state_dict()
+    del sd["hyperparameters"]["lazy"]
+    opt.load_state_dict(sd)
+    assert opt.lazy is False
+
+
+def test_sparse_gradient_checks_refuse_the_step_and_change_nothing():
+    cg = vg.ComputeGraph(np.float64)
+    W = cg.parameter(np.ones((4, 2)), name="W", sparse_grad=True)
+    opt = optim.Adam([W], lazy=True, check_finite=True)
+    W.grad = RowSparseGrad(np.array([1]), np.array([[np.nan, 1.0]]), (4, 2))
+    with pytest.raises(optim.NonFiniteGradientError, match="1 NaN"):
+        opt.step()
+    W.grad = RowSparseGrad(np.array([1]), np.ones((1, 2)), (5, 2))
+    with pytest.raises(ShapeError, match=r"\(5, 2\)"):
+        opt.step()
+    assert opt.state == {}
+    np.testing.assert_array_equal(W.value, np.ones((4, 2)))
+
+
+def test_float32_parameter_takes_a_float64_row_sparse_gradient():
+    cg = vg.ComputeGraph(np.float32)
+    W = cg.parameter(np.ones((3, 2)), name="W", sparse_grad=True)
+    W.grad = RowSparseGrad(np.array([2]), np.full((1, 2), 0.5), (3, 2))
+    optim.SGD([W], lr=1.0).step()
+    assert W.value.dtype == np.float32
+    np.testing.assert_array_equal(W.value, [[1, 1], [1, 1], [0.5, 0.5]])
+
+
+# --- clipping --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_clip_grad_norm_with_a_row_sparse_gradient(norm_type):
+    fd = feed()
+    dense = grads_of(*tagger(False), fd)
+    g, loss = tagger(True)
+    grads_of(g, loss, fd)
+    total = optim.clip_grad_norm_(g.params, max_norm=0.01, norm_type=norm_type)
+    flat = np.concatenate([np.ravel(v) for v in dense.values()])
+    expected = np.linalg.norm(flat, ord=norm_type)
+    assert total == pytest.approx(expected, rel=1e-12)
+    coef = 0.01 / (expected + 1e-6)
+    gs = g.params["emb.W"].grad
+    assert isinstance(gs, RowSparseGrad)
+    np.testing.assert_allclose(gs.dense(), dense["emb.W"] * coef, rtol=1e-12)
+    np.testing.assert_allclose(g.params["rnn.W_h"].grad, dense["rnn.W_h"] * coef, rtol=1e-12)
+
+
+def test_clip_grad_norm_nonfinite_sparse_gradient():
+    cg = vg.ComputeGraph(np.float64)
+    W = cg.parameter(np.ones((3, 2)), name="W", sparse_grad=True)
+    W.grad = RowSparseGrad(np.array([0]), np.array([[np.inf, 0.0]]), (3, 2))
+    with pytest.raises(optim.NonFiniteGradientError, match="'W'"):
+        optim.clip_grad_norm_([W], 1.0, error_if_nonfinite=True)
+    assert np.isinf(W.grad.values[0, 0])
+
+
+def test_clip_grad_value_with_a_row_sparse_gradient():
+    cg = vg.ComputeGraph(np.float64)
+    W = cg.parameter(np.ones((3, 2)), name="W", sparse_grad=True)
+    W.grad = RowSparseGrad(np.array([2, 0]), np.array([[3.0, -0.5], [-7.0, 1.0]]), (3, 2))
+    optim.clip_grad_value_([W], 1.0)
+    assert isinstance(W.grad, RowSparseGrad)
+    np.testing.assert_array_equal(W.grad.dense(), [[-1.0, 1.0], [0, 0], [1.0, -0.5]])
+
+
+def test_training_with_clipping_sparse_equals_dense():
+    def clip(p):
+        return optim.clip_grad_value_(p, 0.05)
+
+    g_dense = train(False, lambda p: optim.SGD(p, lr=0.1), clip=clip)[0]
+    g_sparse = train(True, lambda p: optim.SGD(p, lr=0.1), clip=clip)[0]
+    assert_same(values(g_sparse), values(g_dense))
+
+
+# --- checkpoints -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [lambda p: optim.Adam(p, lr=0.01, lazy=True), lambda p: optim.Adagrad(p, lr=0.1)],
+    ids=["lazy-adam", "adagrad"],
+)
+def test_training_state_round_trip_with_sparse_updates(tmp_path, make_opt):
+    """Save after 3 lazy steps, load into a fresh model and optimiser, continue: the same run."""
+    g, opt, loss = train(True, make_opt, steps=3)
+    path = tmp_path / "state.npz"
+    io.save_training_state(g, path, optimizer=opt, step=3)
+    g2, loss2 = tagger(True, seed=99)  # other initial values: everything must come from the file
+    opt2 = make_opt(g2.params)
+    assert io.load_training_state(g2, path, optimizer=opt2) == 3
+    assert opt2.state_dict()["hyperparameters"] == opt.state_dict()["hyperparameters"]
+    for s in range(3, 5):  # continue both
+        for graph, lo, o in ((g, loss, opt), (g2, loss2, opt2)):
+            cg = graph.build(feed(10 + s, T=3 + s % 2), lo)
+            o.zero_grad()
+            cg.backward(lo)
+            o.step()
+    assert_same(values(g2), values(g))
+    io.save(g2, tmp_path / "params.npz")  # a parameters-only checkpoint of a sparse model
+    g3, _ = tagger(True, seed=5)
+    io.load(g3, tmp_path / "params.npz")
+    assert_same(values(g3), values(g2))
+    assert g3.params["emb.W"].sparse_grad  # the flag comes from the declaration, not the file
