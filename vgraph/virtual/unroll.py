@@ -14,7 +14,15 @@ from typing import Any
 import numpy as np
 
 from ..compute import _ALL, ComputeGraph, ComputeNode, NodeKey, _anomaly_scope, _as_value, no_grad
-from ..errors import BuildError, FeedError, LoopLimitError, SelectorError, ShapeError, StructureChangedError
+from ..errors import (
+    BuildError,
+    FeedError,
+    LoopLimitError,
+    SelectorError,
+    ShapeError,
+    StructureChangedError,
+    StructureError,
+)
 from ..ops import OPS, Op
 from .graph import VirtualGraph
 from .hoist import hoist_loop
@@ -22,7 +30,7 @@ from .nodes import _NO_LOOP_VALUE, BranchNode, LoopNode, VirtualNode
 from .plan import _Plan
 from .store import _store_name
 
-_GETITEM, _STACK, _HOISTED = OPS["GetItem"], OPS["Stack"], OPS["Hoisted"]
+_GETITEM, _STACK, _HOISTED, _BRANCH = OPS["GetItem"], OPS["Stack"], OPS["Hoisted"], OPS["Branch"]
 
 # ---------------------------------------------------------------------------- unrolling
 
@@ -227,6 +235,7 @@ class _Builder:
         self.plan = plan
         self.cg = UnrolledGraph(graph)
         self.new_params: dict[str, ComputeNode] = {}
+        self.chosen: dict[tuple[BranchNode, tuple[int, ...]], int] = {}  # for multi-output branches
         self.rng = np.random.default_rng([graph.seed, graph._builds])
 
     # -- building one node whose dependencies are built
@@ -258,7 +267,7 @@ class _Builder:
             raise BuildError(f"{v.describe(idx)}: {loop.describe(idx)} ran no iteration, nothing to stack")
         elif kind == "final":
             raise AssertionError(f"{v.describe(frame.idx)}: a loop sets its outputs when it runs")
-        else:  # carry and item nodes are set at the start of each iteration
+        else:  # carry, item and child nodes are set at the start of each iteration
             raise AssertionError(f"unexpected {v.kind} node {v.describe()}")
 
     def parameter(self, v: VirtualNode, idx: tuple[int, ...]) -> ComputeNode:
@@ -291,7 +300,8 @@ class _Builder:
             if v.kind == "branch":
                 choice = choices.get(v)
                 if choice is None:
-                    choice = choices[v] = self.choose(v, f)
+                    lead = v.lead
+                    choice = choices[v] = self.choose(v, f) if lead is None else self.chosen[(lead, f.idx)]
                 option = v.options[choice]
                 if option not in frame.owner(option).env:
                     stack.append(option)
@@ -335,6 +345,13 @@ class _Builder:
             length = n
         if seqs:
             cg.guard(seqs, _length_check(loop, idx, length), NodeKey("LengthCheck", loop.id, idx))
+        kids = None  # a recursion's children array: row t lists node t's children
+        if loop.structure is not None:
+            node = frame.owner(loop.structure).env[loop.structure]
+            kids = _check_structure(loop, idx, node.value, length)
+            length = len(kids)
+            cg.guard([node], _structure_check(loop, idx, kids), NodeKey("StructureCheck", loop.id, idx))
+            defaults, history = state, []  # every node's state, read by its parents
         captured = {c: frame.owner(c).env[c] for c in self.plan.captures[loop]}
         groups: dict[VirtualNode, ComputeNode] = {}
         if self.hoist and loop.cond is None and self.plan.hoistable[loop]:
@@ -367,6 +384,11 @@ class _Builder:
             ienv = inner.env
             for c, node in zip(loop.carries, state):
                 ienv[c] = node
+            if kids is not None:  # each child read *is* the node computed at that child
+                for read in loop.children:
+                    k = loop.carries.index(read.inputs[0])
+                    c = kids[t, read.attrs["slot"]] if read.attrs["slot"] < kids.shape[1] else -1
+                    ienv[read] = history[c][k] if c >= 0 else defaults[k]
             for item, node in zip(loop.items, seqs):
                 if item not in groups:
                     ienv[item] = cg._add_op(
@@ -389,6 +411,8 @@ class _Builder:
                         "its shape and dtype (to collect values of growing size, use loop.stack)"
                     )
             state = new_state
+            if kids is not None:
+                history.append(new_state)
             for bucket, s in zip(collected, stacked):
                 bucket.append(ienv[s.inputs[1]])
             t += 1
@@ -407,10 +431,17 @@ class _Builder:
 
     def finish_branch(self, branch: BranchNode, frame: _Frame, choice: int) -> None:
         """Add the branch node once its chosen option is built: it passes the option on and
-        re-checks the choice on every forward."""
+        re-checks the choice on every forward. A follower (another output of a branch with
+        several) only passes its option on: the lead's node checks the choice."""
         idx = frame.idx
-        keys = [frame.owner(k).env[k] for k in branch.keys]
         option = frame.owner(branch.options[choice]).env[branch.options[choice]]
+        if branch.lead is not None:
+            frame.env[branch] = self.cg._add_op(
+                _BRANCH, (option,), None, NodeKey("Branch", branch.id, idx), branch.name
+            )
+            return
+        self.chosen[(branch, idx)] = choice
+        keys = [frame.owner(k).env[k] for k in branch.keys]
         self.cg.decisions.append(Decision(branch, idx, "option", choice))
 
         def forward(x: np.ndarray, *key_values: np.ndarray) -> np.ndarray:
@@ -426,6 +457,47 @@ class _Builder:
         frame.env[branch] = self.cg.apply(
             op, [option, *keys], None, NodeKey("Branch", branch.id, idx), branch.name
         )
+
+
+def _check_structure(loop: LoopNode, idx: tuple[int, ...], value: Any, length: int | None) -> np.ndarray:
+    """A recursion's children array, checked: ``(N, k)`` integers, ``N > 0``, every child index in
+    ``[-1, t)`` for node ``t`` (children first; a cycle cannot be ordered so)."""
+    where = f"{loop.describe(idx)}: the children array {loop.structure.describe()}"
+    kids = np.asarray(value)
+    if kids.ndim != 2 or kids.dtype.kind not in "iu":
+        raise StructureError(f"{where} must be an (N, k) integer array, got {kids.dtype} {kids.shape}")
+    if len(kids) == 0:
+        raise StructureError(f"{where} is empty: a structure needs at least one node")
+    if length is not None and length != len(kids):
+        raise StructureError(f"{where} has {len(kids)} nodes, but the stepped sequences have {length}")
+    bad = (kids < -1) | (kids >= len(kids))
+    if bad.any():
+        t, j = map(int, np.argwhere(bad)[0])
+        raise StructureError(
+            f"{where}: structure node {t} has child {int(kids[t, j])} (slot {j}), out of range "
+            f"(valid: -1 for none, or 0..{len(kids) - 1})"
+        )
+    late = kids >= np.arange(len(kids))[:, None]
+    if late.any():
+        t, j = map(int, np.argwhere(late)[0])
+        c = int(kids[t, j])
+        raise StructureError(
+            f"{where}: structure node {t} has child {c} (slot {j}), which does not come before it; "
+            "order the nodes children first (a topological order; a structure with a cycle has none)"
+        )
+    return kids.copy()
+
+
+def _structure_check(loop: LoopNode, idx: tuple[int, ...], kids: np.ndarray):
+    def check(value: np.ndarray) -> int:
+        if np.shape(value) != kids.shape or not np.array_equal(value, kids):
+            raise StructureChangedError(
+                f"{loop.describe(idx)} recurses over {loop.structure.describe()}, whose children array "
+                "changed; rebuild the compute graph for the new structure"
+            )
+        return len(kids)
+
+    return check
 
 
 def _widens(init: np.ndarray, first: np.ndarray) -> bool:
