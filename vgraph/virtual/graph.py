@@ -12,6 +12,7 @@ from ..compute import ComputeNode, NodeKey, _as_value, get_default_dtype
 from ..errors import BuildError, ShapeError
 from ..functions import Operand
 from ..ops import OPS
+from .cache import BuildCache
 from .nodes import _NO_LOOP_VALUE, BranchNode, LoopNode, VirtualNode, _depth
 from .plan import _Plan
 from .store import ParameterStore, _is_iteration_path, _store_name
@@ -52,7 +53,18 @@ class VirtualGraph:
         self._param_decls: dict[str, VirtualNode] = {}
         self._builds = 0  # seeds the generator of sampled nodes, build after build
         self._plans: dict[tuple[Any, ...], _Plan] = {}
+        self._cache = BuildCache()
         self.training = True
+
+    @property
+    def cache_size(self) -> int:
+        """How many unrolled graphs the build cache keeps (see :mod:`vgraph.virtual.cache`);
+        ``0`` turns caching off. Default 4."""
+        return self._cache.size
+
+    @cache_size.setter
+    def cache_size(self, size: int) -> None:
+        self._cache.resize(_count_arg(size, "cache_size"))
 
     def train(self, mode: bool = True) -> VirtualGraph:
         """Training mode (the default): builds record what backward needs; sampled nodes
@@ -400,6 +412,7 @@ class VirtualGraph:
         if plan is None:
             if any(k[-1] != len(self.nodes) for k in self._plans):
                 self._plans.clear()
+                self._cache.clear()  # graphs of the old declarations: they cannot be hit again
             plan = self._plans[key] = _Plan(self, outputs)
         return plan
 
@@ -409,12 +422,15 @@ class VirtualGraph:
         outputs: VirtualNode | Sequence[VirtualNode],
         *,
         hoist: bool = True,
+        cache: bool = True,
         detect_anomaly: bool = False,
     ) -> UnrolledGraph:
         """Unroll for ``feed``; see :func:`build_compute_graph`."""
         from .unroll import build_compute_graph  # unrolling sits above declaring
 
-        return build_compute_graph(self, feed, outputs, hoist=hoist, detect_anomaly=detect_anomaly)
+        return build_compute_graph(
+            self, feed, outputs, hoist=hoist, cache=cache, detect_anomaly=detect_anomaly
+        )
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Copies of all parameter values by name, untied copies included (``g.params.state_dict()``)."""

@@ -13,7 +13,18 @@ from typing import Any
 
 import numpy as np
 
-from ..compute import _ALL, ComputeGraph, ComputeNode, NodeKey, _anomaly_scope, _as_value, no_grad
+from ..compute import (
+    _ALL,
+    ComputeGraph,
+    ComputeNode,
+    NodeKey,
+    _anomaly_scope,
+    _as_value,
+    _by_serial,
+    is_grad_enabled,
+    next_version,
+    no_grad,
+)
 from ..errors import (
     BuildError,
     FeedError,
@@ -22,8 +33,10 @@ from ..errors import (
     ShapeError,
     StructureChangedError,
     StructureError,
+    VGraphError,
 )
 from ..ops import OPS, Op
+from .cache import SupersededGraph
 from .graph import VirtualGraph
 from .hoist import hoist_loop
 from .nodes import _NO_LOOP_VALUE, BranchNode, LoopNode, VirtualNode
@@ -70,6 +83,8 @@ class UnrolledGraph(ComputeGraph):
         self._envs: dict[tuple[LoopNode | None, tuple[int, ...]], dict[VirtualNode, ComputeNode]] = {}
         # Hoisted groups and their per-iteration copies (row t of the group is copy t).
         self._groups: dict[ComputeNode, list[ComputeNode]] = {}
+        # Sampled leaves (dropout masks): how to draw them again when the graph is replayed.
+        self._samples: dict[ComputeNode, tuple[Any, ComputeNode]] = {}
 
     def _copies_of(self, v: VirtualNode) -> dict[tuple[int, ...], ComputeNode]:
         return {idx: env[v] for (scope, idx), env in self._envs.items() if scope is v.scope and v in env}
@@ -92,6 +107,51 @@ class UnrolledGraph(ComputeGraph):
         return env[what]
 
     _NODE_ARG = "a ComputeNode of this graph or a VirtualNode it was built from"
+
+    def _succeed(self) -> UnrolledGraph:
+        """A new graph object that owns this one's nodes; this one becomes a
+        :class:`~.cache.SupersededGraph` (see :mod:`vgraph.virtual.cache`)."""
+        new = object.__new__(UnrolledGraph)
+        new.__dict__.update(self.__dict__)
+        new._weak_self = weakref.ref(new)
+        for n in new._nodes.values():
+            if n._graph is not None:  # op nodes and the graph's own leaves; not shared parameters
+                n._graph = new._weak_self
+        self.__dict__.clear()
+        self.__class__ = SupersededGraph  # type: ignore[assignment]
+        return new
+
+    def _replay(self, values: Mapping[str, np.ndarray], rng: np.random.Generator) -> None:
+        """Recompute every node for new input values, as a fresh build of this structure would:
+        in creation order, sampled leaves drawn again from ``rng`` when their turn comes, guards
+        re-checking every recorded decision.
+
+        Raises:
+            StructureChangedError: the new values lead to another structure.
+        """
+        for name, arr in values.items():
+            self.inputs[name].set_value(arr)
+        samples, training = self._samples, self.virtual.training
+        run = self._run
+        try:
+            for n in sorted(self._nodes.values(), key=_by_serial) if samples else self._nodes.values():
+                if n.op is None:
+                    sample = samples.get(n)
+                    if sample is not None:
+                        n.set_value(sample[0](rng, sample[1]._value, training))
+                    continue
+                version = n.version
+                for p in n.parents:
+                    if p.version > version:
+                        n._value = run(n)
+                        n.version = next_version()
+                        break
+        except BaseException as e:
+            self._failed_forward = f"{type(e).__name__}: {e}"
+            raise
+        self._released = False
+        self._stale = self._failed_forward = None
+        self._mark_fresh([_ALL])
 
     def _add_copy(self, group: ComputeNode, copy: ComputeNode) -> ComputeNode:
         self._groups.setdefault(group, []).append(copy)
@@ -256,8 +316,10 @@ class _Builder:
         elif kind == "constant":
             env[v] = cg.constant(v.attrs["value"], v.name, NodeKey("Constant", v.id, ()))
         elif kind == "sample":
-            value = v.attrs["fn"](self.rng, env[v.inputs[0]].value, self.graph.training)
+            like = env[v.inputs[0]]
+            value = v.attrs["fn"](self.rng, like.value, self.graph.training)
             env[v] = cg.constant(value, v.name, NodeKey("Sample", v.id, frame.idx))
+            cg._samples[env[v]] = (v.attrs["fn"], like)
         elif kind == "loop":
             self.run_loop(v, frame)
         elif kind == "branch":
@@ -602,6 +664,7 @@ def build_compute_graph(
     outputs: VirtualNode | Sequence[VirtualNode],
     *,
     hoist: bool = True,
+    cache: bool = True,
     detect_anomaly: bool = False,
 ) -> UnrolledGraph:
     """Unroll ``graph`` for the values in ``feed`` into a new :class:`UnrolledGraph`.
@@ -620,6 +683,9 @@ def build_compute_graph(
         graph: the model.
         feed: a value for each input the outputs need, by input name.
         outputs: top-level virtual nodes to build.
+        cache: re-run the graph of an earlier build of the same structure instead of unrolling
+            again (see :mod:`vgraph.virtual.cache`: the earlier graph object is then superseded);
+            ``False`` always unrolls and leaves the cache alone.
         hoist: compute loop-body nodes that depend on no carried state for all iterations at
             once (see :mod:`vgraph.virtual.hoist`); ``False`` gives the plain node-by-node unroll,
             for comparison and debugging. Same keys, values and gradients either way.
@@ -668,6 +734,21 @@ def build_compute_graph(
     # while both are alive. A weak reference restores it if this build fails (and it still exists).
     previous = weakref.ref(graph.latest_build) if graph.latest_build is not None else None
     graph.latest_build = None
+    key = (*outs, len(graph.nodes), graph.training, is_grad_enabled(), hoist,
+           *((n, a.shape, a.dtype.str) for n, a in values.items()))  # fmt: skip
+    cached = graph._cache.take(key) if cache else None
+    if cached is not None:
+        cg: UnrolledGraph | None = cached._succeed()
+        try:
+            with _anomaly_scope(detect_anomaly):
+                cg._replay(values, np.random.default_rng([graph.seed, graph._builds]))
+        except VGraphError:  # another structure (or an error a fresh build reports in context)
+            cg = None
+        if cg is not None:
+            graph._cache.put(key, cg)
+            graph.latest_build = cg
+            graph._builds += 1
+            return cg
     try:
         builder = _Builder(graph, values, plan, hoist)
         top = _Frame(None, (), {}, None)
@@ -686,6 +767,8 @@ def build_compute_graph(
     cg._mark_fresh([_ALL])  # every node was computed from its parents' current values
     for name, node in builder.new_params.items():  # commit only after success
         graph.params._add(name, node)
+    if cache:
+        graph._cache.put(key, cg)
     graph.latest_build = cg
     graph._builds += 1
     return cg
