@@ -453,7 +453,7 @@ def test_untied_parameters_are_per_iteration_and_reproducible():
     new_w1 = np.array([[0.1, 0.2], [-0.3, 0.4]])
     g.params.set_value("W@1", new_w1)
     values[1] = new_w1
-    rebuilt = g.build({"x": XS4}, n["loss"])
+    rebuilt = g.build({"x": XS4}, n["loss"], cache=False)  # keep cg alive beside it
     assert_rel(rebuilt.forward(), per_step_forward(values, XS4), 1e-14, "after set_value")
     assert_rel(cg.forward(), per_step_forward(values, XS4), 1e-14, "old graph sees it too")
 
@@ -480,7 +480,7 @@ def refuses_until_restored(g, cg, loss, good_feed, bad_feed, who):
         cg.backward(loss)
     cg.feed(good_feed)
     assert cg.forward() == before
-    fresh = g.build(good_feed, loss)
+    fresh = g.build(good_feed, loss, cache=False)  # beside cg, not re-using its nodes
     expected = grads_of(g, fresh, loss)
     got = grads_of(g, cg, loss)
     assert set(got) == set(expected)
@@ -497,7 +497,7 @@ def test_reforward_same_structure_equals_fresh_build():
     cg.feed({"x": xs2, "y": ys2})
     value = cg.forward()
     assert cg.last_forward.recomputed > 0
-    fresh = g.build({"x": xs2, "y": ys2}, n["loss"])
+    fresh = g.build({"x": xs2, "y": ys2}, n["loss"], cache=False)
     assert value == fresh.forward()
     assert value == pytest.approx(elman_reference(g.params.state_dict(), xs2, ys2, False)[0], rel=1e-12)
     g1 = grads_of(g, cg, n["loss"])
@@ -582,7 +582,7 @@ def test_body_node_used_outside_its_loop():
     with pytest.raises(vg.BuildError, match=r"output <Tanh:1> is inside the body of <Loop:1>"):
         g.build(n["good"], n["hn"])
     assert_unchanged(g, snap)
-    assert g.build(n["good"], n["loss"]).forward() == snap[3].forward()
+    assert g.build(n["good"], n["loss"], cache=False).forward() == snap[3].forward()
 
 
 @pytest.mark.parametrize(
@@ -660,7 +660,7 @@ def test_declaration_errors():
         L.final(h)
     assert g._scopes == []  # every failed `with` block was closed
     assert_unchanged(g, snap)
-    assert g.build(n["good"], n["loss"]).forward() == snap[3].forward()
+    assert g.build(n["good"], n["loss"], cache=False).forward() == snap[3].forward()
 
 
 def test_loop_shape_and_scope_errors():

@@ -485,7 +485,7 @@ def bench_unroll(
         gc.collect()
         c0 = time.thread_time()
         t0 = time.perf_counter()
-        cg = g.build({"x": x, "y": y}, loss)
+        cg = g.build({"x": x, "y": y}, loss, cache=False)  # unrolling, not a cached replay
         times.append(time.perf_counter() - t0)
         cpu.append(time.thread_time() - c0)
         n = len(cg)
@@ -543,7 +543,9 @@ def bench_incremental(n_paths: int = 100, repeats: int = 50, B: int = 16, D: int
     # The incremental result must equal a full recomputation.
     cg.feed({one: feed[one]})
     inc = float(cg.forward())
-    full = float(g.build({**(alt if (repeats + 1) % 2 else feed), one: feed[one]}, total).outputs[0].value)
+    full = float(
+        g.build({**(alt if (repeats + 1) % 2 else feed), one: feed[one]}, total, cache=False).outputs[0].value
+    )
     if not np.isclose(inc, full, rtol=RTOL, atol=ATOL):
         raise BenchmarkMismatch(f"incremental forward gave {inc}, a fresh build {full}")
     m1, ma, mn = (statistics.median(t) * 1e3 for t in (t_one, t_all, t_none))
@@ -590,7 +592,7 @@ def bench_memory(size: tuple[int, int, int, int] = (8, 32, 1, 1000)) -> dict[str
         base = tracemalloc.get_traced_memory()[0]
         tracemalloc.reset_peak()
         xf, yf = x.copy(), y.copy()
-        cg = g.build({"x": xf, "y": yf}, loss)
+        cg = g.build({"x": xf, "y": yf}, loss, cache=False)
         after_build = tracemalloc.get_traced_memory()[0] - base
         cg.backward(cg.outputs[0])
         current, peak = tracemalloc.get_traced_memory()

@@ -39,6 +39,7 @@ from .errors import (
     SelectorError,
     ShapeError,
     StructureChangedError,
+    StructureError,
     VGraphError,
 )
 from .functions import (

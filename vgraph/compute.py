@@ -217,6 +217,7 @@ class NodeKey(NamedTuple):
 
 LEAF_TYPES = ("Input", "Parameter", "Constant")
 _clock = itertools.count(1)  # process-wide: leaves are shared by graphs
+next_version = _clock.__next__  # a new reading of the clock (a version, or a creation serial)
 
 
 def _as_value(value: Any, float_dtype: np.dtype) -> np.ndarray:

@@ -29,6 +29,11 @@ class LoopLimitError(BuildError):
     """A loop ran past its ``max_iters`` guard."""
 
 
+class StructureError(BuildError, ValueError):
+    """A recursion's structure (its children array) that cannot be recursed over: not ``(N, k)``
+    integers, empty, a child index out of range or not before its parent (a cycle)."""
+
+
 class SelectorError(BuildError):
     """A branch selector returned something that is not a valid option index."""
 

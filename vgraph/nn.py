@@ -139,20 +139,21 @@ class Module:
         name: the prefix of the parameter names (non-empty, without ``"@"``).
         share: passed to every :meth:`VirtualGraph.parameter` call; matters only when the module is
             constructed inside a loop body (``True``: one parameter set tied across iterations;
-            ``False``, the default: one set per iteration path, ``"name.W@3"``).
+            ``False``: one set per iteration path, ``"name.W@3"``). The default, ``None``, is the
+            graph's: untied in a loop body, tied in a recursion body.
 
     Raises:
         TypeError: ``graph`` is not a VirtualGraph. ValueError: an invalid name.
     """
 
-    def __init__(self, graph: VirtualGraph, name: str, share: bool = False) -> None:
+    def __init__(self, graph: VirtualGraph, name: str, share: bool | None = None) -> None:
         if not isinstance(graph, VirtualGraph):
             raise TypeError(f"a module is declared in a VirtualGraph, got {type(graph).__name__}")
         if not isinstance(name, str) or not name or "@" in name:
             raise ValueError(f"module name must be a non-empty string without '@', got {name!r}")
         self.graph = graph
         self.name = name
-        self.share = bool(share)
+        self.share = None if share is None else bool(share)
         self.declared: dict[str, VirtualNode] = {}
 
     def _param(
@@ -203,7 +204,7 @@ class Linear(Module):
         bias: bool = True,
         init: Any = None,
         bias_init: Any = None,
-        share: bool = False,
+        share: bool | None = None,
     ) -> None:
         super().__init__(graph, name, share)
         self.in_features, self.out_features = int(in_features), int(out_features)
@@ -233,7 +234,7 @@ class RNNCell(Module):
         hidden_size: int,
         name: str,
         nonlinearity: str = "tanh",
-        share: bool = False,
+        share: bool | None = None,
     ) -> None:
         if nonlinearity not in ("tanh", "relu"):
             raise ValueError(f"nonlinearity must be 'tanh' or 'relu', got {nonlinearity!r}")
@@ -290,7 +291,7 @@ class LSTMCell(Module):
         hidden_size: int,
         name: str,
         forget_bias: float = 1.0,
-        share: bool = False,
+        share: bool | None = None,
         fused: bool = True,
     ) -> None:
         super().__init__(graph, name, share)
@@ -355,7 +356,7 @@ class GRUCell(Module):
         input_size: int,
         hidden_size: int,
         name: str,
-        share: bool = False,
+        share: bool | None = None,
         fused: bool = True,
     ) -> None:
         super().__init__(graph, name, share)
@@ -427,7 +428,7 @@ class Embedding(Module):
         dim: int,
         name: str,
         init: Any = None,
-        share: bool = False,
+        share: bool | None = None,
         sparse: bool = False,
     ) -> None:
         super().__init__(graph, name, share)

@@ -12,6 +12,7 @@ from ..compute import ComputeNode, NodeKey, _as_value, get_default_dtype, sparse
 from ..errors import BuildError, ShapeError
 from ..functions import Operand
 from ..ops import OPS
+from .cache import BuildCache
 from .nodes import _NO_LOOP_VALUE, BranchNode, LoopNode, VirtualNode, _depth
 from .plan import _Plan
 from .store import ParameterStore, _is_iteration_path, _store_name
@@ -52,7 +53,18 @@ class VirtualGraph:
         self._param_decls: dict[str, VirtualNode] = {}
         self._builds = 0  # seeds the generator of sampled nodes, build after build
         self._plans: dict[tuple[Any, ...], _Plan] = {}
+        self._cache = BuildCache()
         self.training = True
+
+    @property
+    def cache_size(self) -> int:
+        """How many unrolled graphs the build cache keeps (see :mod:`vgraph.virtual.cache`);
+        ``0`` turns caching off. Default 4."""
+        return self._cache.size
+
+    @cache_size.setter
+    def cache_size(self, size: int) -> None:
+        self._cache.resize(_count_arg(size, "cache_size"))
 
     def train(self, mode: bool = True) -> VirtualGraph:
         """Training mode (the default): builds record what backward needs; sampled nodes
@@ -87,6 +99,16 @@ class VirtualGraph:
             raise BuildError(f"{x.describe()} belongs to another VirtualGraph")
         if x.kind == "loop":
             raise BuildError(_NO_LOOP_VALUE.format(x.describe()))
+        if (
+            x.kind == "carry"
+            and x.scope.structure is not None
+            and self._scopes
+            and self._scopes[-1] is x.scope
+        ):
+            raise BuildError(
+                f"{x.describe()} is a recursion's state: read it at the children with child({x.name!r} "
+                "state, j); set it at the current node with update()"
+            )
         self._check_visible(x)
         return x
 
@@ -152,7 +174,7 @@ class VirtualGraph:
         name: str,
         shape: Sequence[int] | None = None,
         init: str | initializers.Initializer | np.ndarray | None = None,
-        share: bool = False,
+        share: bool | None = None,
         seed: int | None = None,
         sparse_grad: bool = False,
     ) -> VirtualNode:
@@ -167,7 +189,8 @@ class VirtualGraph:
             shape: the shape (taken from ``init`` when that is an array).
             init: an initialiser, its name (``"orthogonal"``), or an array to start from. Default:
                 ``xavier_uniform`` for 2+ dimensions, zeros otherwise.
-            share: tie the parameter across iterations of enclosing loops.
+            share: tie the parameter across iterations of enclosing loops. Default: untied in a
+                loop body (a loop over layers), tied in a recursion body (see :meth:`recurse`).
             seed: overrides the graph's seed for this parameter.
             sparse_grad: for a 2-D table whose rows are looked up (an embedding): backward gives
                 its ``.grad`` as a :class:`~vgraph.ops.RowSparseGrad` with only the rows looked
@@ -218,6 +241,8 @@ class VirtualGraph:
             init_fn = initializers.get(init, shape)
         sparse = sparse_grad_arg(sparse_grad, shape, f"parameter {name!r}")
         scope = self._scope()
+        if share is None:
+            share = scope is not None and scope.structure is not None
         attrs = {"shape": shape, "init": init_fn, "share": bool(share) or scope is None, "seed": seed}
         if sparse:
             attrs["sparse_grad"] = True
@@ -294,12 +319,20 @@ class VirtualGraph:
         options: Sequence[Any],
         keys: Sequence[Any] = (),
         name: str | None = None,
-    ) -> BranchNode:
+    ) -> Any:
         """Declare a switch: ``options[selector(*key_values)]`` (see :class:`BranchNode`).
+
+        With options given as tuples of equal length (``[(h_leaf, c_leaf), (h_node, c_node)]``)
+        the branch has one output per position and returns them as a tuple: one decision, taken
+        once, selects every output (no need to repeat the branch per output).
+
+        Returns:
+            A :class:`BranchNode`, or a tuple of them for tuple options.
 
         Raises:
             TypeError: ``selector`` is not callable.
-            BuildError: no options, or an option or key that is not visible here.
+            BuildError: no options, options of different lengths, or an option or key that is not
+                visible here.
         """
         if not callable(selector):
             raise TypeError(
@@ -307,9 +340,74 @@ class VirtualGraph:
             )
         if len(options) < 1:
             raise BuildError("a branch needs at least one option")
-        opts = tuple(self._as_node(o) for o in options)
+        tuples = [isinstance(o, (tuple, list)) for o in options]
+        if any(tuples) and not all(tuples):
+            raise BuildError("branch options must be all nodes or all tuples of nodes (one per output)")
         ks = tuple(self._as_node(k) for k in keys)
-        return BranchNode(self, selector, ks, opts, name)
+        if not any(tuples):
+            return BranchNode(self, selector, ks, tuple(self._as_node(o) for o in options), name)
+        widths = {len(o) for o in options}
+        if len(widths) != 1 or 0 in widths:
+            raise BuildError(
+                f"tuple branch options must have one equal, non-zero length; got lengths {sorted(widths)}"
+            )
+        columns = [tuple(self._as_node(o[i]) for o in options) for i in range(widths.pop())]
+        lead = BranchNode(self, selector, ks, columns[0], name)
+        followers = [BranchNode(self, selector, ks, col, name, lead=lead) for col in columns[1:]]
+        return (lead, *followers)
+
+    def recurse(self, children: Any, max_nodes: int = 100_000, name: str | None = None) -> LoopNode:
+        """Declare a recursion over a tree or DAG given as data; use it as a ``with`` block.
+
+        ``children`` is an integer array of shape ``(N, k)`` fed at build time: row ``t`` lists
+        the children of structure node ``t`` (``-1``: no child in that slot), nodes ordered
+        children before parents, so node ``N - 1`` is the root. The block declares what is
+        computed at one node from the values at its children::
+
+            with g.recurse(children) as r:
+                x = r.step(features)              # features[t]: node t's own input
+                h = r.state(h0, name="h")         # a value at every node; h0 for a missing child
+                h_new = cell(x, r.child(h, 0), r.child(h, 1))
+                r.update(h, h_new)
+            root = r.final(h)                     # the value at node N - 1
+            every = r.stack(h_new)                # every node's value, (N, ...)
+
+        means, in plain Python::
+
+            value = [None] * N
+            for t in range(N):                    # children come first
+                kid = lambda j: value[children[t, j]] if children[t, j] >= 0 else h0
+                value[t] = cell(features[t], kid(0), kid(1))
+            root, every = value[N - 1], np.stack(value)
+
+        It is a loop over the structure's nodes (a :class:`LoopNode`), so everything loops have
+        applies: keys ``<Tanh:3@17>`` name the tanh at structure node 17 (``cg.node(v, (17,))``),
+        nesting inside loops grows the iteration path, work that does not read the children is
+        hoisted, guards re-check the structure on a re-run forward. Reading a child's value is
+        free: ``r.child(h, j)`` at node ``t`` *is* the node computed at that child. A node read by
+        two parents (a DAG) passes its gradient back from both. Leaves and inner nodes that need
+        different computations use a branch (with tuple options for several outputs).
+
+        Parameters declared in the body are tied across structure nodes by default (one cell for
+        the whole tree, as in a Tree-LSTM; the structure differs per input, so untied per-node
+        weights would not be the same parameters from one input to the next); ``share=False``
+        unties them.
+
+        Args:
+            children: a node whose value is the ``(N, k)`` children array (usually an input).
+            max_nodes: a guard: a larger structure is a :class:`~vgraph.errors.LoopLimitError`.
+            name: a display name.
+
+        Raises:
+            TypeError: ``max_nodes`` is not an int.
+            BuildError: ``children`` is not a node visible here.
+            StructureError: (at build) the array is not ``(N, k)`` integers, is empty, or a child
+                index is out of range or does not come before its parent (which includes cycles);
+                the error names the structure node and the index.
+        """
+        structure = self._as_node(children)
+        max_nodes = _count_arg(max_nodes, "recurse max_nodes=")
+        return LoopNode(self, None, None, max_nodes, name, structure=structure)
 
     # -- building
     def _plan(self, outputs: list[VirtualNode]) -> _Plan:
@@ -323,6 +421,7 @@ class VirtualGraph:
         if plan is None:
             if any(k[-1] != len(self.nodes) for k in self._plans):
                 self._plans.clear()
+                self._cache.clear()  # graphs of the old declarations: they cannot be hit again
             plan = self._plans[key] = _Plan(self, outputs)
         return plan
 
@@ -332,12 +431,15 @@ class VirtualGraph:
         outputs: VirtualNode | Sequence[VirtualNode],
         *,
         hoist: bool = True,
+        cache: bool = True,
         detect_anomaly: bool = False,
     ) -> UnrolledGraph:
         """Unroll for ``feed``; see :func:`build_compute_graph`."""
         from .unroll import build_compute_graph  # unrolling sits above declaring
 
-        return build_compute_graph(self, feed, outputs, hoist=hoist, detect_anomaly=detect_anomaly)
+        return build_compute_graph(
+            self, feed, outputs, hoist=hoist, cache=cache, detect_anomaly=detect_anomaly
+        )
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Copies of all parameter values by name, untied copies included (``g.params.state_dict()``)."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ..compute import ComputeNode, NodeKey
 from ..errors import BuildError
 from ..functions import Operand
@@ -112,13 +114,26 @@ class LoopNode(VirtualNode):
     safely (int to float). To collect values of growing size, use :meth:`stack`.
     """
 
-    __slots__ = ("times", "cond", "max_iters", "carries", "updates", "sequences", "items", "closed", "body")
+    __slots__ = (
+        "times", "cond", "max_iters", "carries", "updates", "sequences", "items", "closed", "body",
+        "structure", "children",
+    )  # fmt: skip
 
-    def __init__(self, graph: VirtualGraph, times: int | None, cond: Any, max_iters: int, name: str | None):
+    def __init__(
+        self,
+        graph: VirtualGraph,
+        times: int | None,
+        cond: Any,
+        max_iters: int,
+        name: str | None,
+        structure: VirtualNode | None = None,
+    ):
         super().__init__(graph, "Loop", "loop", (), None, name, graph._scope())
         self.times = times
         self.cond = cond
         self.max_iters = max_iters
+        self.structure = structure  # a recursion's children array (see VirtualGraph.recurse)
+        self.children: list[VirtualNode] = []  # its child reads
         self.carries: list[VirtualNode] = []
         self.updates: dict[VirtualNode, VirtualNode] = {}
         self.sequences: list[VirtualNode] = []
@@ -151,7 +166,7 @@ class LoopNode(VirtualNode):
             raise BuildError(
                 f"{self.describe()}: carried state {names} never updated; call loop.update(carry, new_value)"
             )
-        if self.times is None and self.cond is None and not self.sequences:
+        if self.times is None and self.cond is None and not self.sequences and self.structure is None:
             raise BuildError(
                 f"{self.describe()} has no stopping rule: give times=, while_=, or step through a "
                 "sequence with loop.step(xs)"
@@ -173,6 +188,14 @@ class LoopNode(VirtualNode):
         """Declare loop-carried state starting at ``init``; returns its value at the start of each
         iteration. Set its next value with :meth:`update`."""
         self._check_open("carry()")
+        if self.structure is not None:
+            raise BuildError(
+                f"{self.describe()} recurses over a structure: declare per-node state with "
+                "state(default) and read it at the children with child(state, j)"
+            )
+        return self._carry(init, name)
+
+    def _carry(self, init: Any, name: str | None) -> VirtualNode:
         init_node = self._outside(init, "a carry's initial value")
         name = name or f"carry{len(self.carries)}"
         if any(c.name == name for c in self.carries):
@@ -181,8 +204,43 @@ class LoopNode(VirtualNode):
         self.carries.append(c)
         return c
 
+    # -- recursion over a structure (see VirtualGraph.recurse)
+    def state(self, default: Any, name: str | None = None) -> VirtualNode:
+        """Declare a value computed at every structure node; ``default`` stands for a missing child.
+
+        Read it at the current node's children with :meth:`child`, set it with :meth:`update`;
+        after the block, :meth:`final` is its value at the last node (the root) and
+        :meth:`stack` gives every node's.
+        """
+        self._check_open("state()")
+        if self.structure is None:
+            raise BuildError(f"{self.describe()} is not a recursion: use carry() for loop-carried state")
+        return self._carry(default, name)
+
+    def child(self, state: VirtualNode, j: int, name: str | None = None) -> VirtualNode:
+        """``state``'s value at the current node's ``j``-th child (its default if there is none).
+
+        It *is* the node computed at that child (as a carry is the node of the previous
+        iteration): reading it costs nothing, whatever the size of the structure.
+        """
+        self._check_open("child()")
+        if self.structure is None:
+            raise BuildError(f"{self.describe()} is not a recursion: child() reads a structure's children")
+        if state.kind != "carry" or state.scope is not self:
+            raise BuildError(f"{state.describe()} is not a state of {self.describe()}")
+        if isinstance(j, bool) or not isinstance(j, (int, np.integer)) or j < 0:
+            raise TypeError(
+                f"child(): j must be a non-negative int (a column of the children array), got {j!r}"
+            )
+        node = VirtualNode(
+            self.graph, "Child", "child", (state,), {"slot": int(j)}, name or f"{state.name}[{j}]", self
+        )
+        self.children.append(node)
+        return node
+
     def update(self, carry: VirtualNode, value: Any) -> None:
-        """Declare the value ``carry`` takes at the start of the next iteration."""
+        """Declare the value ``carry`` takes at the start of the next iteration (in a recursion:
+        the state's value at the current node)."""
         self._check_open("update()")
         if carry.kind != "carry" or carry.scope is not self:
             raise BuildError(f"{carry.describe()} is not a carry of {self.describe()}")
@@ -228,9 +286,13 @@ class BranchNode(VirtualNode):
     In plain Python: ``out = options[selector(*[k.value for k in keys])]``. Only the selected
     option is built (per iteration, inside a loop) and only it receives a gradient. The selector
     returns an ``int`` (or ``bool``) in ``range(len(options))``.
+
+    A branch with several outputs (options given as tuples, see ``VirtualGraph.branch``) is one
+    BranchNode per output; the first, the *lead*, runs the selector and records the decision, the
+    others follow its choice (``lead`` is set on them).
     """
 
-    __slots__ = ("selector", "keys", "options")
+    __slots__ = ("selector", "keys", "options", "lead")
 
     def __init__(
         self,
@@ -239,11 +301,14 @@ class BranchNode(VirtualNode):
         keys: tuple[VirtualNode, ...],
         options: tuple[VirtualNode, ...],
         name: str | None,
+        lead: BranchNode | None = None,
     ):
-        super().__init__(graph, "Branch", "branch", (*keys, *options), None, name, graph._scope())
+        inputs = (*keys, *options) if lead is None else (lead, *keys, *options)
+        super().__init__(graph, "Branch", "branch", inputs, None, name, graph._scope())
         self.selector = selector
         self.keys = keys
         self.options = options
+        self.lead = lead
 
 
 def _depth(scope: LoopNode | None) -> int:

@@ -21,7 +21,7 @@ def _captures(loop: LoopNode) -> list[VirtualNode]:
             seen[u] = None
     for v in loop.graph.nodes:
         if _inside(v.scope, loop):
-            deps = v.inputs if v.kind != "loop" else [*(c.inputs[0] for c in v.carries), *v.sequences]
+            deps = v.inputs if v.kind != "loop" else _loop_inputs(v)
             if v.kind == "carry":
                 deps = ()
             for d in (*deps, *(v.updates.values() if v.kind == "loop" else ())):
@@ -58,6 +58,19 @@ HOISTABLE_OPS = frozenset(
         "Take",
     ]
 )
+
+
+# Body nodes a loop sets at the start of each iteration (not built from their inputs).
+_SET_PER_ITERATION = ("carry", "item", "child")
+
+
+def _loop_inputs(loop: LoopNode) -> list[VirtualNode]:
+    """What a loop reads from outside its body when it starts: carries' initial values, stepped
+    sequences, a recursion's children array."""
+    inputs = [*(c.inputs[0] for c in loop.carries), *loop.sequences]
+    if loop.structure is not None:
+        inputs.append(loop.structure)
+    return inputs
 
 
 def _hoistable(loop: LoopNode, eager: Sequence[VirtualNode]) -> list[VirtualNode]:
@@ -100,7 +113,7 @@ class _Plan:
             needed.add(v)
             if v.kind == "loop":
                 caps = self.captures.setdefault(v, _captures(v))
-                stack.extend((*caps, *(c.inputs[0] for c in v.carries), *v.sequences, *v.updates.values()))
+                stack.extend((*caps, *_loop_inputs(v), *v.updates.values()))
             elif v.kind == "stacked":
                 self.stacked.setdefault(v.inputs[0], []).append(v)
                 stack.extend(v.inputs)
@@ -125,10 +138,10 @@ class _Plan:
             if v in eager:
                 continue
             eager.add(v)
-            if v.kind not in ("carry", "item"):
+            if v.kind not in _SET_PER_ITERATION:
                 stack.extend(d for d in self.deps(v) if d.scope is v.scope)
         for v in graph.nodes:
-            if v in eager and v.kind not in ("carry", "item"):
+            if v in eager and v.kind not in _SET_PER_ITERATION:
                 self.eager.setdefault(v.scope, []).append(v)
         self.hoistable = {loop: _hoistable(loop, self.eager.get(loop, ())) for loop in self.captures}
 
@@ -136,9 +149,9 @@ class _Plan:
         """What must be built before ``v`` (branch options excluded: they are built on demand)."""
         kind = v.kind
         if kind == "branch":
-            return v.keys
+            return v.keys if v.lead is None else (v.lead, *v.keys)
         if kind == "loop":
-            return [*(c.inputs[0] for c in v.carries), *v.sequences, *self.captures[v]]
+            return [*_loop_inputs(v), *self.captures[v]]
         if kind in ("final", "stacked"):
             return (v.inputs[0],)
         return v.inputs

@@ -13,16 +13,37 @@ from typing import Any
 
 import numpy as np
 
-from ..compute import _ALL, ComputeGraph, ComputeNode, NodeKey, _anomaly_scope, _as_value, no_grad
-from ..errors import BuildError, FeedError, LoopLimitError, SelectorError, ShapeError, StructureChangedError
+from ..compute import (
+    _ALL,
+    ComputeGraph,
+    ComputeNode,
+    NodeKey,
+    _anomaly_scope,
+    _as_value,
+    _by_serial,
+    is_grad_enabled,
+    next_version,
+    no_grad,
+)
+from ..errors import (
+    BuildError,
+    FeedError,
+    LoopLimitError,
+    SelectorError,
+    ShapeError,
+    StructureChangedError,
+    StructureError,
+    VGraphError,
+)
 from ..ops import OPS, Op
+from .cache import SupersededGraph
 from .graph import VirtualGraph
 from .hoist import hoist_loop
 from .nodes import _NO_LOOP_VALUE, BranchNode, LoopNode, VirtualNode
 from .plan import _Plan
 from .store import _store_name
 
-_GETITEM, _STACK, _HOISTED = OPS["GetItem"], OPS["Stack"], OPS["Hoisted"]
+_GETITEM, _STACK, _HOISTED, _BRANCH = OPS["GetItem"], OPS["Stack"], OPS["Hoisted"], OPS["Branch"]
 
 # ---------------------------------------------------------------------------- unrolling
 
@@ -62,6 +83,8 @@ class UnrolledGraph(ComputeGraph):
         self._envs: dict[tuple[LoopNode | None, tuple[int, ...]], dict[VirtualNode, ComputeNode]] = {}
         # Hoisted groups and their per-iteration copies (row t of the group is copy t).
         self._groups: dict[ComputeNode, list[ComputeNode]] = {}
+        # Sampled leaves (dropout masks): how to draw them again when the graph is replayed.
+        self._samples: dict[ComputeNode, tuple[Any, ComputeNode]] = {}
 
     def _copies_of(self, v: VirtualNode) -> dict[tuple[int, ...], ComputeNode]:
         return {idx: env[v] for (scope, idx), env in self._envs.items() if scope is v.scope and v in env}
@@ -84,6 +107,51 @@ class UnrolledGraph(ComputeGraph):
         return env[what]
 
     _NODE_ARG = "a ComputeNode of this graph or a VirtualNode it was built from"
+
+    def _succeed(self) -> UnrolledGraph:
+        """A new graph object that owns this one's nodes; this one becomes a
+        :class:`~.cache.SupersededGraph` (see :mod:`vgraph.virtual.cache`)."""
+        new = object.__new__(UnrolledGraph)
+        new.__dict__.update(self.__dict__)
+        new._weak_self = weakref.ref(new)
+        for n in new._nodes.values():
+            if n._graph is not None:  # op nodes and the graph's own leaves; not shared parameters
+                n._graph = new._weak_self
+        self.__dict__.clear()
+        self.__class__ = SupersededGraph  # type: ignore[assignment]
+        return new
+
+    def _replay(self, values: Mapping[str, np.ndarray], rng: np.random.Generator) -> None:
+        """Recompute every node for new input values, as a fresh build of this structure would:
+        in creation order, sampled leaves drawn again from ``rng`` when their turn comes, guards
+        re-checking every recorded decision.
+
+        Raises:
+            StructureChangedError: the new values lead to another structure.
+        """
+        for name, arr in values.items():
+            self.inputs[name].set_value(arr)
+        samples, training = self._samples, self.virtual.training
+        run = self._run
+        try:
+            for n in sorted(self._nodes.values(), key=_by_serial) if samples else self._nodes.values():
+                if n.op is None:
+                    sample = samples.get(n)
+                    if sample is not None:
+                        n.set_value(sample[0](rng, sample[1]._value, training))
+                    continue
+                version = n.version
+                for p in n.parents:
+                    if p.version > version:
+                        n._value = run(n)
+                        n.version = next_version()
+                        break
+        except BaseException as e:
+            self._failed_forward = f"{type(e).__name__}: {e}"
+            raise
+        self._released = False
+        self._stale = self._failed_forward = None
+        self._mark_fresh([_ALL])
 
     def _add_copy(self, group: ComputeNode, copy: ComputeNode) -> ComputeNode:
         self._groups.setdefault(group, []).append(copy)
@@ -227,6 +295,7 @@ class _Builder:
         self.plan = plan
         self.cg = UnrolledGraph(graph)
         self.new_params: dict[str, ComputeNode] = {}
+        self.chosen: dict[tuple[BranchNode, tuple[int, ...]], int] = {}  # for multi-output branches
         self.rng = np.random.default_rng([graph.seed, graph._builds])
 
     # -- building one node whose dependencies are built
@@ -247,8 +316,10 @@ class _Builder:
         elif kind == "constant":
             env[v] = cg.constant(v.attrs["value"], v.name, NodeKey("Constant", v.id, ()))
         elif kind == "sample":
-            value = v.attrs["fn"](self.rng, env[v.inputs[0]].value, self.graph.training)
+            like = env[v.inputs[0]]
+            value = v.attrs["fn"](self.rng, like.value, self.graph.training)
             env[v] = cg.constant(value, v.name, NodeKey("Sample", v.id, frame.idx))
+            cg._samples[env[v]] = (v.attrs["fn"], like)
         elif kind == "loop":
             self.run_loop(v, frame)
         elif kind == "branch":
@@ -258,7 +329,7 @@ class _Builder:
             raise BuildError(f"{v.describe(idx)}: {loop.describe(idx)} ran no iteration, nothing to stack")
         elif kind == "final":
             raise AssertionError(f"{v.describe(frame.idx)}: a loop sets its outputs when it runs")
-        else:  # carry and item nodes are set at the start of each iteration
+        else:  # carry, item and child nodes are set at the start of each iteration
             raise AssertionError(f"unexpected {v.kind} node {v.describe()}")
 
     def parameter(self, v: VirtualNode, idx: tuple[int, ...]) -> ComputeNode:
@@ -291,7 +362,8 @@ class _Builder:
             if v.kind == "branch":
                 choice = choices.get(v)
                 if choice is None:
-                    choice = choices[v] = self.choose(v, f)
+                    lead = v.lead
+                    choice = choices[v] = self.choose(v, f) if lead is None else self.chosen[(lead, f.idx)]
                 option = v.options[choice]
                 if option not in frame.owner(option).env:
                     stack.append(option)
@@ -335,6 +407,13 @@ class _Builder:
             length = n
         if seqs:
             cg.guard(seqs, _length_check(loop, idx, length), NodeKey("LengthCheck", loop.id, idx))
+        kids = None  # a recursion's children array: row t lists node t's children
+        if loop.structure is not None:
+            node = frame.owner(loop.structure).env[loop.structure]
+            kids = _check_structure(loop, idx, node.value, length)
+            length = len(kids)
+            cg.guard([node], _structure_check(loop, idx, kids), NodeKey("StructureCheck", loop.id, idx))
+            defaults, history = state, []  # every node's state, read by its parents
         captured = {c: frame.owner(c).env[c] for c in self.plan.captures[loop]}
         groups: dict[VirtualNode, ComputeNode] = {}
         if self.hoist and loop.cond is None and self.plan.hoistable[loop]:
@@ -367,6 +446,11 @@ class _Builder:
             ienv = inner.env
             for c, node in zip(loop.carries, state):
                 ienv[c] = node
+            if kids is not None:  # each child read *is* the node computed at that child
+                for read in loop.children:
+                    k = loop.carries.index(read.inputs[0])
+                    c = kids[t, read.attrs["slot"]] if read.attrs["slot"] < kids.shape[1] else -1
+                    ienv[read] = history[c][k] if c >= 0 else defaults[k]
             for item, node in zip(loop.items, seqs):
                 if item not in groups:
                     ienv[item] = cg._add_op(
@@ -389,6 +473,8 @@ class _Builder:
                         "its shape and dtype (to collect values of growing size, use loop.stack)"
                     )
             state = new_state
+            if kids is not None:
+                history.append(new_state)
             for bucket, s in zip(collected, stacked):
                 bucket.append(ienv[s.inputs[1]])
             t += 1
@@ -407,10 +493,17 @@ class _Builder:
 
     def finish_branch(self, branch: BranchNode, frame: _Frame, choice: int) -> None:
         """Add the branch node once its chosen option is built: it passes the option on and
-        re-checks the choice on every forward."""
+        re-checks the choice on every forward. A follower (another output of a branch with
+        several) only passes its option on: the lead's node checks the choice."""
         idx = frame.idx
-        keys = [frame.owner(k).env[k] for k in branch.keys]
         option = frame.owner(branch.options[choice]).env[branch.options[choice]]
+        if branch.lead is not None:
+            frame.env[branch] = self.cg._add_op(
+                _BRANCH, (option,), None, NodeKey("Branch", branch.id, idx), branch.name
+            )
+            return
+        self.chosen[(branch, idx)] = choice
+        keys = [frame.owner(k).env[k] for k in branch.keys]
         self.cg.decisions.append(Decision(branch, idx, "option", choice))
 
         def forward(x: np.ndarray, *key_values: np.ndarray) -> np.ndarray:
@@ -426,6 +519,47 @@ class _Builder:
         frame.env[branch] = self.cg.apply(
             op, [option, *keys], None, NodeKey("Branch", branch.id, idx), branch.name
         )
+
+
+def _check_structure(loop: LoopNode, idx: tuple[int, ...], value: Any, length: int | None) -> np.ndarray:
+    """A recursion's children array, checked: ``(N, k)`` integers, ``N > 0``, every child index in
+    ``[-1, t)`` for node ``t`` (children first; a cycle cannot be ordered so)."""
+    where = f"{loop.describe(idx)}: the children array {loop.structure.describe()}"
+    kids = np.asarray(value)
+    if kids.ndim != 2 or kids.dtype.kind not in "iu":
+        raise StructureError(f"{where} must be an (N, k) integer array, got {kids.dtype} {kids.shape}")
+    if len(kids) == 0:
+        raise StructureError(f"{where} is empty: a structure needs at least one node")
+    if length is not None and length != len(kids):
+        raise StructureError(f"{where} has {len(kids)} nodes, but the stepped sequences have {length}")
+    bad = (kids < -1) | (kids >= len(kids))
+    if bad.any():
+        t, j = map(int, np.argwhere(bad)[0])
+        raise StructureError(
+            f"{where}: structure node {t} has child {int(kids[t, j])} (slot {j}), out of range "
+            f"(valid: -1 for none, or 0..{len(kids) - 1})"
+        )
+    late = kids >= np.arange(len(kids))[:, None]
+    if late.any():
+        t, j = map(int, np.argwhere(late)[0])
+        c = int(kids[t, j])
+        raise StructureError(
+            f"{where}: structure node {t} has child {c} (slot {j}), which does not come before it; "
+            "order the nodes children first (a topological order; a structure with a cycle has none)"
+        )
+    return kids.copy()
+
+
+def _structure_check(loop: LoopNode, idx: tuple[int, ...], kids: np.ndarray):
+    def check(value: np.ndarray) -> int:
+        if np.shape(value) != kids.shape or not np.array_equal(value, kids):
+            raise StructureChangedError(
+                f"{loop.describe(idx)} recurses over {loop.structure.describe()}, whose children array "
+                "changed; rebuild the compute graph for the new structure"
+            )
+        return len(kids)
+
+    return check
 
 
 def _widens(init: np.ndarray, first: np.ndarray) -> bool:
@@ -530,6 +664,7 @@ def build_compute_graph(
     outputs: VirtualNode | Sequence[VirtualNode],
     *,
     hoist: bool = True,
+    cache: bool = True,
     detect_anomaly: bool = False,
 ) -> UnrolledGraph:
     """Unroll ``graph`` for the values in ``feed`` into a new :class:`UnrolledGraph`.
@@ -548,6 +683,9 @@ def build_compute_graph(
         graph: the model.
         feed: a value for each input the outputs need, by input name.
         outputs: top-level virtual nodes to build.
+        cache: re-run the graph of an earlier build of the same structure instead of unrolling
+            again (see :mod:`vgraph.virtual.cache`: the earlier graph object is then superseded);
+            ``False`` always unrolls and leaves the cache alone.
         hoist: compute loop-body nodes that depend on no carried state for all iterations at
             once (see :mod:`vgraph.virtual.hoist`); ``False`` gives the plain node-by-node unroll,
             for comparison and debugging. Same keys, values and gradients either way.
@@ -596,6 +734,21 @@ def build_compute_graph(
     # while both are alive. A weak reference restores it if this build fails (and it still exists).
     previous = weakref.ref(graph.latest_build) if graph.latest_build is not None else None
     graph.latest_build = None
+    key = (*outs, len(graph.nodes), graph.training, is_grad_enabled(), hoist,
+           *((n, a.shape, a.dtype.str) for n, a in values.items()))  # fmt: skip
+    cached = graph._cache.take(key) if cache else None
+    if cached is not None:
+        cg: UnrolledGraph | None = cached._succeed()
+        try:
+            with _anomaly_scope(detect_anomaly):
+                cg._replay(values, np.random.default_rng([graph.seed, graph._builds]))
+        except VGraphError:  # another structure (or an error a fresh build reports in context)
+            cg = None
+        if cg is not None:
+            graph._cache.put(key, cg)
+            graph.latest_build = cg
+            graph._builds += 1
+            return cg
     try:
         builder = _Builder(graph, values, plan, hoist)
         top = _Frame(None, (), {}, None)
@@ -614,6 +767,8 @@ def build_compute_graph(
     cg._mark_fresh([_ALL])  # every node was computed from its parents' current values
     for name, node in builder.new_params.items():  # commit only after success
         graph.params._add(name, node)
+    if cache:
+        graph._cache.put(key, cg)
     graph.latest_build = cg
     graph._builds += 1
     return cg

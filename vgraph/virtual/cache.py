@@ -1,0 +1,92 @@
+"""Cached structures: a build whose structure was seen before re-runs the graph it built then.
+
+Unrolling costs Python work per node; a training loop over inputs of a few shapes unrolls the same
+structure again and again. The cache keeps the last few unrolled graphs, keyed by what decides a
+structure before any value is looked at — the outputs, the declarations, train/eval and grad mode,
+hoisting, and the names, shapes and dtypes of the feed. A build with a known key hands the cached
+graph's nodes to a new :class:`UnrolledGraph`, feeds the new values, redraws sampled nodes (dropout
+masks) exactly as a fresh build would, and re-runs every node in creation order; the recorded
+decisions (trip counts, branch choices, recursion structures) are guards, re-checked on the way.
+If one says the structure differs, the build unrolls afresh — callers never see the difference.
+
+What an earlier graph means afterwards: the graph object a build returned is *superseded* when a
+later build of the same key takes its nodes over (whether or not the structure turned out the
+same). Using it raises a :class:`~vgraph.errors.GraphStateError` that says so — it never shows
+the later build's values silently. Node objects taken from it belong to the new build. Build with
+``cache=False`` to keep several graphs of one structure side by side.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from ..errors import GraphStateError
+
+if TYPE_CHECKING:
+    from .unroll import UnrolledGraph
+
+DEFAULT_CACHE_SIZE = 4
+
+
+class BuildCache:
+    """A small LRU of unrolled graphs by structure key (see the module docstring).
+
+    Memory: each entry keeps one unrolled graph with its values alive, so the cache holds at most
+    ``size`` graphs (the one a training step is using among them).
+    """
+
+    def __init__(self, size: int = DEFAULT_CACHE_SIZE) -> None:
+        self.size = size
+        self._entries: OrderedDict[tuple[Any, ...], UnrolledGraph] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def resize(self, size: int) -> None:
+        """Keep at most ``size`` graphs from now on (the least recently used go first)."""
+        self.size = size
+        while len(self._entries) > max(size, 0):
+            self._entries.popitem(last=False)
+
+    def take(self, key: tuple[Any, ...]) -> UnrolledGraph | None:
+        """Remove and return the graph cached under ``key`` (the caller puts back what it returns)."""
+        return self._entries.pop(key, None)
+
+    def put(self, key: tuple[Any, ...], cg: UnrolledGraph) -> None:
+        if self.size <= 0:
+            return
+        self._entries[key] = cg
+        self._entries.move_to_end(key)
+        self.resize(self.size)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+class SupersededGraph:
+    """What an :class:`UnrolledGraph` turns into when a later build of the same structure takes
+    its nodes over: every use raises a :class:`~vgraph.errors.GraphStateError` saying so."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise GraphStateError(
+            "this unrolled graph was superseded: a later build of the same structure re-used its "
+            "nodes for new values (see vgraph.virtual.cache). Use the graph that build returned, or "
+            "build with cache=False to keep several graphs of one structure side by side"
+        )
+
+    def __repr__(self) -> str:
+        return "<UnrolledGraph superseded by a later build of the same structure>"
+
+    # Special methods are looked up on the type, not through __getattr__.
+    def __len__(self) -> int:
+        return self.nodes  # type: ignore[no-any-return]  # raises
+
+    def __contains__(self, key: object) -> bool:
+        return self.nodes  # type: ignore[no-any-return]  # raises
+
+    def __getitem__(self, key: object) -> Any:
+        return self.nodes  # raises
+
+    def __iter__(self) -> Any:
+        return self.nodes  # raises
