@@ -494,3 +494,43 @@ def test_training_state_round_trip_with_sparse_updates(tmp_path, make_opt):
     io.load(g3, tmp_path / "params.npz")
     assert_same(values(g3), values(g2))
     assert g3.params["emb.W"].sparse_grad  # the flag comes from the declaration, not the file
+
+
+# --- the benchmarks' own checks (no timing is asserted) ---------------------------------------
+
+
+def _tool(name):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"vgraph_tool_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look the module up while executing it
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(spec.name, None)
+    return module
+
+
+def test_bench_sparse_checks_dense_and_sparse_agree():
+    bench = _tool("bench_sparse")
+    bench.check_equal(vocab=50, dim=4, hidden=3, T=4, B=3)  # exits with status 2 on a mismatch
+    rows = bench.time_update(vocab=50, dim=4, T=4, B=3, repeats=1)
+    assert {r["optimizer"] for r in rows} == {"sgd", "adagrad", "adam"}
+    assert all(r["distinct_rows"] <= 12 for r in rows)
+
+
+def test_bench_tree_check_and_quick_run(tmp_path):
+    bench = _tool("bench_tree")
+    report = bench.check_tree_lstm()
+    assert report["gradcheck"] == "passed" and report["sparse_equals_dense"]
+    tree = bench.random_tree(np.random.default_rng(0), np.array([3, 1, 4, 1, 5]))
+    n = len(tree.tokens)
+    assert n == 9 and tree.words == 5 and tree.is_leaf.sum() == 5
+    assert all(c < t for t in range(n) for c in tree.children[t] if c >= 0)  # children first
+    out = tmp_path / "tree.json"
+    assert bench.main(["--quick", "--sentences", "2", "--json", str(out)]) == 0
+    assert out.exists()
