@@ -96,15 +96,27 @@ def test_repeated_rows_are_summed():
 
 
 def test_integer_getitem_and_array_lookups_are_rows():
-    """``emb(array)`` (GetItem with an integer array) and ``W[3]`` (an integer index) are row
-    look-ups too; a negative index names the row counted from the end."""
+    """``emb(array)`` (GetItem with an integer array), ``W[3]`` (an integer index) and ``W[a:b]``
+    (a slice of rows) are row look-ups too; a negative index names the row counted from the end."""
     cg = vg.ComputeGraph(np.float64)
-    W = cg.parameter(np.ones((5, 2)), sparse_grad=True)
-    loss = F.sum(W[np.array([1, -1, 1])] * 2.0) + F.sum(W[3] * 3.0)
+    W = cg.parameter(np.ones((7, 2)), sparse_grad=True)
+    loss = F.sum(W[np.array([1, -1, 1])] * 2.0) + F.sum(W[3] * 3.0) + F.sum(W[1:6:4] * 5.0)
     cg.backward(loss)
     assert isinstance(W.grad, RowSparseGrad)
-    np.testing.assert_array_equal(W.grad.indices, [1, 3, 4])
-    np.testing.assert_array_equal(W.grad.values, [[4.0, 4.0], [3.0, 3.0], [2.0, 2.0]])
+    np.testing.assert_array_equal(W.grad.indices, [1, 3, 5, 6])
+    np.testing.assert_array_equal(W.grad.values, [[9.0, 9.0], [3.0, 3.0], [5.0, 5.0], [2.0, 2.0]])
+    dense = vg.ComputeGraph(np.float64)
+    Wd = dense.parameter(np.ones((7, 2)))
+    dense.backward(F.sum(Wd[np.array([1, -1, 1])] * 2.0) + F.sum(Wd[3] * 3.0) + F.sum(Wd[1:6:4] * 5.0))
+    np.testing.assert_array_equal(W.grad.dense(), Wd.grad)
+
+
+def test_a_column_slice_is_not_a_row_lookup():
+    cg = vg.ComputeGraph(np.float64)
+    W = cg.parameter(np.ones((4, 3)), sparse_grad=True)
+    cg.backward(F.sum(W[:, 1] * 2.0) + F.sum(F.take(W, cg.input(np.array([2])))))
+    assert type(W.grad) is np.ndarray
+    np.testing.assert_array_equal(W.grad, [[0, 2, 0], [0, 2, 0], [1, 3, 1], [0, 2, 0]])
 
 
 def test_gradient_accumulates_across_backward_calls_and_builds():

@@ -251,7 +251,7 @@ class ComputeNode(Operand):
         grad: the accumulated gradient (leaves, and nodes that called ``retain_grad()``).
         sparse_grad: for a 2-D parameter (an embedding table): backward gives ``.grad`` as a
             :class:`~vgraph.ops.RowSparseGrad` holding only the rows that were looked up, when
-            every use of the parameter is a row look-up (``take``, integer indexing); see
+            every use of the parameter is a row look-up (``take``, ``W[rows]``, ``W[a:b]``); see
             docs/training.md, "Sparse embedding gradients". Set it through
             ``parameter(..., sparse_grad=True)``.
     """

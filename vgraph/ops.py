@@ -359,7 +359,8 @@ def _coalesce(
 
 def _row_parts(g: Any, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
     """``(row indices, row values)`` of a gradient contribution that is a gather of whole rows
-    of an array of ``shape`` (a ``Take`` or an integer ``GetItem``), else ``None``."""
+    of an array of ``shape`` (a ``Take``, or a ``GetItem`` with an integer, an integer array or a
+    slice), else ``None``."""
     if type(g) is not IndexedGrad:
         return None
     index = g.index
@@ -368,6 +369,9 @@ def _row_parts(g: Any, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] 
     if isinstance(index, np.ndarray) and index.dtype.kind in "iu":
         vals = np.broadcast_to(g.g, (*index.shape, *shape[1:]))
         return index.reshape(-1), vals.reshape(-1, *shape[1:])
+    if isinstance(index, slice):  # a range of whole rows
+        rows = np.arange(*index.indices(shape[0]))
+        return rows, np.reshape(g.g, (rows.size, *shape[1:]))
     return None
 
 
