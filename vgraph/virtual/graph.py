@@ -45,7 +45,7 @@ class VirtualGraph:
         self.seed = _seed_arg(seed, "VirtualGraph(seed=...)")
         self.name = name
         self.nodes: list[VirtualNode] = []  # in a topological order (declaration order)
-        self.params = ParameterStore()
+        self.params = ParameterStore(self._untied_copy)
         self.latest_build: UnrolledGraph | None = None
         self._counters: dict[str, int] = {}
         self._scopes: list[LoopNode] = []
@@ -133,20 +133,30 @@ class VirtualGraph:
         return VirtualNode(self, op, "op", nodes, attrs, None, self._scope())
 
     # -- declaring
-    def input(self, name: str, shape: Sequence[int | None] | None = None) -> VirtualNode:
+    def input(
+        self, name: str, shape: Sequence[int | None] | None = None, requires_grad: bool = False
+    ) -> VirtualNode:
         """Declare an input fed by name at build time.
 
         Args:
             name: the feed key (unique in the graph).
             shape: the expected shape, ``None`` for any size on an axis (e.g. ``(None, None, 8)``
                 for ``(time, batch, features)``); ``None`` for any shape.
+            requires_grad: backward computes the gradient with respect to this input too (in
+                ``cg.inputs[name].grad``, or ``cg.grad(loss, [cg.inputs[name]])``), e.g. for
+                saliency maps or adversarial examples.
+
+        Raises:
+            TypeError: a name that is not a non-empty str, or a shape that is not ints or None.
+            BuildError: the name is taken.
         """
         _name_arg(name, "input")
         if name in self._inputs:
             raise BuildError(f"the graph already has an input named {name!r}")
         if shape is not None:
             shape = _shape_arg(shape, f"input {name!r}", allow_none=True)
-        node = VirtualNode(self, "Input", "input", (), {"shape": shape}, name, None)
+        attrs = {"shape": shape, "requires_grad": bool(requires_grad)}
+        node = VirtualNode(self, "Input", "input", (), attrs, name, None)
         self._inputs[name] = node
         return node
 
@@ -280,6 +290,9 @@ class VirtualGraph:
         while_: Callable[[int, dict[str, np.ndarray]], bool] | None = None,
         max_iters: int = 100_000,
         name: str | None = None,
+        *,
+        until: Callable[[int, dict[str, np.ndarray]], bool] | None = None,
+        on_limit: str = "raise",
     ) -> LoopNode:
         """Declare a loop; use it as a ``with`` block holding the body (see :class:`LoopNode`).
 
@@ -287,13 +300,20 @@ class VirtualGraph:
             times: a fixed number of iterations.
             while_: ``cond(t, state) -> bool`` checked before each iteration on real values
                 (``state`` maps carry names to arrays); the loop stops when it is false.
-            max_iters: a guard: more iterations than this is a :class:`LoopLimitError`.
+            max_iters: a guard: more iterations than this is a :class:`LoopLimitError` (or, with
+                ``on_limit="stop"``, a cap).
             name: a display name.
+            until: ``cond(t, state) -> bool`` checked *after* each iteration on the updated state
+                (a do-while: the body runs at least once); the loop stops when it is true, e.g.
+                "compute the next state, stop when it barely moved" with no extra carry.
+            on_limit: ``"raise"`` (default) makes running into ``max_iters`` an error;
+                ``"stop"`` caps the loop there, recorded as a decision (``cg.capped(loop)``).
 
         Raises:
             BuildError: ``times`` is not a non-negative int.
-            TypeError: ``while_`` is not callable, or ``max_iters`` is not an int.
-            ValueError: ``max_iters`` is negative.
+            TypeError: ``while_`` or ``until`` is not callable, or ``max_iters`` is not an int.
+            ValueError: ``max_iters`` is negative, or ``on_limit`` is neither ``"raise"`` nor
+                ``"stop"``.
         """
         if times is not None and (
             isinstance(times, bool) or not isinstance(times, (int, np.integer)) or times < 0
@@ -301,8 +321,14 @@ class VirtualGraph:
             raise BuildError(f"loop times= must be a non-negative int, got {times!r}")
         if while_ is not None and not callable(while_):
             raise TypeError(f"loop while_= must be callable as while_(t, state) -> bool, got {while_!r}")
+        if until is not None and not callable(until):
+            raise TypeError(f"loop until= must be callable as until(t, state) -> bool, got {until!r}")
+        if on_limit not in ("raise", "stop"):
+            raise ValueError(f"loop on_limit= must be 'raise' or 'stop', got {on_limit!r}")
         max_iters = _count_arg(max_iters, "loop max_iters=")
-        return LoopNode(self, None if times is None else int(times), while_, max_iters, name)
+        loop = LoopNode(self, None if times is None else int(times), while_, max_iters, name)
+        loop.until, loop.on_limit = until, on_limit
+        return loop
 
     def branch(
         self,
@@ -436,6 +462,26 @@ class VirtualGraph:
         """Copies of all parameter values by name, untied copies included (``g.params.state_dict()``)."""
         return self.params.state_dict()
 
+    def _declaration_of(self, key: str, what: str) -> tuple[VirtualNode, tuple[int, ...]]:
+        """The parameter declaration and iteration path a store name stands for (``"W"``,
+        ``"W@3"``), or a KeyError starting with ``what``."""
+        base, _, idx_text = key.partition("@") if isinstance(key, str) else ("", "", "")
+        decl = self._param_decls.get(base)
+        if (
+            decl is None
+            or (bool(idx_text) == decl.attrs["share"])
+            or (idx_text and not _is_iteration_path(idx_text, _depth(decl.scope)))
+        ):
+            raise KeyError(f"{what} {key!r}, which is not a parameter of this graph")
+        return decl, tuple(int(i) for i in idx_text.split(".")) if idx_text else ()
+
+    def _untied_copy(self, key: str) -> ComputeNode:
+        """Create (initialised, and added to the store) the untied copy ``key`` no build has made yet."""
+        decl, idx = self._declaration_of(key, "no parameter")
+        node = self._new_parameter(decl, idx)
+        self.params._add(key, node)
+        return node
+
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Set parameter values from ``state`` (name -> array), checking all of it first.
 
@@ -448,14 +494,7 @@ class VirtualGraph:
         staged: dict[str, np.ndarray] = {}
         new: dict[str, ComputeNode] = {}
         for key, value in state.items():
-            base, _, idx_text = key.partition("@")
-            decl = self._param_decls.get(base)
-            if (
-                decl is None
-                or (bool(idx_text) == decl.attrs["share"])
-                or (idx_text and not _is_iteration_path(idx_text, _depth(decl.scope)))
-            ):
-                raise KeyError(f"checkpoint has {key!r}, which is not a parameter of this graph")
+            decl, idx = self._declaration_of(key, "checkpoint has")
             arr = np.asarray(value)
             if arr.shape != decl.attrs["shape"]:
                 raise ShapeError(
@@ -465,7 +504,6 @@ class VirtualGraph:
                 raise ShapeError(f"parameter {key!r}: checkpoint dtype {arr.dtype} is not a float dtype")
             staged[key] = arr
             if key not in self.params:
-                idx = tuple(int(i) for i in idx_text.split("."))
                 new[key] = self._new_parameter(decl, idx)
         missing = [k for k in self.params if k not in staged]
         if strict and missing:

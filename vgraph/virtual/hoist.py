@@ -83,8 +83,12 @@ def hoist_loop(
         for u in v.inputs:
             node = groups.get(u)
             if node is None and u in sequences:  # a stepped item, grouped on first use
+                rows = slice(0, trips)
+                if u.attrs.get("reverse"):  # rows len-1, len-2, ... (a view with a negative stride)
+                    last = len(sequences[u]._value) - 1
+                    rows = slice(last, last - trips if last - trips >= 0 else None, -1)
                 node = groups[u] = cg._add_op(
-                    _GETITEM, (sequences[u],), {"index": slice(0, trips)}, NodeKey("Item*", u.id, idx), u.name
+                    _GETITEM, (sequences[u],), {"index": rows}, NodeKey("Item*", u.id, idx), u.name
                 )
             if node is not None:
                 inputs.append(node)

@@ -239,6 +239,10 @@ class UnrolledGraph(ComputeGraph):
         for name, arr in staged.items():
             self.inputs[name].set_value(arr)
 
+    def capped(self, loop: LoopNode, idx: tuple[int, ...] = ()) -> bool:
+        """Whether ``loop`` (declared with ``on_limit="stop"``) stopped at its ``max_iters`` cap."""
+        return any(d.node is loop and d.idx == tuple(idx) and d.kind == "capped" for d in self.decisions)
+
     def trip_count(self, loop: LoopNode, idx: tuple[int, ...] = ()) -> int:
         """How many iterations ``loop`` ran in iteration path ``idx``."""
         return self._decision(loop, idx, "iterations")
@@ -310,7 +314,7 @@ class _Builder:
         elif kind == "parameter":
             env[v] = cg.add_leaf(self.parameter(v, frame.idx))
         elif kind == "input":
-            node = cg.input(self.feed[v.name], v.name, NodeKey("Input", v.id, ()))
+            node = cg.input(self.feed[v.name], v.name, NodeKey("Input", v.id, ()), v.attrs["requires_grad"])
             cg.inputs[v.name] = node
             env[v] = node
         elif kind == "constant":
@@ -416,7 +420,7 @@ class _Builder:
             defaults, history = state, []  # every node's state, read by its parents
         captured = {c: frame.owner(c).env[c] for c in self.plan.captures[loop]}
         groups: dict[VirtualNode, ComputeNode] = {}
-        if self.hoist and loop.cond is None and self.plan.hoistable[loop]:
+        if self.hoist and loop.cond is None and loop.until is None and self.plan.hoistable[loop]:
             trips = min(n for n in (loop.times, length) if n is not None)  # known before it starts
             if 1 < trips <= loop.max_iters:
                 groups = hoist_loop(self, loop, frame, captured, seqs, trips)
@@ -438,6 +442,9 @@ class _Builder:
                 if not go:
                     break
             if t >= loop.max_iters:
+                if loop.on_limit == "stop":  # a cap, not an error: recorded with the trip count
+                    cg.decisions.append(Decision(loop, idx, "capped", t))
+                    break
                 raise LoopLimitError(
                     f"{loop.describe(idx)} reached max_iters={loop.max_iters} and would go on; raise "
                     "max_iters if that many iterations are intended, or check the loop's condition"
@@ -453,8 +460,9 @@ class _Builder:
                     ienv[read] = history[c][k] if c >= 0 else defaults[k]
             for item, node in zip(loop.items, seqs):
                 if item not in groups:
+                    at = length - 1 - t if item.attrs.get("reverse") else t
                     ienv[item] = cg._add_op(
-                        _GETITEM, (node,), {"index": t}, NodeKey("Item", item.id, inner.idx), item.name
+                        _GETITEM, (node,), {"index": at}, NodeKey("Item", item.id, inner.idx), item.name
                     )
             for v, group in groups.items():  # this iteration's copy of each hoisted node
                 ienv[v] = cg._add_copy(
@@ -478,6 +486,15 @@ class _Builder:
             for bucket, s in zip(collected, stacked):
                 bucket.append(ienv[s.inputs[1]])
             t += 1
+            if loop.until is not None:  # do-while: checked on the updated state
+                done = _run_cond(loop, idx, t - 1, names, [s.value for s in state], until=True)
+                cg.guard(
+                    state,
+                    _cond_check(loop, idx, t - 1, names, done, until=True),
+                    NodeKey("UntilCheck", loop.id, (*idx, t - 1)),
+                )
+                if done:
+                    break
         cg.decisions.append(Decision(loop, idx, "iterations", t))
         env[loop] = None  # the loop itself has no value; its outputs do
         for v in self.plan.finals.get(loop, ()):
@@ -593,31 +610,40 @@ def _select(branch: BranchNode, idx: tuple[int, ...], values: Sequence[np.ndarra
 
 
 def _run_cond(
-    loop: LoopNode, idx: tuple[int, ...], t: int, names: list[str], values: list[np.ndarray]
+    loop: LoopNode,
+    idx: tuple[int, ...],
+    t: int,
+    names: list[str],
+    values: list[np.ndarray],
+    until: bool = False,
 ) -> bool:
+    """Run the loop's ``while_`` condition before iteration ``t`` (or ``until`` after it)."""
+    what = "until" if until else "while_"
     try:
-        result = loop.cond(t, dict(zip(names, values)))
+        result = (loop.until if until else loop.cond)(t, dict(zip(names, values)))
     except Exception as e:
         raise BuildError(
-            f"{loop.describe(idx)}: the while_ condition raised {type(e).__name__}: {e} at iteration {t}"
+            f"{loop.describe(idx)}: the {what} condition raised {type(e).__name__}: {e} at iteration {t}"
         ) from e
     if not isinstance(result, (bool, int, np.bool_, np.integer, np.ndarray)):
         raise BuildError(
-            f"{loop.describe(idx)}: the while_ condition returned {result!r} ({type(result).__name__}) at "
+            f"{loop.describe(idx)}: the {what} condition returned {result!r} ({type(result).__name__}) at "
             f"iteration {t}; it must return a bool (did it forget a return statement?)"
         )
     try:
         return bool(result)
     except ValueError:
         raise BuildError(
-            f"{loop.describe(idx)}: the while_ condition returned an array of shape {np.shape(result)} at "
+            f"{loop.describe(idx)}: the {what} condition returned an array of shape {np.shape(result)} at "
             f"iteration {t}; it must return one bool (use .all() or .any())"
         ) from None
 
 
-def _cond_check(loop: LoopNode, idx: tuple[int, ...], t: int, names: list[str], expected: bool):
+def _cond_check(
+    loop: LoopNode, idx: tuple[int, ...], t: int, names: list[str], expected: bool, until: bool = False
+):
     def check(*values: np.ndarray) -> bool:
-        now = _run_cond(loop, idx, t, names, list(values))
+        now = _run_cond(loop, idx, t, names, list(values), until)
         if now != expected:
             raise StructureChangedError(
                 f"{loop.describe(idx)}: at iteration {t} the condition is now {now} (was {expected}), so the "
