@@ -51,7 +51,7 @@ def test_untied_copies_can_be_set_before_the_first_build():
     for t in range(3):
         expected = np.tanh(expected @ (eye * (t + 1)))
     np.testing.assert_allclose(cg.forward(), expected.sum(), rtol=1e-12)
-    with pytest.raises(KeyError, match="'W@1.2', which is not a parameter"):
+    with pytest.raises(KeyError, match=r"'W@1\.2', which is not a parameter"):
         g.params.set_value("W@1.2", eye)  # one loop level, not two
     with pytest.raises(KeyError):
         g.params.set_value("V@0", eye)
@@ -98,7 +98,7 @@ def test_until_decisions_are_rechecked_on_forward():
     g, L, out = halving(until=lambda t, s: np.abs(s["x"]).max() < 0.01)
     cg = g.build({"v": np.array([1.0, 2.0])}, out, cache=False)
     cg.feed({"v": np.array([100.0, 200.0])})
-    with pytest.raises(vg.StructureChangedError, match="until|condition"):
+    with pytest.raises(vg.StructureChangedError, match=r"until|condition"):
         cg.forward()
 
 
