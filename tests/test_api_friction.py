@@ -163,3 +163,25 @@ def test_detach_method_on_virtual_and_compute_nodes():
     q = c.parameter(np.array([3.0]))
     (grad,) = c.grad(vg.sum(q.detach() * q), [q])
     np.testing.assert_allclose(grad, [3.0])
+
+
+def test_readable_reprs():
+    g = vg.VirtualGraph(dtype=np.float64, seed=3, name="demo")
+    xs = g.input("xs", (None, 2), requires_grad=True)
+    W = g.parameter("W", (2, 2))
+    with g.loop(name="time") as L:
+        h = L.carry(np.zeros(2), name="h")
+        V = g.parameter("V", (2, 2))  # untied
+        L.update(h, vg.tanh(L.step(xs) @ W + h @ V))
+    out = g.branch(lambda s: int(s > 0), [L.final(h), -L.final(h)], keys=[vg.sum(L.final(h))])
+    text = repr(g)
+    for part in ["VirtualGraph 'demo' (float64, seed 3, training", "xs: (None, 2), requires_grad",
+                 "W: (2, 2)", "V: (2, 2), untied in <Loop:1> 'time' (0 copies so far)",
+                 "<Loop:1> 'time': steps through <Input:1> 'xs'; carries h", "<Branch:1>: 2 options"]:  # fmt: skip
+        assert part in text, (part, text)
+    cg = g.build({"xs": np.ones((3, 2))}, vg.sum(out))
+    text = repr(cg)
+    assert f"UnrolledGraph of 'demo': {len(cg)} nodes" in text
+    assert "<Loop:1> 'time' ran 3 iterations" in text and "<Branch:1> chose option" in text
+    assert repr(g.params).startswith("ParameterStore(4 parameters, 16 values: W (2, 2), V@0 (2, 2)")
+    assert repr(vg.ComputeGraph()) == "ComputeGraph(0 nodes: 0 leaves, 0 ops; float32)"

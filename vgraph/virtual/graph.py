@@ -56,6 +56,58 @@ class VirtualGraph:
         self._cache = BuildCache()
         self.training = True
 
+    def __repr__(self) -> str:
+        """A summary like PyTorch's module print: inputs, parameters (shape, tied or untied),
+        loops (carries, stepped sequences, stopping rule), branches."""
+        head = f"VirtualGraph{' ' + repr(self.name) if self.name else ''}"
+        lines = [
+            f"{head} ({self.dtype}, seed {self.seed}, {'training' if self.training else 'eval'}, {len(self.nodes)} nodes)"
+        ]
+        if self._inputs:
+            lines.append("  inputs:")
+            for name, v in self._inputs.items():
+                shape = v.attrs["shape"]
+                text = (
+                    "any shape"
+                    if shape is None
+                    else "(" + ", ".join("None" if d is None else str(d) for d in shape) + ")"
+                )
+                lines.append(
+                    f"    {name}: {text}" + (", requires_grad" if v.attrs.get("requires_grad") else "")
+                )
+        if self._param_decls:
+            lines.append("  parameters:")
+            for name, v in self._param_decls.items():
+                shape = v.attrs["shape"]
+                if v.attrs["share"]:
+                    where = f", tied across {v.scope.describe()}" if v.scope is not None else ""
+                    lines.append(f"    {name}: {shape}{where}")
+                else:
+                    copies = sum(1 for k in self.params if k.partition("@")[0] == name)
+                    lines.append(
+                        f"    {name}: {shape}, untied in {v.scope.describe()} ({copies} copies so far)"
+                    )
+        for v in self.nodes:
+            if v.kind == "loop":
+                rule = []
+                if v.structure is not None:
+                    rule.append(f"recurses over {v.structure.describe()}")
+                if v.times is not None:
+                    rule.append(f"times={v.times}")
+                rule += [f"steps through {s.describe()}" for s in v.sequences]
+                if v.cond is not None:
+                    rule.append("while_")
+                if v.until is not None:
+                    rule.append("until")
+                carries = ", ".join(c.name or c.describe() for c in v.carries) or "none"
+                lines.append(
+                    f"  {v.describe()}: {'; '.join(rule)}; carries {carries}; {len(v.body)} body nodes"
+                )
+            elif v.kind == "branch" and v.lead is None:
+                keys = ", ".join(k.describe() for k in v.keys) or "no keys"
+                lines.append(f"  {v.describe()}: {len(v.options)} options, selector on {keys}")
+        return "\n".join(lines)
+
     @property
     def cache_size(self) -> int:
         """How many unrolled graphs the build cache keeps (see :mod:`vgraph.virtual.cache`);

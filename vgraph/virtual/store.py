@@ -41,6 +41,12 @@ class ParameterStore(Mapping[str, ComputeNode]):
     def __len__(self) -> int:
         return len(self._nodes)
 
+    def __repr__(self) -> str:
+        values = sum(int(np.size(p._value)) for p in self._nodes.values())
+        shown = ", ".join(f"{k} {p.shape}" for k, p in list(self._nodes.items())[:8])
+        more = f", … {len(self._nodes) - 8} more" if len(self._nodes) > 8 else ""
+        return f"ParameterStore({len(self._nodes)} parameters, {values} values: {shown}{more})"
+
     def parameters(self) -> list[ComputeNode]:
         """The parameter nodes, in creation order (what optimisers take)."""
         return list(self._nodes.values())

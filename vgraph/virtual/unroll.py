@@ -239,6 +239,20 @@ class UnrolledGraph(ComputeGraph):
         for name, arr in staged.items():
             self.inputs[name].set_value(arr)
 
+    def __repr__(self) -> str:
+        """Node count, outputs, and the data-dependent decisions (trip counts, branch choices)."""
+        name = f" of {self.virtual.name!r}" if self.virtual.name else ""
+        outputs = ", ".join(o.describe() for o in self.outputs) or "none"
+        lines = [f"UnrolledGraph{name}: {len(self._nodes)} nodes ({self.dtype}), outputs {outputs}"]
+        shown = 8
+        for d in self.decisions[:shown]:
+            where = d.node.describe(d.idx)
+            what = {"iterations": f"ran {d.value} iterations", "option": f"chose option {d.value}"}
+            lines.append(f"  {where} {what.get(d.kind, f'{d.kind} at {d.value}')}")
+        if len(self.decisions) > shown:
+            lines.append(f"  … {len(self.decisions) - shown} more decisions (cg.decisions)")
+        return "\n".join(lines)
+
     def capped(self, loop: LoopNode, idx: tuple[int, ...] = ()) -> bool:
         """Whether ``loop`` (declared with ``on_limit="stop"``) stopped at its ``max_iters`` cap."""
         return any(d.node is loop and d.idx == tuple(idx) and d.kind == "capped" for d in self.decisions)
