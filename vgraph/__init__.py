@@ -105,6 +105,7 @@ __all__ = [
     "SelectorError",
     "ShapeError",
     "StructureChangedError",
+    "StructureError",
     "UnrolledGraph",
     "VGraphError",
     "VirtualGraph",
