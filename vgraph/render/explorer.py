@@ -743,7 +743,7 @@ function unrolledView(X){
         const ea = els[a], eb = els[b]; let cls = '', label = null;
         const nm = edgeName.get(p + ',' + C.frame[i]);
         if (nm !== undefined && !GUARD.has(typeOf(i))) { cls = 'carry'; label = nm; }
-        else if (C.op[p] < 0 && C.frame[i] >= 0 && C.frame[p] !== C.frame[i]) cls = 'leaf';
+        else if ((C.op[p] < 0 || typeOf(p).endsWith('*')) && C.frame[i] >= 0 && C.frame[p] !== C.frame[i]) cls = 'leaf';  // shared leaves and hoisted groups: stubs
         if (ea.kind === 'fold' || eb.kind === 'fold') cls += ' fold';
         edges.push({a, b, cls, label, p, i}); } }
     return {els, edges};
