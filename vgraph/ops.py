@@ -548,6 +548,52 @@ defop("Stack", lambda *xs, axis=0: np.stack(xs, axis=axis), _stack_vjp, variadic
 defop("Detach", lambda x: x, None)  # stops the gradient
 defop("Branch", lambda x: x, lambda g, ans, x: g)  # the option a BranchNode selected
 defop("Identity", lambda x: x, lambda g, ans, x: g)
+
+
+# Rows of several arrays stacked into one (autobatching, see vgraph.virtual.batch): ``rows`` lists,
+# for each output row, the input it comes from and the path to the row in it: basic indices
+# applied one after another (``(3,)`` is ``x[3]``; ``((slice(None), 3), 0)`` is ``x[:, 3][0]``).
+# The VJP scatters each input's rows of the gradient back into it (lazily).
+def row_at(x: Any, path: tuple[Any, ...]) -> Any:
+    """``x[path[0]][path[1]]…`` (a view: the indices are basic)."""
+    for i in path:
+        x = x[i]
+    return x
+
+
+def _gather_rows(*xs: np.ndarray, rows: tuple[tuple[int, tuple[Any, ...]], ...]) -> np.ndarray:
+    return np.stack([row_at(xs[s], path) for s, path in rows])
+
+
+class RowsGrad(LazyGrad):
+    """``g[p]`` added at the row ``path`` leads to in a zero array, for each ``(path, p)`` (rows may
+    repeat; see :func:`row_at`)."""
+
+    __slots__ = ("g", "pairs")
+
+    def __init__(
+        self, shape: tuple[int, ...], dtype: Any, g: np.ndarray, pairs: list[tuple[Any, int]]
+    ) -> None:
+        super().__init__(shape, dtype)
+        self.g = g
+        self.pairs = pairs
+
+    def add_into(self, acc: np.ndarray) -> None:
+        g = self.g
+        for path, p in self.pairs:
+            if path:
+                row_at(acc, path[:-1])[path[-1]] += g[p]  # in place: a view of acc
+            else:  # the whole input is the row
+                np.add(acc, g[p], out=acc)
+
+
+def _gather_rows_vjp(i: int, g: np.ndarray, ans: np.ndarray, *xs: np.ndarray, rows: Any) -> RowsGrad:
+    return RowsGrad(xs[i].shape, g.dtype, g, [(r, p) for p, (s, r) in enumerate(rows) if s == i])
+
+
+defop("GatherRows", _gather_rows, _gather_rows_vjp, variadic=True)
+
+
 # One iteration's copy of a hoisted loop-body node: row ``index`` of the node computed for every
 # iteration at once (see vgraph.virtual.hoist). A view; its gradient lands in the group's buffer.
 defop("Hoisted", lambda x, index: x[index], _getitem_vjp)

@@ -534,6 +534,34 @@ class VirtualGraph:
         self.params._add(key, node)
         return node
 
+    def build_batch(
+        self, feeds: Sequence[Mapping[str, Any]], outputs: VirtualNode | Sequence[VirtualNode]
+    ) -> Any:
+        """Build many inputs at once, running copies of the same declared node together
+        (autobatching; see :mod:`vgraph.virtual.batch`).
+
+        Each input's loop conditions, branch selectors and recursion structures are evaluated on
+        its own values; inputs with different lengths, choices and trees still batch wherever they
+        compute the same declared node. The result equals building the inputs one at a time.
+
+        Args:
+            feeds: one feed (input name -> value) per input.
+            outputs: top-level virtual nodes to build for every input.
+
+        Returns:
+            A :class:`~vgraph.virtual.batch.BatchedBuild`: ``batch.backward()`` backpropagates the
+            mean (or sum) of every input's scalar output once; ``batch.inputs[i]`` gives input
+            ``i``'s values, gradients and decisions by virtual node and iteration path.
+
+        Raises:
+            TypeError, ValueError: ``feeds`` is not a non-empty list of mappings.
+            FeedError, BuildError, ...: as :meth:`build`, prefixed with the input's index; nothing
+                is created in the parameter store then.
+        """
+        from .batch import build_batch  # batching sits above declaring
+
+        return build_batch(self, feeds, outputs)
+
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Set parameter values from ``state`` (name -> array), checking all of it first.
 

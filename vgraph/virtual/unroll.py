@@ -306,15 +306,25 @@ class _Frame:
 
 
 class _Builder:
-    def __init__(self, graph: VirtualGraph, feed: Mapping[str, np.ndarray], plan: _Plan, hoist: bool = True):
+    def __init__(
+        self,
+        graph: VirtualGraph,
+        feed: Mapping[str, np.ndarray],
+        plan: _Plan,
+        hoist: bool = True,
+        cg: Any = None,
+        builds: int | None = None,
+    ):
+        """``cg``: where nodes go (an :class:`UnrolledGraph` by default; an input's view of a
+        batched build in :mod:`.batch`); ``builds``: the build counter seeding sampled nodes."""
         self.graph = graph
         self.hoist = hoist
         self.feed = feed
         self.plan = plan
-        self.cg = UnrolledGraph(graph)
+        self.cg = UnrolledGraph(graph) if cg is None else cg
         self.new_params: dict[str, ComputeNode] = {}
         self.chosen: dict[tuple[BranchNode, tuple[int, ...]], int] = {}  # for multi-output branches
-        self.rng = np.random.default_rng([graph.seed, graph._builds])
+        self.rng = np.random.default_rng([graph.seed, graph._builds if builds is None else builds])
 
     # -- building one node whose dependencies are built
     def build_node(self, v: VirtualNode, frame: _Frame) -> None:
@@ -698,6 +708,42 @@ def _gc_paused():
             gc.enable()
 
 
+def _check_outputs(graph: VirtualGraph, outputs: Any) -> tuple[list[VirtualNode], _Plan]:
+    """The outputs as a list, checked, and the plan for them."""
+    outs = [outputs] if isinstance(outputs, VirtualNode) else list(outputs)
+    if not outs:
+        raise BuildError("build_compute_graph needs at least one output")
+    for o in outs:
+        if not isinstance(o, VirtualNode) or o.graph is not graph:
+            raise BuildError(f"output {o!r} is not a node of this VirtualGraph")
+        if o.kind == "loop":
+            raise BuildError(f"output {_NO_LOOP_VALUE.format(o.describe())}")
+        if o.scope is not None:
+            raise BuildError(
+                f"output {o.describe()} is inside the body of {o.scope.describe()}; use the loop's "
+                "outputs (loop.final(carry), loop.stack(value))"
+            )
+    if graph._scopes:
+        raise BuildError(f"{graph._scopes[-1].describe()}: its `with` block is still open")
+    return outs, graph._plan(outs)
+
+
+def _checked_feed(graph: VirtualGraph, plan: _Plan, feed: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The values of the inputs the plan needs, checked against their declarations (copies)."""
+    if not isinstance(feed, Mapping):
+        raise TypeError(f"a feed is a mapping input name -> value, got {type(feed).__name__}")
+    needed_inputs = [v for v in graph.nodes if v.kind == "input" and v in plan.needed]
+    unknown = sorted(set(feed) - set(graph._inputs))
+    if unknown:
+        raise FeedError(
+            f"unknown input name(s) {', '.join(map(repr, unknown))}; inputs: {', '.join(graph._inputs)}"
+        )
+    missing = [v.describe() for v in needed_inputs if v.name not in feed]
+    if missing:
+        raise FeedError(f"missing feed for input(s) {', '.join(missing)}, needed by the requested outputs")
+    return {v.name: _check_feed_value(v, feed[v.name], graph.dtype) for v in needed_inputs}
+
+
 def build_compute_graph(
     graph: VirtualGraph,
     feed: Mapping[str, Any],
@@ -741,33 +787,8 @@ def build_compute_graph(
             but must stack values.
         LoopLimitError, SelectorError, ShapeError: while unrolling, naming ``<type,id,idx>``.
     """
-    outs = [outputs] if isinstance(outputs, VirtualNode) else list(outputs)
-    if not outs:
-        raise BuildError("build_compute_graph needs at least one output")
-    for o in outs:
-        if not isinstance(o, VirtualNode) or o.graph is not graph:
-            raise BuildError(f"output {o!r} is not a node of this VirtualGraph")
-        if o.kind == "loop":
-            raise BuildError(f"output {_NO_LOOP_VALUE.format(o.describe())}")
-        if o.scope is not None:
-            raise BuildError(
-                f"output {o.describe()} is inside the body of {o.scope.describe()}; use the loop's "
-                "outputs (loop.final(carry), loop.stack(value))"
-            )
-    if graph._scopes:
-        raise BuildError(f"{graph._scopes[-1].describe()}: its `with` block is still open")
-    plan = graph._plan(outs)
-
-    needed_inputs = [v for v in graph.nodes if v.kind == "input" and v in plan.needed]
-    unknown = sorted(set(feed) - set(graph._inputs))
-    if unknown:
-        raise FeedError(
-            f"unknown input name(s) {', '.join(map(repr, unknown))}; inputs: {', '.join(graph._inputs)}"
-        )
-    missing = [v.describe() for v in needed_inputs if v.name not in feed]
-    if missing:
-        raise FeedError(f"missing feed for input(s) {', '.join(missing)}, needed by the requested outputs")
-    values = {v.name: _check_feed_value(v, feed[v.name], graph.dtype) for v in needed_inputs}
+    outs, plan = _check_outputs(graph, outputs)
+    values = _checked_feed(graph, plan, feed)
 
     # Let go of the previous build before computing this one's values: if nothing else holds it,
     # it is freed now and its memory is reused warm, instead of this build faulting in fresh pages
