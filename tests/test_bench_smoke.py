@@ -167,3 +167,95 @@ def test_quick_json_run(tmp_path):
     mem = extras["memory"]
     assert mem["peak_bytes"] > 0 and mem["kept_value_bytes"] > 0
     assert mem["ratio"] == pytest.approx(mem["peak_bytes"] / mem["kept_value_bytes"])
+
+
+# ---------------------------------------------------------------------------- tools/bench_dynamic.py
+
+DYNAMIC = ROOT / "tools" / "bench_dynamic.py"
+
+
+@pytest.fixture(scope="module")
+def dynamic():
+    spec = importlib.util.spec_from_file_location("bench_dynamic", DYNAMIC)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_dynamic"] = module  # dataclasses look their module up while the class is made
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("bench_dynamic", None)
+
+
+def test_generated_sentences_look_like_ptb(dynamic):
+    sentences = dynamic.make_sentences(4000, 10_000, seed=1)
+    lengths = np.array([len(s) for s in sentences])
+    assert lengths.min() >= 1 and lengths.max() <= 80
+    assert 20 <= lengths.mean() <= 24 and 8 <= lengths.std() <= 12
+    tokens = np.concatenate(sentences)
+    assert tokens.min() >= 1 and tokens.max() < 10_000  # id 0 is the sentence boundary
+    counts = np.bincount(tokens, minlength=10_000)
+    assert counts[1] > counts[2] > counts[10] > counts[1000]  # Zipf: frequent ranks first
+
+
+def test_lm_batches_are_sorted_padded_and_masked(dynamic):
+    sentences = dynamic.make_sentences(50, 100, seed=2)
+    batches = dynamic.lm_batches(sentences, 16, seed=0)
+    assert sorted(b.tokens.shape[1] for b in batches) == [2, 16, 16, 16]
+    assert sum(b.words for b in batches) == sum(len(s) + 1 for s in sentences)
+    for b in batches:
+        T, B = b.tokens.shape
+        assert b.targets.shape == b.weights.shape == (T * B,)
+        assert b.weights.sum() == pytest.approx(1.0, rel=1e-5)  # the mean over real words
+        assert np.count_nonzero(b.weights) == b.words
+        # each column is the start symbol, the words, then padding; targets are shifted by one
+        words = b.tokens[1:].T.reshape(B, -1)
+        targets = b.targets.reshape(T, B)
+        np.testing.assert_array_equal(b.tokens[0], 0)
+        np.testing.assert_array_equal(targets[:-1], b.tokens[1:])
+        assert words.shape[1] == T - 1
+
+
+def test_the_lm_floor_equals_vgraph(dynamic):
+    report = dynamic.check_lstm_lm()
+    assert set(report["max_rel_err"]) >= {"loss", *dynamic.LM_PARAMS}
+    assert all(e <= 1e-9 for e in report["max_rel_err"].values()), report
+
+
+def test_a_wrong_lm_floor_is_caught(dynamic, monkeypatch):
+    right = dynamic.NumpyLM.grads
+
+    def wrong(self, batch):
+        loss, grads, phases = right(self, batch)
+        return loss, {**grads, "lstm.W_h": grads["lstm.W_h"] * 1.001}, phases
+
+    monkeypatch.setattr(dynamic.NumpyLM, "grads", wrong)
+    with pytest.raises(dynamic.BenchmarkMismatch, match=r"lstm\.W_h"):
+        dynamic.check_lstm_lm()
+
+
+def test_dynamic_quick_json_run(tmp_path):
+    out = tmp_path / "dynamic.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(DYNAMIC), "--quick", "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert data["config"]["quick"] is True
+    assert set(data["correctness"]) == {"lstm_lm", "bilstm_tagger"}
+    assert data["correctness"]["bilstm_tagger"]["gradcheck"] == "passed"
+    rows = data["rows"]
+    assert {r["task"] for r in rows} == {"lstm_lm", "bilstm_tagger"}
+    lm_numpy = [r for r in rows if "numpy" in r["columns"]]
+    assert lm_numpy and all(r["task"] == "lstm_lm" for r in lm_numpy)
+    for r in rows:
+        for name, c in r["columns"].items():
+            assert c["words_per_s"] > 0 and c["peak_bytes"] > 0, (r["task"], name)
+            assert set(c["phase_ms_per_batch"]) == {"build", "forward", "backward", "update"}
+            assert c["ms_per_batch"] == pytest.approx(sum(c["phase_ms_per_batch"].values()), rel=0.05)
+            assert math.isfinite(c["first_loss"]) and math.isfinite(c["last_loss"])
+        assert r["columns"]["vgraph"]["nodes_per_batch"] > 0
