@@ -188,6 +188,11 @@ class Runner(Protocol):
         """The current parameter values by name."""
         ...
 
+    def held_bytes(self) -> int:
+        """Bytes of the arrays the runner keeps between steps (parameters, optimiser state,
+        reusable buffers)."""
+        ...
+
 
 class VgraphRunner:
     """A vgraph model trained by ``g.build`` + ``cg.backward`` + ``Adam.step`` per batch.
@@ -225,6 +230,12 @@ class VgraphRunner:
 
     def params(self) -> dict[str, np.ndarray]:
         return {k: self.g.params.value(k) for k in self.g.params}
+
+    def held_bytes(self) -> int:
+        n = sum(p.value.nbytes for p in self.g.params.parameters())
+        for st in self.opt.state.values():
+            n += sum(v.nbytes for v in st.values() if isinstance(v, np.ndarray))
+        return n
 
 
 def vgraph_grads(
@@ -456,6 +467,10 @@ class NumpyLM:
     def params(self) -> dict[str, np.ndarray]:
         return self.P
 
+    def held_bytes(self) -> int:
+        arrays = [*self.P.values(), *self.m.values(), *self.v.values(), *self.tmp.values(), *self.ws.values()]
+        return sum(a.nbytes for a in arrays)
+
 
 def _max_rel_err(got: np.ndarray, ref: np.ndarray) -> float:
     scale = max(float(np.max(np.abs(ref))), 1e-30)
@@ -643,10 +658,13 @@ TASKS: dict[str, Task] = {
 
 
 def peak_step_memory(make: Callable[[], Runner], batch: Any) -> float:
-    """Peak traced bytes of one training step of a fresh runner (after one warm-up step), above
-    what the runner held before it (parameters and optimiser state exist beforehand)."""
+    """Peak memory of the first training step of a fresh runner: what it held before the step
+    (parameters, optimiser state, buffers) plus the step's peak traced allocation (tracemalloc),
+    which includes whatever the first step creates (optimiser state, a workspace, the graph).
+    A throw-away runner takes one step first, so that one-time caches are warm."""
+    make().step(batch)
     runner = make()
-    runner.step(batch)
+    held = runner.held_bytes()
     gc.collect()
     tracemalloc.start()
     try:
@@ -656,8 +674,7 @@ def peak_step_memory(make: Callable[[], Runner], batch: Any) -> float:
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()
-    param_bytes = sum(np.asarray(v).nbytes for v in runner.params().values())
-    return float(peak + param_bytes)
+    return float(held + peak)
 
 
 def run_config(task: Task, cfg: Any, rounds: int, warmup: int, quick: bool) -> dict[str, Any]:
