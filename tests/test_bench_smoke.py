@@ -250,10 +250,14 @@ def test_dynamic_quick_json_run(tmp_path):
     assert {r["task"] for r in rows} == {"lstm_lm", "bilstm_tagger"}
     lm_numpy = [r for r in rows if "numpy" in r["columns"]]
     assert lm_numpy and all(r["task"] == "lstm_lm" for r in lm_numpy)
+    assert all(r["ratio_vs_numpy"] > 0 and r["ratio_vs_numpy_cpu"] > 0 for r in lm_numpy)
     for r in rows:
         for name, c in r["columns"].items():
             assert c["words_per_s"] > 0 and c["peak_bytes"] > 0, (r["task"], name)
             assert set(c["phase_ms_per_batch"]) == {"build", "forward", "backward", "update"}
             assert c["ms_per_batch"] == pytest.approx(sum(c["phase_ms_per_batch"].values()), rel=0.05)
             assert math.isfinite(c["first_loss"]) and math.isfinite(c["last_loss"])
+            assert c["cpu_ms_per_batch"] > 0 and set(c["phase_cpu_ms_per_batch"]) == set(
+                c["phase_ms_per_batch"]
+            )
         assert r["columns"]["vgraph"]["nodes_per_batch"] > 0

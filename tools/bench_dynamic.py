@@ -32,6 +32,8 @@ the forward while it unrolls, so "build+forward" is what the step pays; "forward
 re-running ``cg.forward()`` on the same graph after the update (every node recomputes: the
 parameters changed), outside the step's time, and "build" is the difference. The numpy floor has no
 build. vgraph and the floor alternate batch by batch in one process, on the same initial weights.
+"vs floor" is vgraph's time per batch over the floor's (medians); "cpu" the same ratio in thread
+CPU time, which moves less when other processes load the machine.
 
 Adding a task or a column: a task is a :class:`Task` in :data:`TASKS` (its data, its configurations,
 its columns and an optional correctness check); a column is a function ``(config, data) -> Runner``
@@ -176,12 +178,28 @@ def tagger_batches(n: int, vocab: int, tags: int, seed: int) -> list[TagBatch]:
 # ---------------------------------------------------------------------------- runners
 
 
+class _Clock:
+    """Wall time and this thread's CPU time (which excludes time other processes ran)."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.thread_time()
+
+    def lap(self) -> tuple[float, float]:
+        """Seconds (wall, CPU) since the previous lap (or the start)."""
+        wall, cpu = time.perf_counter(), time.thread_time()
+        out = (wall - self.wall, cpu - self.cpu)
+        self.wall, self.cpu = wall, cpu
+        return out
+
+
+Phases = dict[str, tuple[float, float]]  # phase -> (wall s, CPU s)
+
+
 class Runner(Protocol):
     """One implementation of a task: trains on one batch per :meth:`step`."""
 
-    def step(self, batch: Any) -> tuple[float, dict[str, float]]:
-        """Train on ``batch``; return the loss and the seconds spent per phase (``PHASES``;
-        ``"build"`` includes the forward when the two cannot be separated)."""
+    def step(self, batch: Any) -> tuple[float, Phases]:
+        """Train on ``batch``; return the loss and the (wall, CPU) seconds of each of ``PHASES``."""
         ...
 
     def params(self) -> dict[str, np.ndarray]:
@@ -207,26 +225,21 @@ class VgraphRunner:
         self.opt = optim.Adam(g.params, lr=LR, betas=BETAS, eps=EPS)
         self.nodes: list[int] = []
 
-    def step(self, batch: Any) -> tuple[float, dict[str, float]]:
+    def step(self, batch: Any) -> tuple[float, Phases]:
         feed = self.feed(batch)
-        t0 = time.perf_counter()
+        clock = _Clock()
         cg = self.g.build(feed, self.loss)
-        t1 = time.perf_counter()
+        build = clock.lap()
         self.opt.zero_grad()
         value = cg.backward(cg.outputs[0])
-        t2 = time.perf_counter()
+        backward = clock.lap()
         self.opt.step()
-        t3 = time.perf_counter()
+        update = clock.lap()
         cg.forward(cg.outputs[0])  # every node recomputes: measures the forward alone
-        t4 = time.perf_counter()
+        forward = clock.lap()
         self.nodes.append(len(cg))
-        fwd = t4 - t3
-        return float(value), {
-            "build": max(t1 - t0 - fwd, 0.0),
-            "forward": fwd,
-            "backward": t2 - t1,
-            "update": t3 - t2,
-        }
+        build = (max(build[0] - forward[0], 0.0), max(build[1] - forward[1], 0.0))
+        return float(value), {"build": build, "forward": forward, "backward": backward, "update": update}
 
     def params(self) -> dict[str, np.ndarray]:
         return {k: self.g.params.value(k) for k in self.g.params}
@@ -336,8 +349,8 @@ class NumpyLM:
             self.cap = (T, B)
         return self.ws
 
-    def grads(self, b: LMBatch) -> tuple[float, dict[str, np.ndarray], dict[str, float]]:
-        """Loss, gradients and the seconds of the forward and the backward for one batch."""
+    def grads(self, b: LMBatch) -> tuple[float, dict[str, np.ndarray], Phases]:
+        """Loss, gradients and the (wall, CPU) seconds of the forward and the backward."""
         P = self.P
         Wemb, Wx, Wh, bias, Wo, bo = (P[k] for k in LM_PARAMS)
         T, B = b.tokens.shape
@@ -352,7 +365,7 @@ class NumpyLM:
         HS, CS, TC = view("HS", T + 1, B, H), view("CS", T + 1, B, H), view("TC", T, B, H)
         LOG, DH, DZ = view("LOG", N, V), view("DH", T, B, H), view("DZ", T, B, 4 * H)
         tmp4, tmp, dc, dhn = view("tmp4", B, 4 * H), view("tmp", B, H), view("dc", B, H), view("dhn", B, H)
-        t0 = time.perf_counter()
+        clock = _Clock()
         # forward
         np.take(Wemb, b.tokens, axis=0, out=X)
         X2, Z2 = X.reshape(N, E), Z.reshape(N, 4 * H)
@@ -386,7 +399,7 @@ class NumpyLM:
         np.exp(LOG, out=LOG)
         s = LOG.sum(axis=1)
         loss = float(np.dot(b.weights, np.log(s) - picked))
-        t1 = time.perf_counter()
+        forward = clock.lap()
         # backward: dloss/dlogits = w * (softmax - onehot), in place of the exponentials
         LOG *= (b.weights / s)[:, None]
         LOG[rows, b.targets] -= b.weights
@@ -433,9 +446,9 @@ class NumpyLM:
         gb = DZ2.sum(axis=0)
         gEmb = np.zeros_like(Wemb)
         np.add.at(gEmb, b.tokens.reshape(-1), DZ2 @ Wx.T)
-        t2 = time.perf_counter()
+        backward = clock.lap()
         grads = dict(zip(LM_PARAMS, (gEmb, gWx, gWh, gb, gWo, gbo)))
-        return loss, grads, {"forward": t1 - t0, "backward": t2 - t1}
+        return loss, grads, {"forward": forward, "backward": backward}
 
     def update(self, grads: dict[str, np.ndarray]) -> None:
         """Adam in place, the formula of ``vgraph.optim.Adam``."""
@@ -458,11 +471,11 @@ class NumpyLM:
             tmp *= LR / bias1
             p -= tmp
 
-    def step(self, batch: LMBatch) -> tuple[float, dict[str, float]]:
+    def step(self, batch: LMBatch) -> tuple[float, Phases]:
         loss, grads, phases = self.grads(batch)
-        t0 = time.perf_counter()
+        clock = _Clock()
         self.update(grads)
-        return loss, {"build": 0.0, **phases, "update": time.perf_counter() - t0}
+        return loss, {"build": (0.0, 0.0), **phases, "update": clock.lap()}
 
     def params(self) -> dict[str, np.ndarray]:
         return self.P
@@ -687,19 +700,23 @@ def run_config(task: Task, cfg: Any, rounds: int, warmup: int, quick: bool) -> d
     for i in range(warmup):
         for name in names:
             runners[name].step(data[i % len(data)])
-    per_round: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+    per_round: dict[str, list[dict[str, float]]] = {n: [] for n in names}  # wall s per phase
+    cpu_round: dict[str, list[dict[str, float]]] = {n: [] for n in names}  # CPU s per phase
     losses_seen: dict[str, list[float]] = {n: [] for n in names}
     words = sum(b.words for b in data)
     for _ in range(rounds):
         sums = {n: dict.fromkeys(PHASES, 0.0) for n in names}
+        cpus = {n: dict.fromkeys(PHASES, 0.0) for n in names}
         for j, batch in enumerate(data):
             for name in names if j % 2 == 0 else names[::-1]:
                 loss, phases = runners[name].step(batch)
                 losses_seen[name].append(loss)
                 for k in PHASES:
-                    sums[name][k] += phases[k]
+                    sums[name][k] += phases[k][0]
+                    cpus[name][k] += phases[k][1]
         for n in names:
             per_round[n].append(sums[n])
+            cpu_round[n].append(cpus[n])
     for name, seen in losses_seen.items():
         if not all(math.isfinite(v) for v in seen):
             raise BenchmarkMismatch(f"{task.name} {task.label(cfg)} {name}: a non-finite loss")
@@ -716,6 +733,10 @@ def run_config(task: Task, cfg: Any, rounds: int, warmup: int, quick: bool) -> d
             "words_per_s_all": [words / t for t in totals],
             "ms_per_batch": statistics.median(totals) * 1e3 / len(data),
             "phase_ms_per_batch": med,
+            "cpu_ms_per_batch": statistics.median(sum(r.values()) for r in cpu_round[name]) * 1e3 / len(data),
+            "phase_cpu_ms_per_batch": {
+                k: statistics.median(r[k] for r in cpu_round[name]) * 1e3 / len(data) for k in PHASES
+            },
             "peak_bytes": peak_step_memory(lambda name=name: cols[name](cfg, data), median_batch),
             "first_loss": losses_seen[name][0],
             "last_loss": losses_seen[name][-1],
@@ -725,27 +746,29 @@ def run_config(task: Task, cfg: Any, rounds: int, warmup: int, quick: bool) -> d
             col["nodes_per_batch"] = statistics.median(runner.nodes)
         result["columns"][name] = col
     if "numpy" in result["columns"] and "vgraph" in result["columns"]:
-        result["ratio_vs_numpy"] = (
-            result["columns"]["vgraph"]["ms_per_batch"] / result["columns"]["numpy"]["ms_per_batch"]
-        )
+        vgc, npc = result["columns"]["vgraph"], result["columns"]["numpy"]
+        result["ratio_vs_numpy"] = vgc["ms_per_batch"] / npc["ms_per_batch"]
+        result["ratio_vs_numpy_cpu"] = vgc["cpu_ms_per_batch"] / npc["cpu_ms_per_batch"]
     return result
 
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
     head = (
         f"{'task':<14} {'config':<11} {'column':<8} {'words/s':>9} {'ms/batch':>9} {'build':>8} {'forward':>8} "
-        f"{'backward':>9} {'update':>8} {'peak MiB':>9} {'vs floor':>8}"
+        f"{'backward':>9} {'update':>8} {'peak MiB':>9} {'vs floor':>8} {'cpu':>5}"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
         for name, c in r["columns"].items():
             p = c["phase_ms_per_batch"]
-            ratio = f"{r['ratio_vs_numpy']:.2f}" if name == "vgraph" and "ratio_vs_numpy" in r else ""
+            ratio = cpu = ""
+            if name == "vgraph" and "ratio_vs_numpy" in r:
+                ratio, cpu = f"{r['ratio_vs_numpy']:.2f}", f"{r['ratio_vs_numpy_cpu']:.2f}"
             print(
                 f"{r['task']:<14} {r['config']:<11} {name:<8} {c['words_per_s']:>9,.0f} {c['ms_per_batch']:>9.2f} "
                 f"{p['build']:>8.2f} {p['forward']:>8.2f} {p['backward']:>9.2f} {p['update']:>8.2f} "
-                f"{c['peak_bytes'] / 2**20:>9.1f} {ratio:>8}"
+                f"{c['peak_bytes'] / 2**20:>9.1f} {ratio:>8} {cpu:>5}"
             )
 
 
