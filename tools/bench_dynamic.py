@@ -318,7 +318,8 @@ class NumpyLM:
     """The floor: a hand-written numpy training step of the LSTM LM (forward, BPTT, Adam).
 
     Buffers (embedded inputs, gate activations, states, logits, gradients) live in a workspace
-    that grows to the largest batch seen and is reused; element-wise work is in place. Gates are
+    that grows to the largest batch seen and is reused, as do the weight gradients (the arrays
+    :meth:`grads` returns are overwritten by the next call); element-wise work is in place. Gates are
     PyTorch's order (i, f, g, o) as ``nn.LSTMCell``; sigmoid is ``0.5 * tanh(0.5 x) + 0.5``.
     """
 
@@ -328,6 +329,7 @@ class NumpyLM:
         self.m = {k: np.zeros_like(v) for k, v in self.P.items()}
         self.v = {k: np.zeros_like(v) for k, v in self.P.items()}
         self.tmp = {k: np.empty_like(v) for k, v in self.P.items()}
+        self.g = {k: np.empty_like(v) for k, v in self.P.items()}  # gradients, overwritten each step
         self.t = 0
         self.ws: dict[str, np.ndarray] = {}
         self.cap = (0, 0)
@@ -344,7 +346,7 @@ class NumpyLM:
                 "TC": np.empty(T * B * H, dt), "LOG": np.empty(T * B * V, dt),
                 "DH": np.empty(T * B * H, dt), "DZ": np.empty(T * B * 4 * H, dt),
                 "tmp4": np.empty(B * 4 * H, dt), "tmp": np.empty(B * H, dt), "dc": np.empty(B * H, dt),
-                "dhn": np.empty(B * H, dt),
+                "dhn": np.empty(B * H, dt), "DX": np.empty(T * B * E, dt),
             }  # fmt: skip
             self.cap = (T, B)
         return self.ws
@@ -404,8 +406,9 @@ class NumpyLM:
         LOG *= (b.weights / s)[:, None]
         LOG[rows, b.targets] -= b.weights
         D = LOG
-        gWo = H2.T @ D
-        gbo = D.sum(axis=0)
+        G = self.g
+        np.matmul(H2.T, D, out=G["out.W"])
+        np.sum(D, axis=0, out=G["out.b"])
         np.matmul(D, Wo.T, out=DH.reshape(N, H))
         WhT = Wh.T
         dc[...] = 0
@@ -441,14 +444,16 @@ class NumpyLM:
                 dc *= f
                 np.matmul(dz, WhT, out=dhn)
         DZ2 = DZ.reshape(N, 4 * H)
-        gWx = X2.T @ DZ2
-        gWh = HS[:T].reshape(N, H).T @ DZ2
-        gb = DZ2.sum(axis=0)
-        gEmb = np.zeros_like(Wemb)
-        np.add.at(gEmb, b.tokens.reshape(-1), DZ2 @ Wx.T)
+        np.matmul(X2.T, DZ2, out=G["lstm.W_x"])
+        np.matmul(HS[:T].reshape(N, H).T, DZ2, out=G["lstm.W_h"])
+        np.sum(DZ2, axis=0, out=G["lstm.b"])
+        DX = view("DX", N, E)
+        np.matmul(DZ2, Wx.T, out=DX)
+        gEmb = G["emb.W"]
+        gEmb.fill(0)
+        np.add.at(gEmb, b.tokens.reshape(-1), DX)
         backward = clock.lap()
-        grads = dict(zip(LM_PARAMS, (gEmb, gWx, gWh, gb, gWo, gbo)))
-        return loss, grads, {"forward": forward, "backward": backward}
+        return loss, G, {"forward": forward, "backward": backward}
 
     def update(self, grads: dict[str, np.ndarray]) -> None:
         """Adam in place, the formula of ``vgraph.optim.Adam``."""
@@ -481,7 +486,8 @@ class NumpyLM:
         return self.P
 
     def held_bytes(self) -> int:
-        arrays = [*self.P.values(), *self.m.values(), *self.v.values(), *self.tmp.values(), *self.ws.values()]
+        arrays = [*self.P.values(), *self.m.values(), *self.v.values(), *self.tmp.values(), *self.g.values()]
+        arrays += self.ws.values()
         return sum(a.nbytes for a in arrays)
 
 

@@ -772,7 +772,9 @@ def bench_linearity(quick: bool = False, repeats: int = 5) -> dict[str, Any]:
         g, loss = case["make"]()
         rng = np.random.default_rng(11)
         x2 = rng.standard_normal((2 * T, *case["input"])).astype(DTYPE)
-        g.build({"x": x2[:3]}, loss).backward(g.latest_build.outputs[0])  # warm-up
+        warm = g.build({"x": x2[:3]}, loss)  # warm-up
+        warm.backward(warm.outputs[0])
+        del warm
         g.params.zero_grad()
         at = {t: _backward_cost(g, loss, x2[:t], repeats) for t in (T, 2 * T)}
         rows.append({
