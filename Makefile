@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench bench-dynamic clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,8 +18,11 @@ demo: $(STAMP)  ## the flagship: train an RNN by BPTT and render its unrolled gr
 test: $(STAMP)  ## the whole test suite
 	$(BIN)/python -m pytest -q
 
-bench: $(STAMP)  ## the performance benchmark against hand-written numpy BPTT
+bench: $(STAMP)  ## the performance benchmark against the tightest hand-written numpy BPTT
 	$(BIN)/python tools/bench_rnn.py
+
+bench-dynamic: $(STAMP)  ## dynamic tasks (LSTM language model, BiLSTM tagger): words/s, phases, memory
+	$(BIN)/python tools/bench_dynamic.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,14 +1,16 @@
 """Smoke test of the performance benchmark (tools/bench_rnn.py).
 
-Checks that the benchmark still measures the right thing: vgraph's BPTT gradients and loss equal the
-hand-written numpy references (both vgraph modes), a wrong reference is caught, and a ``--quick``
-run writes a JSON report with every expected field. No timing is asserted: numbers depend on the
+Checks that the benchmark still measures the right thing: the tight numpy floor's gradients equal
+finite differences (float64) and the per-step reference's, whatever the sequence lengths; vgraph's
+BPTT gradients and loss equal the floor's (both vgraph modes); a wrong reference is caught; and a
+``--quick`` run writes a JSON report with every expected field. No timing is asserted: numbers depend on the
 machine and its load.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -16,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,12 +37,64 @@ def bench():
 
 def test_gradients_match_the_numpy_reference(bench):
     report = bench.check_correctness(SMALLEST)
-    for key in ("rebuild_max_abs_err", "reuse_max_abs_err", "numpy_batched_max_abs_err"):
+    for key in ("rebuild_max_abs_err", "reuse_max_abs_err", "numpy_perstep_max_abs_err"):
         assert set(report[key]) == PARAMS
         assert all(err <= 1e-4 for err in report[key].values()), report[key]
     assert math.isfinite(report["loss"])
     # reuse mode really recomputed the graph after new inputs and parameters
     assert 0 < report["reuse_recomputed"] <= report["reuse_visited"]
+
+
+def _float64_params(rng, I, H):
+    return {
+        "Wx": rng.standard_normal((I, H)) * 0.5,
+        "Wh": rng.standard_normal((H, H)) * 0.3,
+        "b": rng.standard_normal(H) * 0.1,
+        "Wo": rng.standard_normal((H, 4)) * 0.5,
+    }
+
+
+def test_the_tight_floor_equals_finite_differences(bench):
+    rng = np.random.default_rng(0)
+    I, H, B, T = 3, 4, 2, 5
+    P = _float64_params(rng, I, H)
+    x, y = rng.standard_normal((T, B, I)), rng.standard_normal((B, 4))
+    _, grads = bench.numpy_grads(P, x, y)
+    eps = 1e-6
+    for name, p in P.items():
+        numeric = np.zeros_like(p)
+        for i in np.ndindex(p.shape):
+            old = p[i]
+            p[i] = old + eps
+            up = bench.numpy_grads(P, x, y)[0]
+            p[i] = old - eps
+            down = bench.numpy_grads(P, x, y)[0]
+            p[i] = old
+            numeric[i] = (up - down) / (2 * eps)
+        np.testing.assert_allclose(grads[name], numeric, rtol=1e-6, atol=1e-9, err_msg=name)
+
+
+def test_the_floor_equals_the_per_step_reference_for_changing_lengths(bench):
+    # The floor reuses its buffers across calls: longer, shorter and equal lengths in turn.
+    rng = np.random.default_rng(1)
+    I, H, B = 3, 5, 2
+    P = _float64_params(rng, I, H)
+    for T in (6, 2, 9, 9, 1):
+        x, y = rng.standard_normal((T, B, I)), rng.standard_normal((B, 4))
+        loss, grads = bench.numpy_grads(P, x, y)
+        ref_loss, ref = bench.numpy_grads_perstep(P, x, y)
+        assert loss == pytest.approx(ref_loss, rel=1e-12)
+        for name in PARAMS:
+            np.testing.assert_allclose(
+                grads[name], ref[name], rtol=1e-10, atol=1e-12, err_msg=f"T={T} {name}"
+            )
+
+
+def test_the_length_schedule_changes_the_structure_every_step(bench):
+    lengths = bench.length_schedule(50, 30)
+    assert set(lengths) == set(range(45, 56))  # every length of T ± 10%
+    assert all(a != b for a, b in itertools.pairwise(lengths))
+    assert len(set(lengths[:11])) == 11  # a length returns only after all the others
 
 
 def test_a_wrong_reference_gradient_is_caught(bench, monkeypatch):
@@ -78,14 +133,20 @@ def test_quick_json_run(tmp_path):
     assert data["config"]["quick"] is True and data["config"]["sizes"] == [list(SMALLEST)]
 
     rows = data["training"]
-    assert sorted(r["mode"] for r in rows) == ["rebuild", "reuse"]
+    assert sorted(r["mode"] for r in rows) == ["rebuild", "rebuild-new", "reuse"]
     for r in rows:
         assert r["size"] == list(SMALLEST)
-        for impl in ("vgraph", "numpy", "numpy_batched"):
+        for impl in ("vgraph", "numpy", "numpy_perstep"):
             assert r[impl]["median_ms"] > 0 and len(r[impl]["times_ms"]) == r["repeats"]
         assert r["ratio"] == pytest.approx(r["vgraph"]["median_ms"] / r["numpy"]["median_ms"])
-        assert r["target"] == {"reuse": 3.0, "rebuild": 4.0}[r["mode"]]
+        assert r["ratio_vs_perstep"] == pytest.approx(
+            r["vgraph"]["median_ms"] / r["numpy_perstep"]["median_ms"]
+        )
+        assert r["target"] == {"reuse": 2.0, "rebuild": 2.5, "rebuild-new": 4.0}[r["mode"]]
         assert isinstance(r["pass"], bool) and r["nodes"] > 0
+    new = next(r for r in rows if r["mode"] == "rebuild-new")
+    assert len(new["lengths"]) == new["warmup"] + new["repeats"]
+    assert all(45 <= n <= 55 for n in new["lengths"]) and len(set(new["lengths"])) > 1
 
     extras = data["extras"]
     assert extras["unroll"]["nodes"] > 0 and extras["unroll"]["nodes_per_s"] > 0
@@ -98,6 +159,105 @@ def test_quick_json_run(tmp_path):
         == inc["all_changed"]["visited"]
     )
     assert inc["none_changed"]["recomputed"] == 0
+    lin = extras["linearity"]["rows"]
+    assert len(lin) == 2
+    for r in lin:
+        assert all(v > 0 for v in r["backward_ms"] + r["peak_bytes"] + r["kept_value_bytes"])
+        assert r["memory_ratio"] == pytest.approx(r["peak_bytes"][1] / r["peak_bytes"][0])
     mem = extras["memory"]
     assert mem["peak_bytes"] > 0 and mem["kept_value_bytes"] > 0
     assert mem["ratio"] == pytest.approx(mem["peak_bytes"] / mem["kept_value_bytes"])
+
+
+# ---------------------------------------------------------------------------- tools/bench_dynamic.py
+
+DYNAMIC = ROOT / "tools" / "bench_dynamic.py"
+
+
+@pytest.fixture(scope="module")
+def dynamic():
+    spec = importlib.util.spec_from_file_location("bench_dynamic", DYNAMIC)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_dynamic"] = module  # dataclasses look their module up while the class is made
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("bench_dynamic", None)
+
+
+def test_generated_sentences_look_like_ptb(dynamic):
+    sentences = dynamic.make_sentences(4000, 10_000, seed=1)
+    lengths = np.array([len(s) for s in sentences])
+    assert lengths.min() >= 1 and lengths.max() <= 80
+    assert 20 <= lengths.mean() <= 24 and 8 <= lengths.std() <= 12
+    tokens = np.concatenate(sentences)
+    assert tokens.min() >= 1 and tokens.max() < 10_000  # id 0 is the sentence boundary
+    counts = np.bincount(tokens, minlength=10_000)
+    assert counts[1] > counts[2] > counts[10] > counts[1000]  # Zipf: frequent ranks first
+
+
+def test_lm_batches_are_sorted_padded_and_masked(dynamic):
+    sentences = dynamic.make_sentences(50, 100, seed=2)
+    batches = dynamic.lm_batches(sentences, 16, seed=0)
+    assert sorted(b.tokens.shape[1] for b in batches) == [2, 16, 16, 16]
+    assert sum(b.words for b in batches) == sum(len(s) + 1 for s in sentences)
+    for b in batches:
+        T, B = b.tokens.shape
+        assert b.targets.shape == b.weights.shape == (T * B,)
+        assert b.weights.sum() == pytest.approx(1.0, rel=1e-5)  # the mean over real words
+        assert np.count_nonzero(b.weights) == b.words
+        # each column is the start symbol, the words, then padding; targets are shifted by one
+        targets = b.targets.reshape(T, B)
+        np.testing.assert_array_equal(b.tokens[0], 0)
+        np.testing.assert_array_equal(targets[:-1], b.tokens[1:])
+
+
+def test_the_lm_floor_equals_vgraph(dynamic):
+    report = dynamic.check_lstm_lm()
+    assert set(report["max_rel_err"]) >= {"loss", *dynamic.LM_PARAMS}
+    assert all(e <= 1e-9 for e in report["max_rel_err"].values()), report
+
+
+def test_a_wrong_lm_floor_is_caught(dynamic, monkeypatch):
+    right = dynamic.NumpyLM.grads
+
+    def wrong(self, batch):
+        loss, grads, phases = right(self, batch)
+        return loss, {**grads, "lstm.W_h": grads["lstm.W_h"] * 1.001}, phases
+
+    monkeypatch.setattr(dynamic.NumpyLM, "grads", wrong)
+    with pytest.raises(dynamic.BenchmarkMismatch, match=r"lstm\.W_h"):
+        dynamic.check_lstm_lm()
+
+
+def test_dynamic_quick_json_run(tmp_path):
+    out = tmp_path / "dynamic.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(DYNAMIC), "--quick", "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert data["config"]["quick"] is True
+    assert set(data["correctness"]) == {"lstm_lm", "bilstm_tagger"}
+    assert data["correctness"]["bilstm_tagger"]["gradcheck"] == "passed"
+    rows = data["rows"]
+    assert {r["task"] for r in rows} == {"lstm_lm", "bilstm_tagger"}
+    lm_numpy = [r for r in rows if "numpy" in r["columns"]]
+    assert lm_numpy and all(r["task"] == "lstm_lm" for r in lm_numpy)
+    assert all(r["ratio_vs_numpy"] > 0 and r["ratio_vs_numpy_cpu"] > 0 for r in lm_numpy)
+    for r in rows:
+        for name, c in r["columns"].items():
+            assert c["words_per_s"] > 0 and c["peak_bytes"] > 0, (r["task"], name)
+            assert set(c["phase_ms_per_batch"]) == {"build", "forward", "backward", "update"}
+            assert c["ms_per_batch"] == pytest.approx(sum(c["phase_ms_per_batch"].values()), rel=0.05)
+            assert math.isfinite(c["first_loss"]) and math.isfinite(c["last_loss"])
+            assert c["cpu_ms_per_batch"] > 0 and set(c["phase_cpu_ms_per_batch"]) == set(
+                c["phase_ms_per_batch"]
+            )
+        assert r["columns"]["vgraph"]["nodes_per_batch"] > 0

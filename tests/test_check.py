@@ -517,3 +517,9 @@ def test_jacobian_refuses_an_input_without_requires_grad():
     x = cg.input(np.ones(3))
     with pytest.raises(vgraph.GraphStateError):
         jacobian(vgraph.tanh(x), x)
+
+
+def test_jacobian_refuses_a_node_of_no_graph():
+    free = vgraph.ComputeNode(NodeKey("Parameter", 0, ()), np.ones(3), requires_grad=True)
+    with pytest.raises(vgraph.VGraphError, match="belongs to no ComputeGraph"):
+        jacobian(free, free)

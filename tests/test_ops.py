@@ -208,6 +208,18 @@ GETITEM = [
 ]
 for sid, index_of in GETITEM:
     case(sid, "GetItem", index_of, index_of, normal(4, 5))
+# GatherRows: rows of several inputs stacked (autobatching); a repeated row accumulates.
+GATHER_ROWS = ((0, (1,)), (1, (0,)), (0, (1,)))
+case(
+    "two-sources", "GatherRows",
+    lambda a, b: a.graph.apply("GatherRows", [a, b[:, :, 0]], {"rows": GATHER_ROWS}),
+    lambda a, b: np.stack([a[1], b[0, :, 0], a[1]]), normal(3, 4), normal(2, 4, 3),
+)  # fmt: skip
+case(
+    "tuple-row", "GatherRows",
+    lambda a, b: a.graph.apply("GatherRows", [a, b], {"rows": ((1, ((slice(None), 1), 0)), (0, (2,)))}),
+    lambda a, b: np.stack([b[:, 1][0], a[2]]), normal(3, 4), normal(2, 3, 4),
+)  # fmt: skip
 # Hoisted: one iteration's row of a hoisted loop-body node (GetItem with an int index).
 case("row", "Hoisted", lambda x: x.graph.apply("Hoisted", [x], {"index": 2}), lambda x: x[2], normal(4, 3, 5))
 

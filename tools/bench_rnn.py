@@ -7,30 +7,40 @@ Model (float32)::
     loss = mean((h_T W_o - y)^2)                       W_o: (H, 4), no output bias
     SGD:   p -= 0.01 * dloss/dp                        for p in (W_x, W_h, b, W_o)
 
+vgraph's model is written the natural way, ``tanh(x_t @ W_x + h @ W_h + b)`` inside the loop.
 vgraph step, mode "rebuild": ``g.build(feed, loss)`` (unrolls and computes the forward) +
-``cg.backward`` + ``p.value -= lr * p.grad`` for each parameter + ``g.params.zero_grad()``.
-vgraph step, mode "reuse": the UnrolledGraph is built once; each step ``cg.feed(new data)``,
-``cg.forward()`` (dirty-checked; everything is recomputed since inputs and parameters changed),
-backward and the same update.
+``cg.backward`` + ``p.value -= lr * p.grad`` for each parameter + ``g.params.zero_grad()``, every
+step with a sequence of length T (the same structure every step).
+Mode "rebuild-new": the same, but the sequence length changes every step within T ± 10% (every
+length of the range in turn, shuffled: a new structure every step).
+Mode "reuse": the UnrolledGraph is built once; each step ``cg.feed(new data)``, ``cg.forward()``
+(dirty-checked; everything is recomputed since inputs and parameters changed), backward and the
+same update.
 
-The numpy reference ("numpy ms", what the ratios and targets use) is a hand-written per-step
-forward and BPTT of the same model, i.e. the same matrix products vgraph executes, written
-tightly: hidden states in one preallocated (T+1, B, H) array, in-place adds, no gradient for the
-constant h_0 or the inputs. A second reference ("np-batched") additionally does all T input
-projections x_t W_x in one (T*B, I) @ (I, H) matmul and the weight gradients of W_x, W_h, b in
-three big reductions after the backward sweep; it is reported for information only.
+The numpy reference ("floor ms", what the ratios and targets use) is the tightest numpy a careful
+person writes for this model: the input projections ``x @ W_x + b`` of all steps as one
+``(T*B, I) @ (I, H)`` matmul before the recurrence; preallocated ``(T+1, B, H)`` state and
+``(T, B, H)`` gradient buffers (kept across steps); in-place ``np.matmul(..., out=)``, ``+=`` and
+``np.tanh(..., out=)``; after the backward sweep, the gradients of ``W_x``, ``W_h`` and ``b`` each
+as one ``(T*B)``-row matmul or sum. The previous reference ("per-step ms": the same matrix
+products vgraph executes, ``x_t W_x`` and the weight gradients per step) is a second column.
 
 All three run in the same process, interleaved (the order alternates every repeat), on the same
 weights and the same sequence of data batches; each keeps its own copy of the parameters. Before
-timing, gradients and loss are checked equal (rtol 1e-4, atol 1e-5) for both vgraph modes; after
-timing, the parameters of all implementations, trained on the same batches, are checked equal
-again. A mismatch aborts with exit status 2.
+timing, gradients and loss of both vgraph modes and of the per-step reference are checked equal
+to the floor's (rtol 1e-4, atol 1e-5); after timing, the parameters of all implementations,
+trained on the same batches, are checked equal again. A mismatch aborts with exit status 2.
 
 Also measured: unrolling throughput (len(cg) / build time for a 10,000-step loop), incremental
 re-forward (1 of 100 independent input paths changed) vs a full forward, and the peak memory
 (tracemalloc) of one build+backward at T=1000 vs the bytes of the values the graph keeps.
 
-Table columns: "ratio" is vgraph ms / numpy ms (medians; what the targets use); "paired" is the
+Linearity (issue 10 §2): time and peak memory (tracemalloc) of the backward pass through (a) a loop
+stepping through a sequence that needs a gradient (``loop.step(x @ W_x)``) and (b) an N-D @ 2-D
+product (``nn.Linear`` on a ``(T, B, H)`` stack), each at T and 2T: linear code gives ratios of
+about 2, quadratic code about 4.
+
+Table columns: "ratio" is vgraph ms / floor ms (medians; what the targets use); "paired" is the
 median of per-repeat ratios of back-to-back runs and "cpu" the ratio of thread-CPU-time medians,
 two cross-checks that move less when other processes load the machine. BLAS runs single-threaded
 unless ``--blas-threads N`` (or OPENBLAS_NUM_THREADS / OMP_NUM_THREADS) says otherwise.
@@ -38,7 +48,7 @@ unless ``--blas-threads N`` (or OPENBLAS_NUM_THREADS / OMP_NUM_THREADS) says oth
 Usage::
 
     PYTHONPATH=. python3 tools/bench_rnn.py [--quick] [--json out.json] [--repeats N] [--warmup N]
-                                            [--sizes I,H,B,T ...] [--modes reuse rebuild]
+                                            [--sizes I,H,B,T ...] [--modes reuse rebuild rebuild-new]
                                             [--no-extras] [--strict] [--blas-threads N]
 """
 
@@ -101,12 +111,20 @@ SIZES: list[tuple[int, int, int, int]] = [
     (64, 256, 64, 100),
     (8, 32, 1, 1000),
 ]
-MODES = ("reuse", "rebuild")
-#: Targets: vgraph ms / numpy ms (medians) must be at most this.
+MODES = ("reuse", "rebuild", "rebuild-new")
+#: Targets of issue 10: vgraph ms / tight-floor ms (medians) must be at most this.
 TARGETS: dict[str, dict[tuple[int, int, int, int], float]] = {
-    "reuse": {(8, 32, 16, 50): 3.0, (32, 128, 32, 50): 1.6, (64, 256, 64, 100): 1.2, (8, 32, 1, 1000): 3.0},
-    "rebuild": {(8, 32, 16, 50): 4.0, (32, 128, 32, 50): 2.0, (64, 256, 64, 100): 1.3, (8, 32, 1, 1000): 4.0},
+    "reuse": {(8, 32, 16, 50): 2.0, (32, 128, 32, 50): 1.1, (64, 256, 64, 100): 1.05, (8, 32, 1, 1000): 3.0},
+    "rebuild": {(8, 32, 16, 50): 2.5, (32, 128, 32, 50): 1.2, (64, 256, 64, 100): 1.1, (8, 32, 1, 1000): 3.5},
+    "rebuild-new": {
+        (8, 32, 16, 50): 4.0,
+        (32, 128, 32, 50): 1.6,
+        (64, 256, 64, 100): 1.3,
+        (8, 32, 1, 1000): 6.0,
+    },
 }
+#: Mode "rebuild-new": sequence lengths vary by up to this fraction around T.
+LENGTH_SPREAD = 0.10
 UNROLL_TARGET_NODES_PER_S = 100_000.0
 MEMORY_TARGET_RATIO = 1.5
 
@@ -156,13 +174,93 @@ def make_data(
     ]
 
 
+def length_schedule(T: int, n: int, seed: int = 4321) -> list[int]:
+    """``n`` sequence lengths for mode "rebuild-new": every length in ``T ± 10%`` in turn.
+
+    The lengths of the range are cycled through in a shuffled order, so no two consecutive steps
+    share a length and a length comes back only after all the others: a structure cache that
+    holds fewer structures than the range has lengths misses at every step.
+    """
+    lo = max(1, round(T * (1 - LENGTH_SPREAD)))
+    hi = max(lo + 1, round(T * (1 + LENGTH_SPREAD)))
+    order = [int(v) for v in np.random.default_rng(seed).permutation(np.arange(lo, hi + 1))]
+    return [order[i % len(order)] for i in range(n)]
+
+
 # ---------------------------------------------------------------------------- numpy references
+
+
+#: Reusable buffers of the tight reference, keyed by (B, H, dtype); grown to the longest T seen
+#: (a careful user allocates the state and gradient buffers once, not per step).
+_WORKSPACE: dict[tuple[int, int, str], dict[str, np.ndarray]] = {}
+
+
+def _workspace(T: int, B: int, H: int, dtype: Any) -> dict[str, np.ndarray]:
+    key = (B, H, np.dtype(dtype).str)
+    ws = _WORKSPACE.get(key)
+    if ws is None or ws["hs"].shape[0] < T + 1:
+        ws = _WORKSPACE[key] = {
+            "hs": np.empty((T + 1, B, H), dtype=dtype),  # hs[0] = h_0, hs[t] = h_t
+            "ga": np.empty((T, B, H), dtype=dtype),  # dloss/da_t for every step
+            "tmp": np.empty((B, H), dtype=dtype),  # h_{t-1} W_h
+            "gh": np.empty((B, H), dtype=dtype),  # dloss/dh_t
+        }
+    return ws
 
 
 def numpy_grads(
     P: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray
 ) -> tuple[float, dict[str, np.ndarray]]:
-    """Per-step forward + BPTT of the model (the reference); returns ``(loss, grads)``."""
+    """The tight floor: forward + BPTT as a careful person writes it; returns ``(loss, grads)``.
+
+    The input projections ``x_t W_x + b`` of all steps are one ``(T*B, I) @ (I, H)`` product written
+    straight into the preallocated state buffer; the recurrence then only adds ``h_{t-1} W_h``
+    (``np.matmul(..., out=)``, ``+=``, ``np.tanh(..., out=)``: no temporaries); the backward sweep
+    only computes ``dloss/da_t`` into a preallocated ``(T, B, H)`` buffer, and the gradients of
+    ``W_x``, ``W_h`` and ``b`` are each one ``(T*B)``-row product or sum after the sweep.
+    """
+    Wx, Wh, b, Wo = P["Wx"], P["Wh"], P["b"], P["Wo"]
+    T, B, I = x.shape
+    H = Wh.shape[0]
+    ws = _workspace(T, B, H, Wh.dtype)
+    hs, gas, tmp, gh = ws["hs"][: T + 1], ws["ga"][:T], ws["tmp"], ws["gh"]
+    hs[0] = 0
+    x2 = x.reshape(T * B, I)
+    np.matmul(x2, Wx, out=hs[1:].reshape(T * B, H))  # pre-activations, in place of h_1..h_T
+    hs[1:] += b
+    for t in range(T):
+        a = hs[t + 1]
+        np.matmul(hs[t], Wh, out=tmp)
+        a += tmp
+        np.tanh(a, out=a)
+    hT = hs[T]
+    diff = hT @ Wo
+    diff -= y
+    loss = float(np.vdot(diff, diff)) / diff.size
+    diff *= 2.0 / diff.size  # dloss/dout
+    gWo = hT.T @ diff
+    np.matmul(diff, Wo.T, out=gh)
+    WhT = Wh.T
+    for t in range(T - 1, -1, -1):
+        ga = gas[t]
+        ht = hs[t + 1]
+        np.multiply(ht, ht, out=ga)
+        np.subtract(1, ga, out=ga)
+        ga *= gh  # dloss/da_t, a_t the pre-activation
+        if t:  # h_0 is a constant: no gradient needed
+            np.matmul(ga, WhT, out=gh)
+    ga2 = gas.reshape(T * B, H)
+    gWx = x2.T @ ga2
+    gWh = hs[:T].reshape(T * B, H).T @ ga2
+    gb = ga2.sum(axis=0)
+    return loss, {"Wx": gWx, "Wh": gWh, "b": gb, "Wo": gWo}
+
+
+def numpy_grads_perstep(
+    P: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray
+) -> tuple[float, dict[str, np.ndarray]]:
+    """The previous reference, kept as a second column: the same model with ``x_t W_x`` and the
+    weight-gradient products computed per step (what vgraph's node-by-node unroll executes)."""
     Wx, Wh, b, Wo = P["Wx"], P["Wh"], P["b"], P["Wo"]
     T, B, _ = x.shape
     H = Wh.shape[0]
@@ -196,43 +294,6 @@ def numpy_grads(
     return loss, {"Wx": gWx, "Wh": gWh, "b": gb, "Wo": gWo}
 
 
-def numpy_grads_batched(
-    P: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray
-) -> tuple[float, dict[str, np.ndarray]]:
-    """Same model; input projections in one matmul, weight gradients reduced after the sweep."""
-    Wx, Wh, b, Wo = P["Wx"], P["Wh"], P["b"], P["Wo"]
-    T, B, I = x.shape
-    H = Wh.shape[0]
-    xw = (x.reshape(T * B, I) @ Wx).reshape(T, B, H)
-    xw += b
-    hs = np.empty((T + 1, B, H), dtype=Wh.dtype)
-    hs[0] = 0
-    for t in range(T):
-        a = hs[t] @ Wh
-        a += xw[t]
-        np.tanh(a, out=hs[t + 1])
-    hT = hs[T]
-    out = hT @ Wo
-    diff = out - y
-    loss = float(np.mean(diff * diff))
-    go = diff * (2.0 / diff.size)
-    gWo = hT.T @ go
-    gh = go @ Wo.T
-    ga_all = np.empty((T, B, H), dtype=Wh.dtype)
-    for t in range(T - 1, -1, -1):
-        ga = ga_all[t]
-        np.multiply(hs[t + 1], hs[t + 1], out=ga)
-        np.subtract(1, ga, out=ga)
-        ga *= gh
-        if t:
-            gh = ga @ Wh.T
-    ga2 = ga_all.reshape(T * B, H)
-    gWx = x.reshape(T * B, I).T @ ga2
-    gWh = hs[:T].reshape(T * B, H).T @ ga2
-    gb = ga2.sum(axis=0)
-    return loss, {"Wx": gWx, "Wh": gWh, "b": gb, "Wo": gWo}
-
-
 class NumpyTrainer:
     """A hand-written SGD step on its own copy of the parameters."""
 
@@ -256,9 +317,11 @@ class VgraphRebuild:
     def __init__(self, g: vg.VirtualGraph, loss: vg.VirtualNode) -> None:
         self.g, self.loss = g, loss
         self.params = g.params.parameters()
+        self.nodes: list[int] = []  # len(cg) of every build
 
     def step(self, x: np.ndarray, y: np.ndarray) -> float:
         cg = self.g.build({"x": x, "y": y}, self.loss)
+        self.nodes.append(len(cg))
         value = cg.backward(cg.outputs[0])
         for p in self.params:
             p.value -= LR * p.grad
@@ -331,9 +394,9 @@ def check_correctness(size: tuple[int, int, int, int], seed: int = 0) -> dict[st
 
     P = vgraph_param_values(g)
     ref_loss, ref = numpy_grads(P, x0, y0)
-    bl, bref = numpy_grads_batched(P, x0, y0)
-    _check_loss("numpy batched reference", bl, ref_loss)
-    report["numpy_batched_max_abs_err"] = _compare("numpy batched reference", bref, ref)
+    pl, pref = numpy_grads_perstep(P, x0, y0)
+    _check_loss("numpy per-step reference", pl, ref_loss)
+    report["numpy_perstep_max_abs_err"] = _compare("numpy per-step reference", pref, ref)
 
     cg = g.build({"x": x0, "y": y0}, loss)
     got_loss = cg.backward(cg.outputs[0])
@@ -406,15 +469,21 @@ def _stats(times: list[float]) -> dict[str, float]:
 def time_training(
     size: tuple[int, int, int, int], mode: str, repeats: int, warmup: int, seed: int = 0
 ) -> dict[str, Any]:
-    """Interleaved timings of one training step: vgraph (``mode``), numpy, numpy batched."""
+    """Interleaved timings of one training step: vgraph (``mode``), the tight floor, per-step numpy.
+
+    Modes: "reuse" (one built graph, new data fed), "rebuild" (a build per step, always length T),
+    "rebuild-new" (a build per step, the length changing every step within T ± 10%, see
+    :func:`length_schedule`).
+    """
     I, H, B, T = size
     g, loss = make_model(I, H, B, seed)
-    data = make_data(I, B, T, seed=seed + 7)
+    lengths = length_schedule(T, warmup + repeats) if mode == "rebuild-new" else [T] * (warmup + repeats)
+    data = make_data(I, B, max(lengths), seed=seed + 7)
     P0 = vgraph_param_values(g)
     runners: dict[str, Any] = {
-        "vgraph": VgraphRebuild(g, loss) if mode == "rebuild" else VgraphReuse(g, loss, *data[0]),
+        "vgraph": VgraphReuse(g, loss, *data[0]) if mode == "reuse" else VgraphRebuild(g, loss),
         "numpy": NumpyTrainer(P0, numpy_grads),
-        "numpy_batched": NumpyTrainer(P0, numpy_grads_batched),
+        "numpy_perstep": NumpyTrainer(P0, numpy_grads_perstep),
     }
     names = list(runners)
     times: dict[str, list[float]] = {k: [] for k in names}
@@ -424,6 +493,7 @@ def time_training(
     with _GcTimer() as gct:
         for i in range(warmup + repeats):
             x, y = data[i % len(data)]
+            x = x[: lengths[i]]
             order = names if i % 2 == 0 else names[::-1]
             for name in order:
                 gct.label = name
@@ -441,13 +511,15 @@ def time_training(
     final_vg = vgraph_param_values(g)
     _compare(f"parameters after {warmup + repeats} steps, vgraph {mode} {size}", final_vg, runners["numpy"].P)
     _compare(
-        f"parameters after {warmup + repeats} steps, numpy batched {size}",
-        runners["numpy_batched"].P,
+        f"parameters after {warmup + repeats} steps, numpy per-step {size}",
+        runners["numpy_perstep"].P,
         runners["numpy"].P,
     )
     for a, b in zip(losses["vgraph"], losses["numpy"]):
         _check_loss(f"loss during timing, vgraph {mode} {size}", a, b)
     res: dict[str, Any] = {"size": list(size), "mode": mode, "repeats": repeats, "warmup": warmup}
+    if mode == "rebuild-new":
+        res["lengths"] = lengths
     for name in names:
         res[name] = _stats(times[name])
         res[name]["times_ms"] = [t * 1e3 for t in times[name]]
@@ -455,7 +527,8 @@ def time_training(
         res[name]["gc_ms_per_step"] = gct.totals.get(name, 0.0) * 1e3 / (warmup + repeats)
         res[name]["gc_gen2_collections"] = gct.counts.get(name, 0)
     res["ratio"] = res["vgraph"]["median_ms"] / res["numpy"]["median_ms"]
-    res["ratio_vs_batched"] = res["vgraph"]["median_ms"] / res["numpy_batched"]["median_ms"]
+    res["ratio_vs_perstep"] = res["vgraph"]["median_ms"] / res["numpy_perstep"]["median_ms"]
+    res["floor_vs_perstep"] = res["numpy"]["median_ms"] / res["numpy_perstep"]["median_ms"]
     # Cross-check robust to load drifting during the run: the median of the ratios of runs made
     # back to back (same repeat). The targets use "ratio" (ratio of the medians).
     res["ratio_paired"] = statistics.median(v / n for v, n in zip(times["vgraph"], times["numpy"]))
@@ -463,7 +536,8 @@ def time_training(
     res["ratio_cpu"] = res["vgraph"]["cpu_median_ms"] / res["numpy"]["cpu_median_ms"]
     res["target"] = TARGETS[mode].get(tuple(size))
     res["pass"] = None if res["target"] is None else bool(res["ratio"] <= res["target"])
-    res["nodes"] = len(runners["vgraph"].cg) if mode == "reuse" else len(g.latest_build)
+    vg_runner = runners["vgraph"]
+    res["nodes"] = len(vg_runner.cg) if mode == "reuse" else int(statistics.median(vg_runner.nodes))
     res["vgraph_us_per_node"] = res["vgraph"]["median_ms"] * 1e3 / res["nodes"]
     return res
 
@@ -603,6 +677,7 @@ def bench_memory(size: tuple[int, int, int, int] = (8, 32, 1, 1000)) -> dict[str
     peak_total = peak - base + param_bytes
     # The numpy reference, for comparison (same accounting: feed copies inside, params outside).
     P = vgraph_param_values(g)
+    _WORKSPACE.clear()  # the floor's buffers count in its peak
     gc.collect()
     tracemalloc.start()
     try:
@@ -621,6 +696,99 @@ def bench_memory(size: tuple[int, int, int, int] = (8, 32, 1, 1000)) -> dict[str
         "numpy_peak_bytes": peak_np, "target_ratio": MEMORY_TARGET_RATIO,
         "pass": bool(peak_total / kept <= MEMORY_TARGET_RATIO),
     }  # fmt: skip
+
+
+def make_stepped_model(I: int, H: int, B: int) -> tuple[vg.VirtualGraph, vg.VirtualNode]:
+    """§2 (a): a loop stepping through a sequence that needs a gradient, ``loop.step(x @ W_x)``."""
+    g = vg.VirtualGraph(dtype=DTYPE, seed=0, name="stepped")
+    x = g.input("x", shape=(None, B, I))
+    Wx = g.parameter("Wx", (I, H))
+    Wh = g.parameter("Wh", (H, H), init="orthogonal")
+    h0 = g.constant(np.zeros((B, H), dtype=DTYPE), name="h0")
+    xW = x @ Wx  # (T, B, H), declared outside the loop (a stepped sequence must be)
+    with g.loop(name="time") as L:
+        xw = L.step(xW, name="xW_t")
+        h = L.carry(h0, name="h")
+        L.update(h, vg.tanh(xw + h @ Wh))
+    return g, (L.final(h) ** 2).mean()
+
+
+def make_nd_matmul_model(H: int, V: int, B: int) -> tuple[vg.VirtualGraph, vg.VirtualNode]:
+    """§2 (b): an N-D @ 2-D product, ``nn.Linear`` on a ``(T, B, H)`` stack."""
+    g = vg.VirtualGraph(dtype=DTYPE, seed=0, name="nd_matmul")
+    x = g.input("x", shape=(None, B, H))
+    out = vg.nn.Linear(g, H, V, "out")
+    return g, (out(x) ** 2).mean()
+
+
+#: §2 cases: the model, the input's (B, width), and T (measured at T and 2T; smaller when quick).
+LINEARITY_CASES: dict[str, dict[str, Any]] = {
+    "stepped sequence with gradient: loop.step(x @ W_x)": {
+        "make": lambda: make_stepped_model(8, 32, 16), "input": (16, 8),
+        "sizes": {"I": 8, "H": 32, "B": 16}, "T": 1000, "T_quick": 40,
+    },
+    "N-D @ 2-D product: nn.Linear(H, V) on (T, B, H)": {
+        "make": lambda: make_nd_matmul_model(64, 1000, 1), "input": (1, 64),
+        "sizes": {"H": 64, "V": 1000, "B": 1}, "T": 200, "T_quick": 20,
+    },
+}  # fmt: skip
+
+
+def _backward_cost(g: vg.VirtualGraph, loss: vg.VirtualNode, x: np.ndarray, repeats: int) -> dict[str, float]:
+    """Median wall time of ``cg.backward`` (a fresh build each repeat, not timed), its peak traced
+    memory above what the built graph already holds, and the bytes of the graph's values."""
+    times = []
+    for _ in range(repeats):
+        cg = g.build({"x": x}, loss)
+        gc.collect()
+        t0 = time.perf_counter()
+        cg.backward(cg.outputs[0])
+        times.append(time.perf_counter() - t0)
+        g.params.zero_grad()
+        del cg
+    cg = g.build({"x": x}, loss)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        cg.backward(cg.outputs[0])
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    kept = _graph_value_bytes(cg, g.params.parameters())
+    g.params.zero_grad()
+    return {
+        "backward_ms": statistics.median(times) * 1e3,
+        "peak_bytes": float(peak),
+        "kept_bytes": float(kept),
+    }
+
+
+def bench_linearity(quick: bool = False, repeats: int = 5) -> dict[str, Any]:
+    """Issue 10 §2: backward time and peak memory at T and 2T for each trap; ratios near 2 are
+    linear, near 4 quadratic. Memory is the backward's peak above the built graph (tracemalloc)."""
+    rows = []
+    for name, case in LINEARITY_CASES.items():
+        T = case["T_quick"] if quick else case["T"]
+        g, loss = case["make"]()
+        rng = np.random.default_rng(11)
+        x2 = rng.standard_normal((2 * T, *case["input"])).astype(DTYPE)
+        warm = g.build({"x": x2[:3]}, loss)  # warm-up
+        warm.backward(warm.outputs[0])
+        del warm
+        g.params.zero_grad()
+        at = {t: _backward_cost(g, loss, x2[:t], repeats) for t in (T, 2 * T)}
+        rows.append({
+            "case": name, "sizes": case["sizes"], "T": T,
+            "backward_ms": [at[T]["backward_ms"], at[2 * T]["backward_ms"]],
+            "peak_bytes": [at[T]["peak_bytes"], at[2 * T]["peak_bytes"]],
+            "kept_value_bytes": [at[T]["kept_bytes"], at[2 * T]["kept_bytes"]],
+            "peak_over_values": at[2 * T]["peak_bytes"] / at[2 * T]["kept_bytes"],
+            "time_ratio": at[2 * T]["backward_ms"] / at[T]["backward_ms"],
+            "memory_ratio": at[2 * T]["peak_bytes"] / max(at[T]["peak_bytes"], 1.0),
+        })  # fmt: skip
+    return {"rows": rows, "repeats": repeats, "informational": True}
 
 
 # ---------------------------------------------------------------------------- reporting
@@ -667,8 +835,8 @@ def machine_info() -> dict[str, Any]:
         import hashlib
 
         h = hashlib.sha256()
-        for f in sorted(Path(vg.__file__).parent.glob("*.py")):
-            h.update(f.name.encode() + b"\0" + f.read_bytes())
+        for f in sorted(Path(vg.__file__).parent.rglob("*.py")):
+            h.update(str(f.relative_to(Path(vg.__file__).parent)).encode() + b"\0" + f.read_bytes())
         src_hash = h.hexdigest()[:16]
     except OSError:
         pass
@@ -696,18 +864,18 @@ def _fmt_size(size: Any) -> str:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     head = (
-        f"{'size (I,H,B,T)':<18} {'mode':<8} {'nodes':>6} {'vgraph ms':>10} {'numpy ms':>9} {'ratio':>6} "
-        f"{'target':>6} {'':<4}  {'paired':>6} {'cpu':>5}  {'np-batched ms':>13} {'ratio':>6}  {'vg us/node':>10}"
+        f"{'size (I,H,B,T)':<18} {'mode':<11} {'nodes':>6} {'vgraph ms':>10} {'floor ms':>9} {'ratio':>6} "
+        f"{'target':>7} {'':<4}  {'paired':>6} {'cpu':>5}  {'per-step ms':>11} {'ratio':>6}  {'vg us/node':>10}"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
         status = "" if r["pass"] is None else ("PASS" if r["pass"] else "FAIL")
-        target = "" if r["target"] is None else f"<={r['target']:.1f}"
+        target = "" if r["target"] is None else f"<={r['target']:.2f}"
         print(
-            f"{_fmt_size(r['size']):<18} {r['mode']:<8} {r['nodes']:>6} {r['vgraph']['median_ms']:>10.2f} "
-            f"{r['numpy']['median_ms']:>9.2f} {r['ratio']:>6.2f} {target:>6} {status:<4}  {r['ratio_paired']:>6.2f} {r['ratio_cpu']:>5.2f}  "
-            f"{r['numpy_batched']['median_ms']:>13.2f} {r['ratio_vs_batched']:>6.2f}  {r['vgraph_us_per_node']:>10.1f}"
+            f"{_fmt_size(r['size']):<18} {r['mode']:<11} {r['nodes']:>6} {r['vgraph']['median_ms']:>10.2f} "
+            f"{r['numpy']['median_ms']:>9.2f} {r['ratio']:>6.2f} {target:>7} {status:<4}  {r['ratio_paired']:>6.2f} {r['ratio_cpu']:>5.2f}  "
+            f"{r['numpy_perstep']['median_ms']:>11.2f} {r['ratio_vs_perstep']:>6.2f}  {r['vgraph_us_per_node']:>10.1f}"
         )
 
 
@@ -730,6 +898,17 @@ def print_extras(extras: dict[str, Any]) -> None:
             f"{inc['all_changed_ms']:.3f} ms (recomputed {a['recomputed']} of {a['visited']}), none changed "
             f"{inc['none_changed_ms']:.3f} ms (recomputed {n['recomputed']}); speed-up {inc['speedup']:.1f}x"
         )
+    lin = extras.get("linearity")
+    if lin:
+        print("\nlinearity of backward (time and peak memory at T and 2T; ~2x linear, ~4x quadratic):")
+        for r in lin["rows"]:
+            t1, t2 = r["backward_ms"]
+            m1, m2 = (b / 2**20 for b in r["peak_bytes"])
+            print(
+                f"  {r['case']:<52} T={r['T']:<5} {t1:8.2f} ms {m1:8.2f} MiB | 2T: {t2:8.2f} ms {m2:8.2f} MiB"
+                f" | x{r['time_ratio']:.2f} time, x{r['memory_ratio']:.2f} memory;"
+                f" peak {r['peak_over_values']:.1f}x the graph's values at 2T"
+            )
     for key in ("memory", "memory_large"):
         m = extras.get(key)
         if not m:
@@ -811,6 +990,7 @@ def main(argv: list[str] | None = None) -> int:
                 steps=2_000 if args.quick else 10_000, repeats=1 if args.quick else 3
             )
             extras["incremental"] = bench_incremental(repeats=5 if args.quick else 50)
+            extras["linearity"] = bench_linearity(quick=args.quick, repeats=1 if args.quick else 5)
             extras["memory"] = bench_memory()
             if not args.quick:  # the same step with 16 KiB values instead of 128 B (information only)
                 extras["memory_large"] = {**bench_memory((32, 128, 32, 1000)), "informational": True}

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
 from .compute import ComputeGraph, ComputeNode, NodeKey
 from .errors import GradcheckError, GraphStateError, VGraphError
-from .ops import LazyGrad, unbroadcast
+from .ops import VJP, LazyGrad, Op, unbroadcast
 
 
 class GradcheckFailure(NamedTuple):
@@ -64,8 +64,8 @@ class GradcheckResult:
         return not self.failures
 
 
-def _objective(output: ComputeNode, projection: np.ndarray | None) -> float:
-    value = output.graph.forward(output)
+def _objective(graph: ComputeGraph, output: ComputeNode, projection: np.ndarray | None) -> float:
+    value = graph.forward(output)
     if projection is None:  # a size-1 output, possibly of shape (1,) or (1, 1): not float()-able
         return float(np.reshape(value, ()))
     return float(np.sum(value * projection))
@@ -82,7 +82,7 @@ def _gradient_reaches(output: ComputeNode) -> set[ComputeNode]:
     stack = list(seen)
     while stack:
         n = stack.pop()
-        for p, vjp in zip(n.parents, n.vjps):
+        for p, vjp in zip(n.parents, _vjps(n)):
             if vjp is not None and p.requires_grad and p not in seen:
                 seen.add(p)
                 stack.append(p)
@@ -163,7 +163,7 @@ def gradcheck(
                 "with dtype=np.float64 (finite differences in float32 are mostly rounding noise)"
             )
     for x in wrt:
-        if not x.is_leaf:
+        if x.op is not None:
             raise VGraphError(f"gradcheck perturbs leaves; {x.describe()} is computed by {x.op.name}")
     projection = None
     if np.size(output.value) != 1:
@@ -187,10 +187,10 @@ def gradcheck(
                 bumped = original.copy()
                 bumped[i] += eps
                 x.value = bumped
-                f_plus = _objective(output, projection)
+                f_plus = _objective(graph, output, projection)
                 bumped[i] = original[i] - eps
                 x.value = bumped
-                f_minus = _objective(output, projection)
+                f_minus = _objective(graph, output, projection)
                 numeric = (f_plus - f_minus) / (2 * eps)
                 err = abs(a[i] - numeric)
                 rel = err / max(abs(numeric), atol)
@@ -406,18 +406,28 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def _op_nodes(target: ComputeGraph | ComputeNode) -> list[ComputeNode]:
-    """The op nodes of a graph, or those ``target`` depends on, in topological order."""
+def _op_nodes(target: ComputeGraph | ComputeNode) -> list[tuple[ComputeNode, Op]]:
+    """The op nodes of a graph, or those ``target`` depends on, in topological order, each with
+    its op."""
     if isinstance(target, ComputeGraph):
-        return [n for n in target.nodes() if n.op is not None]
-    seen = {target}
-    stack = [target]
-    while stack:
-        for p in stack.pop().parents:
-            if p not in seen:
-                seen.add(p)
-                stack.append(p)
-    return sorted((n for n in seen if n.op is not None), key=_by_serial)
+        nodes = target.nodes()
+    else:
+        seen = {target}
+        stack = [target]
+        while stack:
+            for p in stack.pop().parents:
+                if p not in seen:
+                    seen.add(p)
+                    stack.append(p)
+        nodes = sorted(seen, key=_by_serial)
+    return [(n, n.op) for n in nodes if n.op is not None]
+
+
+def _vjps(node: ComputeNode) -> tuple[VJP | None, ...]:
+    """``node.vjps``: one VJP (or ``None``) per input; a variadic op's single VJP was split per
+    input when the node was made."""
+    # ComputeNode.vjps is inferred from Op.vjps, which for a variadic op is one function.
+    return cast("tuple[VJP | None, ...]", node.vjps)
 
 
 def _readonly(a: Any) -> Any:
@@ -433,6 +443,7 @@ def _describe_exception(e: BaseException) -> str:
 
 def _check_node(
     node: ComputeNode,
+    op: Op,
     rng: np.random.Generator,
     eps: float,
     atol: float,
@@ -440,11 +451,11 @@ def _check_node(
     max_elements: int | None,
 ) -> NodeCheck | None:
     """Check every input's VJP of one op node; ``None`` if it has nothing to check."""
-    op = node.op
     parents = node.parents
     values = [np.asarray(p._value) for p in parents]
     reasons: list[str | None] = []
-    for vjp, v in zip(node.vjps, values):
+    vjps = _vjps(node)
+    for vjp, v in zip(vjps, values):
         if vjp is None:
             reasons.append("no VJP")
         elif v.dtype.kind != "f":
@@ -482,10 +493,11 @@ def _check_node(
 
     f0 = float(np.sum(u * ans))
     checks = []
-    for k, (p, vjp, reason) in enumerate(zip(parents, node.vjps, reasons)):
+    for k, (p, vjp, reason) in enumerate(zip(parents, vjps, reasons)):
         if reason is not None:
             checks.append(InputCheck(k, p.describe(), skipped=reason))
             continue
+        assert vjp is not None  # a missing VJP has a reason
         x = xs[k]
         error = None
         try:
@@ -648,17 +660,17 @@ def check_vjps(
 
     nodes = _op_nodes(target)
     if wanted is not None:
-        present = {n.op.name for n in nodes}
+        present = {op.name for _, op in nodes}
         missing = sorted(wanted - present)
         if missing:
             raise VGraphError(
                 f"check_vjps: no node to check computes {', '.join(map(repr, missing))}; "
                 f"the ops present are {', '.join(sorted(present)) or 'none'}"
             )
-        nodes = [n for n in nodes if n.op.name in wanted]
+        nodes = [(n, op) for n, op in nodes if op.name in wanted]
     result = VjpCheckResult(atol=float(atol), rtol=float(rtol))
-    for n in nodes:
-        check = _check_node(n, rng, float(eps), float(atol), float(rtol), max_elements)
+    for n, op in nodes:
+        check = _check_node(n, op, rng, float(eps), float(atol), float(rtol), max_elements)
         if check is None:
             result.skipped += 1
         else:
@@ -676,8 +688,11 @@ def jacobian(output: ComputeNode, input: ComputeNode) -> np.ndarray:
 
     Raises:
         GraphStateError: ``input`` does not require a gradient.
+        VGraphError: ``output`` belongs to no ComputeGraph.
     """
     graph = output.graph
+    if graph is None:
+        raise VGraphError(f"{output.describe()} belongs to no ComputeGraph")
     if not input.requires_grad:
         raise GraphStateError(f"{input.describe()} does not require a gradient")
     out_shape = np.shape(output.value)

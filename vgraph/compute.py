@@ -462,6 +462,13 @@ class ComputeGraph:
         self._failed_forward: str | None = None  # what the last forward raised, if it failed
         self.last_forward: ForwardReport | None = None
 
+    def __repr__(self) -> str:
+        leaves = len(self._leaves)
+        return (
+            f"{type(self).__name__}({len(self._nodes)} nodes: {leaves} leaves, "
+            f"{len(self._nodes) - leaves} ops; {self.dtype})"
+        )
+
     # -- building
     def _next_key(self, type_: str) -> NodeKey:
         return NodeKey(type_, self._counters.get(type_, 0) + 1, ())

@@ -99,6 +99,10 @@ class Operand:
             shape = shape[0]
         return self._apply("Reshape", (self,), {"shape": tuple(shape)})
 
+    def detach(self) -> Any:
+        """The same value with the gradient stopped (``vgraph.detach(x)``, as ``tensor.detach()``)."""
+        return self._apply("Detach", (self,), {})
+
     def transpose(self, *axes: int) -> Any:
         """Permute the axes (reverse them when none are given)."""
         if len(axes) == 1 and isinstance(axes[0], tuple):

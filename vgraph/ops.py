@@ -443,9 +443,14 @@ class RowsProductGrad(LazyGrad):
         self.g = [g]
 
     def dense(self) -> np.ndarray:
+        # The annotated locals here and below: numpy's stubs type arithmetic on arrays of unknown
+        # dtype as Any.
+        out: np.ndarray
         if len(self.a) == 1:
-            return self.a[0].T @ self.g[0]
-        return np.concatenate(self.a).T @ np.concatenate(self.g)
+            out = self.a[0].T @ self.g[0]
+        else:
+            out = np.concatenate(self.a).T @ np.concatenate(self.g)
+        return out
 
     def add_into(self, acc: np.ndarray) -> None:
         acc += self.dense()
@@ -534,7 +539,8 @@ def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     run one product per leading index: 6-14x slower for a (T, B, I) stack)."""
     if b.ndim == 2 and a.ndim > 2:
         return np.reshape(a.reshape(-1, a.shape[-1]) @ b, (*a.shape[:-1], b.shape[-1]))
-    return np.matmul(a, b)
+    out: np.ndarray = np.matmul(a, b)
+    return out
 
 
 def _matmul_vjp(g: np.ndarray, a: np.ndarray, b: np.ndarray, wrt: int) -> Any:
@@ -589,12 +595,14 @@ def _matmul_vjp_summed(
         order = (*kept, *summed, nb, nb + 1)
         rows_a = a_full.transpose(order).reshape((*kept_shape, -1, a.shape[-1]))
         rows_g = g.transpose(order).reshape((*kept_shape, -1, g.shape[-1]))
-        return np.swapaxes(rows_a, -1, -2) @ rows_g
+        db: np.ndarray = np.swapaxes(rows_a, -1, -2) @ rows_g
+        return db
     # da[kept] = sum over summed axes and columns n of g[..., :, n] b[..., :, n]^T
     b_full = np.broadcast_to(b, g.shape[:-2] + b.shape[-2:])
     cols_g = g.transpose((*kept, nb, *summed, nb + 1)).reshape((*kept_shape, g.shape[-2], -1))
     cols_b = b_full.transpose((*kept, *summed, nb + 1, nb)).reshape((*kept_shape, -1, b.shape[-2]))
-    return cols_g @ cols_b
+    da: np.ndarray = cols_g @ cols_b
+    return da
 
 
 defop(
@@ -638,12 +646,15 @@ defop(
 )
 
 
-def _max_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray, axis: Any = None, keepdims: bool = False):
+def _max_vjp(
+    g: np.ndarray, ans: np.ndarray, x: np.ndarray, axis: Any = None, keepdims: bool = False
+) -> np.ndarray:
     ans_k = _expand_reduced(ans, x, axis, keepdims)
     g_k = _expand_reduced(g, x, axis, keepdims)
     hit = x == ans_k
     # Ties share the gradient equally, so the VJP is the average of the one-sided derivatives.
-    return g_k * hit / hit.sum(axis=axis, keepdims=True)
+    out: np.ndarray = g_k * hit / hit.sum(axis=axis, keepdims=True)
+    return out
 
 
 defop(
@@ -655,12 +666,14 @@ defop(
 
 def _softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     e = np.exp(x - x.max(axis=axis, keepdims=True))
-    return e / e.sum(axis=axis, keepdims=True)
+    out: np.ndarray = e / e.sum(axis=axis, keepdims=True)
+    return out
 
 
 def _log_softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     shifted = x - x.max(axis=axis, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))
+    out: np.ndarray = shifted - np.log(np.exp(shifted).sum(axis=axis, keepdims=True))
+    return out
 
 
 defop(
@@ -708,9 +721,11 @@ def _take_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray, indices: np.ndarray
     return IndexedGrad(x.shape, g.dtype, indices, g, False)  # repeated rows accumulate
 
 
-def _take_along_axis_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray, indices: np.ndarray, axis: int = -1):
+def _take_along_axis_vjp(
+    g: np.ndarray, ans: np.ndarray, x: np.ndarray, indices: np.ndarray, axis: int = -1
+) -> np.ndarray:
     out = np.zeros(x.shape, dtype=g.dtype)
-    where = list(np.indices(g.shape, sparse=True))
+    where: list[np.ndarray] = list(np.indices(g.shape, sparse=True))
     where[axis] = np.broadcast_to(indices, g.shape)
     np.add.at(out, tuple(where), g)
     return out
@@ -749,6 +764,52 @@ defop("Stack", lambda *xs, axis=0: np.stack(xs, axis=axis), _stack_vjp, variadic
 defop("Detach", lambda x: x, None)  # stops the gradient
 defop("Branch", lambda x: x, lambda g, ans, x: g)  # the option a BranchNode selected
 defop("Identity", lambda x: x, lambda g, ans, x: g)
+
+
+# Rows of several arrays stacked into one (autobatching, see vgraph.virtual.batch): ``rows`` lists,
+# for each output row, the input it comes from and the path to the row in it: basic indices
+# applied one after another (``(3,)`` is ``x[3]``; ``((slice(None), 3), 0)`` is ``x[:, 3][0]``).
+# The VJP scatters each input's rows of the gradient back into it (lazily).
+def row_at(x: Any, path: tuple[Any, ...]) -> Any:
+    """``x[path[0]][path[1]]…`` (a view: the indices are basic)."""
+    for i in path:
+        x = x[i]
+    return x
+
+
+def _gather_rows(*xs: np.ndarray, rows: tuple[tuple[int, tuple[Any, ...]], ...]) -> np.ndarray:
+    return np.stack([row_at(xs[s], path) for s, path in rows])
+
+
+class RowsGrad(LazyGrad):
+    """``g[p]`` added at the row ``path`` leads to in a zero array, for each ``(path, p)`` (rows may
+    repeat; see :func:`row_at`)."""
+
+    __slots__ = ("g", "pairs")
+
+    def __init__(
+        self, shape: tuple[int, ...], dtype: Any, g: np.ndarray, pairs: list[tuple[Any, int]]
+    ) -> None:
+        super().__init__(shape, dtype)
+        self.g = g
+        self.pairs = pairs
+
+    def add_into(self, acc: np.ndarray) -> None:
+        g = self.g
+        for path, p in self.pairs:
+            if path:
+                row_at(acc, path[:-1])[path[-1]] += g[p]  # in place: a view of acc
+            else:  # the whole input is the row
+                np.add(acc, g[p], out=acc)
+
+
+def _gather_rows_vjp(i: int, g: np.ndarray, ans: np.ndarray, *xs: np.ndarray, rows: Any) -> RowsGrad:
+    return RowsGrad(xs[i].shape, g.dtype, g, [(r, p) for p, (s, r) in enumerate(rows) if s == i])
+
+
+defop("GatherRows", _gather_rows, _gather_rows_vjp, variadic=True)
+
+
 # One iteration's copy of a hoisted loop-body node: row ``index`` of the node computed for every
 # iteration at once (see vgraph.virtual.hoist). A view; its gradient lands in the group's buffer.
 defop("Hoisted", lambda x, index: x[index], _getitem_vjp)
@@ -841,7 +902,8 @@ def _gate_major(x: np.ndarray, n_gates: int, H: int, batch_ndim: int) -> np.ndar
     ``...`` left-padded to ``batch_ndim`` axes so that it broadcasts against the state."""
     shape = (1,) * (batch_ndim - x.ndim + 1) + x.shape[:-1]
     nb = len(shape)
-    return x.reshape((*shape, n_gates, H)).transpose((nb, *range(nb), nb + 1))
+    view: np.ndarray = x.reshape((*shape, n_gates, H)).transpose((nb, *range(nb), nb + 1))
+    return view
 
 
 def _sigmoid_into(out: np.ndarray, x: np.ndarray | None = None) -> None:

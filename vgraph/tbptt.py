@@ -53,7 +53,7 @@ def _in_notebook() -> bool:
 def _tqdm() -> Any:
     """tqdm.auto's ``tqdm`` class, or ``None`` if tqdm is not installed."""
     try:
-        from tqdm.auto import tqdm  # type: ignore[import-untyped,unused-ignore]
+        from tqdm.auto import tqdm
     except ImportError:
         return None
     return tqdm

@@ -68,7 +68,7 @@ class ExplorerPage(str):
             'border-radius:6px" sandbox="allow-scripts"></iframe>'
         )
 
-    def save(self, path: str | os.PathLike) -> Path:
+    def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the page to ``path`` (UTF-8) and return the path."""
         path = Path(path)
         path.write_text(str(self), encoding="utf-8")
@@ -80,7 +80,7 @@ class ExplorerPage(str):
 
 def explore(
     graph: VirtualGraph | ComputeGraph,
-    path: str | os.PathLike | None = None,
+    path: str | os.PathLike[str] | None = None,
     *,
     build: ComputeGraph | None = None,
     title: str | None = None,
@@ -129,7 +129,7 @@ def explore_script_result(
     graph: VirtualGraph,
     feed: dict[str, Any],
     outputs: VirtualNode | Sequence[VirtualNode],
-    path: str | os.PathLike | None,
+    path: str | os.PathLike[str] | None,
     *,
     gradients: bool = True,
     title: str | None = None,
@@ -743,7 +743,7 @@ function unrolledView(X){
         const ea = els[a], eb = els[b]; let cls = '', label = null;
         const nm = edgeName.get(p + ',' + C.frame[i]);
         if (nm !== undefined && !GUARD.has(typeOf(i))) { cls = 'carry'; label = nm; }
-        else if (C.op[p] < 0 && C.frame[i] >= 0 && C.frame[p] !== C.frame[i]) cls = 'leaf';
+        else if ((C.op[p] < 0 || typeOf(p).endsWith('*')) && C.frame[i] >= 0 && C.frame[p] !== C.frame[i]) cls = 'leaf';  // shared leaves and hoisted groups: stubs
         if (ea.kind === 'fold' || eb.kind === 'fold') cls += ' fold';
         edges.push({a, b, cls, label, p, i}); } }
     return {els, edges};

@@ -11,8 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..compute import ComputeGraph, ComputeNode, NodeKey
-from ..virtual import LoopNode, UnrolledGraph
+from ..virtual import LoopNode, UnrolledGraph, VirtualNode
 from .scene import _Cluster
+
+
+def _carry_name(carry: VirtualNode) -> str:
+    """A carry's name (``LoopNode.carry`` always gives one; the key if it somehow has none)."""
+    return carry.name or f"{carry.type}:{carry.id}"
 
 
 @dataclass(eq=False)
@@ -56,7 +61,7 @@ class _Frames:
         self.edge_names: dict[tuple[ComputeNode, _Frame | None], str] = {}
         self.next_names: dict[ComputeNode, list[str]] = {}
         self.choice: dict[NodeKey, int] = {}
-        if self.virtual is not None:
+        if isinstance(cg, UnrolledGraph):
             self._frames_from_virtual(cg)
         else:
             self._frames_from_keys(self.nodes)
@@ -94,10 +99,10 @@ class _Frames:
                 for c in scope.carries:
                     src = env.get(c)
                     if src is not None:
-                        self.edge_names[(src, frame)] = c.name
+                        self.edge_names[(src, frame)] = _carry_name(c)
                     upd = env.get(scope.updates[c])
                     if upd is not None and self.owner.get(upd) is frame:
-                        self.next_names.setdefault(upd, []).append(c.name)
+                        self.next_names.setdefault(upd, []).append(_carry_name(c))
         loops_by_id = {f.loop.id: f.loop for f in self.frames.values()}
         loops_by_id.update({r.loop.id: r.loop for r in self.runs.values()})
         by_idx: dict[tuple[int, ...], _Frame] | None = None
@@ -107,8 +112,10 @@ class _Frames:
             k = n.key
             if k.type == "LoopCheck" and k.id in loops_by_id:
                 loop = loops_by_id[k.id]
-                f = self.frames.get((loop, k.idx))
-                self.owner[n] = f if f is not None else self._frame_of(loop.scope, k.idx[:-1])
+                check_frame = self.frames.get((loop, k.idx))
+                self.owner[n] = (
+                    check_frame if check_frame is not None else self._frame_of(loop.scope, k.idx[:-1])
+                )
             elif k.type == "LengthCheck" and k.id in loops_by_id:
                 self.owner[n] = self._frame_of(loops_by_id[k.id].scope, k.idx)
             elif k.idx:

@@ -9,13 +9,13 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from ..compute import ComputeGraph, ComputeNode, NodeKey
 from ..errors import GraphStateError, RenderError, VGraphError
-from ..ops import as_array, unbroadcast
+from ..ops import VJP, as_array, unbroadcast
 from ..virtual import LoopNode, UnrolledGraph, VirtualNode
 from .frames import _Frames
 
@@ -173,6 +173,7 @@ def _resolve_param(cg: ComputeGraph, param: Any) -> ComputeNode:
                 f"{param.describe()} is untied: each iteration has its own parameter, whose .grad is "
                 "already that iteration's gradient (see g.params)"
             )
+        assert param.name is not None  # g.param() always names a parameter
         node = param.graph.params[param.name]
     elif isinstance(param, str):
         virtual = cg.virtual if isinstance(cg, UnrolledGraph) else None
@@ -202,7 +203,7 @@ def gradient_through_time(
     param: Any,
     *,
     loop: LoopNode | str | None = None,
-    plot: str | os.PathLike | None = None,
+    plot: str | os.PathLike[str] | None = None,
 ) -> np.ndarray:
     """A tied parameter's gradient, split into the contribution of each loop iteration (BPTT).
 
@@ -244,7 +245,7 @@ def gradient_through_time(
     if isinstance(cg, UnrolledGraph):
         view = _Frames(cg)
         if isinstance(loop, str):
-            named = [v for v in cg.virtual.nodes if v.kind == "loop" and v.name == loop]
+            named = [v for v in cg.virtual.nodes if isinstance(v, LoopNode) and v.name == loop]
             if len(named) != 1:
                 raise VGraphError(f"no single loop named {loop!r} in this graph")
             loop = named[0]
@@ -296,8 +297,11 @@ def gradient_through_time(
         if row is not None:  # this iteration's row of a group: of its stepped inputs (groups) too
             values = [v[row] if p in groups else v for p, v in zip(n.parents, values)]
             g, ans = g[row], ans[row]
+        # ComputeNode.vjps is inferred from Op.vjps (one function for a variadic op), but a node's
+        # is always one VJP or None per input.
+        vjps = cast("tuple[VJP | None, ...]", n.vjps)
         for i, p in enumerate(n.parents):
-            vjp = n.vjps[i] if i < len(n.vjps) else None
+            vjp = vjps[i] if i < len(vjps) else None
             if p is not P or vjp is None:
                 continue
             pg = as_array(vjp(g, ans, *values, **n.attrs))

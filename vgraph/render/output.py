@@ -59,7 +59,10 @@ def _run_dot(dot_text: str, fmt: str, out: Path | None = None) -> bytes:
 
 
 def render(
-    graph: VirtualGraph | ComputeGraph, path: str | os.PathLike, format: str | None = None, **options: Any
+    graph: VirtualGraph | ComputeGraph,
+    path: str | os.PathLike[str],
+    format: str | None = None,
+    **options: Any,
 ) -> Path:
     """Draw ``graph`` into the file ``path`` with Graphviz's ``dot`` program.
 
@@ -156,7 +159,8 @@ def _repr_mimebundle_(self: Any, include: Any = None, exclude: Any = None) -> di
     return {"text/plain": _safe_repr(self), "image/svg+xml": svg}
 
 
+# Added here, not in the classes: drawing depends on compute and virtual, not the other way round.
 for _cls in (ComputeGraph, VirtualGraph):
-    _cls._repr_svg_ = _repr_svg_  # type: ignore[attr-defined]
-    _cls._repr_mimebundle_ = _repr_mimebundle_  # type: ignore[attr-defined]
-del _cls
+    for _name, _method in (("_repr_svg_", _repr_svg_), ("_repr_mimebundle_", _repr_mimebundle_)):
+        setattr(_cls, _name, _method)
+del _cls, _name, _method

@@ -10,7 +10,10 @@ import html
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
+
+#: One line of an HTML label: ``(style, text)``, or a list of them (segments of one line).
+_LabelLine: TypeAlias = "tuple[str, str] | list[tuple[str, str]]"
 
 _FONT = "Helvetica,Arial,sans-serif"
 
@@ -100,7 +103,7 @@ def _esc(text: Any) -> str:
     return html.escape(str(text), quote=True)
 
 
-def _label(lines: Iterable[Any]) -> _HTML:
+def _label(lines: Iterable[_LabelLine]) -> _HTML:
     """An HTML label. Each line is ``(style, text)`` or a list of them (segments of one line);
     style is ``b`` (bold), ``i`` (italic), ``s`` (small), ``sg`` (small grey) or ``""``."""
     out = []

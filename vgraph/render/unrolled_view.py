@@ -26,6 +26,7 @@ from .scene import (
     _esc,
     _kind_style,
     _label,
+    _LabelLine,
     _shape_text,
 )
 
@@ -82,10 +83,14 @@ class _UnrolledView(_Frames):
                 attrs["label"] = _HTML(f"{attrs['label']}<BR/>{_label([('s', text)])}")
         for n in nodes:
             nid = self.drawn[n]
-            if n not in self.as_itself:
+            if nid is None or n not in self.as_itself:
                 continue
             frame = self.owner.get(n)
-            container = frame.cluster if frame is not None else scene.root
+            if frame is None:
+                container = scene.root
+            else:
+                assert frame.cluster is not None  # a node is drawn as itself only in a drawn iteration
+                container = frame.cluster
             scene.add_node(container, nid, self._node_attrs(n))
         self._edges(references)
         for c in self._all_clusters():
@@ -168,7 +173,7 @@ class _UnrolledView(_Frames):
             self.refs.add(nid)
         return ref
 
-    def _fold(self, fold: tuple[int, int] | None, iterations: frozenset[int] | None) -> None:
+    def _fold(self, fold: tuple[int, int] | None, iterations: range | frozenset[int] | None) -> None:
         """Create the clusters of visible iterations and the fold nodes of hidden ones."""
         scene = self.scene
         runs = sorted(self.runs.values(), key=lambda r: (len(r.outer), self._loop_order(r.loop), r.outer))
@@ -182,11 +187,14 @@ class _UnrolledView(_Frames):
             )
         for run in runs:
             parent = run.parent
-            if parent is not None and (parent.hidden_as is not None or parent.cluster is None):
+            if parent is None:
+                container = scene.root
+            elif parent.hidden_as is None and parent.cluster is not None:
+                container = parent.cluster
+            else:  # inside a hidden iteration
                 for f in run.frames.values():
                     f.hidden_as = parent.hidden_as
                 continue
-            container = parent.cluster if parent is not None else scene.root
             ts = sorted(run.frames)
             if iterations is not None:
                 visible = {t for t in ts if t in iterations}
@@ -295,7 +303,7 @@ class _UnrolledView(_Frames):
     # -- node look
     def _node_attrs(self, n: ComputeNode) -> dict[str, Any]:
         k = n.key
-        lines: list[tuple[str, str]] = [("b", f"<{k}>")]
+        lines: list[_LabelLine] = [("b", f"<{k}>")]
         if k.type in GUARD_TYPES:
             attrs = _kind_style("Guard")
             attrs["label"] = _label([("", str(k))])

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..virtual import BranchNode, LoopNode, UnrolledGraph, VirtualGraph, VirtualNode
+from .frames import _carry_name
 from .scene import (
     _CARRY_EDGE,
     _GREY,
@@ -33,8 +34,9 @@ class _VirtualView:
         self.build = build
         self.shapes = shapes
         self.built: set[VirtualNode] | None = None
-        self.trips: dict[LoopNode, list[int]] = {}
-        self.choices: dict[BranchNode, dict[int, int]] = {}
+        # Keyed by Decision.node: the loop (trip counts) or the branch (how often each option).
+        self.trips: dict[VirtualNode, list[int]] = {}
+        self.choices: dict[VirtualNode, dict[int, int]] = {}
         if build is not None:
             self.built = set()
             for (scope, _idx), env in build._envs.items():
@@ -52,12 +54,12 @@ class _VirtualView:
         # Clusters for loops, nested by scope. All clusters exist before any is placed: a loop
         # takes its place in `g.nodes` when its `with` block closes, so an inner loop comes before
         # the outer loop that contains it.
-        loops = [v for v in g.nodes if v.kind == "loop"]
+        loops = [v for v in g.nodes if isinstance(v, LoopNode)]
         clusters: dict[LoopNode | None, _Cluster] = {None: scene.root}
-        for v in loops:
-            clusters[v] = _Cluster(_cluster_name("loop", v.id), self._loop_attrs(v))
-        for v in loops:
-            clusters[v.scope].items.append(clusters[v])
+        for loop in loops:
+            clusters[loop] = _Cluster(_cluster_name("loop", loop.id), self._loop_attrs(loop))
+        for loop in loops:
+            clusters[loop.scope].items.append(clusters[loop])
         for v in g.nodes:
             if v.kind == "loop" or v in hidden:
                 continue
@@ -88,7 +90,7 @@ class _VirtualView:
             ("s", "; ".join(rule)),
         ]
         if loop.carries:
-            lines.append(("s", "carries " + ", ".join(c.name for c in loop.carries)))
+            lines.append(("s", "carries " + ", ".join(_carry_name(c) for c in loop.carries)))
         attrs: dict[str, Any] = {"style": "rounded,filled", "fillcolor": "#f3f6fb", "color": "#6b7fa3"}
         if self.build is not None:
             trips = self.trips.get(loop)
@@ -112,11 +114,11 @@ class _VirtualView:
         kind = v.kind
         style_kind = v.type
         if kind == "input":
-            lines.append(("", v.name))
+            lines.append(("", v.name or ""))  # inputs and parameters always have names
             if self.shapes:
                 lines.append(("s", _shape_text(v.attrs.get("shape"))))
         elif kind == "parameter":
-            lines.append(("", v.name))
+            lines.append(("", v.name or ""))
             info = _shape_text(v.attrs["shape"]) if self.shapes else ""
             if v.scope is not None:
                 info = (info + " " if info else "") + (
@@ -141,7 +143,7 @@ class _VirtualView:
             lines.append(("", f"final {v.name}" if v.name else "final"))
         elif kind == "stacked":
             lines.append(("", v.name or "stacked over iterations"))
-        elif kind == "branch":
+        elif isinstance(v, BranchNode):
             if v.name:
                 lines.append(("", v.name))
             sel = getattr(v.selector, "__name__", "selector")
@@ -154,9 +156,10 @@ class _VirtualView:
         else:
             if v.name:
                 lines.append(("", v.name))
-        updates = [
-            c.name for c in (v.scope.carries if v.scope is not None else ()) if v.scope.updates.get(c) is v
-        ]
+        scope = v.scope
+        updates = (
+            [_carry_name(c) for c in scope.carries if scope.updates.get(c) is v] if scope is not None else []
+        )
         if updates:
             lines.append(("i", "→ next " + ", ".join(updates)))
         attrs = _kind_style(style_kind)
@@ -176,11 +179,11 @@ class _VirtualView:
 
     def _edges(self, v: VirtualNode) -> None:
         kind = v.kind
-        if kind == "loop":
+        if isinstance(v, LoopNode):
             for c in v.carries:
                 upd = v.updates.get(c)
                 if upd is not None:  # loop-carried state: a back edge, update value -> carry
-                    self._edge(upd, c, label=c.name, constraint=False, style="bold", **_CARRY_EDGE)
+                    self._edge(upd, c, label=_carry_name(c), constraint=False, style="bold", **_CARRY_EDGE)
         elif kind == "carry":
             self._edge(v.inputs[0], v, label="init")
         elif kind == "item":
@@ -191,7 +194,7 @@ class _VirtualView:
             self._edge(v.inputs[1], v, label="stack")
         elif kind == "sample":
             self._edge(v.inputs[0], v, style="dotted", label="like")
-        elif kind == "branch":
+        elif isinstance(v, BranchNode):
             counts = self.choices.get(v)
             for k, opt in enumerate(v.options):
                 attrs: dict[str, Any] = {"label": f"option {k}"}

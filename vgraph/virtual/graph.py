@@ -45,7 +45,7 @@ class VirtualGraph:
         self.seed = _seed_arg(seed, "VirtualGraph(seed=...)")
         self.name = name
         self.nodes: list[VirtualNode] = []  # in a topological order (declaration order)
-        self.params = ParameterStore()
+        self.params = ParameterStore(self._untied_copy)
         self.latest_build: UnrolledGraph | None = None
         self._counters: dict[str, int] = {}
         self._scopes: list[LoopNode] = []
@@ -55,6 +55,58 @@ class VirtualGraph:
         self._plans: dict[tuple[Any, ...], _Plan] = {}
         self._cache = BuildCache()
         self.training = True
+
+    def __repr__(self) -> str:
+        """A summary like PyTorch's module print: inputs, parameters (shape, tied or untied),
+        loops (carries, stepped sequences, stopping rule), branches."""
+        head = f"VirtualGraph{' ' + repr(self.name) if self.name else ''}"
+        lines = [
+            f"{head} ({self.dtype}, seed {self.seed}, {'training' if self.training else 'eval'}, {len(self.nodes)} nodes)"
+        ]
+        if self._inputs:
+            lines.append("  inputs:")
+            for name, v in self._inputs.items():
+                shape = v.attrs["shape"]
+                text = (
+                    "any shape"
+                    if shape is None
+                    else "(" + ", ".join("None" if d is None else str(d) for d in shape) + ")"
+                )
+                lines.append(
+                    f"    {name}: {text}" + (", requires_grad" if v.attrs.get("requires_grad") else "")
+                )
+        if self._param_decls:
+            lines.append("  parameters:")
+            for name, v in self._param_decls.items():
+                shape = v.attrs["shape"]
+                if v.attrs["share"]:
+                    where = f", tied across {v.scope.describe()}" if v.scope is not None else ""
+                    lines.append(f"    {name}: {shape}{where}")
+                else:
+                    copies = sum(1 for k in self.params if k.partition("@")[0] == name)
+                    lines.append(
+                        f"    {name}: {shape}, untied in {v.scope.describe()} ({copies} copies so far)"
+                    )
+        for v in self.nodes:
+            if v.kind == "loop":
+                rule = []
+                if v.structure is not None:
+                    rule.append(f"recurses over {v.structure.describe()}")
+                if v.times is not None:
+                    rule.append(f"times={v.times}")
+                rule += [f"steps through {s.describe()}" for s in v.sequences]
+                if v.cond is not None:
+                    rule.append("while_")
+                if v.until is not None:
+                    rule.append("until")
+                carries = ", ".join(c.name or c.describe() for c in v.carries) or "none"
+                lines.append(
+                    f"  {v.describe()}: {'; '.join(rule)}; carries {carries}; {len(v.body)} body nodes"
+                )
+            elif v.kind == "branch" and v.lead is None:
+                keys = ", ".join(k.describe() for k in v.keys) or "no keys"
+                lines.append(f"  {v.describe()}: {len(v.options)} options, selector on {keys}")
+        return "\n".join(lines)
 
     @property
     def cache_size(self) -> int:
@@ -133,20 +185,30 @@ class VirtualGraph:
         return VirtualNode(self, op, "op", nodes, attrs, None, self._scope())
 
     # -- declaring
-    def input(self, name: str, shape: Sequence[int | None] | None = None) -> VirtualNode:
+    def input(
+        self, name: str, shape: Sequence[int | None] | None = None, requires_grad: bool = False
+    ) -> VirtualNode:
         """Declare an input fed by name at build time.
 
         Args:
             name: the feed key (unique in the graph).
             shape: the expected shape, ``None`` for any size on an axis (e.g. ``(None, None, 8)``
                 for ``(time, batch, features)``); ``None`` for any shape.
+            requires_grad: backward computes the gradient with respect to this input too (in
+                ``cg.inputs[name].grad``, or ``cg.grad(loss, [cg.inputs[name]])``), e.g. for
+                saliency maps or adversarial examples.
+
+        Raises:
+            TypeError: a name that is not a non-empty str, or a shape that is not ints or None.
+            BuildError: the name is taken.
         """
         _name_arg(name, "input")
         if name in self._inputs:
             raise BuildError(f"the graph already has an input named {name!r}")
         if shape is not None:
             shape = _shape_arg(shape, f"input {name!r}", allow_none=True)
-        node = VirtualNode(self, "Input", "input", (), {"shape": shape}, name, None)
+        attrs = {"shape": shape, "requires_grad": bool(requires_grad)}
+        node = VirtualNode(self, "Input", "input", (), attrs, name, None)
         self._inputs[name] = node
         return node
 
@@ -289,6 +351,9 @@ class VirtualGraph:
         while_: Callable[[int, dict[str, np.ndarray]], bool] | None = None,
         max_iters: int = 100_000,
         name: str | None = None,
+        *,
+        until: Callable[[int, dict[str, np.ndarray]], bool] | None = None,
+        on_limit: str = "raise",
     ) -> LoopNode:
         """Declare a loop; use it as a ``with`` block holding the body (see :class:`LoopNode`).
 
@@ -296,13 +361,20 @@ class VirtualGraph:
             times: a fixed number of iterations.
             while_: ``cond(t, state) -> bool`` checked before each iteration on real values
                 (``state`` maps carry names to arrays); the loop stops when it is false.
-            max_iters: a guard: more iterations than this is a :class:`LoopLimitError`.
+            max_iters: a guard: more iterations than this is a :class:`LoopLimitError` (or, with
+                ``on_limit="stop"``, a cap).
             name: a display name.
+            until: ``cond(t, state) -> bool`` checked *after* each iteration on the updated state
+                (a do-while: the body runs at least once); the loop stops when it is true, e.g.
+                "compute the next state, stop when it barely moved" with no extra carry.
+            on_limit: ``"raise"`` (default) makes running into ``max_iters`` an error;
+                ``"stop"`` caps the loop there, recorded as a decision (``cg.capped(loop)``).
 
         Raises:
             BuildError: ``times`` is not a non-negative int.
-            TypeError: ``while_`` is not callable, or ``max_iters`` is not an int.
-            ValueError: ``max_iters`` is negative.
+            TypeError: ``while_`` or ``until`` is not callable, or ``max_iters`` is not an int.
+            ValueError: ``max_iters`` is negative, or ``on_limit`` is neither ``"raise"`` nor
+                ``"stop"``.
         """
         if times is not None and (
             isinstance(times, bool) or not isinstance(times, (int, np.integer)) or times < 0
@@ -310,8 +382,14 @@ class VirtualGraph:
             raise BuildError(f"loop times= must be a non-negative int, got {times!r}")
         if while_ is not None and not callable(while_):
             raise TypeError(f"loop while_= must be callable as while_(t, state) -> bool, got {while_!r}")
+        if until is not None and not callable(until):
+            raise TypeError(f"loop until= must be callable as until(t, state) -> bool, got {until!r}")
+        if on_limit not in ("raise", "stop"):
+            raise ValueError(f"loop on_limit= must be 'raise' or 'stop', got {on_limit!r}")
         max_iters = _count_arg(max_iters, "loop max_iters=")
-        return LoopNode(self, None if times is None else int(times), while_, max_iters, name)
+        loop = LoopNode(self, None if times is None else int(times), while_, max_iters, name)
+        loop.until, loop.on_limit = until, on_limit
+        return loop
 
     def branch(
         self,
@@ -445,6 +523,54 @@ class VirtualGraph:
         """Copies of all parameter values by name, untied copies included (``g.params.state_dict()``)."""
         return self.params.state_dict()
 
+    def _declaration_of(self, key: str, what: str) -> tuple[VirtualNode, tuple[int, ...]]:
+        """The parameter declaration and iteration path a store name stands for (``"W"``,
+        ``"W@3"``), or a KeyError starting with ``what``."""
+        base, _, idx_text = key.partition("@") if isinstance(key, str) else ("", "", "")
+        decl = self._param_decls.get(base)
+        if (
+            decl is None
+            or (bool(idx_text) == decl.attrs["share"])
+            or (idx_text and not _is_iteration_path(idx_text, _depth(decl.scope)))
+        ):
+            raise KeyError(f"{what} {key!r}, which is not a parameter of this graph")
+        return decl, tuple(int(i) for i in idx_text.split(".")) if idx_text else ()
+
+    def _untied_copy(self, key: str) -> ComputeNode:
+        """Create (initialised, and added to the store) the untied copy ``key`` no build has made yet."""
+        decl, idx = self._declaration_of(key, "no parameter")
+        node = self._new_parameter(decl, idx)
+        self.params._add(key, node)
+        return node
+
+    def build_batch(
+        self, feeds: Sequence[Mapping[str, Any]], outputs: VirtualNode | Sequence[VirtualNode]
+    ) -> Any:
+        """Build many inputs at once, running copies of the same declared node together
+        (autobatching; see :mod:`vgraph.virtual.batch`).
+
+        Each input's loop conditions, branch selectors and recursion structures are evaluated on
+        its own values; inputs with different lengths, choices and trees still batch wherever they
+        compute the same declared node. The result equals building the inputs one at a time.
+
+        Args:
+            feeds: one feed (input name -> value) per input.
+            outputs: top-level virtual nodes to build for every input.
+
+        Returns:
+            A :class:`~vgraph.virtual.batch.BatchedBuild`: ``batch.backward()`` backpropagates the
+            mean (or sum) of every input's scalar output once; ``batch.inputs[i]`` gives input
+            ``i``'s values, gradients and decisions by virtual node and iteration path.
+
+        Raises:
+            TypeError, ValueError: ``feeds`` is not a non-empty list of mappings.
+            FeedError, BuildError, ...: as :meth:`build`, prefixed with the input's index; nothing
+                is created in the parameter store then.
+        """
+        from .batch import build_batch  # batching sits above declaring
+
+        return build_batch(self, feeds, outputs)
+
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Set parameter values from ``state`` (name -> array), checking all of it first.
 
@@ -457,14 +583,7 @@ class VirtualGraph:
         staged: dict[str, np.ndarray] = {}
         new: dict[str, ComputeNode] = {}
         for key, value in state.items():
-            base, _, idx_text = key.partition("@")
-            decl = self._param_decls.get(base)
-            if (
-                decl is None
-                or (bool(idx_text) == decl.attrs["share"])
-                or (idx_text and not _is_iteration_path(idx_text, _depth(decl.scope)))
-            ):
-                raise KeyError(f"checkpoint has {key!r}, which is not a parameter of this graph")
+            decl, idx = self._declaration_of(key, "checkpoint has")
             arr = np.asarray(value)
             if arr.shape != decl.attrs["shape"]:
                 raise ShapeError(
@@ -474,7 +593,6 @@ class VirtualGraph:
                 raise ShapeError(f"parameter {key!r}: checkpoint dtype {arr.dtype} is not a float dtype")
             staged[key] = arr
             if key not in self.params:
-                idx = tuple(int(i) for i in idx_text.split("."))
                 new[key] = self._new_parameter(decl, idx)
         missing = [k for k in self.params if k not in staged]
         if strict and missing:

@@ -25,19 +25,49 @@ _HOISTED, _GETITEM = OPS["Hoisted"], OPS["GetItem"]
 _SOFTMAXES = ("Softmax", "LogSoftmax")
 
 
-def batched_attrs(
-    op: str, attrs: dict[str, Any], shapes: Sequence[tuple[int, ...]], stacked: Sequence[bool]
-) -> dict[str, Any] | None:
-    """The attributes with which ``op`` computes every iteration at once, or ``None`` if it cannot.
+# Ops that act on each row of a stacked input as on one value: elementwise ops (and the fused
+# cells, whose gates act elementwise on their projections).
+_ELEMENTWISE = frozenset(
+    [
+        "Add",
+        "Sub",
+        "Mul",
+        "Div",
+        "Neg",
+        "Pow",
+        "Exp",
+        "Log",
+        "Tanh",
+        "Sigmoid",
+        "Relu",
+        "Softplus",
+        "Step",
+        "Sign",
+        "Abs",
+        "Where",
+        "Identity",
+        "Detach",
+        "LSTMCell",
+        "GRUCell",
+    ]
+)
+_REDUCTIONS = ("Sum", "Mean", "Max")
 
-    ``shapes`` are the per-iteration shapes of the op's inputs; ``stacked[i]`` says whether input
-    ``i`` gets a leading iteration axis (a stepped item or another hoisted node) or is the same in
-    every iteration. The grouped op must give, along its leading axis, exactly each iteration's
+
+def batched_attrs(
+    op: str, attrs: dict[str, Any], shapes: Sequence[tuple[int, ...]], stacked: Sequence[bool], count: int
+) -> dict[str, Any] | None:
+    """The attributes with which ``op`` computes many copies at once, or ``None`` if it cannot.
+
+    ``shapes`` are the per-copy shapes of the op's inputs; ``stacked[i]`` says whether input ``i``
+    gets a new leading axis (one row per copy: iterations when hoisting, inputs when batching) or
+    is the same for every copy. The grouped op must give, along that axis, exactly each copy's
     value: so a stacked input must have the largest rank (numpy aligns shapes on the right, and the
-    iteration axis must not meet another input's axis).
+    new axis must not meet another input's axis), and axis attributes move by one. ``count`` is
+    the number of copies (the length of the new axis).
     """
     if not any(stacked):
-        return None  # the same value every iteration: nothing to group
+        return None  # the same value for every copy: nothing to group
     rank = max(len(s) for s in shapes)
     if op == "MatMul":
         (a, b), (sa, sb) = shapes, stacked
@@ -48,10 +78,29 @@ def batched_attrs(
         return attrs if not stacked[0] and stacked[1] else None
     if any(st and len(s) != rank for s, st in zip(shapes, stacked)):
         return None
-    if op in _SOFTMAXES:
+    if op in _ELEMENTWISE:
+        return attrs
+    if op == "Concat":  # numpy does not broadcast a concatenation: every input needs its rows
+        if not all(stacked):
+            return None
+        axis = attrs.get("axis", 0)
+        return attrs if axis < 0 else {**attrs, "axis": axis + 1}
+    if op in _SOFTMAXES or op == "TakeAlongAxis":
         axis = attrs.get("axis", -1)
         return attrs if axis < 0 else {**attrs, "axis": axis + 1}
-    return attrs  # elementwise (the plan admits only HOISTABLE_OPS)
+    if op in _REDUCTIONS:
+        axis = attrs.get("axis")
+        if axis is None:
+            axis = tuple(range(rank))
+        moved = tuple(a if a < 0 else a + 1 for a in (axis if isinstance(axis, tuple) else (axis,)))
+        return {**attrs, "axis": moved}
+    if op == "Reshape":
+        return {**attrs, "shape": (count, *attrs["shape"])}
+    if op == "Transpose":
+        axes = attrs.get("axes")
+        axes = tuple(reversed(range(rank))) if axes is None else tuple(a % rank for a in axes)
+        return {**attrs, "axes": (0, *(a + 1 for a in axes))}
+    return None
 
 
 def hoist_loop(
@@ -83,8 +132,12 @@ def hoist_loop(
         for u in v.inputs:
             node = groups.get(u)
             if node is None and u in sequences:  # a stepped item, grouped on first use
+                rows = slice(0, trips)
+                if u.attrs.get("reverse"):  # rows len-1, len-2, ... (a view with a negative stride)
+                    last = len(sequences[u]._value) - 1
+                    rows = slice(last, last - trips if last - trips >= 0 else None, -1)
                 node = groups[u] = cg._add_op(
-                    _GETITEM, (sequences[u],), {"index": slice(0, trips)}, NodeKey("Item*", u.id, idx), u.name
+                    _GETITEM, (sequences[u],), {"index": rows}, NodeKey("Item*", u.id, idx), u.name
                 )
             if node is not None:
                 inputs.append(node)
@@ -101,7 +154,7 @@ def hoist_loop(
             shapes.append(node._value.shape)
             stacked.append(False)
         else:
-            attrs = batched_attrs(v.type, v.attrs, shapes, stacked)
+            attrs = batched_attrs(v.type, v.attrs, shapes, stacked, trips)
             if attrs is not None:
                 groups[v] = cg._add_op(v.op, tuple(inputs), attrs, NodeKey(v.type + "*", v.id, idx), v.name)
     return groups

@@ -116,7 +116,7 @@ class LoopNode(VirtualNode):
 
     __slots__ = (
         "times", "cond", "max_iters", "carries", "updates", "sequences", "items", "closed", "body",
-        "structure", "children",
+        "structure", "children", "until", "on_limit",
     )  # fmt: skip
 
     def __init__(
@@ -133,6 +133,8 @@ class LoopNode(VirtualNode):
         self.cond = cond
         self.max_iters = max_iters
         self.structure = structure  # a recursion's children array (see VirtualGraph.recurse)
+        self.until: Any = None  # a do-while condition, checked after each iteration
+        self.on_limit = "raise"  # or "stop": max_iters caps the loop
         self.children: list[VirtualNode] = []  # its child reads
         self.carries: list[VirtualNode] = []
         self.updates: dict[VirtualNode, VirtualNode] = {}
@@ -166,21 +168,27 @@ class LoopNode(VirtualNode):
             raise BuildError(
                 f"{self.describe()}: carried state {names} never updated; call loop.update(carry, new_value)"
             )
-        if self.times is None and self.cond is None and not self.sequences and self.structure is None:
+        if (
+            self.times is None
+            and self.cond is None
+            and self.until is None
+            and not self.sequences
+            and self.structure is None
+        ):
             raise BuildError(
-                f"{self.describe()} has no stopping rule: give times=, while_=, or step through a "
-                "sequence with loop.step(xs)"
+                f"{self.describe()} has no stopping rule: give times=, while_=, until=, or step "
+                "through a sequence with loop.step(xs)"
             )
 
     def _check_open(self, what: str) -> None:
         if self.closed or not self.graph._scopes or self.graph._scopes[-1] is not self:
             raise BuildError(f"{self.describe()}: call {what} inside the loop's `with` block")
 
-    def _outside(self, x: Any, what: str) -> VirtualNode:
+    def _outside(self, x: Any, what: str, hint: str = "") -> VirtualNode:
         node = self.graph._as_node(x)
         if _inside(node.scope, self):
             raise BuildError(
-                f"{what} of {self.describe()} must come from outside its body, got {node.describe()}"
+                f"{what} of {self.describe()} must come from outside its body, got {node.describe()}{hint}"
             )
         return node
 
@@ -248,14 +256,22 @@ class LoopNode(VirtualNode):
             raise BuildError(f"{carry.describe()} is already updated in {self.describe()}")
         self.updates[carry] = self.graph._as_node(value)
 
-    def step(self, sequence: Any, name: str | None = None) -> VirtualNode:
-        """Step through ``sequence`` along its leading axis: returns ``sequence[t]`` in iteration t.
+    def step(self, sequence: Any, name: str | None = None, reverse: bool = False) -> VirtualNode:
+        """Step through ``sequence`` along its leading axis: returns ``sequence[t]`` in iteration t
+        (``sequence[len - 1 - t]`` with ``reverse=True``: the backward half of a bidirectional RNN).
 
         The loop runs at most ``len(sequence)`` iterations; stepped sequences must have equal lengths.
+        A sequence must come from outside the loop's body: compute a transformed sequence before
+        the ``with`` block.
         """
         self._check_open("step()")
-        seq = self._outside(sequence, "a stepped sequence")
-        item = VirtualNode(self.graph, "Item", "item", (seq,), None, name, self)
+        hint = (
+            ": compute it before the loop's `with` block (e.g. `xr = x[::-1]` above it), or for a "
+            "reversed sequence use loop.step(x, reverse=True)"
+        )
+        seq = self._outside(sequence, "a stepped sequence", hint)
+        attrs = {"reverse": True} if reverse else None
+        item = VirtualNode(self.graph, "Item", "item", (seq,), attrs, name, self)
         self.sequences.append(seq)
         self.items.append(item)
         return item

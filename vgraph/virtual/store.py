@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -22,10 +22,12 @@ class ParameterStore(Mapping[str, ComputeNode]):
     parameter declared in a loop body has one entry per iteration path, ``"name@2"`` or
     ``"name@1.3"``, created (and initialised) the first time a build reaches that iteration.
     Optimisers update the nodes' values in place; compute graphs see the new values.
+    :meth:`set_value` on an untied copy no build has reached yet creates it first.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, create: Callable[[str], ComputeNode] | None = None) -> None:
         self._nodes: dict[str, ComputeNode] = {}
+        self._create = create  # makes an untied copy by name (its VirtualGraph's declarations)
 
     def __getitem__(self, name: str) -> ComputeNode:
         try:
@@ -39,6 +41,12 @@ class ParameterStore(Mapping[str, ComputeNode]):
     def __len__(self) -> int:
         return len(self._nodes)
 
+    def __repr__(self) -> str:
+        values = sum(int(np.size(p._value)) for p in self._nodes.values())
+        shown = ", ".join(f"{k} {p.shape}" for k, p in list(self._nodes.items())[:8])
+        more = f", … {len(self._nodes) - 8} more" if len(self._nodes) > 8 else ""
+        return f"ParameterStore({len(self._nodes)} parameters, {values} values: {shown}{more})"
+
     def parameters(self) -> list[ComputeNode]:
         """The parameter nodes, in creation order (what optimisers take)."""
         return list(self._nodes.values())
@@ -50,9 +58,23 @@ class ParameterStore(Mapping[str, ComputeNode]):
     def set_value(self, name: str, value: Any) -> None:
         """Set one parameter's value (same shape; cast to its dtype).
 
+        An untied copy no build has created yet (``"W@7"``) is created first, so a model can be
+        set up completely before its first build.
+
         Raises:
-            KeyError: unknown name. ShapeError: a different shape.
+            KeyError: a name that is no parameter or untied copy of the graph. ShapeError: a
+                different shape (nothing is created then).
         """
+        node = self._nodes.get(name)
+        if node is None and self._create is not None and "@" in name:
+            arr = np.array(value)
+            node = self._create(name)
+            try:
+                node.set_value(arr)
+            except Exception:
+                del self._nodes[name]
+                raise
+            return
         self[name].set_value(np.array(value))
 
     def zero_grad(self) -> None:

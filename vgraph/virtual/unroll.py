@@ -239,6 +239,24 @@ class UnrolledGraph(ComputeGraph):
         for name, arr in staged.items():
             self.inputs[name].set_value(arr)
 
+    def __repr__(self) -> str:
+        """Node count, outputs, and the data-dependent decisions (trip counts, branch choices)."""
+        name = f" of {self.virtual.name!r}" if self.virtual.name else ""
+        outputs = ", ".join(o.describe() for o in self.outputs) or "none"
+        lines = [f"UnrolledGraph{name}: {len(self._nodes)} nodes ({self.dtype}), outputs {outputs}"]
+        shown = 8
+        for d in self.decisions[:shown]:
+            where = d.node.describe(d.idx)
+            what = {"iterations": f"ran {d.value} iterations", "option": f"chose option {d.value}"}
+            lines.append(f"  {where} {what.get(d.kind, f'{d.kind} at {d.value}')}")
+        if len(self.decisions) > shown:
+            lines.append(f"  … {len(self.decisions) - shown} more decisions (cg.decisions)")
+        return "\n".join(lines)
+
+    def capped(self, loop: LoopNode, idx: tuple[int, ...] = ()) -> bool:
+        """Whether ``loop`` (declared with ``on_limit="stop"``) stopped at its ``max_iters`` cap."""
+        return any(d.node is loop and d.idx == tuple(idx) and d.kind == "capped" for d in self.decisions)
+
     def trip_count(self, loop: LoopNode, idx: tuple[int, ...] = ()) -> int:
         """How many iterations ``loop`` ran in iteration path ``idx``."""
         return self._decision(loop, idx, "iterations")
@@ -288,15 +306,25 @@ class _Frame:
 
 
 class _Builder:
-    def __init__(self, graph: VirtualGraph, feed: Mapping[str, np.ndarray], plan: _Plan, hoist: bool = True):
+    def __init__(
+        self,
+        graph: VirtualGraph,
+        feed: Mapping[str, np.ndarray],
+        plan: _Plan,
+        hoist: bool = True,
+        cg: Any = None,
+        builds: int | None = None,
+    ):
+        """``cg``: where nodes go (an :class:`UnrolledGraph` by default; an input's view of a
+        batched build in :mod:`.batch`); ``builds``: the build counter seeding sampled nodes."""
         self.graph = graph
         self.hoist = hoist
         self.feed = feed
         self.plan = plan
-        self.cg = UnrolledGraph(graph)
+        self.cg = UnrolledGraph(graph) if cg is None else cg
         self.new_params: dict[str, ComputeNode] = {}
         self.chosen: dict[tuple[BranchNode, tuple[int, ...]], int] = {}  # for multi-output branches
-        self.rng = np.random.default_rng([graph.seed, graph._builds])
+        self.rng = np.random.default_rng([graph.seed, graph._builds if builds is None else builds])
 
     # -- building one node whose dependencies are built
     def build_node(self, v: VirtualNode, frame: _Frame) -> None:
@@ -310,7 +338,7 @@ class _Builder:
         elif kind == "parameter":
             env[v] = cg.add_leaf(self.parameter(v, frame.idx))
         elif kind == "input":
-            node = cg.input(self.feed[v.name], v.name, NodeKey("Input", v.id, ()))
+            node = cg.input(self.feed[v.name], v.name, NodeKey("Input", v.id, ()), v.attrs["requires_grad"])
             cg.inputs[v.name] = node
             env[v] = node
         elif kind == "constant":
@@ -416,7 +444,7 @@ class _Builder:
             defaults, history = state, []  # every node's state, read by its parents
         captured = {c: frame.owner(c).env[c] for c in self.plan.captures[loop]}
         groups: dict[VirtualNode, ComputeNode] = {}
-        if self.hoist and loop.cond is None and self.plan.hoistable[loop]:
+        if self.hoist and loop.cond is None and loop.until is None and self.plan.hoistable[loop]:
             trips = min(n for n in (loop.times, length) if n is not None)  # known before it starts
             if 1 < trips <= loop.max_iters:
                 groups = hoist_loop(self, loop, frame, captured, seqs, trips)
@@ -438,6 +466,9 @@ class _Builder:
                 if not go:
                     break
             if t >= loop.max_iters:
+                if loop.on_limit == "stop":  # a cap, not an error: recorded with the trip count
+                    cg.decisions.append(Decision(loop, idx, "capped", t))
+                    break
                 raise LoopLimitError(
                     f"{loop.describe(idx)} reached max_iters={loop.max_iters} and would go on; raise "
                     "max_iters if that many iterations are intended, or check the loop's condition"
@@ -453,8 +484,9 @@ class _Builder:
                     ienv[read] = history[c][k] if c >= 0 else defaults[k]
             for item, node in zip(loop.items, seqs):
                 if item not in groups:
+                    at = length - 1 - t if item.attrs.get("reverse") else t
                     ienv[item] = cg._add_op(
-                        _GETITEM, (node,), {"index": t}, NodeKey("Item", item.id, inner.idx), item.name
+                        _GETITEM, (node,), {"index": at}, NodeKey("Item", item.id, inner.idx), item.name
                     )
             for v, group in groups.items():  # this iteration's copy of each hoisted node
                 ienv[v] = cg._add_copy(
@@ -478,6 +510,15 @@ class _Builder:
             for bucket, s in zip(collected, stacked):
                 bucket.append(ienv[s.inputs[1]])
             t += 1
+            if loop.until is not None:  # do-while: checked on the updated state
+                done = _run_cond(loop, idx, t - 1, names, [s.value for s in state], until=True)
+                cg.guard(
+                    state,
+                    _cond_check(loop, idx, t - 1, names, done, until=True),
+                    NodeKey("UntilCheck", loop.id, (*idx, t - 1)),
+                )
+                if done:
+                    break
         cg.decisions.append(Decision(loop, idx, "iterations", t))
         env[loop] = None  # the loop itself has no value; its outputs do
         for v in self.plan.finals.get(loop, ()):
@@ -593,31 +634,40 @@ def _select(branch: BranchNode, idx: tuple[int, ...], values: Sequence[np.ndarra
 
 
 def _run_cond(
-    loop: LoopNode, idx: tuple[int, ...], t: int, names: list[str], values: list[np.ndarray]
+    loop: LoopNode,
+    idx: tuple[int, ...],
+    t: int,
+    names: list[str],
+    values: list[np.ndarray],
+    until: bool = False,
 ) -> bool:
+    """Run the loop's ``while_`` condition before iteration ``t`` (or ``until`` after it)."""
+    what = "until" if until else "while_"
     try:
-        result = loop.cond(t, dict(zip(names, values)))
+        result = (loop.until if until else loop.cond)(t, dict(zip(names, values)))
     except Exception as e:
         raise BuildError(
-            f"{loop.describe(idx)}: the while_ condition raised {type(e).__name__}: {e} at iteration {t}"
+            f"{loop.describe(idx)}: the {what} condition raised {type(e).__name__}: {e} at iteration {t}"
         ) from e
     if not isinstance(result, (bool, int, np.bool_, np.integer, np.ndarray)):
         raise BuildError(
-            f"{loop.describe(idx)}: the while_ condition returned {result!r} ({type(result).__name__}) at "
+            f"{loop.describe(idx)}: the {what} condition returned {result!r} ({type(result).__name__}) at "
             f"iteration {t}; it must return a bool (did it forget a return statement?)"
         )
     try:
         return bool(result)
     except ValueError:
         raise BuildError(
-            f"{loop.describe(idx)}: the while_ condition returned an array of shape {np.shape(result)} at "
+            f"{loop.describe(idx)}: the {what} condition returned an array of shape {np.shape(result)} at "
             f"iteration {t}; it must return one bool (use .all() or .any())"
         ) from None
 
 
-def _cond_check(loop: LoopNode, idx: tuple[int, ...], t: int, names: list[str], expected: bool):
+def _cond_check(
+    loop: LoopNode, idx: tuple[int, ...], t: int, names: list[str], expected: bool, until: bool = False
+):
     def check(*values: np.ndarray) -> bool:
-        now = _run_cond(loop, idx, t, names, list(values))
+        now = _run_cond(loop, idx, t, names, list(values), until)
         if now != expected:
             raise StructureChangedError(
                 f"{loop.describe(idx)}: at iteration {t} the condition is now {now} (was {expected}), so the "
@@ -656,6 +706,42 @@ def _gc_paused():
     finally:
         if was_enabled:
             gc.enable()
+
+
+def _check_outputs(graph: VirtualGraph, outputs: Any) -> tuple[list[VirtualNode], _Plan]:
+    """The outputs as a list, checked, and the plan for them."""
+    outs = [outputs] if isinstance(outputs, VirtualNode) else list(outputs)
+    if not outs:
+        raise BuildError("build_compute_graph needs at least one output")
+    for o in outs:
+        if not isinstance(o, VirtualNode) or o.graph is not graph:
+            raise BuildError(f"output {o!r} is not a node of this VirtualGraph")
+        if o.kind == "loop":
+            raise BuildError(f"output {_NO_LOOP_VALUE.format(o.describe())}")
+        if o.scope is not None:
+            raise BuildError(
+                f"output {o.describe()} is inside the body of {o.scope.describe()}; use the loop's "
+                "outputs (loop.final(carry), loop.stack(value))"
+            )
+    if graph._scopes:
+        raise BuildError(f"{graph._scopes[-1].describe()}: its `with` block is still open")
+    return outs, graph._plan(outs)
+
+
+def _checked_feed(graph: VirtualGraph, plan: _Plan, feed: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The values of the inputs the plan needs, checked against their declarations (copies)."""
+    if not isinstance(feed, Mapping):
+        raise TypeError(f"a feed is a mapping input name -> value, got {type(feed).__name__}")
+    needed_inputs = [v for v in graph.nodes if v.kind == "input" and v in plan.needed]
+    unknown = sorted(set(feed) - set(graph._inputs))
+    if unknown:
+        raise FeedError(
+            f"unknown input name(s) {', '.join(map(repr, unknown))}; inputs: {', '.join(graph._inputs)}"
+        )
+    missing = [v.describe() for v in needed_inputs if v.name not in feed]
+    if missing:
+        raise FeedError(f"missing feed for input(s) {', '.join(missing)}, needed by the requested outputs")
+    return {v.name: _check_feed_value(v, feed[v.name], graph.dtype) for v in needed_inputs}
 
 
 def build_compute_graph(
@@ -701,33 +787,8 @@ def build_compute_graph(
             but must stack values.
         LoopLimitError, SelectorError, ShapeError: while unrolling, naming ``<type,id,idx>``.
     """
-    outs = [outputs] if isinstance(outputs, VirtualNode) else list(outputs)
-    if not outs:
-        raise BuildError("build_compute_graph needs at least one output")
-    for o in outs:
-        if not isinstance(o, VirtualNode) or o.graph is not graph:
-            raise BuildError(f"output {o!r} is not a node of this VirtualGraph")
-        if o.kind == "loop":
-            raise BuildError(f"output {_NO_LOOP_VALUE.format(o.describe())}")
-        if o.scope is not None:
-            raise BuildError(
-                f"output {o.describe()} is inside the body of {o.scope.describe()}; use the loop's "
-                "outputs (loop.final(carry), loop.stack(value))"
-            )
-    if graph._scopes:
-        raise BuildError(f"{graph._scopes[-1].describe()}: its `with` block is still open")
-    plan = graph._plan(outs)
-
-    needed_inputs = [v for v in graph.nodes if v.kind == "input" and v in plan.needed]
-    unknown = sorted(set(feed) - set(graph._inputs))
-    if unknown:
-        raise FeedError(
-            f"unknown input name(s) {', '.join(map(repr, unknown))}; inputs: {', '.join(graph._inputs)}"
-        )
-    missing = [v.describe() for v in needed_inputs if v.name not in feed]
-    if missing:
-        raise FeedError(f"missing feed for input(s) {', '.join(missing)}, needed by the requested outputs")
-    values = {v.name: _check_feed_value(v, feed[v.name], graph.dtype) for v in needed_inputs}
+    outs, plan = _check_outputs(graph, outputs)
+    values = _checked_feed(graph, plan, feed)
 
     # Let go of the previous build before computing this one's values: if nothing else holds it,
     # it is freed now and its memory is reused warm, instead of this build faulting in fresh pages

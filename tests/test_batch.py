@@ -1,0 +1,292 @@
+"""Autobatching (issue 12): ``g.build_batch(feeds, outputs)`` equals building the inputs one at a
+time — losses, every parameter gradient, every decision (float64, 1e-12) — on every example model
+and on random lengths, branch choices and trees; and it batches."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import vgraph as vg
+
+ROOT = Path(__file__).resolve().parent.parent
+TOL = {"rtol": 1e-12, "atol": 1e-13}
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    previous = vg.get_default_dtype()
+    vg.set_default_dtype(np.float64)
+    yield
+    vg.set_default_dtype(previous)
+
+
+def load(path):
+    spec = importlib.util.spec_from_file_location(f"batch_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(spec.name, None)
+    return module
+
+
+def one_at_a_time(make, feeds, output=0):
+    """Build and backpropagate each input alone on a fresh copy of the model; sum the losses."""
+    g, outputs = make()
+    loss = outputs[output]
+    total, decisions = 0.0, []
+    for feed in feeds:
+        cg = g.build(feed, outputs, cache=False)
+        total += cg.backward(loss)
+        decisions.append([(d.node.key, d.idx, d.kind, d.value) for d in cg.decisions])
+    return total, {k: np.array(p.grad) for k, p in g.params.items() if p.grad is not None}, decisions
+
+
+def batched(make, feeds, output=0):
+    g, outputs = make()
+    batch = g.build_batch(feeds, outputs)
+    total = batch.backward("sum", output)
+    decisions = [[(d.node.key, d.idx, d.kind, d.value) for d in view.decisions] for view in batch.inputs]
+    return total, {k: np.array(p.grad) for k, p in g.params.items() if p.grad is not None}, decisions, batch
+
+
+def assert_identical(make, feeds, expect_batching=True):
+    v1, g1, d1 = one_at_a_time(make, feeds)
+    v2, g2, d2, batch = batched(make, feeds)
+    np.testing.assert_allclose(v2, v1, **TOL)
+    assert g1.keys() == g2.keys()
+    for k in g1:
+        np.testing.assert_allclose(g2[k], g1[k], **TOL, err_msg=k)
+    assert d1 == d2
+    if expect_batching:
+        assert max(n for _, n in batch.groups) > 1, batch.groups
+    return batch
+
+
+# ---------------------------------------------------------------------------- the example models
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "examples" / "models").glob("*.py")), ids=lambda p: p.stem)
+def test_model_scripts(script):
+    module = load(script)
+    sizes = [
+        {"steps": 3, "seed": 0},
+        {"steps": 5, "seed": 1},
+        {"steps": 4, "seed": 2},
+        {"steps": 5, "seed": 3},
+    ]
+    if script.stem == "branching":
+        sizes = [{"seed": s} for s in range(4)]
+    feeds = [module.build(**kw)[1] for kw in sizes]
+
+    def make():
+        g, _, outputs = module.build(**sizes[0])
+        return g, outputs
+
+    assert_identical(make, feeds)
+
+
+def example(name):
+    return load(ROOT / "examples" / f"{name}.py")
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_lstm_sequence_with_fused_cells(cell):
+    m = example("lstm_sequence")
+    rng = np.random.default_rng(1)
+    feeds = []
+    for T in (3, 6, 4):
+        x, y = m.adding_batch(rng, 2, T)
+        feeds.append({"x": x, "y": y, "h0": np.zeros((2, 4))})
+
+    def make():
+        g, outs = m.build_model(cell, hidden=4, seed=0)
+        return g, [outs["loss"]]
+
+    assert_identical(make, feeds)
+
+
+def test_adaptive_loop_different_trip_counts():
+    m = example("adaptive_loop")
+    feeds = [m.feed(a) for a in (0.3, 0.9, 2.5, 5.0)]
+
+    def make():
+        g, outs = m.build_model(hidden=4, tol=1e-2, max_steps=30, seed=0)
+        return g, [outs["loss"]]
+
+    batch = assert_identical(make, feeds, expect_batching=True)
+    loop = next(v for v in batch.virtual.nodes if v.kind == "loop")
+    counts = [view.trip_count(loop) for view in batch.inputs]
+    assert len(set(counts)) > 1  # inputs ran different numbers of iterations, in one batch
+
+
+def test_routing_branch_different_choices():
+    m = example("routing_branch")
+    feeds = [m.batch(np.array(xs)) for xs in ([-2.5, 0.1], [2.9], [0.4, -2.0, 2.2], [-0.3])]
+
+    def make():
+        g, outs = m.build_model(hidden=4, seed=0)
+        return g, [outs["loss"]]
+
+    batch = assert_identical(make, feeds)
+    choices = {d.value for view in batch.inputs for d in view.decisions if d.kind == "option"}
+    assert len(choices) > 1  # inputs took different branches, in one batch
+
+
+def test_untied_parameters_and_dropout():
+    def make():
+        g = vg.VirtualGraph(seed=4)
+        x = g.input("x", (None, 3))
+        with g.loop(times=3) as L:
+            h = L.carry(x, name="h")
+            layer = vg.nn.Linear(g, 3, 3, "layer")  # untied per iteration
+            L.update(h, vg.nn.Dropout(g, 0.3)(vg.tanh(layer(h))))
+        return g, [vg.sum(L.final(h) ** 2)]
+
+    rng = np.random.default_rng(0)
+    assert_identical(make, [{"x": rng.normal(size=(n, 3))} for n in (2, 2, 5, 2)])
+
+
+# ---------------------------------------------------------------------------- random structures
+
+
+def tree_model():
+    g = vg.VirtualGraph(seed=9)
+    children = g.input("children", (None, 2))
+    words = g.input("words", (None, 3))
+    W, U = g.parameter("W", (3, 4)), g.parameter("U", (8, 4))
+    with g.recurse(children) as r:
+        h = r.state(np.zeros(4), name="h")
+        both = vg.concat([r.child(h, 0), r.child(h, 1)], axis=-1)
+        r.update(h, vg.tanh(r.step(words) @ W + both @ U))
+    return g, [vg.sum(r.final(h) ** 2)]
+
+
+def random_tree(rng, leaves):
+    children = [[-1, -1] for _ in range(leaves)]
+    pool = list(range(leaves))
+    while len(pool) > 1:
+        i, j = sorted(rng.choice(len(pool), 2, replace=False))
+        children.append([pool[i], pool[j]])
+        pool = [p for k, p in enumerate(pool) if k not in (i, j)] + [len(children) - 1]
+    return np.array(children)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(st.lists(st.integers(1, 7), min_size=1, max_size=5), st.integers(0, 1000))
+def test_random_trees(leaf_counts, seed):
+    previous = vg.get_default_dtype()
+    vg.set_default_dtype(np.float64)
+    try:
+        rng = np.random.default_rng(seed)
+        feeds = []
+        for n in leaf_counts:
+            kids = random_tree(rng, n)
+            feeds.append({"children": kids, "words": rng.normal(size=(len(kids), 3))})
+        assert_identical(tree_model, feeds, expect_batching=len(feeds) > 1)
+    finally:
+        vg.set_default_dtype(previous)
+
+
+def branchy():
+    g = vg.VirtualGraph(seed=2)
+    xs = g.input("xs", (None, 2))
+    W = g.parameter("W", (2, 2))
+    with g.loop() as L:
+        h = L.carry(np.zeros(2), name="h")
+        x = L.step(xs)
+        h_new = g.branch(lambda v: int(v.sum() > 0), [vg.tanh(h @ W + x), vg.sigmoid(x @ W - h)], keys=[x])
+        L.update(h, h_new)
+    return g, [vg.sum(L.final(h) ** 2) + vg.sum(W * W)]
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=6), st.integers(0, 1000))
+def test_random_lengths_and_branch_choices(lengths, seed):
+    previous = vg.get_default_dtype()
+    vg.set_default_dtype(np.float64)
+    try:
+        rng = np.random.default_rng(seed)
+        feeds = [{"xs": rng.normal(size=(T, 2))} for T in lengths]
+        assert_identical(branchy, feeds, expect_batching=False)
+    finally:
+        vg.set_default_dtype(previous)
+
+
+# ---------------------------------------------------------------------------- per input, errors
+
+
+def test_per_input_values_gradients_and_decisions():
+    g, (loss,) = branchy()
+    rng = np.random.default_rng(3)
+    feeds = [{"xs": rng.normal(size=(T, 2))} for T in (2, 4, 3)]
+    batch = g.build_batch(feeds, loss)
+    vg.render.retain_all_grads(batch.graph)
+    batch.backward("sum")
+    loop = next(v for v in g.nodes if v.kind == "loop")
+    h = loop.carries[0]
+    for i, feed in enumerate(feeds):
+        cg = g.build(feed, loss, cache=False)  # the same model alone (param .grad is not compared)
+        vg.render.retain_all_grads(cg)
+        cg.backward(loss)
+        view = batch.inputs[i]
+        assert view.trip_count(loop) == len(feed["xs"])
+        h_new = loop.updates[h]
+        for t in range(len(feed["xs"])):
+            np.testing.assert_allclose(view.value(h_new, (t,)), cg.node(h_new, (t,)).value, **TOL)
+            grad = view.gradient(h_new, (t,))
+            np.testing.assert_allclose(grad, cg.node(h_new, (t,)).grad, **TOL)
+        np.testing.assert_allclose(batch.outputs()[i], cg.outputs[0].value, **TOL)
+
+
+def test_it_batches():
+    g, (loss,) = tree_model()
+    rng = np.random.default_rng(0)
+    feeds = [
+        {"children": (k := random_tree(rng, n)), "words": rng.normal(size=(len(k), 3))}
+        for n in (5, 6, 5, 7, 4, 6)
+    ]
+    batch = g.build_batch(feeds, loss)
+    alone = sum(len(g.build(f, loss, cache=False)) for f in feeds)
+    assert len(batch.graph) < alone / 2  # one node per group, not one per input and op
+    sizes = [n for _, n in batch.groups]
+    assert max(sizes) == len(feeds) and sum(sizes) / len(sizes) > 2
+
+
+def test_bad_batches_are_typed_errors_and_change_nothing():
+    g, (loss,) = branchy()
+    with pytest.raises(ValueError, match="at least one feed"):
+        g.build_batch([], loss)
+    with pytest.raises(TypeError, match="list of feeds"):
+        g.build_batch({"xs": np.ones((2, 2))}, loss)
+    with pytest.raises(vg.FeedError, match=r"input 1: input 'xs'"):
+        g.build_batch([{"xs": np.ones((2, 2))}, {"xs": np.ones((2, 3))}], loss)
+
+    # one input's build fails half-way: named, and no untied copy is left in the store
+    h = vg.VirtualGraph(seed=0)
+    xs = h.input("xs", (None, 2))
+    c0 = xs[0]
+    with h.loop(while_=lambda t, s: 1 / (int(s["c"].sum()) - 3) > -1, max_iters=5, on_limit="stop") as L:
+        c = L.carry(c0, name="c")
+        V = h.parameter("V", (2, 2))  # untied: V@0, V@1, …
+        L.update(c, c + 1.0 + 0 * (c @ V))
+    out = vg.sum(L.final(c))
+    with pytest.raises(vg.BuildError, match=r"input 1: .*while_ condition raised ZeroDivisionError"):
+        h.build_batch([{"xs": np.zeros((1, 2))}, {"xs": np.array([[0.5, 1.0]])}], out)
+    assert len(h.params) == 0
+
+
+def test_eval_mode_records_nothing_for_backward():
+    g, (loss,) = branchy()
+    g.eval()
+    batch = g.build_batch([{"xs": np.ones((2, 2))}, {"xs": -np.ones((3, 2))}], loss)
+    assert not batch.loss().requires_grad
+    g.train()

@@ -1,0 +1,852 @@
+#!/usr/bin/env python3
+"""Dynamic-task benchmark: training throughput of vgraph on tasks shaped like DyNet's suite.
+
+Two tasks on generated data (nothing is downloaded), float32, Adam (lr 1e-3), BLAS single-threaded
+unless ``--blas-threads N`` says otherwise:
+
+* ``lstm_lm`` — an LSTM language model. Vocabulary 10,000 with Zipf-distributed tokens (rank r
+  drawn with probability proportional to 1/r; id 0 is the sentence boundary), sentence lengths
+  like the Penn Treebank's (gamma-distributed, mean 22, sd 10, clipped to 1..80). Embedding 128,
+  one LSTM layer of 256, a softmax over the vocabulary. Each sentence predicts its words and the
+  end symbol from the start symbol and its words (length + 1 predictions, the "words" counted).
+  Minibatches of 1, 16 and 64 sentences: sentences are sorted by length and cut into batches
+  (batch order shuffled), shorter sentences padded, the loss masked: the mean cross-entropy over
+  the batch's real words. The vgraph model embeds the ``(T, B)`` token array once, steps an
+  ``nn.LSTMCell`` through it, stacks the hidden states and applies ``nn.Linear`` to them reshaped
+  to ``(T*B, 256)``, as docs/training.md recommends.
+  Column ``numpy``: the floor, a hand-written numpy training step of the same model at MB 16 and
+  64, written tightly (the input projection of all steps as one matmul, preallocated state, gate
+  and gradient buffers reused across steps, in-place element-wise work, the weight gradients each
+  as one ``(T*B)``-row product after the sweep, an in-place Adam). Before timing its loss,
+  gradients and one Adam step are checked against vgraph's on a small float64 instance.
+* ``bilstm_tagger`` — a BiLSTM tagger, one sentence per build (variable length). Vocabulary
+  20,000 (Zipf), embedding 128, a forward and a backward ``nn.LSTMCell`` of 50, their states
+  concatenated per word, an MLP ``tanh(Linear(100, 32))``, ``Linear(32, 5)``, cross-entropy over
+  5 tags (a deterministic function of the word, so there is something to learn). Before timing
+  the model's gradients are checked by finite differences (``vg.gradcheck``) in float64.
+
+Reported per task and minibatch size: words/s (median over rounds; a round trains on every batch
+once), the time per batch split into build, forward, backward and update, and the peak traced
+memory (tracemalloc) of one training step on a batch of median length. In vgraph a build computes
+the forward while it unrolls, so "build+forward" is what the step pays; "forward" is measured by
+re-running ``cg.forward()`` on the same graph after the update (every node recomputes: the
+parameters changed), outside the step's time, and "build" is the difference. The numpy floor has no
+build. vgraph and the floor alternate batch by batch in one process, on the same initial weights.
+"vs floor" is vgraph's time per batch over the floor's (medians); "cpu" the same ratio in thread
+CPU time, which moves less when other processes load the machine.
+
+Adding a task or a column: a task is a :class:`Task` in :data:`TASKS` (its data, its configurations,
+its columns and an optional correctness check); a column is a function ``(config, data) -> Runner``
+whose ``step(batch)`` trains on one batch and returns the loss and the phase times. A Tree-LSTM task
+or an "autobatched" column plugs in there.
+
+Usage::
+
+    PYTHONPATH=. python3 tools/bench_dynamic.py [--quick] [--json out.json] [--tasks lstm_lm ...]
+                                                [--rounds N] [--blas-threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+
+def _pin_blas_threads() -> None:
+    """One BLAS thread unless ``--blas-threads N`` or the usual variables say otherwise (see
+    tools/bench_rnn.py: multi-threaded BLAS on a small shared machine makes medians meaningless)."""
+    n = None
+    for i, a in enumerate(sys.argv):
+        if a == "--blas-threads" and i + 1 < len(sys.argv):
+            n = sys.argv[i + 1]
+        elif a.startswith("--blas-threads="):
+            n = a.split("=", 1)[1]
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        if n is not None:
+            os.environ[var] = n
+        else:
+            os.environ.setdefault(var, "1")
+
+
+if __name__ == "__main__":
+    _pin_blas_threads()
+
+import numpy as np  # noqa: E402
+
+try:
+    import vgraph as vg
+except ImportError:  # run from a checkout without PYTHONPATH
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import vgraph as vg
+
+from vgraph import losses, nn, optim  # noqa: E402
+
+DTYPE = np.float32
+LR = 1e-3
+BETAS = (0.9, 0.999)
+EPS = 1e-8
+BOUNDARY = 0  # token id of the sentence start/end symbol
+PHASES = ("build", "forward", "backward", "update")
+
+
+class BenchmarkMismatch(AssertionError):
+    """An implementation computes something else than vgraph: its timings would be meaningless."""
+
+
+# ---------------------------------------------------------------------------- generated data
+
+
+def zipf_tokens(rng: np.random.Generator, vocab: int, n: int) -> np.ndarray:
+    """``n`` token ids in ``[1, vocab)`` with P(rank r) proportional to 1/r (id 0 is reserved)."""
+    p = 1.0 / np.arange(1, vocab)
+    return rng.choice(np.arange(1, vocab), size=n, p=p / p.sum())
+
+
+def ptb_lengths(rng: np.random.Generator, n: int, mean: float = 22.0, sd: float = 10.0) -> np.ndarray:
+    """``n`` sentence lengths shaped like the Penn Treebank's: gamma(mean, sd), rounded, 1..80."""
+    shape = (mean / sd) ** 2
+    return np.clip(np.rint(rng.gamma(shape, sd * sd / mean, size=n)), 1, 80).astype(int)
+
+
+def make_sentences(n: int, vocab: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    lengths = ptb_lengths(rng, n)
+    tokens = zipf_tokens(rng, vocab, int(lengths.sum()))
+    return np.split(tokens, np.cumsum(lengths)[:-1])
+
+
+@dataclass
+class LMBatch:
+    """A padded, time-major minibatch of the language model."""
+
+    tokens: np.ndarray  # (T, B) int: start symbol + words, padded with the boundary id
+    targets: np.ndarray  # (T*B,) int: words + end symbol, time-major (index t*B + b)
+    weights: np.ndarray  # (T*B,) DTYPE: 1/words at real positions, 0 at padding
+    words: int  # real predictions in the batch
+
+
+def lm_batches(sentences: list[np.ndarray], mb: int, seed: int) -> list[LMBatch]:
+    """Sort by length, cut into minibatches of ``mb`` (the last may be smaller), shuffle them."""
+    order = sorted(range(len(sentences)), key=lambda i: len(sentences[i]))
+    batches = []
+    for start in range(0, len(order), mb):
+        group = [sentences[i] for i in order[start : start + mb]]
+        B, T = len(group), max(len(s) for s in group) + 1
+        tokens = np.full((T, B), BOUNDARY, dtype=np.int64)
+        targets = np.full((T, B), BOUNDARY, dtype=np.int64)
+        mask = np.zeros((T, B), dtype=bool)
+        for b, s in enumerate(group):
+            n = len(s)
+            tokens[1 : n + 1, b] = s
+            targets[:n, b] = s
+            mask[: n + 1, b] = True
+        words = int(mask.sum())
+        weights = np.where(mask, 1.0 / words, 0.0).astype(DTYPE).reshape(-1)
+        batches.append(LMBatch(tokens, targets.reshape(-1), weights, words))
+    np.random.default_rng(seed).shuffle(batches)  # type: ignore[arg-type]
+    return batches
+
+
+@dataclass
+class TagBatch:
+    """One sentence of the tagger."""
+
+    tokens: np.ndarray  # (T, 1) int
+    tags: np.ndarray  # (T,) int
+    words: int
+
+
+def tagger_batches(n: int, vocab: int, tags: int, seed: int) -> list[TagBatch]:
+    out = []
+    for s in make_sentences(n, vocab, seed):
+        out.append(TagBatch(s.reshape(-1, 1).astype(np.int64), (s * 7919 % tags).astype(np.int64), len(s)))
+    return out
+
+
+# ---------------------------------------------------------------------------- runners
+
+
+class _Clock:
+    """Wall time and this thread's CPU time (which excludes time other processes ran)."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.thread_time()
+
+    def lap(self) -> tuple[float, float]:
+        """Seconds (wall, CPU) since the previous lap (or the start)."""
+        wall, cpu = time.perf_counter(), time.thread_time()
+        out = (wall - self.wall, cpu - self.cpu)
+        self.wall, self.cpu = wall, cpu
+        return out
+
+
+Phases = dict[str, tuple[float, float]]  # phase -> (wall s, CPU s)
+
+
+class Runner(Protocol):
+    """One implementation of a task: trains on one batch per :meth:`step`."""
+
+    def step(self, batch: Any) -> tuple[float, Phases]:
+        """Train on ``batch``; return the loss and the (wall, CPU) seconds of each of ``PHASES``."""
+        ...
+
+    def params(self) -> dict[str, np.ndarray]:
+        """The current parameter values by name."""
+        ...
+
+    def held_bytes(self) -> int:
+        """Bytes of the arrays the runner keeps between steps (parameters, optimiser state,
+        reusable buffers)."""
+        ...
+
+
+class VgraphRunner:
+    """A vgraph model trained by ``g.build`` + ``cg.backward`` + ``Adam.step`` per batch.
+
+    ``feed(batch)`` maps a batch to the model's inputs. After the update, ``cg.forward()`` re-runs
+    the whole graph (the parameters changed) to measure the forward alone; that time is reported
+    as "forward" and subtracted from the build, and is not part of the step.
+    """
+
+    def __init__(self, g: vg.VirtualGraph, loss: vg.VirtualNode, feed: Callable[[Any], dict[str, Any]]):
+        self.g, self.loss, self.feed = g, loss, feed
+        self.opt = optim.Adam(g.params, lr=LR, betas=BETAS, eps=EPS)
+        self.nodes: list[int] = []
+
+    def step(self, batch: Any) -> tuple[float, Phases]:
+        feed = self.feed(batch)
+        clock = _Clock()
+        cg = self.g.build(feed, self.loss)
+        build = clock.lap()
+        self.opt.zero_grad()
+        value = cg.backward(cg.outputs[0])
+        backward = clock.lap()
+        self.opt.step()
+        update = clock.lap()
+        cg.forward(cg.outputs[0])  # every node recomputes: measures the forward alone
+        forward = clock.lap()
+        self.nodes.append(len(cg))
+        build = (max(build[0] - forward[0], 0.0), max(build[1] - forward[1], 0.0))
+        return float(value), {"build": build, "forward": forward, "backward": backward, "update": update}
+
+    def params(self) -> dict[str, np.ndarray]:
+        return {k: self.g.params.value(k) for k in self.g.params}
+
+    def held_bytes(self) -> int:
+        n = sum(p.value.nbytes for p in self.g.params.parameters())
+        for st in self.opt.state.values():
+            n += sum(v.nbytes for v in st.values() if isinstance(v, np.ndarray))
+        return n
+
+
+def vgraph_grads(
+    g: vg.VirtualGraph, loss: vg.VirtualNode, feed: dict[str, Any]
+) -> tuple[float, dict[str, np.ndarray]]:
+    """Loss and gradients of one build (parameters untouched)."""
+    g.params.zero_grad()
+    cg = g.build(feed, loss)
+    value = cg.backward(cg.outputs[0])
+    grads = {k: np.array(g.params[k].grad) for k in g.params}
+    g.params.zero_grad()
+    return float(value), grads
+
+
+# ---------------------------------------------------------------------------- task (a): LSTM LM
+
+
+@dataclass
+class LMConfig:
+    vocab: int = 10_000
+    embed: int = 128
+    hidden: int = 256
+    mb: int = 16
+    dtype: Any = DTYPE
+    seed: int = 0
+
+
+def make_lstm_lm(cfg: LMConfig) -> tuple[vg.VirtualGraph, vg.VirtualNode]:
+    """The language model as a VirtualGraph; returns ``(g, loss)``. The batch size is free."""
+    V, E, H = cfg.vocab, cfg.embed, cfg.hidden
+    g = vg.VirtualGraph(dtype=cfg.dtype, seed=cfg.seed, name="lstm_lm")
+    tokens = g.input("tokens", shape=(None, None))
+    targets = g.input("targets", shape=(None,))
+    weights = g.input("weights", shape=(None,))
+    zeros = g.input("zeros", shape=(None, H))
+    emb = nn.Embedding(g, V, E, "emb")
+    cell = nn.LSTMCell(g, E, H, "lstm")
+    out = nn.Linear(g, H, V, "out")
+    embedded = emb(tokens)  # (T, B, E), once, before the loop
+    with g.loop(name="time") as L:
+        x_t = L.step(embedded)
+        h, c = L.carry(zeros, name="h"), L.carry(zeros, name="c")
+        h_new, c_new = cell(x_t, (h, c))
+        L.update(h, h_new)
+        L.update(c, c_new)
+    hs = L.stack(h_new).reshape(-1, H)  # (T*B, H)
+    loss = (losses.cross_entropy(out(hs), targets, reduction="none") * weights).sum()
+    return g, loss
+
+
+def lm_feed(cfg: LMConfig) -> Callable[[LMBatch], dict[str, Any]]:
+    zeros: dict[int, np.ndarray] = {}
+
+    def feed(b: LMBatch) -> dict[str, Any]:
+        B = b.tokens.shape[1]
+        if B not in zeros:
+            zeros[B] = np.zeros((B, cfg.hidden), dtype=cfg.dtype)
+        return {"tokens": b.tokens, "targets": b.targets, "weights": b.weights, "zeros": zeros[B]}
+
+    return feed
+
+
+LM_PARAMS = ("emb.W", "lstm.W_x", "lstm.W_h", "lstm.b", "out.W", "out.b")
+
+
+class NumpyLM:
+    """The floor: a hand-written numpy training step of the LSTM LM (forward, BPTT, Adam).
+
+    Buffers (embedded inputs, gate activations, states, logits, gradients) live in a workspace
+    that grows to the largest batch seen and is reused, as do the weight gradients (the arrays
+    :meth:`grads` returns are overwritten by the next call); element-wise work is in place. Gates are
+    PyTorch's order (i, f, g, o) as ``nn.LSTMCell``; sigmoid is ``0.5 * tanh(0.5 x) + 0.5``.
+    """
+
+    def __init__(self, params: dict[str, np.ndarray]) -> None:
+        self.P = {k: np.array(params[k]) for k in LM_PARAMS}
+        self.dtype = self.P["lstm.W_h"].dtype
+        self.m = {k: np.zeros_like(v) for k, v in self.P.items()}
+        self.v = {k: np.zeros_like(v) for k, v in self.P.items()}
+        self.tmp = {k: np.empty_like(v) for k, v in self.P.items()}
+        self.g = {k: np.empty_like(v) for k, v in self.P.items()}  # gradients, overwritten each step
+        self.t = 0
+        self.ws: dict[str, np.ndarray] = {}
+        self.cap = (0, 0)
+
+    def _workspace(self, T: int, B: int) -> dict[str, np.ndarray]:
+        cap_T, cap_B = self.cap
+        if cap_T < T or cap_B < B:
+            T, B = max(T, cap_T), max(B, cap_B)
+            E, H = self.P["lstm.W_x"].shape[0], self.P["lstm.W_h"].shape[0]
+            V, dt = self.P["out.W"].shape[1], self.dtype
+            self.ws = {
+                "X": np.empty(T * B * E, dt), "Z": np.empty(T * B * 4 * H, dt),
+                "HS": np.empty((T + 1) * B * H, dt), "CS": np.empty((T + 1) * B * H, dt),
+                "TC": np.empty(T * B * H, dt), "LOG": np.empty(T * B * V, dt),
+                "DH": np.empty(T * B * H, dt), "DZ": np.empty(T * B * 4 * H, dt),
+                "tmp4": np.empty(B * 4 * H, dt), "tmp": np.empty(B * H, dt), "dc": np.empty(B * H, dt),
+                "dhn": np.empty(B * H, dt), "DX": np.empty(T * B * E, dt),
+            }  # fmt: skip
+            self.cap = (T, B)
+        return self.ws
+
+    def grads(self, b: LMBatch) -> tuple[float, dict[str, np.ndarray], Phases]:
+        """Loss, gradients and the (wall, CPU) seconds of the forward and the backward."""
+        P = self.P
+        Wemb, Wx, Wh, bias, Wo, bo = (P[k] for k in LM_PARAMS)
+        T, B = b.tokens.shape
+        E, H, V = Wx.shape[0], Wh.shape[0], Wo.shape[1]
+        N = T * B
+        ws = self._workspace(T, B)
+
+        def view(name: str, *shape: int) -> np.ndarray:
+            return ws[name][: math.prod(shape)].reshape(shape)
+
+        X, Z = view("X", T, B, E), view("Z", T, B, 4 * H)
+        HS, CS, TC = view("HS", T + 1, B, H), view("CS", T + 1, B, H), view("TC", T, B, H)
+        LOG, DH, DZ = view("LOG", N, V), view("DH", T, B, H), view("DZ", T, B, 4 * H)
+        tmp4, tmp, dc, dhn = view("tmp4", B, 4 * H), view("tmp", B, H), view("dc", B, H), view("dhn", B, H)
+        clock = _Clock()
+        # forward
+        np.take(Wemb, b.tokens, axis=0, out=X)
+        X2, Z2 = X.reshape(N, E), Z.reshape(N, 4 * H)
+        np.matmul(X2, Wx, out=Z2)
+        Z2 += bias
+        HS[0] = 0
+        CS[0] = 0
+        for t in range(T):
+            z = Z[t]
+            np.matmul(HS[t], Wh, out=tmp4)
+            z += tmp4
+            ifg, gg, o = z[:, : 2 * H], z[:, 2 * H : 3 * H], z[:, 3 * H :]
+            for s in (ifg, o):  # sigmoid, in place
+                s *= 0.5
+                np.tanh(s, out=s)
+                s *= 0.5
+                s += 0.5
+            np.tanh(gg, out=gg)
+            c = CS[t + 1]
+            np.multiply(z[:, H : 2 * H], CS[t], out=c)
+            np.multiply(z[:, :H], gg, out=tmp)
+            c += tmp
+            np.tanh(c, out=TC[t])
+            np.multiply(o, TC[t], out=HS[t + 1])
+        H2 = HS[1:].reshape(N, H)
+        np.matmul(H2, Wo, out=LOG)
+        LOG += bo
+        LOG -= LOG.max(axis=1, keepdims=True)
+        rows = np.arange(N)
+        picked = LOG[rows, b.targets]  # shifted logit of each target (a copy)
+        np.exp(LOG, out=LOG)
+        s = LOG.sum(axis=1)
+        loss = float(np.dot(b.weights, np.log(s) - picked))
+        forward = clock.lap()
+        # backward: dloss/dlogits = w * (softmax - onehot), in place of the exponentials
+        LOG *= (b.weights / s)[:, None]
+        LOG[rows, b.targets] -= b.weights
+        D = LOG
+        G = self.g
+        np.matmul(H2.T, D, out=G["out.W"])
+        np.sum(D, axis=0, out=G["out.b"])
+        np.matmul(D, Wo.T, out=DH.reshape(N, H))
+        WhT = Wh.T
+        dc[...] = 0
+        for t in range(T - 1, -1, -1):
+            z, dz, tc = Z[t], DZ[t], TC[t]
+            i, f, gg, o = z[:, :H], z[:, H : 2 * H], z[:, 2 * H : 3 * H], z[:, 3 * H :]
+            di, df, dg, do = dz[:, :H], dz[:, H : 2 * H], dz[:, 2 * H : 3 * H], dz[:, 3 * H :]
+            dh = DH[t]
+            if t < T - 1:
+                dh += dhn
+            np.multiply(dh, tc, out=do)  # do = dh * tanh(c) * o (1 - o)
+            np.subtract(1, o, out=tmp)
+            tmp *= o
+            do *= tmp
+            np.multiply(tc, tc, out=tmp)  # dc += dh * o * (1 - tanh(c)^2)
+            np.subtract(1, tmp, out=tmp)
+            tmp *= o
+            tmp *= dh
+            dc += tmp
+            np.subtract(1, i, out=tmp)  # di = dc * g * i (1 - i)
+            tmp *= i
+            tmp *= gg
+            np.multiply(dc, tmp, out=di)
+            np.subtract(1, f, out=tmp)  # df = dc * c_prev * f (1 - f)
+            tmp *= f
+            tmp *= CS[t]
+            np.multiply(dc, tmp, out=df)
+            np.multiply(gg, gg, out=tmp)  # dg = dc * i * (1 - g^2)
+            np.subtract(1, tmp, out=tmp)
+            tmp *= i
+            np.multiply(dc, tmp, out=dg)
+            if t:  # h_0 and c_0 are constants
+                dc *= f
+                np.matmul(dz, WhT, out=dhn)
+        DZ2 = DZ.reshape(N, 4 * H)
+        np.matmul(X2.T, DZ2, out=G["lstm.W_x"])
+        np.matmul(HS[:T].reshape(N, H).T, DZ2, out=G["lstm.W_h"])
+        np.sum(DZ2, axis=0, out=G["lstm.b"])
+        DX = view("DX", N, E)
+        np.matmul(DZ2, Wx.T, out=DX)
+        gEmb = G["emb.W"]
+        gEmb.fill(0)
+        np.add.at(gEmb, b.tokens.reshape(-1), DX)
+        backward = clock.lap()
+        return loss, G, {"forward": forward, "backward": backward}
+
+    def update(self, grads: dict[str, np.ndarray]) -> None:
+        """Adam in place, the formula of ``vgraph.optim.Adam``."""
+        b1, b2 = BETAS
+        self.t += 1
+        bias1, bias2 = 1.0 - b1**self.t, 1.0 - b2**self.t
+        for k, p in self.P.items():
+            g, m, v, tmp = grads[k], self.m[k], self.v[k], self.tmp[k]
+            m *= b1
+            np.multiply(g, 1.0 - b1, out=tmp)
+            m += tmp
+            v *= b2
+            np.multiply(g, g, out=tmp)
+            tmp *= 1.0 - b2
+            v += tmp
+            np.sqrt(v, out=tmp)
+            tmp /= math.sqrt(bias2)
+            tmp += EPS
+            np.divide(m, tmp, out=tmp)
+            tmp *= LR / bias1
+            p -= tmp
+
+    def step(self, batch: LMBatch) -> tuple[float, Phases]:
+        loss, grads, phases = self.grads(batch)
+        clock = _Clock()
+        self.update(grads)
+        return loss, {"build": (0.0, 0.0), **phases, "update": clock.lap()}
+
+    def params(self) -> dict[str, np.ndarray]:
+        return self.P
+
+    def held_bytes(self) -> int:
+        arrays = [*self.P.values(), *self.m.values(), *self.v.values(), *self.tmp.values(), *self.g.values()]
+        arrays += self.ws.values()
+        return sum(a.nbytes for a in arrays)
+
+
+def _max_rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    scale = max(float(np.max(np.abs(ref))), 1e-30)
+    return float(np.max(np.abs(got - ref))) / scale
+
+
+def check_lstm_lm(seed: int = 0, tol: float = 1e-9) -> dict[str, Any]:
+    """The floor's loss, gradients and one Adam step equal vgraph's on a small float64 instance
+    with padding (else :class:`BenchmarkMismatch`); returns the largest relative errors."""
+    cfg = LMConfig(vocab=40, embed=6, hidden=5, dtype=np.float64, seed=seed)
+    g, loss = make_lstm_lm(cfg)
+    sentences = make_sentences(7, cfg.vocab, seed + 5)
+    batch = lm_batches(sentences, 4, seed)[0]
+    feed = lm_feed(cfg)(batch)
+    vg_loss, vg_g = vgraph_grads(g, loss, feed)
+    floor = NumpyLM({k: g.params.value(k) for k in LM_PARAMS})
+    np_loss, np_g, _ = floor.grads(batch)
+    errs = {"loss": abs(np_loss - vg_loss) / max(abs(vg_loss), 1e-30)}
+    for k in LM_PARAMS:
+        errs[k] = _max_rel_err(np_g[k], vg_g[k])
+    # one Adam step each: same new parameters
+    runner = VgraphRunner(g, loss, lm_feed(cfg))
+    runner.step(batch)
+    floor.step(batch)
+    for k in LM_PARAMS:
+        errs[f"{k} after Adam"] = _max_rel_err(floor.P[k], g.params.value(k))
+    bad = {k: e for k, e in errs.items() if not e <= tol}
+    if bad:
+        raise BenchmarkMismatch(
+            f"lstm_lm: the numpy floor differs from vgraph (relative errors {bad}, tol {tol})"
+        )
+    return {"max_rel_err": errs, "tol": tol, "words": batch.words, "shape": list(batch.tokens.shape)}
+
+
+def lm_vgraph(cfg: LMConfig, data: Any) -> VgraphRunner:
+    g, loss = make_lstm_lm(cfg)
+    return VgraphRunner(g, loss, lm_feed(cfg))
+
+
+def lm_numpy(cfg: LMConfig, data: Any) -> NumpyLM:
+    g, _ = make_lstm_lm(cfg)  # the same initial weights as the vgraph column (same seed)
+    return NumpyLM({k: g.params.value(k) for k in LM_PARAMS})
+
+
+# ---------------------------------------------------------------------------- task (b): BiLSTM tagger
+
+
+@dataclass
+class TaggerConfig:
+    vocab: int = 20_000
+    embed: int = 128
+    hidden: int = 50
+    mlp: int = 32
+    tags: int = 5
+    mb: int = 1
+    dtype: Any = DTYPE
+    seed: int = 0
+
+
+def make_bilstm_tagger(cfg: TaggerConfig) -> tuple[vg.VirtualGraph, vg.VirtualNode]:
+    """The tagger as a VirtualGraph (one sentence per build); returns ``(g, loss)``."""
+    H = cfg.hidden
+    g = vg.VirtualGraph(dtype=cfg.dtype, seed=cfg.seed, name="bilstm_tagger")
+    tokens = g.input("tokens", shape=(None, 1))
+    tags = g.input("tags", shape=(None,))
+    emb = nn.Embedding(g, cfg.vocab, cfg.embed, "emb")
+    cells = {"fwd": nn.LSTMCell(g, cfg.embed, H, "fwd"), "bwd": nn.LSTMCell(g, cfg.embed, H, "bwd")}
+    mlp = nn.Linear(g, 2 * H, cfg.mlp, "mlp")
+    out = nn.Linear(g, cfg.mlp, cfg.tags, "out")
+    zeros = g.constant(np.zeros((1, H), dtype=cfg.dtype), name="zeros")
+    embedded = emb(tokens)  # (T, 1, E)
+
+    def run(sequence: Any, cell: nn.LSTMCell, name: str) -> Any:
+        with g.loop(name=name) as L:
+            x_t = L.step(sequence)
+            h, c = L.carry(zeros, name="h"), L.carry(zeros, name="c")
+            h_new, c_new = cell(x_t, (h, c))
+            L.update(h, h_new)
+            L.update(c, c_new)
+        return L.stack(h_new)  # (T, 1, H)
+
+    forward = run(embedded, cells["fwd"], "forward")
+    backward = run(embedded[::-1], cells["bwd"], "backward")[::-1]
+    features = vg.concat([forward, backward], axis=-1).reshape(-1, 2 * H)  # (T, 2H)
+    loss = losses.cross_entropy(out(vg.tanh(mlp(features))), tags)
+    return g, loss
+
+
+def tagger_feed(b: TagBatch) -> dict[str, Any]:
+    return {"tokens": b.tokens, "tags": b.tags}
+
+
+def check_bilstm_tagger(seed: int = 0) -> dict[str, Any]:
+    """Finite differences (``vg.gradcheck``, float64) agree with the tagger's gradients on a small
+    instance (else :class:`BenchmarkMismatch`)."""
+    cfg = TaggerConfig(vocab=30, embed=4, hidden=3, mlp=4, tags=5, dtype=np.float64, seed=seed)
+    g, loss = make_bilstm_tagger(cfg)
+    batch = tagger_batches(1, cfg.vocab, cfg.tags, seed + 3)[0]
+    cg = g.build(tagger_feed(batch), loss)
+    try:
+        res = vg.gradcheck(cg.outputs[0], cg.parameters(), atol=1e-6, rtol=1e-5)
+    except vg.GradcheckError as e:
+        raise BenchmarkMismatch(f"bilstm_tagger: gradcheck failed: {e}") from None
+    return {
+        "gradcheck": "passed",
+        "parameters": len(cg.parameters()),
+        "words": batch.words,
+        "result": str(res)[:200],
+    }
+
+
+def tagger_vgraph(cfg: TaggerConfig, data: Any) -> VgraphRunner:
+    g, loss = make_bilstm_tagger(cfg)
+    return VgraphRunner(g, loss, tagger_feed)
+
+
+# ---------------------------------------------------------------------------- the registry
+
+
+@dataclass
+class Task:
+    """A benchmark task: its configurations (one table row each), data, columns and check.
+
+    ``configs(quick)`` gives the configurations; ``data(config, quick)`` the batches of one round
+    (every column trains on the same batches, in the same order); ``columns`` maps a column name to
+    ``(make, applies)``: ``make(config, data) -> Runner`` and ``applies(config) -> bool``;
+    ``check()`` verifies correctness before any timing (raises :class:`BenchmarkMismatch`).
+    """
+
+    name: str
+    description: str
+    configs: Callable[[bool], list[Any]]
+    data: Callable[[Any, bool], list[Any]]
+    columns: dict[str, tuple[Callable[[Any, Any], Runner], Callable[[Any], bool]]]
+    check: Callable[[], dict[str, Any]] | None = None
+    label: Callable[[Any], str] = field(default=lambda cfg: "")
+
+
+def _lm_configs(quick: bool) -> list[LMConfig]:
+    if quick:  # tiny: a smoke run of the code paths, not of the speed
+        return [LMConfig(vocab=200, embed=8, hidden=12, mb=mb) for mb in (1, 4)]
+    return [LMConfig(mb=mb) for mb in (1, 16, 64)]
+
+
+def _lm_data(cfg: LMConfig, quick: bool) -> list[LMBatch]:
+    n = {1: 40, 16: 12 * 16, 64: 6 * 64}.get(cfg.mb, 4 * cfg.mb) if not quick else 3 * cfg.mb
+    return lm_batches(make_sentences(n, cfg.vocab, seed=100 + cfg.mb), cfg.mb, seed=cfg.mb)
+
+
+def _tagger_configs(quick: bool) -> list[TaggerConfig]:
+    return [TaggerConfig(vocab=300, embed=8, hidden=6, mlp=5)] if quick else [TaggerConfig()]
+
+
+def _tagger_data(cfg: TaggerConfig, quick: bool) -> list[TagBatch]:
+    return tagger_batches(3 if quick else 60, cfg.vocab, cfg.tags, seed=7)
+
+
+def _always(cfg: Any) -> bool:
+    return True
+
+
+TASKS: dict[str, Task] = {
+    "lstm_lm": Task(
+        "lstm_lm",
+        "LSTM language model, vocab 10k Zipf, PTB-like lengths, embed 128, hidden 256, Adam",
+        _lm_configs,
+        _lm_data,
+        {"vgraph": (lm_vgraph, _always), "numpy": (lm_numpy, lambda cfg: cfg.mb >= 4)},
+        check_lstm_lm,
+        label=lambda cfg: f"MB={cfg.mb}",
+    ),
+    "bilstm_tagger": Task(
+        "bilstm_tagger",
+        "BiLSTM tagger, one sentence per build, vocab 20k, embed 128, hidden 50, MLP 32, 5 tags, Adam",
+        _tagger_configs,
+        _tagger_data,
+        {"vgraph": (tagger_vgraph, _always)},
+        check_bilstm_tagger,
+        label=lambda cfg: "1 sentence",
+    ),
+}
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+def peak_step_memory(make: Callable[[], Runner], batch: Any) -> float:
+    """Peak memory of the first training step of a fresh runner: what it held before the step
+    (parameters, optimiser state, buffers) plus the step's peak traced allocation (tracemalloc),
+    which includes whatever the first step creates (optimiser state, a workspace, the graph).
+    A throw-away runner takes one step first, so that one-time caches are warm."""
+    make().step(batch)
+    runner = make()
+    held = runner.held_bytes()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        runner.step(batch)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    return float(held + peak)
+
+
+def run_config(task: Task, cfg: Any, rounds: int, warmup: int, quick: bool) -> dict[str, Any]:
+    """Time every applicable column of ``task`` on ``cfg``: ``rounds`` passes over the batches,
+    columns alternating batch by batch (order reversed every batch)."""
+    data = task.data(cfg, quick)
+    cols = {name: make for name, (make, applies) in task.columns.items() if applies(cfg)}
+    runners = {name: make(cfg, data) for name, make in cols.items()}
+    names = list(runners)
+    for i in range(warmup):
+        for name in names:
+            runners[name].step(data[i % len(data)])
+    per_round: dict[str, list[dict[str, float]]] = {n: [] for n in names}  # wall s per phase
+    cpu_round: dict[str, list[dict[str, float]]] = {n: [] for n in names}  # CPU s per phase
+    losses_seen: dict[str, list[float]] = {n: [] for n in names}
+    words = sum(b.words for b in data)
+    for _ in range(rounds):
+        sums = {n: dict.fromkeys(PHASES, 0.0) for n in names}
+        cpus = {n: dict.fromkeys(PHASES, 0.0) for n in names}
+        for j, batch in enumerate(data):
+            for name in names if j % 2 == 0 else names[::-1]:
+                loss, phases = runners[name].step(batch)
+                losses_seen[name].append(loss)
+                for k in PHASES:
+                    sums[name][k] += phases[k][0]
+                    cpus[name][k] += phases[k][1]
+        for n in names:
+            per_round[n].append(sums[n])
+            cpu_round[n].append(cpus[n])
+    for name, seen in losses_seen.items():
+        if not all(math.isfinite(v) for v in seen):
+            raise BenchmarkMismatch(f"{task.name} {task.label(cfg)} {name}: a non-finite loss")
+    median_batch = sorted(data, key=lambda b: b.words)[len(data) // 2]
+    result: dict[str, Any] = {
+        "task": task.name, "config": task.label(cfg), "settings": {k: v for k, v in vars(cfg).items() if k != "dtype"},
+        "batches": len(data), "words_per_round": words, "rounds": rounds, "warmup": warmup, "columns": {},
+    }  # fmt: skip
+    for name in names:
+        totals = [sum(r.values()) for r in per_round[name]]
+        med = {k: statistics.median(r[k] for r in per_round[name]) * 1e3 / len(data) for k in PHASES}
+        col = {
+            "words_per_s": statistics.median(words / t for t in totals),
+            "words_per_s_all": [words / t for t in totals],
+            "ms_per_batch": statistics.median(totals) * 1e3 / len(data),
+            "phase_ms_per_batch": med,
+            "cpu_ms_per_batch": statistics.median(sum(r.values()) for r in cpu_round[name]) * 1e3 / len(data),
+            "phase_cpu_ms_per_batch": {
+                k: statistics.median(r[k] for r in cpu_round[name]) * 1e3 / len(data) for k in PHASES
+            },
+            "peak_bytes": peak_step_memory(lambda name=name: cols[name](cfg, data), median_batch),
+            "first_loss": losses_seen[name][0],
+            "last_loss": losses_seen[name][-1],
+        }
+        runner = runners[name]
+        if isinstance(runner, VgraphRunner):
+            col["nodes_per_batch"] = statistics.median(runner.nodes)
+        result["columns"][name] = col
+    if "numpy" in result["columns"] and "vgraph" in result["columns"]:
+        vgc, npc = result["columns"]["vgraph"], result["columns"]["numpy"]
+        result["ratio_vs_numpy"] = vgc["ms_per_batch"] / npc["ms_per_batch"]
+        result["ratio_vs_numpy_cpu"] = vgc["cpu_ms_per_batch"] / npc["cpu_ms_per_batch"]
+    return result
+
+
+def print_rows(rows: list[dict[str, Any]]) -> None:
+    head = (
+        f"{'task':<14} {'config':<11} {'column':<8} {'words/s':>9} {'ms/batch':>9} {'build':>8} {'forward':>8} "
+        f"{'backward':>9} {'update':>8} {'peak MiB':>9} {'vs floor':>8} {'cpu':>5}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        for name, c in r["columns"].items():
+            p = c["phase_ms_per_batch"]
+            ratio = cpu = ""
+            if name == "vgraph" and "ratio_vs_numpy" in r:
+                ratio, cpu = f"{r['ratio_vs_numpy']:.2f}", f"{r['ratio_vs_numpy_cpu']:.2f}"
+            print(
+                f"{r['task']:<14} {r['config']:<11} {name:<8} {c['words_per_s']:>9,.0f} {c['ms_per_batch']:>9.2f} "
+                f"{p['build']:>8.2f} {p['forward']:>8.2f} {p['backward']:>9.2f} {p['update']:>8.2f} "
+                f"{c['peak_bytes'] / 2**20:>9.1f} {ratio:>8} {cpu:>5}"
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--quick", action="store_true", help="smoke test: tiny models and data, checks included")
+    ap.add_argument("--json", metavar="PATH", help="write every number as JSON")
+    ap.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
+    ap.add_argument("--rounds", type=int, help="passes over the batches (default 5, quick 1)")
+    ap.add_argument("--warmup", type=int, help="untimed warm-up steps per column (default 2, quick 1)")
+    ap.add_argument(
+        "--blas-threads", metavar="N", help="BLAS threads (default 1); read before numpy is imported"
+    )
+    args = ap.parse_args(argv)
+    rounds = args.rounds if args.rounds is not None else (1 if args.quick else 5)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    if rounds < 1 or warmup < 0:
+        ap.error("--rounds must be >= 1 and --warmup >= 0")
+    started = _dt.datetime.now(_dt.timezone.utc)
+    threads = os.environ.get("OPENBLAS_NUM_THREADS", "default")
+    print(
+        f"vgraph dynamic-task benchmark  {started:%Y-%m-%d %H:%M UTC}  numpy {np.__version__}  "
+        f"{os.cpu_count()} CPUs  BLAS threads {threads}  rounds {rounds} (+{warmup} warm-up steps)\n"
+    )
+    checks: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
+    try:
+        for name in args.tasks:
+            task = TASKS[name]
+            if task.check is not None:
+                checks[name] = task.check()
+                print(f"correctness: {name}: {_describe_check(checks[name])}")
+        print()
+        for name in args.tasks:
+            task = TASKS[name]
+            for cfg in task.configs(args.quick):
+                rows.append(run_config(task, cfg, rounds, warmup, args.quick))
+                print(f"  measured {name} {task.label(cfg)}", file=sys.stderr)
+    except BenchmarkMismatch as e:
+        print(f"\nBENCHMARK ABORTED: {e}", file=sys.stderr)
+        return 2
+    print()
+    print_rows(rows)
+    results = {
+        "benchmark": "vgraph dynamic tasks (LSTM LM, BiLSTM tagger), training throughput",
+        "date": started.isoformat(timespec="seconds"),
+        "elapsed_s": (_dt.datetime.now(_dt.timezone.utc) - started).total_seconds(),
+        "machine": {
+            "cpu_count": os.cpu_count(), "python": sys.version.split()[0], "numpy": np.__version__,
+            "blas_threads": threads, "vgraph": getattr(vg, "__version__", None),
+        },
+        "config": {"quick": args.quick, "rounds": rounds, "warmup": warmup, "lr": LR, "dtype": np.dtype(DTYPE).name,
+                   "statistic": "median over rounds; phases per batch"},
+        "correctness": checks,
+        "rows": rows,
+    }  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=float))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def _describe_check(report: dict[str, Any]) -> str:
+    if "max_rel_err" in report:
+        worst = max(report["max_rel_err"].values())
+        return (
+            f"numpy floor = vgraph (float64; loss, gradients, one Adam step; max relative error {worst:.1e})"
+        )
+    return f"gradients = finite differences (float64 gradcheck, {report['parameters']} parameters)"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,389 @@
+"""Autobatching: build many inputs at once, running copies of the same declared node together.
+
+``g.build_batch([feed_1, …, feed_n], outputs)`` unrolls every input with the ordinary builder —
+each in its own greenlet, so loop conditions, branch selectors and recursion structures are
+evaluated on that input's own values, when they are ready — but no input computes an op by itself:
+each op it asks for is handed to a scheduler, which waits until every live input has asked for its
+next op, picks the declared node ``<type,id>`` that comes first in declaration order among those
+asked for, and runs the requests for it with compatible shapes as **one** numpy operation on their
+stacked inputs (the rules of :func:`.hoist.batched_attrs`). Inputs with different trip counts,
+branch choices and trees thus proceed independently and still meet wherever the same declared
+node is computed: that identity — every unrolled node is a copy of a declared node — is what
+DyNet's and TensorFlow Fold's autobatching lack.
+
+An input's value of a batched node is a row of the group's result, never a node of its own; its
+gradient is that row of the group's gradient. So the batched graph has one node per group (plus
+the gathers that stack rows which do not come in order), and one backward sweep serves every input.
+Decisions are per input; results equal building the inputs one at a time (tested to 1e-12).
+
+Scope of this version: a batched build is one-shot (no ``feed``/re-run forward: build again),
+hoisting and cached structures do not apply inside it, and checkpointing is not supported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..compute import ComputeGraph, ComputeNode, NodeKey, no_grad
+from ..errors import BuildError, VGraphError
+from ..ops import OPS, Op, row_at
+from .hoist import batched_attrs
+from .nodes import LoopNode, VirtualNode
+from .unroll import _Builder, _check_outputs, _checked_feed, _Frame, _gc_paused
+
+_GATHER, _GETITEM, _STACK, _SUM, _MEAN = (
+    OPS["GatherRows"],
+    OPS["GetItem"],
+    OPS["Stack"],
+    OPS["Sum"],
+    OPS["Mean"],
+)
+_PASS = ("Branch", "Identity")  # ops that pass their first input on unchanged
+
+
+class Row:
+    """One input's value inside a batched group: the row of node ``src`` that the basic indices
+    ``path`` lead to (a view; see :func:`vgraph.ops.row_at`).
+
+    It stands, in the builder of that input, where an unrolled compute node would; the batched
+    graph has no node for it.
+    """
+
+    __slots__ = ("_value", "key", "name", "path", "src")
+
+    def __init__(self, src: ComputeNode, path: tuple[Any, ...], key: NodeKey, name: str | None) -> None:
+        self.src, self.path, self.key, self.name = src, path, key, name
+        self._value = row_at(src._value, path)  # a one-shot build: the group's value never changes
+
+    @property
+    def value(self) -> Any:
+        return self._value
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return np.shape(self._value)
+
+    def describe(self) -> str:
+        return f"<{self.key}>" + (f" '{self.name}'" if self.name else "")
+
+    def __repr__(self) -> str:
+        return f"Row({self.describe()} = <{self.src.key}>{''.join(f'[{i}]' for i in self.path)})"
+
+
+class _Request:
+    __slots__ = ("attrs", "inp", "key", "name", "op", "parents", "signature")
+
+    def __init__(
+        self, inp: int, op: Op, parents: tuple[Any, ...], attrs: Any, key: NodeKey, name: str | None
+    ):
+        self.inp, self.op, self.parents, self.attrs, self.key, self.name = inp, op, parents, attrs, key, name
+        # what copies must share to run as one op: the declared node, and each input's row shape
+        self.signature = (key.type, key.id, *((np.shape(p._value), _dtype(p._value)) for p in parents))
+
+
+def _dtype(value: Any) -> str:
+    return value.dtype.str if hasattr(value, "dtype") else np.asarray(value).dtype.str
+
+
+class InputView:
+    """What one input's builder sees as its compute graph in a batched build: it creates leaves in
+    the shared graph, turns ops into requests for the scheduler, and keeps the input's own
+    decisions, iteration environments and outputs (``trip_count``, ``choice``, ``value``)."""
+
+    def __init__(self, batch: BatchedBuild, index: int) -> None:
+        self.batch, self.index = batch, index
+        self.decisions: list[Any] = []
+        self.inputs: dict[str, ComputeNode] = {}
+        self.outputs: list[Any] = []
+        self._envs: dict[tuple[Any, tuple[int, ...]], dict[VirtualNode, Any]] = {}
+        self._samples: dict[Any, Any] = {}
+        self._groups: dict[Any, Any] = {}
+
+    # -- what the builder calls
+    def _key(self, key: NodeKey) -> NodeKey:
+        return NodeKey(f"{key.type}#{self.index}", key.id, key.idx)
+
+    def input(self, value: Any, name: str | None, key: NodeKey, requires_grad: bool = False) -> ComputeNode:
+        node = self.batch.graph.input(value, name, self._key(key), requires_grad)
+        self.inputs[name or str(key)] = node
+        return node
+
+    def constant(self, value: Any, name: str | None, key: NodeKey) -> ComputeNode:
+        return self.batch.graph.constant(value, name, self._key(key))
+
+    def add_leaf(self, node: ComputeNode) -> ComputeNode:
+        return self.batch.graph.add_leaf(node)
+
+    def guard(self, *args: Any, **kwargs: Any) -> None:
+        return None  # a batched build is one-shot: nothing re-checks decisions later
+
+    def apply(
+        self, op: Any, inputs: Sequence[Any], attrs: Any = None, key: Any = None, name: Any = None
+    ) -> Any:
+        return inputs[0]  # only a branch's lead node comes here: it passes its option on
+
+    def _add_op(self, op: Op, parents: tuple[Any, ...], attrs: Any, key: NodeKey, name: str | None) -> Any:
+        if op.name in _PASS:
+            return parents[0]
+        if op is _STACK and attrs == {"axis": 0}:  # loop.stack: this input's rows, gathered once
+            return self.batch._stack(list(parents), key)
+        if op is _GETITEM and isinstance(attrs["index"], (int, np.integer)):
+            (src,) = parents  # a stepped item: a row of the sequence, no node
+            if isinstance(src, Row):
+                return Row(src.src, (*src.path, int(attrs["index"])), key, name)
+            return Row(src, (int(attrs["index"]),), key, name)
+        return self.batch._ask(_Request(self.index, op, parents, attrs, key, name))
+
+    # -- what users read
+    def trip_count(self, loop: LoopNode, idx: tuple[int, ...] = ()) -> int:
+        """How many iterations ``loop`` ran for this input in iteration path ``idx``."""
+        return self._decision(loop, idx, "iterations")
+
+    def choice(self, branch: VirtualNode, idx: tuple[int, ...] = ()) -> int:
+        """Which option ``branch`` chose for this input in iteration path ``idx``."""
+        return self._decision(branch, idx, "option")
+
+    def _decision(self, node: VirtualNode, idx: tuple[int, ...], kind: str) -> int:
+        for d in self.decisions:
+            if d.node is node and d.idx == tuple(idx) and d.kind == kind:
+                return int(d.value)
+        raise BuildError(f"{node.describe(tuple(idx))} was not built for input {self.index}")
+
+    def value(self, v: VirtualNode, idx: tuple[int, ...] = ()) -> np.ndarray:
+        """This input's value of virtual node ``v`` in iteration path ``idx``."""
+        return np.array(self._find(v, idx)._value)
+
+    def gradient(self, v: VirtualNode, idx: tuple[int, ...] = ()) -> np.ndarray | None:
+        """This input's gradient at ``v`` in iteration path ``idx`` after backward, when the node
+        (or its group) kept it (``vgraph.render.retain_all_grads(batch)`` before backward)."""
+        found = self._find(v, idx)
+        if isinstance(found, Row):
+            grad = found.src.grad
+            return None if grad is None else np.array(row_at(grad, found.path))
+        return None if found.grad is None else np.array(found.grad)
+
+    def _find(self, v: VirtualNode, idx: tuple[int, ...]) -> Any:
+        env = self._envs.get((v.scope, tuple(idx)))
+        if env is None or v not in env:
+            raise BuildError(f"{v.describe(tuple(idx))} was not built for input {self.index}")
+        return env[v]
+
+
+class BatchedBuild:
+    """The result of :meth:`VirtualGraph.build_batch`: one compute graph for many inputs.
+
+    Attributes:
+        graph: the :class:`~vgraph.compute.ComputeGraph` holding every group node; backward runs
+            on it.
+        inputs: one :class:`InputView` per input: its decisions, values and gradients by virtual
+            node and iteration path.
+        groups: ``(declared node key, number of inputs)`` for every batched group, in the order
+            the groups ran — what ran together.
+    """
+
+    def __init__(self, virtual: Any, n: int) -> None:
+        self.virtual = virtual
+        self.graph = ComputeGraph(virtual.dtype)
+        self.inputs = [InputView(self, i) for i in range(n)]
+        self.groups: list[tuple[str, int]] = []
+        self._pending: dict[int, _Request] = {}
+        self._greenlets: dict[int, Any] = {}
+        self._order: dict[tuple[str, int], int] = {(v.type, v.id): k for k, v in enumerate(virtual.nodes)}
+        self._serial = 0
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __repr__(self) -> str:
+        sizes = [k for _, k in self.groups]
+        mean = sum(sizes) / len(sizes) if sizes else 0.0
+        return (
+            f"BatchedBuild({len(self.inputs)} inputs, {len(self.graph)} nodes, {len(self.groups)} groups "
+            f"of {mean:.1f} inputs on average)"
+        )
+
+    def outputs(self, k: int = 0) -> list[Any]:
+        """Every input's value of output ``k`` (in input order)."""
+        return [np.array(view.outputs[k]._value) for view in self.inputs]
+
+    def loss(self, reduction: str = "mean", output: int = 0) -> ComputeNode:
+        """One node combining every input's (scalar) output ``output``: their mean or sum.
+
+        Raises:
+            ValueError: ``reduction`` is neither ``"mean"`` nor ``"sum"``, or an output is not a scalar.
+        """
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        parts = [view.outputs[output] for view in self.inputs]
+        for i, p in enumerate(parts):
+            if np.size(p._value) != 1:
+                raise ValueError(f"input {i}: output {output} has shape {np.shape(p._value)}, not a scalar")
+        stacked = self._stack(parts, NodeKey("Outputs", output + 1, ()))
+        op = _MEAN if reduction == "mean" else _SUM
+        return self.graph._add_op(
+            op,
+            (stacked,),
+            {"axis": None, "keepdims": False},
+            NodeKey("BatchLoss", output + 1, (0 if reduction == "mean" else 1,)),
+            None,
+        )
+
+    def backward(self, reduction: str = "mean", output: int = 0) -> float:
+        """Backpropagate the combined loss (:meth:`loss`) once for every input; returns its value."""
+        value = self.graph.backward(self.loss(reduction, output))
+        return float(value) if value is not None else float("nan")
+
+    # -- scheduling
+    def _ask(self, request: _Request) -> Any:
+        """Called in an input's greenlet: hand the request to the scheduler, wait for the result."""
+        return self._scheduler.switch(request)
+
+    def _run(self, builders: list[Any], frames: list[Any], greenlet_type: Any) -> None:
+        self._scheduler = greenlet_type.getcurrent()
+        for i, (builder, top) in enumerate(zip(builders, frames)):
+            g = greenlet_type(lambda b=builder, f=top: b.run_scope(f))
+            self._greenlets[i] = g
+            self._advance(i, self._resume(i, None))
+        while self._pending:
+            members = self._next_group()
+            results = self._execute(members)
+            for req, result in zip(members, results):
+                self._advance(req.inp, self._resume(req.inp, result))
+
+    def _resume(self, i: int, result: Any) -> Any:
+        """Give input ``i`` the result it waits for; returns its next request (or ``None``: done).
+        An error in its build names the input."""
+        try:
+            return self._greenlets[i].switch(result) if result is not None else self._greenlets[i].switch()
+        except VGraphError as e:
+            raise type(e)(f"input {i}: {e}") from e
+        except Exception as e:
+            raise BuildError(f"input {i}: the build failed: {type(e).__name__}: {e}") from e
+
+    def _advance(self, i: int, answer: Any) -> None:
+        if isinstance(answer, _Request):
+            self._pending[i] = answer
+        else:  # the input's build finished
+            self._pending.pop(i, None)
+
+    def _next_group(self) -> list[_Request]:
+        """The requests to run together: those for the declared node first in declaration order
+        among the asked-for ones, with the most common signature (per-row shapes and dtypes)."""
+        order = self._order
+        first = min(self._pending.values(), key=lambda r: order.get((r.key.type, r.key.id), -1))
+        kind = (first.key.type, first.key.id)
+        by_sig: dict[Any, list[_Request]] = {}
+        for r in self._pending.values():
+            if (r.key.type, r.key.id) == kind:
+                by_sig.setdefault(r.signature, []).append(r)
+        return max(by_sig.values(), key=len)
+
+    def _execute(self, members: list[_Request]) -> list[Any]:
+        g = self.graph
+        first = members[0]
+        if len(members) > 1:  # (a variadic op's members have equally many inputs: same signature)
+            inputs: list[ComputeNode] = []
+            shapes: list[tuple[int, ...]] = []
+            stacked: list[bool] = []
+            for j in range(len(first.parents)):
+                column = [r.parents[j] for r in members]
+                p0 = column[0]
+                if isinstance(p0, ComputeNode) and all(p is p0 for p in column):
+                    inputs.append(p0)  # the same node for everyone (a parameter): broadcast
+                    shapes.append(np.shape(p0._value))
+                    stacked.append(False)
+                else:
+                    inputs.append(self._stack(column, first.key))
+                    shapes.append(np.shape(p0._value))
+                    stacked.append(True)
+            attrs = batched_attrs(first.op.name, first.attrs or {}, shapes, stacked, len(members))
+            if attrs is not None:
+                self._serial += 1
+                key = NodeKey(f"{first.key.type}*", first.key.id, (self._serial,))
+                group = g._add_op(first.op, tuple(inputs), attrs or None, key, first.name)
+                self.groups.append((f"{first.key.type}:{first.key.id}", len(members)))
+                axis = 1 if first.op.name in ("LSTMCell", "GRUCell") else 0  # gates lead those values
+                return [
+                    Row(group, (r,) if axis == 0 else ((slice(None), r),), req.key, req.name)
+                    for r, req in enumerate(members)
+                ]
+        return [self._single(r) for r in members]
+
+    def _single(self, r: _Request) -> ComputeNode:
+        """An op run for one input alone (nothing to batch it with, or an op that cannot be)."""
+        parents = tuple(
+            p if isinstance(p, ComputeNode) else self._stack([p], p.key, single=True) for p in r.parents
+        )
+        self.groups.append((f"{r.key.type}:{r.key.id}", 1))
+        return self.graph._add_op(
+            r.op, parents, r.attrs, NodeKey(f"{r.key.type}#{r.inp}", r.key.id, r.key.idx), r.name
+        )
+
+    def _stack(self, column: Sequence[Any], key: NodeKey, single: bool = False) -> ComputeNode:
+        """One node whose rows are the given values (rows of groups, or whole nodes), in order;
+        ``single``: the value of one row itself (no new axis)."""
+        first = column[0]
+        if isinstance(first, Row) and all(isinstance(p, Row) and p.src is first.src for p in column):
+            paths = [p.path for p in column]
+            if not single and paths == [(r,) for r in range(len(first.src._value))]:
+                return first.src  # already a group in this order: no copy
+        sources: list[ComputeNode] = []
+        where: list[tuple[int, Any]] = []
+        for p in column:
+            src, row = (p.src, p.path) if isinstance(p, Row) else (p, ())
+            if not any(s is src for s in sources):
+                sources.append(src)
+            where.append((next(k for k, s in enumerate(sources) if s is src), row))
+        self._serial += 1
+        node = self.graph._add_op(
+            _GATHER, tuple(sources), {"rows": tuple(where)}, NodeKey("Gather", self._serial, ()), None
+        )
+        if single:
+            self._serial += 1
+            return self.graph._add_op(_GETITEM, (node,), {"index": 0}, NodeKey("Row", self._serial, ()), None)
+        return node
+
+
+def build_batch(graph: Any, feeds: Sequence[Mapping[str, Any]], outputs: Any) -> BatchedBuild:
+    """Build ``feeds`` (one feed per input) at once; see :meth:`VirtualGraph.build_batch`."""
+    try:
+        import greenlet
+    except ImportError:  # pragma: no cover - greenlet is in the batch and test extras
+        raise ImportError("autobatching needs the greenlet package: pip install 'vgraph[batch]'") from None
+
+    if isinstance(feeds, Mapping) or not isinstance(feeds, Sequence) or isinstance(feeds, str):
+        raise TypeError("build_batch takes a list of feeds (one mapping name -> value per input)")
+    if not feeds:
+        raise ValueError("build_batch needs at least one feed")
+    outs, plan = _check_outputs(graph, outputs)
+    values = []
+    for i, feed in enumerate(feeds):
+        try:
+            values.append(_checked_feed(graph, plan, feed))
+        except VGraphError as e:
+            raise type(e)(f"input {i}: {e}") from None
+    batch = BatchedBuild(graph, len(feeds))
+    new_params: dict[str, ComputeNode] = {}
+    builders, tops = [], []
+    for i, v in enumerate(values):
+        b = _Builder(graph, v, plan, hoist=False, cg=batch.inputs[i], builds=graph._builds + i)
+        b.new_params = new_params  # an untied copy two inputs reach is created once
+        builders.append(b)
+        tops.append(_Frame(None, (), {}, None))
+    with contextlib.nullcontext() if graph.training else no_grad(), _gc_paused():
+        batch._run(builders, tops, greenlet.greenlet)
+    for view, top in zip(batch.inputs, tops):
+        view._envs[(None, ())] = top.env
+        view.outputs = [top.env[o] for o in outs]
+    for name, node in new_params.items():  # commit only after success
+        graph.params._add(name, node)
+    graph._builds += len(feeds)
+    del batch._greenlets, batch._pending
+    return batch
+
+
+__all__ = ["BatchedBuild", "InputView", "Row", "build_batch"]
