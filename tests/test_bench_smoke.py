@@ -244,10 +244,12 @@ def test_dynamic_quick_json_run(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
     assert data["config"]["quick"] is True
-    assert set(data["correctness"]) == {"lstm_lm", "bilstm_tagger"}
+    assert set(data["correctness"]) == {"lstm_lm", "bilstm_tagger", "tree_lstm"}
     assert data["correctness"]["bilstm_tagger"]["gradcheck"] == "passed"
+    assert data["correctness"]["tree_lstm"]["gradcheck"] == "passed"
     rows = data["rows"]
-    assert {r["task"] for r in rows} == {"lstm_lm", "bilstm_tagger"}
+    assert {r["task"] for r in rows} == {"lstm_lm", "bilstm_tagger", "tree_lstm"}
+    assert all(r["sparse_speedup"] > 0 for r in rows if r["task"] != "lstm_lm")
     lm_numpy = [r for r in rows if "numpy" in r["columns"]]
     assert lm_numpy and all(r["task"] == "lstm_lm" for r in lm_numpy)
     assert all(r["ratio_vs_numpy"] > 0 and r["ratio_vs_numpy_cpu"] > 0 for r in lm_numpy)

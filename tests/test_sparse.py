@@ -535,14 +535,16 @@ def test_bench_sparse_checks_dense_and_sparse_agree():
     assert all(r["distinct_rows"] <= 12 for r in rows)
 
 
-def test_bench_tree_check_and_quick_run(tmp_path):
-    bench = _tool("bench_tree")
+def test_bench_dynamic_tree_task_check_and_data():
+    bench = _tool("bench_dynamic")
     report = bench.check_tree_lstm()
     assert report["gradcheck"] == "passed" and report["sparse_equals_dense"]
     tree = bench.random_tree(np.random.default_rng(0), np.array([3, 1, 4, 1, 5]))
     n = len(tree.tokens)
     assert n == 9 and tree.words == 5 and tree.is_leaf.sum() == 5
     assert all(c < t for t in range(n) for c in tree.children[t] if c >= 0)  # children first
-    out = tmp_path / "tree.json"
-    assert bench.main(["--quick", "--sentences", "2", "--json", str(out)]) == 0
-    assert out.exists()
+    assert set(tree.labels) <= set(range(5))
+    lengths = bench.sst_lengths(np.random.default_rng(1), 4000)
+    assert lengths.min() >= 1 and lengths.max() <= 50 and 17 <= lengths.mean() <= 21
+    assert {"vgraph", "sparse"} <= set(bench.TASKS["tree_lstm"].columns)
+    assert {"vgraph", "sparse"} <= set(bench.TASKS["bilstm_tagger"].columns)

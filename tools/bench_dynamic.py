@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Dynamic-task benchmark: training throughput of vgraph on tasks shaped like DyNet's suite.
 
-Two tasks on generated data (nothing is downloaded), float32, Adam (lr 1e-3), BLAS single-threaded
-unless ``--blas-threads N`` says otherwise:
+Three tasks on generated data (nothing is downloaded), float32, Adam (lr 1e-3), BLAS
+single-threaded unless ``--blas-threads N`` says otherwise:
 
 * ``lstm_lm`` — an LSTM language model. Vocabulary 10,000 with Zipf-distributed tokens (rank r
   drawn with probability proportional to 1/r; id 0 is the sentence boundary), sentence lengths
@@ -24,9 +24,27 @@ unless ``--blas-threads N`` says otherwise:
   concatenated per word, an MLP ``tanh(Linear(100, 32))``, ``Linear(32, 5)``, cross-entropy over
   5 tags (a deterministic function of the word, so there is something to learn). Before timing
   the model's gradients are checked by finite differences (``vg.gradcheck``) in float64.
+* ``tree_lstm`` — Tree-LSTM sentiment on trees shaped like the Stanford Sentiment Treebank, one
+  tree per build. Sentences of 1-50 words (gamma-distributed lengths, mean 19, sd 9), words from a
+  vocabulary of 18,000 (Zipf; id 0 marks inner nodes), each with a random binary tree
+  (neighbouring constituents merged at random until one is left) numbered in post-order; 5 labels
+  at every node (a word's polarity in {-1, 0, +1} is a fixed function of its id, a node's score
+  the sum over its words, the label ``clip(score, -2, 2) + 2``). The model is Tai, Socher and
+  Manning's constituency Tree-LSTM declared with ``g.recurse``: a leaf computes
+  ``[i, o, u] = x W_leaf + b_leaf``, ``c = σ(i) tanh(u)``, ``h = σ(o) tanh(c)``; an inner node
+  ``[i, f_L, f_R, o, u] = [h_L, h_R] U + b``, ``c = σ(i) tanh(u) + σ(f_L) c_L + σ(f_R) c_R``,
+  ``h = σ(o) tanh(c)`` (a two-output branch on the node's kind); embedding 128, hidden 128, a
+  linear layer to 5 logits at every node, the mean cross-entropy over the nodes. Before timing the
+  gradients are checked by finite differences (float64) and the sparse model's against the dense
+  model's (bit for bit).
 
-Reported per task and minibatch size: words/s (median over rounds; a round trains on every batch
-once), the time per batch split into build, forward, backward and update, and the peak traced
+Column ``sparse`` (tagger and tree tasks): the same model with ``nn.Embedding(..., sparse=True)``
+and ``Adam(lazy=True)`` — a row-sparse embedding gradient and PyTorch's ``SparseAdam`` update of
+the rows looked up only (docs/training.md, "Sparse embedding gradients"); "sparse x" is the dense
+column's time per batch over the sparse one's.
+
+Reported per task and minibatch size: sentences/s and words/s (medians over rounds; a round trains
+on every batch once), the time per batch split into build, forward, backward and update, and the peak traced
 memory (tracemalloc) of one training step on a batch of median length. In vgraph a build computes
 the forward while it unrolls, so "build+forward" is what the step pays; "forward" is measured by
 re-running ``cg.forward()`` on the same graph after the update (every node recomputes: the
@@ -37,8 +55,8 @@ CPU time, which moves less when other processes load the machine.
 
 Adding a task or a column: a task is a :class:`Task` in :data:`TASKS` (its data, its configurations,
 its columns and an optional correctness check); a column is a function ``(config, data) -> Runner``
-whose ``step(batch)`` trains on one batch and returns the loss and the phase times. A Tree-LSTM task
-or an "autobatched" column plugs in there.
+whose ``step(batch)`` trains on one batch and returns the loss and the phase times. An
+"autobatched" column plugs in there.
 
 Usage::
 
@@ -92,6 +110,7 @@ except ImportError:  # run from a checkout without PYTHONPATH
     import vgraph as vg
 
 from vgraph import losses, nn, optim  # noqa: E402
+from vgraph.ops import RowSparseGrad  # noqa: E402
 
 DTYPE = np.float32
 LR = 1e-3
@@ -217,12 +236,19 @@ class VgraphRunner:
 
     ``feed(batch)`` maps a batch to the model's inputs. After the update, ``cg.forward()`` re-runs
     the whole graph (the parameters changed) to measure the forward alone; that time is reported
-    as "forward" and subtracted from the build, and is not part of the step.
+    as "forward" and subtracted from the build, and is not part of the step. ``lazy``: Adam's lazy
+    update of row-sparse gradients (the ``sparse`` columns).
     """
 
-    def __init__(self, g: vg.VirtualGraph, loss: vg.VirtualNode, feed: Callable[[Any], dict[str, Any]]):
+    def __init__(
+        self,
+        g: vg.VirtualGraph,
+        loss: vg.VirtualNode,
+        feed: Callable[[Any], dict[str, Any]],
+        lazy: bool = False,
+    ):
         self.g, self.loss, self.feed = g, loss, feed
-        self.opt = optim.Adam(g.params, lr=LR, betas=BETAS, eps=EPS)
+        self.opt = optim.Adam(g.params, lr=LR, betas=BETAS, eps=EPS, lazy=lazy)
         self.nodes: list[int] = []
 
     def step(self, batch: Any) -> tuple[float, Phases]:
@@ -545,6 +571,7 @@ class TaggerConfig:
     mlp: int = 32
     tags: int = 5
     mb: int = 1
+    sparse: bool = False
     dtype: Any = DTYPE
     seed: int = 0
 
@@ -555,7 +582,7 @@ def make_bilstm_tagger(cfg: TaggerConfig) -> tuple[vg.VirtualGraph, vg.VirtualNo
     g = vg.VirtualGraph(dtype=cfg.dtype, seed=cfg.seed, name="bilstm_tagger")
     tokens = g.input("tokens", shape=(None, 1))
     tags = g.input("tags", shape=(None,))
-    emb = nn.Embedding(g, cfg.vocab, cfg.embed, "emb")
+    emb = nn.Embedding(g, cfg.vocab, cfg.embed, "emb", sparse=cfg.sparse)
     cells = {"fwd": nn.LSTMCell(g, cfg.embed, H, "fwd"), "bwd": nn.LSTMCell(g, cfg.embed, H, "bwd")}
     mlp = nn.Linear(g, 2 * H, cfg.mlp, "mlp")
     out = nn.Linear(g, cfg.mlp, cfg.tags, "out")
@@ -606,6 +633,179 @@ def tagger_vgraph(cfg: TaggerConfig, data: Any) -> VgraphRunner:
     return VgraphRunner(g, loss, tagger_feed)
 
 
+def tagger_sparse(cfg: TaggerConfig, data: Any) -> VgraphRunner:
+    g, loss = make_bilstm_tagger(TaggerConfig(**{**vars(cfg), "sparse": True}))
+    return VgraphRunner(g, loss, tagger_feed, lazy=True)
+
+
+# ---------------------------------------------------------------------------- task (c): Tree-LSTM
+
+
+@dataclass
+class TreeBatch:
+    """One sentence and its binary tree, nodes in post-order (children first, the root last)."""
+
+    children: np.ndarray  # (N, 2) int: child indices, -1 for a leaf
+    tokens: np.ndarray  # (N,) int: the word at a leaf, TREE_INNER at an inner node
+    is_leaf: np.ndarray  # (N,) int: 1 at a leaf
+    labels: np.ndarray  # (N,) int in 0..4
+    words: int  # leaves = the sentence's length
+
+
+TREE_INNER = 0  # the token id of inner nodes (they have no word)
+
+
+def sst_lengths(rng: np.random.Generator, n: int, mean: float = 19.0, sd: float = 9.0) -> np.ndarray:
+    """``n`` sentence lengths shaped like SST's: gamma(mean, sd), rounded, clipped to 1..50."""
+    shape = (mean / sd) ** 2
+    return np.clip(np.rint(rng.gamma(shape, sd * sd / mean, size=n)), 1, 50).astype(int)
+
+
+def polarity(tokens: np.ndarray) -> np.ndarray:
+    """A word's polarity in {-1, 0, +1}: a fixed function of its id, about 70% neutral."""
+    h = (tokens * 2654435761) % 1000
+    return np.where(h < 150, -1, np.where(h >= 850, 1, 0))
+
+
+def random_tree(rng: np.random.Generator, words: np.ndarray) -> TreeBatch:
+    """A random binary tree over ``words``: neighbours merged at random until one is left, then
+    numbered in post-order (without recursion); labels by the polarity rule (module docstring)."""
+    n = len(words)
+    kids = [[-1, -1] for _ in range(n)]
+    score = [int(p) for p in polarity(words)]
+    row = list(range(n))
+    while len(row) > 1:
+        k = int(rng.integers(0, len(row) - 1))
+        a, b = row[k], row[k + 1]
+        kids.append([a, b])
+        score.append(score[a] + score[b])
+        row[k : k + 2] = [len(kids) - 1]
+    order: list[int] = []
+    stack = [(len(kids) - 1, False)]
+    while stack:
+        t, expanded = stack.pop()
+        a, b = kids[t]
+        if expanded or a < 0:
+            order.append(t)
+        else:
+            stack.extend([(t, True), (b, False), (a, False)])
+    new = {old: i for i, old in enumerate(order)}
+    children = np.array([[new[kids[t][0]], new[kids[t][1]]] if kids[t][0] >= 0 else [-1, -1] for t in order])
+    tokens = np.array([int(words[t]) if t < n else TREE_INNER for t in order], dtype=np.int64)
+    labels = np.clip(np.array([score[t] for t in order]), -2, 2) + 2
+    return TreeBatch(children.reshape(-1, 2), tokens, (tokens != TREE_INNER).astype(np.int64), labels, n)
+
+
+def tree_batches(n: int, vocab: int, seed: int) -> list[TreeBatch]:
+    """``n`` sentences with Zipf-distributed words in ``[1, vocab)`` and random trees."""
+    rng = np.random.default_rng(seed)
+    lengths = sst_lengths(rng, n)
+    tokens = zipf_tokens(rng, vocab, int(lengths.sum()))
+    return [random_tree(rng, s) for s in np.split(tokens, np.cumsum(lengths)[:-1])]
+
+
+@dataclass
+class TreeConfig:
+    vocab: int = 18_000
+    embed: int = 128
+    hidden: int = 128
+    labels: int = 5
+    sparse: bool = False
+    dtype: Any = DTYPE
+    seed: int = 0
+
+
+def _leaf_or_inner(is_leaf: np.ndarray) -> int:
+    return 0 if int(is_leaf) else 1
+
+
+def make_tree_lstm(cfg: TreeConfig) -> tuple[vg.VirtualGraph, vg.VirtualNode]:
+    """The Tree-LSTM classifier of every node as a VirtualGraph (one tree per build); returns
+    ``(g, loss)``."""
+    E, H = cfg.embed, cfg.hidden
+    g = vg.VirtualGraph(dtype=cfg.dtype, seed=cfg.seed, name="tree_lstm")
+    children = g.input("children", shape=(None, 2))
+    tokens = g.input("tokens", shape=(None,))
+    is_leaf = g.input("is_leaf", shape=(None,))
+    labels = g.input("labels", shape=(None,))
+    emb = nn.Embedding(g, cfg.vocab, E, "emb", sparse=cfg.sparse, init=nn.normal(0.1))
+    W_leaf = g.parameter("leaf.W", (E, 3 * H))
+    b_leaf = g.parameter("leaf.b", (3 * H,))
+    U = g.parameter("inner.U", (2 * H, 5 * H))
+    bias = np.zeros(5 * H)
+    bias[H : 3 * H] = 1.0  # forget gates start open
+    b = g.parameter("inner.b", init=bias)
+    head = nn.Linear(g, H, cfg.labels, "head")
+    zeros = np.zeros(H, dtype=cfg.dtype)
+    with g.recurse(children, name="tree") as r:
+        leaf = r.step(is_leaf, name="is_leaf")
+        h, c = r.state(zeros, name="h"), r.state(zeros, name="c")
+        # a leaf, from its word (x W_leaf does not read the children: hoisted over all nodes)
+        z = emb(r.step(tokens, name="token")) @ W_leaf + b_leaf
+        gl = vg.sigmoid(z[: 2 * H])
+        c_leaf = gl[:H] * vg.tanh(z[2 * H :])
+        h_leaf = gl[H:] * vg.tanh(c_leaf)
+        # an inner node, from its children
+        zi = vg.concat([r.child(h, 0), r.child(h, 1)], axis=0) @ U + b
+        gi = vg.sigmoid(zi[: 4 * H])
+        c_inner = (
+            gi[:H] * vg.tanh(zi[4 * H :]) + gi[H : 2 * H] * r.child(c, 0) + gi[2 * H : 3 * H] * r.child(c, 1)
+        )
+        h_inner = gi[3 * H :] * vg.tanh(c_inner)
+        h_new, c_new = g.branch(
+            _leaf_or_inner, [(h_leaf, c_leaf), (h_inner, c_inner)], keys=[leaf], name="kind"
+        )
+        r.update(h, h_new)
+        r.update(c, c_new)
+    loss = losses.cross_entropy(head(r.stack(h_new)), labels)
+    return g, loss
+
+
+def tree_feed(b: TreeBatch) -> dict[str, Any]:
+    return {"children": b.children, "tokens": b.tokens, "is_leaf": b.is_leaf, "labels": b.labels}
+
+
+def check_tree_lstm(seed: int = 0) -> dict[str, Any]:
+    """Finite differences agree with the Tree-LSTM's gradients (float64, a small tree with a
+    repeated word), and the sparse model's gradients equal the dense model's bit for bit (else
+    :class:`BenchmarkMismatch`)."""
+    cfg = TreeConfig(vocab=30, embed=4, hidden=3, dtype=np.float64, seed=seed)
+    batch = random_tree(np.random.default_rng(seed + 3), np.array([5, 7, 5, 2, 9]))
+    g, loss = make_tree_lstm(cfg)
+    cg = g.build(tree_feed(batch), loss)
+    try:
+        res = vg.gradcheck(cg.outputs[0], cg.parameters(), atol=1e-6, rtol=1e-5)
+    except vg.GradcheckError as e:
+        raise BenchmarkMismatch(f"tree_lstm: gradcheck failed: {e}") from None
+    grads = {}
+    for sparse in (False, True):
+        gs, ls = make_tree_lstm(TreeConfig(**{**vars(cfg), "sparse": sparse}))
+        gs.build(tree_feed(batch), ls).backward(ls)
+        grads[sparse] = {k: p.grad for k, p in gs.params.items()}
+    if not isinstance(grads[True]["emb.W"], RowSparseGrad) or not all(
+        np.array_equal(np.asarray(grads[True][k]), grads[False][k]) for k in grads[False]
+    ):
+        raise BenchmarkMismatch("tree_lstm: the sparse model's gradients differ from the dense model's")
+    return {
+        "gradcheck": "passed",
+        "parameters": len(cg.parameters()),
+        "words": batch.words,
+        "nodes": len(batch.tokens),
+        "sparse_equals_dense": True,
+        "result": str(res)[:200],
+    }
+
+
+def tree_vgraph(cfg: TreeConfig, data: Any) -> VgraphRunner:
+    g, loss = make_tree_lstm(cfg)
+    return VgraphRunner(g, loss, tree_feed)
+
+
+def tree_sparse(cfg: TreeConfig, data: Any) -> VgraphRunner:
+    g, loss = make_tree_lstm(TreeConfig(**{**vars(cfg), "sparse": True}))
+    return VgraphRunner(g, loss, tree_feed, lazy=True)
+
+
 # ---------------------------------------------------------------------------- the registry
 
 
@@ -647,6 +847,14 @@ def _tagger_data(cfg: TaggerConfig, quick: bool) -> list[TagBatch]:
     return tagger_batches(3 if quick else 60, cfg.vocab, cfg.tags, seed=7)
 
 
+def _tree_configs(quick: bool) -> list[TreeConfig]:
+    return [TreeConfig(vocab=300, embed=8, hidden=8)] if quick else [TreeConfig()]
+
+
+def _tree_data(cfg: TreeConfig, quick: bool) -> list[TreeBatch]:
+    return tree_batches(3 if quick else 60, cfg.vocab, seed=11)
+
+
 def _always(cfg: Any) -> bool:
     return True
 
@@ -666,11 +874,26 @@ TASKS: dict[str, Task] = {
         "BiLSTM tagger, one sentence per build, vocab 20k, embed 128, hidden 50, MLP 32, 5 tags, Adam",
         _tagger_configs,
         _tagger_data,
-        {"vgraph": (tagger_vgraph, _always)},
+        {"vgraph": (tagger_vgraph, _always), "sparse": (tagger_sparse, _always)},
         check_bilstm_tagger,
         label=lambda cfg: "1 sentence",
     ),
+    "tree_lstm": Task(
+        "tree_lstm",
+        "Tree-LSTM sentiment, SST-shaped trees (1-50 words, mean 19), one tree per build, vocab 18k, "
+        "embed 128, hidden 128, 5 labels at every node, Adam",
+        _tree_configs,
+        _tree_data,
+        {"vgraph": (tree_vgraph, _always), "sparse": (tree_sparse, _always)},
+        check_tree_lstm,
+        label=lambda cfg: "1 tree",
+    ),
 }
+
+
+def _sentences(batch: Any) -> int:
+    """Sentences in a batch: the columns of a ``(T, B)`` token array, else one."""
+    return int(batch.tokens.shape[1]) if batch.tokens.ndim == 2 else 1
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -710,6 +933,7 @@ def run_config(task: Task, cfg: Any, rounds: int, warmup: int, quick: bool) -> d
     cpu_round: dict[str, list[dict[str, float]]] = {n: [] for n in names}  # CPU s per phase
     losses_seen: dict[str, list[float]] = {n: [] for n in names}
     words = sum(b.words for b in data)
+    sentences = sum(_sentences(b) for b in data)
     for _ in range(rounds):
         sums = {n: dict.fromkeys(PHASES, 0.0) for n in names}
         cpus = {n: dict.fromkeys(PHASES, 0.0) for n in names}
@@ -729,12 +953,14 @@ def run_config(task: Task, cfg: Any, rounds: int, warmup: int, quick: bool) -> d
     median_batch = sorted(data, key=lambda b: b.words)[len(data) // 2]
     result: dict[str, Any] = {
         "task": task.name, "config": task.label(cfg), "settings": {k: v for k, v in vars(cfg).items() if k != "dtype"},
-        "batches": len(data), "words_per_round": words, "rounds": rounds, "warmup": warmup, "columns": {},
+        "batches": len(data), "words_per_round": words, "sentences_per_round": sentences, "rounds": rounds,
+        "warmup": warmup, "columns": {},
     }  # fmt: skip
     for name in names:
         totals = [sum(r.values()) for r in per_round[name]]
         med = {k: statistics.median(r[k] for r in per_round[name]) * 1e3 / len(data) for k in PHASES}
         col = {
+            "sentences_per_s": statistics.median(sentences / t for t in totals),
             "words_per_s": statistics.median(words / t for t in totals),
             "words_per_s_all": [words / t for t in totals],
             "ms_per_batch": statistics.median(totals) * 1e3 / len(data),
@@ -755,13 +981,17 @@ def run_config(task: Task, cfg: Any, rounds: int, warmup: int, quick: bool) -> d
         vgc, npc = result["columns"]["vgraph"], result["columns"]["numpy"]
         result["ratio_vs_numpy"] = vgc["ms_per_batch"] / npc["ms_per_batch"]
         result["ratio_vs_numpy_cpu"] = vgc["cpu_ms_per_batch"] / npc["cpu_ms_per_batch"]
+    if "sparse" in result["columns"] and "vgraph" in result["columns"]:
+        dense, sparse = result["columns"]["vgraph"], result["columns"]["sparse"]
+        result["sparse_speedup"] = dense["ms_per_batch"] / sparse["ms_per_batch"]
+        result["sparse_speedup_cpu"] = dense["cpu_ms_per_batch"] / sparse["cpu_ms_per_batch"]
     return result
 
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
     head = (
-        f"{'task':<14} {'config':<11} {'column':<8} {'words/s':>9} {'ms/batch':>9} {'build':>8} {'forward':>8} "
-        f"{'backward':>9} {'update':>8} {'peak MiB':>9} {'vs floor':>8} {'cpu':>5}"
+        f"{'task':<14} {'config':<11} {'column':<8} {'sent/s':>8} {'words/s':>9} {'ms/batch':>9} {'build':>8} "
+        f"{'forward':>8} {'backward':>9} {'update':>8} {'peak MiB':>9} {'vs floor':>8} {'cpu':>5}"
     )
     print(head)
     print("-" * len(head))
@@ -772,9 +1002,14 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
             if name == "vgraph" and "ratio_vs_numpy" in r:
                 ratio, cpu = f"{r['ratio_vs_numpy']:.2f}", f"{r['ratio_vs_numpy_cpu']:.2f}"
             print(
-                f"{r['task']:<14} {r['config']:<11} {name:<8} {c['words_per_s']:>9,.0f} {c['ms_per_batch']:>9.2f} "
-                f"{p['build']:>8.2f} {p['forward']:>8.2f} {p['backward']:>9.2f} {p['update']:>8.2f} "
-                f"{c['peak_bytes'] / 2**20:>9.1f} {ratio:>8} {cpu:>5}"
+                f"{r['task']:<14} {r['config']:<11} {name:<8} {c['sentences_per_s']:>8,.1f} {c['words_per_s']:>9,.0f} "
+                f"{c['ms_per_batch']:>9.2f} {p['build']:>8.2f} {p['forward']:>8.2f} {p['backward']:>9.2f} "
+                f"{p['update']:>8.2f} {c['peak_bytes'] / 2**20:>9.1f} {ratio:>8} {cpu:>5}"
+            )
+        if "sparse_speedup" in r:
+            print(
+                f"{'':<14} {'':<11} sparse x {r['sparse_speedup']:.2f} (cpu {r['sparse_speedup_cpu']:.2f}): the dense "
+                "column's time per batch over the sparse one's"
             )
 
 
@@ -821,7 +1056,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print_rows(rows)
     results = {
-        "benchmark": "vgraph dynamic tasks (LSTM LM, BiLSTM tagger), training throughput",
+        "benchmark": "vgraph dynamic tasks (LSTM LM, BiLSTM tagger, Tree-LSTM), training throughput",
         "date": started.isoformat(timespec="seconds"),
         "elapsed_s": (_dt.datetime.now(_dt.timezone.utc) - started).total_seconds(),
         "machine": {
@@ -845,7 +1080,10 @@ def _describe_check(report: dict[str, Any]) -> str:
         return (
             f"numpy floor = vgraph (float64; loss, gradients, one Adam step; max relative error {worst:.1e})"
         )
-    return f"gradients = finite differences (float64 gradcheck, {report['parameters']} parameters)"
+    text = f"gradients = finite differences (float64 gradcheck, {report['parameters']} parameters)"
+    if report.get("sparse_equals_dense"):
+        text += "; sparse-embedding gradients = dense ones (bit for bit)"
+    return text
 
 
 if __name__ == "__main__":

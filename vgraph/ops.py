@@ -249,6 +249,8 @@ class RowSparseGrad(LazyGrad):
     """
 
     __slots__ = ("indices", "values")
+    indices: np.ndarray
+    values: np.ndarray
 
     def __init__(self, indices: Any, values: Any, shape: tuple[int, ...]) -> None:
         try:

@@ -645,7 +645,7 @@ class SGD(Optimizer):
         if self.momentum or self.weight_decay:  # every row moves: the dense update
             return self._update(value, grad.dense(), state)
         rows = grad.indices
-        new = value.copy()  # a new array, as every update gives (see the module docstring)
+        new: np.ndarray = value.copy()  # a new array, as every update gives (see the module docstring)
         new[rows] = value[rows] - self.lr * grad.values
         return new
 
@@ -759,7 +759,7 @@ class Adam(Optimizer):
         new_rows = self._update(value[rows], grad.values, sub)
         state["exp_avg"][rows] = sub["exp_avg"]
         state["exp_avg_sq"][rows] = sub["exp_avg_sq"]
-        new = value.copy()  # a new array, as every update gives (see the module docstring)
+        new: np.ndarray = value.copy()  # a new array, as every update gives (see the module docstring)
         new[rows] = new_rows
         return new
 
@@ -971,7 +971,7 @@ class Adagrad(Optimizer):
         sub = {"step": state["step"], "sum": state["sum"][rows]}
         new_rows = self._update(value[rows], grad.values, sub)
         state["sum"][rows] = sub["sum"]
-        new = value.copy()  # a new array, as every update gives (see the module docstring)
+        new: np.ndarray = value.copy()  # a new array, as every update gives (see the module docstring)
         new[rows] = new_rows
         return new
 
