@@ -187,6 +187,21 @@ def test_untied_sparse_parameter_in_a_loop():
         np.testing.assert_array_equal(grad.indices, [1, 4])
 
 
+def test_autobatched_builds_keep_the_gradient_row_sparse():
+    """``g.build_batch`` runs the look-ups of several inputs together; the table's gradient is
+    still the rows looked up, and equals the dense model's."""
+    feeds = [feed(3, T=4, B=2), feed(4, T=2, B=2), feed(5, T=5, B=2)]
+    grads = {}
+    for sparse in (False, True):
+        g, loss = tagger(sparse)
+        g.build_batch(feeds, loss).backward()
+        grads[sparse] = g.params["emb.W"].grad
+    assert isinstance(grads[True], RowSparseGrad)
+    used = np.unique(np.concatenate([f["tok"].ravel() for f in feeds]))
+    np.testing.assert_array_equal(grads[True].indices, used)
+    np.testing.assert_allclose(grads[True].dense(), grads[False], rtol=1e-13, atol=1e-15)
+
+
 # --- declaring ------------------------------------------------------------------------------
 
 
