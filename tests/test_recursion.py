@@ -256,3 +256,17 @@ def test_a_deep_chain_needs_no_recursion():
     finally:
         sys.setrecursionlimit(limit)
     assert np.isfinite(g.params["W"].grad).all()
+
+
+def test_cached_builds_recheck_the_structure():
+    """A second build with a same-shaped but different tree must not reuse the first tree's graph."""
+    g, loss, _, h_new = tree_rnn()
+    a = np.array([[-1, -1], [-1, -1], [0, 1]])
+    b = np.array([[-1, -1], [0, -1], [1, -1]])  # a chain: same shape, another structure
+    xs = np.random.default_rng(0).normal(size=(3, D))
+    g.build({"children": a, "xs": xs}, loss)
+    cached = g.build({"children": b, "xs": xs}, loss)
+    fresh = g.build({"children": b, "xs": xs}, loss, cache=False)
+    np.testing.assert_allclose(cached.forward(), fresh.forward(), rtol=1e-12)
+    left = [n for n in cached.nodes() if n.key.idx == (2,) and cached.node(h_new, (1,)) in n.parents]
+    assert left  # node 2 reads node 1 (the chain), not node 0 and 1 (the first tree)

@@ -81,27 +81,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-
-def _pin_blas_threads() -> None:
-    """One BLAS thread unless ``--blas-threads N`` or the usual variables say otherwise (see
-    tools/bench_rnn.py: multi-threaded BLAS on a small shared machine makes medians meaningless)."""
-    n = None
-    for i, a in enumerate(sys.argv):
-        if a == "--blas-threads" and i + 1 < len(sys.argv):
-            n = sys.argv[i + 1]
-        elif a.startswith("--blas-threads="):
-            n = a.split("=", 1)[1]
-    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        if n is not None:
-            os.environ[var] = n
-        else:
-            os.environ.setdefault(var, "1")
-
-
 if __name__ == "__main__":
-    _pin_blas_threads()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from benchcommon import pin_blas_threads
 
-import numpy as np  # noqa: E402
+    pin_blas_threads()
+
+import numpy as np
 
 try:
     import vgraph as vg
@@ -109,8 +95,8 @@ except ImportError:  # run from a checkout without PYTHONPATH
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import vgraph as vg
 
-from vgraph import losses, nn, optim  # noqa: E402
-from vgraph.ops import RowSparseGrad  # noqa: E402
+from vgraph import losses, nn, optim
+from vgraph.ops import RowSparseGrad
 
 DTYPE = np.float32
 LR = 1e-3

@@ -82,11 +82,7 @@ class _Request:
     ):
         self.inp, self.op, self.parents, self.attrs, self.key, self.name = inp, op, parents, attrs, key, name
         # what copies must share to run as one op: the declared node, and each input's row shape
-        self.signature = (key.type, key.id, *((np.shape(p._value), _dtype(p._value)) for p in parents))
-
-
-def _dtype(value: Any) -> str:
-    return value.dtype.str if hasattr(value, "dtype") else np.asarray(value).dtype.str
+        self.signature = (key.type, key.id, *[(p._value.shape, p._value.dtype) for p in parents])
 
 
 class InputView:
@@ -325,19 +321,40 @@ class BatchedBuild:
 
     def _stack(self, column: Sequence[Any], key: NodeKey, single: bool = False) -> ComputeNode:
         """One node whose rows are the given values (rows of groups, or whole nodes), in order;
-        ``single``: the value of one row itself (no new axis)."""
+        ``single``: the value of one row itself (no new axis).
+
+        Rows that are a group's rows in order need no copy: the group itself, or — for a value
+        taken from each row (``h'`` of a fused cell's ``(gates, n, …)`` value) — one view of it.
+        """
         first = column[0]
-        if isinstance(first, Row) and all(isinstance(p, Row) and p.src is first.src for p in column):
-            paths = [p.path for p in column]
-            if not single and paths == [(r,) for r in range(len(first.src._value))]:
-                return first.src  # already a group in this order: no copy
+        if not single and isinstance(first, Row):
+            src, n = first.src, len(column)
+            if all(type(p) is Row and p.src is src for p in column):
+                paths = [p.path for p in column]
+                if paths == [(r,) for r in range(len(src._value))]:
+                    return src  # already a group in this order
+                tail = first.path[1:]
+                lead = first.path[0]
+                if (
+                    isinstance(lead, tuple)
+                    and len(tail) == 1
+                    and paths == [((slice(None), r), *tail) for r in range(n)]
+                    and n == np.shape(src._value)[1]
+                ):
+                    self._serial += 1  # src[:, r][k] for every r, in order: src[k]
+                    return self.graph._add_op(
+                        _GETITEM, (src,), {"index": tail[0]}, NodeKey("Rows", self._serial, ()), None
+                    )
         sources: list[ComputeNode] = []
+        position: dict[int, int] = {}
         where: list[tuple[int, Any]] = []
         for p in column:
-            src, row = (p.src, p.path) if isinstance(p, Row) else (p, ())
-            if not any(s is src for s in sources):
+            src, row = (p.src, p.path) if type(p) is Row else (p, ())
+            k = position.get(id(src))
+            if k is None:
+                k = position[id(src)] = len(sources)
                 sources.append(src)
-            where.append((next(k for k, s in enumerate(sources) if s is src), row))
+            where.append((k, row))
         self._serial += 1
         node = self.graph._add_op(
             _GATHER, tuple(sources), {"rows": tuple(where)}, NodeKey("Gather", self._serial, ()), None

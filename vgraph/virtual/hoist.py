@@ -51,6 +51,9 @@ _ELEMENTWISE = frozenset(
         "GRUCell",
     ]
 )
+# Ops a loop body may hoist (see plan._hoistable): those batched_attrs can group whatever the
+# shapes turn out to be, given the rules it checks at build time.
+HOISTABLE_OPS = _ELEMENTWISE | {"MatMul", "Softmax", "LogSoftmax", "Take"}
 _REDUCTIONS = ("Sum", "Mean", "Max")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from .hoist import HOISTABLE_OPS
 from .nodes import _inside
 
 if TYPE_CHECKING:
@@ -28,36 +29,6 @@ def _captures(loop: LoopNode) -> list[VirtualNode]:
                 if not _inside(d.scope, loop) and d is not loop:
                     seen[d] = None
     return list(seen)
-
-
-# Ops that act on a leading iteration axis as they act on each iteration's value, given the shape
-# rules of hoist.batched_attrs: elementwise ops, matrix products, last-axis softmaxes, look-ups.
-HOISTABLE_OPS = frozenset(
-    [
-        "Add",
-        "Sub",
-        "Mul",
-        "Div",
-        "Neg",
-        "Pow",
-        "Exp",
-        "Log",
-        "Tanh",
-        "Sigmoid",
-        "Relu",
-        "Softplus",
-        "Step",
-        "Sign",
-        "Abs",
-        "Where",
-        "Identity",
-        "Detach",
-        "MatMul",
-        "Softmax",
-        "LogSoftmax",
-        "Take",
-    ]
-)
 
 
 # Body nodes a loop sets at the start of each iteration (not built from their inputs).
