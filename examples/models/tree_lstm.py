@@ -45,12 +45,15 @@ def model(dim: int = DIM, hidden: int = HIDDEN) -> tuple[vg.VirtualGraph, vg.Vir
         z = x @ W + b + vg.concat([r.child(h, 0), r.child(h, 1)], axis=0) @ U
         z.name = "gates (pre)"
         gates = vg.sigmoid(z[: 4 * H])
-        gates.name = "i, f_L, f_R, o"
+        gates.name = "σ(i, f_L, f_R, o)"
+        i, f_left, f_right, o = (gates[k * H : (k + 1) * H] for k in range(4))
+        for node, label in ((i, "i"), (f_left, "f_L"), (f_right, "f_R"), (o, "o")):
+            node.name = label
         u = vg.tanh(z[4 * H :])
-        u.name = "u"
-        c_new = gates[:H] * u + gates[H : 2 * H] * r.child(c, 0) + gates[2 * H : 3 * H] * r.child(c, 1)
+        u.name = "tanh(u)"
+        c_new = i * u + f_left * r.child(c, 0) + f_right * r.child(c, 1)
         c_new.name = "c"
-        h_new = gates[3 * H :] * vg.tanh(c_new)
+        h_new = o * vg.tanh(c_new)
         h_new.name = "h"
         r.update(h, h_new)
         r.update(c, c_new)
