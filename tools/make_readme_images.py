@@ -44,6 +44,34 @@ def draw(graph, stem: str, png: bool = True, **options) -> None:
         print("wrote", path.relative_to(ROOT))
 
 
+def tree_rnn():
+    """The Tree-RNN of docs/recursion.md over a 5-node tree, after backward (drawn unhoisted:
+    every node in its structure node's cluster)."""
+    import numpy as np
+
+    import vgraph as vg
+
+    D, H = 3, 4
+    g = vg.VirtualGraph(seed=0, name="tree RNN")
+    children = g.input("children", (None, 2))
+    words = g.input("words", (None, D))
+    W = g.parameter("W", (D, H))
+    U_left, U_right = g.parameter("U_left", (H, H)), g.parameter("U_right", (H, H))
+    with g.recurse(children, name="tree") as r:
+        h = r.state(np.zeros(H), name="h")
+        h_new = vg.tanh(r.step(words, name="word") @ W + r.child(h, 0) @ U_left + r.child(h, 1) @ U_right)
+        h_new.name = "h"
+        r.update(h, h_new)
+    score = vg.sum(r.final(h))
+    score.name = "score"
+    kids = np.array([[-1, -1], [-1, -1], [0, 1], [-1, -1], [2, 3]])  # ((a b) c)
+    feed = {"children": kids, "words": np.random.default_rng(0).normal(size=(5, D))}
+    cg = g.build(feed, score, hoist=False)
+    R.retain_all_grads(cg)
+    cg.backward(score)
+    return cg
+
+
 def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
 
@@ -60,6 +88,8 @@ def main() -> int:
     bg, bfeed, bout = branching.build()
     bcg = bg.build(bfeed, bout)
     draw(bcg, "branching_unrolled", png=False, title="branching RNN unrolled: the option each step took")
+
+    draw(tree_rnn(), "tree_unrolled", gradients=True, fold=None, title="a tree RNN unrolled over ((a b) c) · gradient norms")
 
     try:
         import matplotlib  # noqa: F401

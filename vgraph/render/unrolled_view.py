@@ -251,7 +251,9 @@ class _UnrolledView(_Frames):
     def _order_iterations(self) -> None:
         """Keep the iterations of each loop run in order: every node drawn for iteration t+1
         is ranked below every node of iteration t (through an invisible point between them),
-        so Graphviz stacks them t=0, t=1, … along the layout direction."""
+        so Graphviz stacks them t=0, t=1, … along the layout direction. Not for a recursion
+        (``g.recurse``): its iterations are structure nodes, and its child edges lay it out as a
+        tree, leaves first."""
         children: dict[str, list[str]] = {}
         for tail, head, _attrs in self.scene.edges:
             children.setdefault(tail, []).append(head)
@@ -261,8 +263,8 @@ class _UnrolledView(_Frames):
         for run in sorted(
             self.runs.values(), key=lambda r: (len(r.outer), self._loop_order(r.loop), r.outer)
         ):
-            if run.cluster is None:
-                continue
+            if run.cluster is None or getattr(run.loop, "structure", None) is not None:
+                continue  # a recursion is laid out by its child edges: drawn as the tree it is
             groups = []
             for item in run.cluster.items:
                 members = _cluster_nodes(item) if isinstance(item, _Cluster) else [item]
