@@ -234,21 +234,24 @@ def test_each_op_in_random_graphs_matches_finite_differences(op, data):
 
 # ============================================================================ 2. stale values
 #
-# An Elman RNN unrolled over T steps, with three losses: two that read every leaf (one through
-# tanh(y), a value no gradient flows through) and one that reads only the bias. The machine
-# changes leaves in every way the API offers, runs forward on some targets, backward / backward_ex
-# / grad from others, steps an optimiser and clears gradients, in random order. It models which
-# target is stale (a leaf it depends on changed after its last successful forward), whether the
-# graph was released (a backward without retain_graph since the last forward), and whether the
-# last forward failed its structure check; and it keeps the gradients it expects in each .grad.
+# An Elman RNN unrolled over T steps, whose cell is chosen per step by a branch on an input
+# ("mode"), with three losses: two that read every leaf (one through tanh(y), a value no
+# gradient flows through) and one that reads only the bias. Two graphs are built from it; they
+# share the parameters and each has its own inputs. The machine changes leaves in every way the
+# API offers (a new mode or sequence length changes the structure the graph was built for), runs
+# forward on some targets, backward / backward_ex / grad from others, steps an optimiser and
+# clears gradients, in random order. For each graph it models which target is stale (a leaf it
+# reads changed after its last successful forward), whether the graph was released (a backward
+# without retain_graph since the last forward), and whether the last forward failed a structure
+# check; and it keeps the gradients it expects in each .grad.
 #
-# References are independent of the graph under test: losses are recomputed with numpy from the
+# References are independent of the graphs under test: losses are recomputed with numpy from the
 # current leaf values, gradients come from a fresh model and graph built on the current values.
 
 T = 3
 PARAMS = ("W", "U", "b")
 TARGETS = ("loss1", "loss2", "loss3")
-READS = {"loss1": {"xs", "y", *PARAMS}, "loss2": {"xs", "y", *PARAMS}, "loss3": {"b"}}
+READS = {"loss1": {"xs", "y", "mode", *PARAMS}, "loss2": {"xs", "y", "mode", *PARAMS}, "loss3": {"b"}}
 # Every forward also re-checks the graph's recorded decisions (here the loop's length, read from
 # xs), and every backward refuses while one of them is out of date, even from loss3, which does
 # not read xs: conservative, never wrong. Any successful forward brings them up to date.
@@ -260,12 +263,14 @@ def make_rnn(state=None):
     g = vg.VirtualGraph(dtype=np.float64, seed=7)
     xs = g.input("xs", (None, 1, 2))
     y = g.input("y", (1, 3))
+    mode = g.input("mode", ())
     W = g.parameter("W", (2, 3))
     U = g.parameter("U", (3, 3))
     b = g.parameter("b", (3,), init="normal")
     with g.loop() as L:
         h = L.carry(np.zeros((1, 3)), name="h")
-        L.update(h, vg.tanh(L.step(xs) @ W + h @ U + b))
+        pre = L.step(xs) @ W + h @ U + b
+        L.update(h, g.branch(lambda m: int(m > 0), [vg.tanh(pre), vg.sigmoid(pre) - 0.5], keys=[mode]))
     hT = L.final(h)
     losses = {
         "loss1": vg.sum((hT - y) ** 2),
@@ -277,11 +282,17 @@ def make_rnn(state=None):
     return g, losses
 
 
+def random_feed(seed):
+    rng = np.random.default_rng(seed)
+    return {"xs": rng.uniform(-1, 1, (T, 1, 2)), "y": rng.uniform(-1, 1, (1, 3)), "mode": np.array(-1.0)}
+
+
 def numpy_losses(feed, p):
     """The three losses, by hand."""
     h = np.zeros((1, 3))
     for t in range(feed["xs"].shape[0]):
-        h = np.tanh(feed["xs"][t] @ p["W"] + h @ p["U"] + p["b"])
+        pre = feed["xs"][t] @ p["W"] + h @ p["U"] + p["b"]
+        h = np.tanh(pre) if feed["mode"] <= 0 else 1 / (1 + np.exp(-pre)) - 0.5
     y = feed["y"]
     return {
         "loss1": np.sum((h - y) ** 2),
@@ -306,18 +317,44 @@ def floats(shape):
     return hnp.arrays(np.float64, shape, elements=st.floats(-2, 2, allow_nan=False, allow_infinity=False))
 
 
+class Built:
+    """One built graph and what the machine knows about it."""
+
+    def __init__(self, g, losses, feed):
+        self.feed = {k: np.array(v) for k, v in feed.items()}
+        self.cg = g.build(feed, list(losses.values()))
+        self.length, self.choice = T, bool(feed["mode"] > 0)  # the structure it was built for
+        self.stale: set[str] = set()  # targets a forward must refresh before a backward from them
+        self.released = False  # a backward without retain_graph ran since the last forward
+        self.broken = False  # the last forward failed a structure check
+        self.guards_stale = False  # a leaf the recorded decisions read changed since the last forward
+
+    def changed(self, leaf):
+        self.stale |= {t for t in TARGETS if leaf in READS[t]}
+        self.guards_stale |= leaf in GUARDS_READ
+
+    def refused(self, target):
+        return self.broken or self.released or self.guards_stale or target in self.stale
+
+    def structure_fails(self, target):
+        """Whether a forward of ``target`` must raise StructureChangedError now."""
+        if self.feed["xs"].shape[0] != self.length:
+            return True  # the loop's length is re-checked by every forward
+        return "mode" in READS[target] and bool(self.feed["mode"] > 0) != self.choice
+
+
+graphs = st.sampled_from(["a", "b"])
+
+
 class StaleValues(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.g, self.losses = make_rnn()
-        rng = np.random.default_rng(0)
-        self.feed = {"xs": rng.uniform(-1, 1, (T, 1, 2)), "y": rng.uniform(-1, 1, (1, 3))}
-        self.cg = self.g.build(self.feed, list(self.losses.values()))
+        self.built = {
+            "a": Built(self.g, self.losses, random_feed(0)),
+            "b": Built(self.g, self.losses, random_feed(1)),
+        }
         self.opt = vg.optim.SGD(self.g.params, lr=0.1)
-        self.stale: set[str] = set()  # targets a forward must refresh before a backward from them
-        self.released = False  # a backward without retain_graph ran since the last forward
-        self.broken = False  # the last forward failed its structure check
-        self.guards_stale = False  # a leaf the recorded decisions read changed since the last forward
         self.expected = dict.fromkeys(PARAMS)  # what each .grad must hold
 
     # -- helpers
@@ -326,13 +363,6 @@ class StaleValues(RuleBasedStateMachine):
 
     def grads(self):
         return {n: None if self.g.params[n].grad is None else np.array(self.g.params[n].grad) for n in PARAMS}
-
-    def changed(self, leaf):
-        self.stale |= {t for t in TARGETS if leaf in READS[t]}
-        self.guards_stale |= leaf in GUARDS_READ
-
-    def refused(self, target):
-        return self.broken or self.released or self.guards_stale or target in self.stale
 
     def assert_refused(self, call):
         before = self.grads()
@@ -345,11 +375,14 @@ class StaleValues(RuleBasedStateMachine):
                 assert np.array_equal(before[n], after[n]), n
 
     # -- changing leaves
-    @rule(values=floats((T, 1, 2)), how=st.sampled_from(["feed", "set_value", "value=", "same"]))
-    def change_xs(self, values, how):
-        node = self.cg.inputs["xs"]
+    @rule(
+        which=graphs, values=floats((T, 1, 2)), how=st.sampled_from(["feed", "set_value", "value=", "same"])
+    )
+    def change_xs(self, which, values, how):
+        built = self.built[which]
+        node = built.cg.inputs["xs"]
         if how == "feed":
-            self.cg.feed({"xs": values})
+            built.cg.feed({"xs": values})
         elif how == "set_value":
             node.set_value(values)
         elif how == "value=":
@@ -357,24 +390,34 @@ class StaleValues(RuleBasedStateMachine):
         else:  # the same numbers: still a new version, still needs a forward
             values = np.array(node.value)
             node.set_value(values.copy())
-        self.feed["xs"] = np.array(values)
-        self.changed("xs")
+        built.feed["xs"] = np.array(values)
+        built.changed("xs")
 
-    @rule(values=floats((1, 3)), how=st.sampled_from(["feed", "set_value"]))
-    def change_y(self, values, how):
+    @rule(which=graphs, values=floats((1, 3)), how=st.sampled_from(["feed", "set_value"]))
+    def change_y(self, which, values, how):
+        built = self.built[which]
         if how == "feed":
-            self.cg.feed({"y": values})
+            built.cg.feed({"y": values})
         else:
-            self.cg.inputs["y"].set_value(values)
-        self.feed["y"] = np.array(values)
-        self.changed("y")
+            built.cg.inputs["y"].set_value(values)
+        built.feed["y"] = np.array(values)
+        built.changed("y")
 
-    @rule(length=st.sampled_from([1, 2, T + 1]), data=st.data())
-    def feed_another_length(self, length, data):
-        # The graph was unrolled for T steps: a forward must refuse until the length is T again.
-        self.cg.feed({"xs": data.draw(floats((length, 1, 2)), label="xs")})
-        self.feed["xs"] = np.array(self.cg.inputs["xs"].value)
-        self.changed("xs")
+    @rule(which=graphs, mode=st.sampled_from([-1.0, -0.5, 0.5, 1.0]))
+    def change_mode(self, which, mode):
+        # The branch chose its cell by the mode at build: a forward refuses while the choice differs.
+        built = self.built[which]
+        built.cg.feed({"mode": mode})
+        built.feed["mode"] = np.array(mode)
+        built.changed("mode")
+
+    @rule(which=graphs, length=st.sampled_from([1, 2, T, T + 1]), data=st.data())
+    def change_length(self, which, length, data):
+        # The graph was unrolled for T steps: a forward refuses until the length is T again.
+        built = self.built[which]
+        built.cg.feed({"xs": data.draw(floats((length, 1, 2)), label="xs")})
+        built.feed["xs"] = np.array(built.cg.inputs["xs"].value)
+        built.changed("xs")
 
     @rule(name=st.sampled_from(PARAMS), data=st.data(), how=st.sampled_from(["set_value", "store", "-="]))
     def change_parameter(self, name, data, how):
@@ -385,9 +428,9 @@ class StaleValues(RuleBasedStateMachine):
         elif how == "store":
             self.g.params.set_value(name, values)
         else:
-            values = p.value - values
-            p.value -= p.value - values  # augmented assignment goes through the setter
-        self.changed(name)
+            p.value -= values  # augmented assignment goes through the setter
+        for built in self.built.values():  # both graphs read the shared parameters
+            built.changed(name)
 
     @rule()
     def optimiser_step(self):
@@ -399,63 +442,72 @@ class StaleValues(RuleBasedStateMachine):
                 assert np.array_equal(after[n], before[n])
             else:
                 close(after[n], before[n] - 0.1 * grads[n])
-                self.changed(n)
+                for built in self.built.values():
+                    built.changed(n)
 
-    @rule(how=st.sampled_from(["store", "optimiser", "graph"]))
+    @rule(how=st.sampled_from(["store", "optimiser", "graph a", "graph b"]))
     def zero_grad(self, how):
-        {"store": self.g.params.zero_grad, "optimiser": self.opt.zero_grad, "graph": self.cg.zero_grad}[how]()
+        if how.startswith("graph"):
+            self.built[how[-1]].cg.zero_grad()
+        else:
+            {"store": self.g.params.zero_grad, "optimiser": self.opt.zero_grad}[how]()
         self.expected = dict.fromkeys(PARAMS)
 
     # -- forward
-    @rule(which=st.sampled_from([*TARGETS, "all"]))
-    def forward(self, which):
-        if self.feed["xs"].shape[0] != T:
+    @rule(which=graphs, out=st.sampled_from([*TARGETS, "all"]))
+    def forward(self, which, out):
+        built = self.built[which]
+        targets = TARGETS if out == "all" else (out,)
+        call = lambda: built.cg.forward(None if out == "all" else self.losses[out])  # noqa: E731
+        if any(built.structure_fails(t) for t in targets):
             with pytest.raises(vg.StructureChangedError):
-                self.cg.forward(None if which == "all" else self.losses[which])
-            self.broken = True
+                call()
+            built.broken = True
             return
-        reference = numpy_losses(self.feed, self.params())
-        if which == "all":
-            values = self.cg.forward()
-            for t, v in zip(TARGETS, values):
-                close(v, reference[t])
-            self.stale.clear()
-        else:
-            close(self.cg.forward(self.losses[which]), reference[which])
-            self.stale.discard(which)
-        self.released = self.broken = self.guards_stale = False
+        values = call()
+        reference = numpy_losses(built.feed, self.params())
+        for t, v in zip(targets, values if out == "all" else [values]):
+            close(v, reference[t])
+            built.stale.discard(t)
+        built.released = built.broken = built.guards_stale = False
 
     # -- backward
-    @rule(which=st.sampled_from(TARGETS), retain=st.booleans(), ex=st.booleans())
-    def backward(self, which, retain, ex):
-        loss = self.losses[which]
+    @rule(which=graphs, out=st.sampled_from(TARGETS), retain=st.booleans(), ex=st.booleans())
+    def backward(self, which, out, retain, ex):
+        built = self.built[which]
+        loss = self.losses[out]
         if ex:
-            call = lambda: self.cg.backward_ex(loss, retain_graph=retain)  # noqa: E731
+            call = lambda: built.cg.backward_ex(loss, retain_graph=retain)  # noqa: E731
         else:
-            call, retain = (lambda: self.cg.backward(loss)), False
-        if self.refused(which):
+            call, retain = (lambda: built.cg.backward(loss)), False
+        if built.refused(out):
             self.assert_refused(call)
             return
         value = call()
-        close(value, numpy_losses(self.feed, self.params())[which])
-        for n, g in fresh_gradients(self.feed, self.params(), which).items():
+        close(value, numpy_losses(built.feed, self.params())[out])
+        for n, g in fresh_gradients(built.feed, self.params(), out).items():
             if g is not None:
                 self.expected[n] = g if self.expected[n] is None else self.expected[n] + g
-        self.released = not retain
+        built.released = not retain
 
     @rule(
-        which=st.sampled_from(TARGETS),
+        which=graphs,
+        out=st.sampled_from(TARGETS),
         wrt=st.lists(st.sampled_from(PARAMS), min_size=1, max_size=3, unique=True),
         retain=st.booleans(),
         allow_unused=st.booleans(),
     )
-    def grad(self, which, wrt, retain, allow_unused):
+    def grad(self, which, out, wrt, retain, allow_unused):
+        built = self.built[which]
         nodes = [self.g.params[n] for n in wrt]
-        call = lambda: self.cg.grad(self.losses[which], nodes, retain_graph=retain, allow_unused=allow_unused)  # noqa: E731
-        if self.refused(which):
+
+        def call():
+            return built.cg.grad(self.losses[out], nodes, retain_graph=retain, allow_unused=allow_unused)
+
+        if built.refused(out):
             self.assert_refused(call)
             return
-        fresh = fresh_gradients(self.feed, self.params(), which)
+        fresh = fresh_gradients(built.feed, self.params(), out)
         if not allow_unused and any(fresh[n] is None for n in wrt):
             self.assert_refused(call)  # "the outputs do not depend on ...": nothing changes
             return
@@ -468,7 +520,7 @@ class StaleValues(RuleBasedStateMachine):
         after = self.grads()
         assert all(np.array_equal(before[n], after[n]) for n in PARAMS if before[n] is not None)
         assert all(after[n] is None for n in PARAMS if before[n] is None)
-        self.released = not retain
+        built.released = not retain
 
     @invariant()
     def grads_hold_what_accepted_backwards_accumulated(self):
@@ -548,8 +600,7 @@ class Model:
 
     def __init__(self, directory):
         self.g, self.losses = make_rnn()
-        rng = np.random.default_rng(1)
-        self.feed = {"xs": rng.uniform(-1, 1, (T, 1, 2)), "y": rng.uniform(-1, 1, (1, 3))}
+        self.feed = random_feed(1)
         self.cg = self.g.build(self.feed, list(self.losses.values()))
         self.loss = self.losses["loss1"]
         self.W = self.g.params["W"]
@@ -900,7 +951,7 @@ def test_a_leaf_does_not_alias_the_array_it_was_given():
 @pytest.mark.xfail(strict=True, reason="virtual/unroll.py: UnrolledGraph.feed(None) raises AttributeError")
 def test_feed_refuses_a_non_mapping_with_a_typed_error():
     g, losses = make_rnn()
-    cg = g.build({"xs": np.zeros((T, 1, 2)), "y": np.zeros((1, 3))}, losses["loss1"])
+    cg = g.build(random_feed(0), losses["loss1"])
     with pytest.raises((TypeError, vg.FeedError), match="feed"):
         cg.feed(None)
 
