@@ -20,7 +20,7 @@ import contextlib
 
 import numpy as np
 import pytest
-from hypothesis import Phase, given, note, settings
+from hypothesis import Phase, event, given, note, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -53,7 +53,7 @@ def _leaf_shape(base: tuple[int, ...], keep: int, ones: list[bool]) -> tuple[int
 
 
 @st.composite
-def recipes(draw, forced: str | None = None):
+def recipes(draw, forced: str | None = None, ops: list[str] = UNARY + BINARY):
     """A graph recipe; ``forced`` puts that op among the steps (at a drawn position)."""
     ndim = draw(st.integers(0, 3))
     base = tuple(draw(st.lists(st.integers(1, 3), min_size=ndim, max_size=ndim)))
@@ -62,7 +62,7 @@ def recipes(draw, forced: str | None = None):
         keep = draw(st.integers(0, ndim))
         ones = draw(st.lists(st.booleans(), min_size=keep, max_size=keep))
         leaves.append(_leaf_shape(base, keep, ones))
-    op = st.sampled_from(UNARY + BINARY)
+    op = st.sampled_from(ops)
     steps = draw(st.lists(st.tuples(op, st.integers(0, 20), st.integers(0, 20), st.integers(0, 11)),
                           min_size=2, max_size=8))  # fmt: skip
     if forced is not None:
@@ -179,8 +179,9 @@ def _apply(cg, rng, name, a, b, k):
     raise AssertionError(name)
 
 
-def build_random_graph(recipe):
-    """Interpret a recipe: (graph, output node, parameters, op nodes)."""
+def build_random_graph(recipe, apply=None):
+    """Interpret a recipe: (graph, output node, parameters)."""
+    apply = apply or _apply
     base, leaves, steps, seed = recipe
     rng = np.random.default_rng(seed)
     cg = ComputeGraph(dtype=np.float64)
@@ -188,7 +189,7 @@ def build_random_graph(recipe):
     ops = []
     for name, i, j, k in steps:
         a, b = pool[i % len(pool)], pool[j % len(pool)]
-        out = _apply(cg, rng, name, a, b, k)
+        out = apply(cg, rng, name, a, b, k)
         if out is None or np.size(out.value) > MAX_SIZE:
             out = vg.tanh(a)
         note(f"{name}: {out.describe()} {out.shape}")
@@ -216,12 +217,54 @@ def check_gradients(recipe):
     vg.gradcheck(output, params)  # raises GradcheckError naming leaf and element
     # gradcheck restores every leaf and leaves .grad alone
     assert all(p.grad is None for p in params)
+    # Anomaly mode only watches: on finite values it changes no number.
+    seed = np.ones(output.shape)
+    plain = cg.grad(output, params, seeds=seed, retain_graph=True, allow_unused=True)
+    with vg.detect_anomaly():
+        watched = cg.grad(output, params, seeds=seed, retain_graph=True, allow_unused=True)
+    for a, b in zip(plain, watched):
+        assert (a is None and b is None) or np.array_equal(a, b)
 
 
 @examples(60)
 @given(recipes())
 def test_random_op_graphs_match_finite_differences(recipe):
     check_gradients(recipe)
+
+
+# Ops that produce NaN or Inf on part of the values they get.
+UNSAFE = ["log_raw", "sqrt_raw", "div_by_relu", "exp_big"]
+
+
+def _apply_unsafe(cg, rng, name, a, b, k):
+    if name == "log_raw":
+        return vg.log(a)
+    if name == "sqrt_raw":
+        return a**0.5
+    if name == "div_by_relu":
+        return a / vg.relu(b if _broadcastable(a.shape, b.shape) else a)
+    if name == "exp_big":
+        return vg.exp(a * 400.0)
+    return _apply(cg, rng, name, a, b, k)
+
+
+@examples(60)
+@given(recipes(ops=UNARY + BINARY + UNSAFE * 3))
+def test_anomaly_mode_names_the_first_non_finite_node(recipe):
+    # Without anomaly mode: numpy's NaN/Inf propagate; the first op node (in creation order,
+    # which is the order values are computed in) holding one is where it appeared.
+    with np.errstate(all="ignore"):
+        cg, _, _ = build_random_graph(recipe, _apply_unsafe)
+    first = next((n for n in cg.nodes() if n.op is not None and not np.all(np.isfinite(n.value))), None)
+    note(f"first non-finite: {first}")
+    event("non-finite" if first is not None else "finite")
+    with vg.detect_anomaly():
+        if first is None:
+            build_random_graph(recipe, _apply_unsafe)
+            return
+        with pytest.raises(vg.NonFiniteError) as e:
+            build_random_graph(recipe, _apply_unsafe)
+    assert f"first appears at <{first.key}>" in str(e.value)
 
 
 @pytest.mark.parametrize("op", UNARY + BINARY)
