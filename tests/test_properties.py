@@ -267,6 +267,56 @@ def test_anomaly_mode_names_the_first_non_finite_node(recipe):
     assert f"first appears at <{first.key}>" in str(e.value)
 
 
+def _failing_vjp(g, ans, x):
+    raise IndexError("index 7 is out of bounds for axis 0 with size 3")
+
+
+def _sin_vjp(g, ans, x):
+    return g * np.cos(x)
+
+
+FLAKY = vg.ops.Op("Flaky", np.sin, (_failing_vjp,), arity=1)
+SIN = vg.ops.Op("Flaky", np.sin, (_sin_vjp,), arity=1)  # the same node, with a working VJP
+
+
+def _apply_with(op):
+    def apply(cg, rng, name, a, b, k):
+        return cg.apply(op, [a]) if name == "flaky" else _apply(cg, rng, name, a, b, k)
+
+    return apply
+
+
+@examples(40)
+@given(recipes(forced="flaky"), st.integers(0, 2**32 - 1))
+def test_a_failing_vjp_anywhere_changes_no_grad(recipe, seed):
+    cg, output, params = build_random_graph(recipe, _apply_with(FLAKY))
+    flaky = next(n for n in cg.nodes() if n.key.type == "Flaky")
+    if not flaky.requires_grad:  # e.g. after Step: no gradient reaches it, nothing can fail
+        return
+    rng = np.random.default_rng(seed)
+    for p in params:  # some leaves hold gradients from earlier backwards
+        p.grad = rng.standard_normal(p.shape) if rng.random() < 0.5 else None
+    before = [None if p.grad is None else p.grad.copy() for p in params]
+    seeds = np.ones(output.shape)
+    with pytest.raises(vg.BackwardError, match=f"<{flaky.key}>: the VJP of Flaky") as e:
+        cg.backward(output, seed=seeds)
+    assert isinstance(e.value.__cause__, IndexError)
+    for p, b in zip(params, before):
+        assert (p.grad is None and b is None) or np.array_equal(p.grad, b), p.describe()
+    # Nothing half-done is left: with a working VJP the same graph now gives exactly the
+    # gradients of a graph that never failed, added to what .grad held.
+    flaky.vjps = SIN.vjps
+    cg.backward(output, seed=seeds)
+    good, good_output, good_params = build_random_graph(recipe, _apply_with(SIN))
+    expected = good.grad(good_output, good_params, seeds=seeds, allow_unused=True)
+    for p, b, g in zip(params, before, expected):
+        want = g if b is None else (b if g is None else b + g)
+        if want is None:
+            assert p.grad is None
+        else:
+            np.testing.assert_allclose(p.grad, want, rtol=1e-12, atol=1e-13)
+
+
 @pytest.mark.parametrize("op", UNARY + BINARY)
 @examples(6)
 @given(data=st.data())
