@@ -22,6 +22,8 @@ Defects these properties found have a minimal regression test at the end of the 
 from __future__ import annotations
 
 import contextlib
+import os
+import traceback
 
 import numpy as np
 import pytest
@@ -730,6 +732,7 @@ JUNK = st.recursive(
     max_leaves=4,
 )
 ALLOWED = (vg.VGraphError, TypeError, ValueError)
+VGRAPH_DIR = os.path.dirname(vg.__file__)  # errors must be raised here, not deep in numpy
 
 
 class Model:
@@ -873,6 +876,8 @@ PROBES = {
     "g.build({'xs': junk})": lambda m, j: lambda: m.g.build({**m.feed, "xs": j}, m.loss),
     "g.build(outputs=junk)": lambda m, j: lambda: m.g.build(m.feed, j),
     "VirtualGraph(dtype=junk)": lambda m, j: lambda: vg.VirtualGraph(dtype=j),
+    "ComputeGraph(dtype=junk)": lambda m, j: lambda: ComputeGraph(dtype=j),
+    "set_default_dtype(junk)": lambda m, j: lambda: _set_default_dtype(j),
     "VirtualGraph(seed=junk)": lambda m, j: lambda: vg.VirtualGraph(seed=j),
     # nn
     "nn.Linear(graph=junk)": lambda m, j: lambda: vg_nn.Linear(j, 2, 3, "fc"),
@@ -953,7 +958,18 @@ KNOWN_DEFECTS: dict[str, str] = {
     "optim.SGD.step() with a junk .grad": "optim.py: step() updates earlier parameters before a bad .grad fails",
     "optim.Adam.step() with a junk .grad": "optim.py: step() updates earlier parameters before a bad .grad fails",
     "io.load(graph=junk)": "io.py: io.load(None, path) raises AttributeError",
+    "VirtualGraph(dtype=junk)": "virtual/graph.py: np.dtype(junk) errors surface from numpy's internals",
+    "ComputeGraph(dtype=junk)": "compute.py: np.dtype(junk) errors surface from numpy's internals",
+    "set_default_dtype(junk)": "compute.py: np.dtype(junk) errors surface from numpy's internals",
 }
+
+
+def _set_default_dtype(j):
+    previous = vg.get_default_dtype()
+    try:
+        vg.set_default_dtype(j)
+    finally:
+        vg.set_default_dtype(previous)
 
 
 def _contains(cg, j):
@@ -1027,6 +1043,10 @@ def check_misuse(probe, data, model_directory):
         call()
     except allowed as e:
         note(f"{type(e).__name__}: {e}")
+        raised_in = traceback.extract_tb(e.__traceback__)[-1].filename
+        assert raised_in.startswith(VGRAPH_DIR), (
+            f"{type(e).__name__} raised inside {raised_in}, not by vgraph: {e}"
+        )
         assert m.snapshot() == before, "a failed call changed the model or the built graph"
         assert m.extra() == extra, "a failed call changed the loop or the optimiser"
         if m.g._scopes:  # close the probe's loop before using the graph again
@@ -1169,3 +1189,18 @@ def test_io_load_refuses_something_that_is_not_a_graph(tmp_path):
     vg.io.save(g, tmp_path / "m.npz")
     with pytest.raises(TypeError, match="VirtualGraph"):
         vg.io.load(None, tmp_path / "m.npz")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="compute.py, virtual/graph.py: np.dtype(junk) errors pass through raw, without naming dtype=",
+)
+@pytest.mark.parametrize("make", [vg.VirtualGraph, ComputeGraph, vg.set_default_dtype])
+@pytest.mark.parametrize("dtype", ["nope", {"a": 1}])
+def test_a_bad_dtype_is_a_type_error_naming_dtype(make, dtype):
+    previous = vg.get_default_dtype()
+    try:
+        with pytest.raises(TypeError, match="dtype"):
+            make(dtype=dtype)  # today: "data type 'nope' not understood", "object of type 'int' has no len()"
+    finally:
+        vg.set_default_dtype(previous)
