@@ -211,12 +211,12 @@ def build_random_graph(recipe, apply=None):
     return cg, output, cg.parameters()
 
 
+FAST_EXAMPLES = 40  # max_examples of the fast profile (tests/conftest.py)
+
+
 def examples(n: int, **other) -> settings:
     """``n`` examples in the default profile, scaled with the active profile's max_examples."""
     return settings(max_examples=max(1, n * settings().max_examples // FAST_EXAMPLES), **other)
-
-
-FAST_EXAMPLES = 40  # max_examples of the fast profile (tests/conftest.py)
 
 
 def check_gradients(recipe):
@@ -698,7 +698,11 @@ def _foreign_nodes():
     other = ComputeGraph(dtype=np.float64)
     p = other.parameter(np.ones((2, 3)), name="W")
     other_virtual = vg.VirtualGraph(dtype=np.float64)
-    return [p, vg.sum(p * 2), other_virtual.input("xs"), other_virtual.parameter("W", (2, 3))]
+    xs, W = other_virtual.input("xs"), other_virtual.parameter("W", (2, 3))
+    # Virtual nodes only inside containers: iterating a bare one never ends today (see
+    # test_iterating_a_virtual_node_is_a_type_error), so an entry point that calls tuple() on its
+    # argument would eat all memory instead of failing.
+    return [p, vg.sum(p * 2), [xs], (W, xs), {"xs": W}]
 
 
 ODD = [
@@ -1266,3 +1270,18 @@ def test_a_parameter_name_with_nul_is_refused_or_loads_back(tmp_path):
     h.parameter("a\x00b", (2,))
     vg.io.load(h, tmp_path / "m.npz")  # today: CheckpointError "checkpoint has 'a'"
     np.testing.assert_array_equal(h.params["a\x00b"].value, g.params["a\x00b"].value)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="functions.py: Operand has __getitem__ and no __iter__, so Python iterates a node by "
+    "indexing it 0, 1, 2, ... ; a VirtualNode declares a GetItem each time and never stops",
+)
+def test_iterating_a_virtual_node_is_a_type_error():
+    # tuple(node) -- what any entry point taking a sequence (a shape, an idx, keys) does with a
+    # node passed by mistake, e.g. cg.node(vnode, idx=other_vnode) -- declares GetItem nodes
+    # until memory runs out. The regression test must not loop: iter() alone must refuse.
+    g = vg.VirtualGraph()
+    x = g.input("x", (3,))
+    with pytest.raises(TypeError):
+        iter(x)  # today: an iterator; next() declares <GetItem:1>, <GetItem:2>, ... forever
