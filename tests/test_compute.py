@@ -176,13 +176,17 @@ def test_forward_of_an_unrelated_target_recomputes_nothing():
     np.testing.assert_array_equal(muls[5].value, np.zeros(3))
 
 
-def test_augmented_assignment_bumps_version_and_recomputes():
+def test_leaf_values_are_read_only_and_set_values_bump_the_version():
     cg = ComputeGraph(dtype=np.float64)
     p0 = np.array([0.5, -1.0, 2.0])
     p = cg.parameter(p0)
     y = vgraph.tanh(p).sum()
     v0 = p.version
-    p.value -= 0.1
+    with pytest.raises(ValueError, match="read-only"):  # in place would bypass dirty checking
+        p.value -= 0.1
+    assert p.version == v0
+    np.testing.assert_array_equal(p.value, p0)
+    p.value = p.value - 0.1  # the way: a new value through the setter
     assert p.version > v0
     np.testing.assert_allclose(p.value, p0 - 0.1, rtol=1e-15)
     out = cg.forward(y)

@@ -166,7 +166,7 @@ def test_failed_parameter_declarations_leave_the_graph_unchanged():
         (lambda: g.parameter("W", (2, 2), seed="abc"), TypeError, "seed"),
         (lambda: g.parameter("W", (2, 2), init="nope"), ValueError, "unknown initialiser"),
         (lambda: g.parameter("W@3", (2, 2)), vg.BuildError, "contains '@'"),
-        (lambda: vg.nn.Linear(g, -1, 3, "fc"), ValueError, "negative"),
+        (lambda: vg.nn.Linear(g, -1, 3, "fc"), ValueError, "positive"),
     ]
     for call, error, message in bad_calls:
         with pytest.raises(error, match=message):

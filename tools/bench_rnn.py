@@ -9,7 +9,7 @@ Model (float32)::
 
 vgraph's model is written the natural way, ``tanh(x_t @ W_x + h @ W_h + b)`` inside the loop.
 vgraph step, mode "rebuild": ``g.build(feed, loss)`` (unrolls and computes the forward) +
-``cg.backward`` + ``p.value -= lr * p.grad`` for each parameter + ``g.params.zero_grad()``, every
+``cg.backward`` + ``p.value = p.value - lr * p.grad`` for each parameter + ``g.params.zero_grad()``, every
 step with a sequence of length T (the same structure every step).
 Mode "rebuild-new": the same, but the sequence length changes every step within T ± 10% (every
 length of the range in turn, shuffled: a new structure every step).
@@ -305,7 +305,7 @@ class VgraphRebuild:
         self.nodes.append(len(cg))
         value = cg.backward(cg.outputs[0])
         for p in self.params:
-            p.value -= LR * p.grad
+            p.value = p.value - LR * p.grad
         self.g.params.zero_grad()
         return value
 
@@ -325,7 +325,7 @@ class VgraphReuse:
         cg.forward()
         value = cg.backward(self.loss_node)
         for p in self.params:
-            p.value -= LR * p.grad
+            p.value = p.value - LR * p.grad
         self.g.params.zero_grad()
         return value
 
@@ -389,7 +389,7 @@ def check_correctness(size: tuple[int, int, int, int], seed: int = 0) -> dict[st
 
     # Reuse: same graph, new parameters (one SGD step) and new data.
     for p in g.params.parameters():
-        p.value -= LR * p.grad
+        p.value = p.value - LR * p.grad
     g.params.zero_grad()
     P = vgraph_param_values(g)
     ref_loss1, ref1 = numpy_grads(P, x1, y1)

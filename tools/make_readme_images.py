@@ -89,7 +89,13 @@ def main() -> int:
     bcg = bg.build(bfeed, bout)
     draw(bcg, "branching_unrolled", png=False, title="branching RNN unrolled: the option each step took")
 
-    draw(tree_rnn(), "tree_unrolled", gradients=True, fold=None, title="a tree RNN unrolled over ((a b) c) · gradient norms")
+    draw(
+        tree_rnn(),
+        "tree_unrolled",
+        gradients=True,
+        fold=None,
+        title="a tree RNN unrolled over ((a b) c) · gradient norms",
+    )
 
     try:
         import matplotlib  # noqa: F401

@@ -53,10 +53,18 @@ def set_default_dtype(dtype: Any) -> None:
         TypeError: if ``dtype`` is not a floating-point dtype.
     """
     global _default_dtype
-    dt = np.dtype(dtype)
+    _default_dtype = float_dtype(dtype, "set_default_dtype(dtype)")
+
+
+def float_dtype(dtype: Any, what: str) -> np.dtype:
+    """``dtype`` as a numpy float dtype, or a TypeError naming ``what``."""
+    try:
+        dt = np.dtype(dtype)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{what}: not a dtype ({type(dtype).__name__} {dtype!r}: {e})") from None
     if dt.kind != "f":
-        raise TypeError(f"the default dtype must be a float dtype, got {dt}")
-    _default_dtype = dt
+        raise TypeError(f"{what} must be a float dtype, got {dt}")
+    return dt
 
 
 def get_default_dtype() -> np.dtype:
@@ -302,12 +310,13 @@ class ComputeNode(Operand):
     # -- value
     @property
     def value(self) -> np.ndarray:
-        """The node's current value (as of its last computation).
+        """The node's current value (as of its last computation), as a read-only view.
 
-        For a computed node it is a read-only view: changing it in place would silently
-        desynchronise the graph. Set inputs and parameters instead.
+        Changing it in place would bypass dirty checking and silently desynchronise the graph
+        (and, for a leaf, the values computed from it): set a leaf's value instead
+        (``node.value = new``, ``p.value = p.value - lr * p.grad``, or :meth:`set_value`).
         """
-        return self._value if self.op is None else _readonly(self._value)
+        return _readonly(self._value)
 
     @value.setter
     def value(self, value: Any) -> None:
@@ -316,7 +325,7 @@ class ComputeNode(Operand):
     def set_value(self, value: Any) -> None:
         """Give a leaf a new value and bump its version, so dependent nodes recompute.
 
-        Augmented assignment (``p.value -= lr * p.grad``) goes through here too.
+        The value is copied: later changes to the caller's array do not reach the graph.
 
         Raises:
             GraphStateError: if the node is computed by an op (set its inputs instead).
@@ -332,6 +341,8 @@ class ComputeNode(Operand):
         else:
             dtype = self._value.dtype if self._value.dtype.kind == "f" else _default_dtype
         arr = _as_value(value, dtype)
+        if arr is value:  # the caller's own array: a later in-place change must not reach the graph
+            arr = arr.copy()
         if self.key.type == "Parameter":
             arr = arr.astype(dtype, copy=False)  # parameters are always floats
         if self.key.type == "Parameter" and arr.shape != self._value.shape:
@@ -444,9 +455,7 @@ class ComputeGraph:
     """
 
     def __init__(self, dtype: Any = None) -> None:
-        self.dtype = np.dtype(dtype) if dtype is not None else _default_dtype
-        if self.dtype.kind != "f":
-            raise TypeError(f"a ComputeGraph's dtype must be a float dtype, got {self.dtype}")
+        self.dtype = float_dtype(dtype, "ComputeGraph(dtype=...)") if dtype is not None else _default_dtype
         self._nodes: dict[NodeKey, ComputeNode] = {}
         self._weak_self = weakref.ref(self)
         self._counters: dict[str, int] = {}
@@ -486,7 +495,10 @@ class ComputeGraph:
 
     def _leaf(self, type_: str, value: Any, name: str | None, key: NodeKey | None, requires_grad: bool):
         key = key if key is not None else self._next_key(type_)
-        node = ComputeNode(key, _as_value(value, self.dtype), None, (), None, requires_grad, name, self)
+        arr = _as_value(value, self.dtype)
+        if arr is value:  # the caller's own array: a later in-place change must not reach the graph
+            arr = arr.copy()
+        node = ComputeNode(key, arr, None, (), None, requires_grad, name, self)
         return self._register(node)
 
     def input(

@@ -73,6 +73,10 @@ class Operand:
             )
         return self._apply("Pow", (self,), {"p": float(exponent)})
 
+    def __iter__(self) -> Any:
+        # Without this, Python would iterate a node by indexing it 0, 1, 2, … forever.
+        raise TypeError(f"{type(self).__name__} is not iterable: index it (x[0], x[1]) or use its value")
+
     def __getitem__(self, index: Any) -> Any:
         return self._apply("GetItem", (self,), {"index": index})
 

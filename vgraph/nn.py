@@ -26,6 +26,7 @@ The initialisers of :mod:`vgraph.init` are re-exported here (``nn.init.orthogona
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -102,6 +103,15 @@ def one_hot(indices: Any, num_classes: int) -> Any:
     return (idx[..., None] == classes).astype(np.float64)
 
 
+def _size(n: Any, what: str) -> int:
+    """A module size: a positive int (not a float, bool or str, which int() would accept)."""
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"{what} must be an int, got {type(n).__name__} {n!r}")
+    if n < 1:
+        raise ValueError(f"{what} must be positive, got {n}")
+    return int(n)
+
+
 def _int_array(x: Any, what: str) -> np.ndarray:
     arr = np.asarray(x)
     if arr.dtype.kind not in "iu":
@@ -156,6 +166,28 @@ class Module:
         self.share = None if share is None else bool(share)
         self.declared: dict[str, VirtualNode] = {}
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A module's constructor declares all its parameters or none: if it fails half-way (a bad
+        initialiser for the second parameter, say), the ones it declared are taken back."""
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None or getattr(init, "_atomic", False):
+            return
+
+        @functools.wraps(init)
+        def atomic_init(self: Module, *args: Any, **kw: Any) -> None:
+            try:
+                init(self, *args, **kw)
+            except BaseException:
+                declared = list(getattr(self, "declared", {}).values())
+                if declared:
+                    self.graph._take_back(declared)
+                    self.declared.clear()
+                raise
+
+        atomic_init._atomic = True  # type: ignore[attr-defined]
+        cls.__init__ = atomic_init  # type: ignore[method-assign]
+
     def _param(
         self, local: str, shape: tuple[int, ...], init_: Any, sparse_grad: bool = False
     ) -> VirtualNode:
@@ -207,7 +239,10 @@ class Linear(Module):
         share: bool | None = None,
     ) -> None:
         super().__init__(graph, name, share)
-        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.in_features, self.out_features = (
+            _size(in_features, "in_features"),
+            _size(out_features, "out_features"),
+        )
         self.W = self._param("W", (self.in_features, self.out_features), init)
         self.b = self._param("b", (self.out_features,), bias_init) if bias else None
 
@@ -239,7 +274,7 @@ class RNNCell(Module):
         if nonlinearity not in ("tanh", "relu"):
             raise ValueError(f"nonlinearity must be 'tanh' or 'relu', got {nonlinearity!r}")
         super().__init__(graph, name, share)
-        self.input_size, self.hidden_size = int(input_size), int(hidden_size)
+        self.input_size, self.hidden_size = _size(input_size, "input_size"), _size(hidden_size, "hidden_size")
         self.nonlinearity = nonlinearity
         H = self.hidden_size
         self.W_x = self._param("W_x", (self.input_size, H), xavier_uniform())
@@ -295,7 +330,7 @@ class LSTMCell(Module):
         fused: bool = True,
     ) -> None:
         super().__init__(graph, name, share)
-        self.input_size, self.hidden_size = int(input_size), int(hidden_size)
+        self.input_size, self.hidden_size = _size(input_size, "input_size"), _size(hidden_size, "hidden_size")
         self.fused = bool(fused)
         H = self.hidden_size
         bias = np.zeros(4 * H)
@@ -360,7 +395,7 @@ class GRUCell(Module):
         fused: bool = True,
     ) -> None:
         super().__init__(graph, name, share)
-        self.input_size, self.hidden_size = int(input_size), int(hidden_size)
+        self.input_size, self.hidden_size = _size(input_size, "input_size"), _size(hidden_size, "hidden_size")
         self.fused = bool(fused)
         H = self.hidden_size
         self.W_x = self._param("W_x", (self.input_size, 3 * H), xavier_uniform())
@@ -432,7 +467,7 @@ class Embedding(Module):
         sparse: bool = False,
     ) -> None:
         super().__init__(graph, name, share)
-        self.num_embeddings, self.dim = int(num_embeddings), int(dim)
+        self.num_embeddings, self.dim = _size(num_embeddings, "num_embeddings"), _size(dim, "dim")
         if not isinstance(sparse, (bool, np.bool_)):
             raise TypeError(f"{name}: sparse must be True or False, got {type(sparse).__name__} {sparse!r}")
         self.sparse = bool(sparse)

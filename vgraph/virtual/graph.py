@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import init as initializers
-from ..compute import ComputeNode, NodeKey, _as_value, get_default_dtype, sparse_grad_arg
+from ..compute import ComputeNode, NodeKey, _as_value, float_dtype, get_default_dtype, sparse_grad_arg
 from ..errors import BuildError, ShapeError
 from ..functions import Operand
 from ..ops import OPS
@@ -39,9 +39,9 @@ class VirtualGraph:
     """
 
     def __init__(self, dtype: Any = None, seed: int = 0, name: str | None = None) -> None:
-        self.dtype = np.dtype(dtype) if dtype is not None else get_default_dtype()
-        if self.dtype.kind != "f":
-            raise TypeError(f"a VirtualGraph's dtype must be a float dtype, got {self.dtype}")
+        self.dtype = (
+            float_dtype(dtype, "VirtualGraph(dtype=...)") if dtype is not None else get_default_dtype()
+        )
         self.seed = _seed_arg(seed, "VirtualGraph(seed=...)")
         self.name = name
         self.nodes: list[VirtualNode] = []  # in a topological order (declaration order)
@@ -418,6 +418,14 @@ class VirtualGraph:
             )
         if len(options) < 1:
             raise BuildError("a branch needs at least one option")
+        # Check every operand before declaring any constant: a failed call declares nothing.
+        operands = [y for o in options for y in (o if isinstance(o, (tuple, list)) else (o,))]
+        for y in (*operands, *keys):  # (keys are values: a list key is an array)
+            if not isinstance(y, VirtualNode):
+                try:
+                    _as_value(y, self.dtype)
+                except (TypeError, ValueError) as e:
+                    raise TypeError(f"branch option or key {y!r} is not a node or a number: {e}") from None
         tuples = [isinstance(o, (tuple, list)) for o in options]
         if any(tuples) and not all(tuples):
             raise BuildError("branch options must be all nodes or all tuples of nodes (one per output)")
@@ -523,6 +531,20 @@ class VirtualGraph:
         """Copies of all parameter values by name, untied copies included (``g.params.state_dict()``)."""
         return self.params.state_dict()
 
+    def _take_back(self, nodes: Sequence[VirtualNode]) -> None:
+        """Undo the declaration of ``nodes``, the last ones declared (a module whose constructor
+        failed half-way): the graph is as before them."""
+        for v in reversed(nodes):
+            self.nodes.remove(v)
+            if v.scope is not None:
+                v.scope.body.remove(v)
+            self._counters[v.type] -= 1
+            if v.kind == "parameter":
+                del self._param_decls[v.name]
+                self.params._nodes.pop(v.name, None)
+            elif v.kind == "input":
+                del self._inputs[v.name]
+
     def _declaration_of(self, key: str, what: str) -> tuple[VirtualNode, tuple[int, ...]]:
         """The parameter declaration and iteration path a store name stands for (``"W"``,
         ``"W@3"``), or a KeyError starting with ``what``."""
@@ -609,6 +631,8 @@ class VirtualGraph:
 def _name_arg(name: Any, what: str) -> None:
     if not isinstance(name, str) or not name:
         raise TypeError(f"{what} name must be a non-empty str, got {name!r}")
+    if "\x00" in name:  # a checkpoint's member names stop there: it would never load back
+        raise ValueError(f"{what} name {name!r} contains a NUL character")
 
 
 def _int_like(x: Any) -> bool:
@@ -637,10 +661,11 @@ def _shape_arg(shape: Any, what: str, allow_none: bool = False) -> tuple[Any, ..
     """A shape as a tuple of non-negative ints (and ``None`` where allowed); no silent truncation."""
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
         shape = (shape,)
-    try:
-        dims = tuple(shape)
-    except TypeError:
-        raise TypeError(f"{what}: shape must be a sequence of ints, got {shape!r}") from None
+    if not isinstance(shape, (tuple, list)):
+        raise TypeError(
+            f"{what}: shape must be a tuple or list of ints, got {type(shape).__name__} {shape!r}"
+        )
+    dims = tuple(shape)
     for d in dims:
         if d is None and allow_none:
             continue

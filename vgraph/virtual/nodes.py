@@ -250,8 +250,9 @@ class LoopNode(VirtualNode):
         """Declare the value ``carry`` takes at the start of the next iteration (in a recursion:
         the state's value at the current node)."""
         self._check_open("update()")
-        if carry.kind != "carry" or carry.scope is not self:
-            raise BuildError(f"{carry.describe()} is not a carry of {self.describe()}")
+        if not isinstance(carry, VirtualNode) or carry.kind != "carry" or carry.scope is not self:
+            what = carry.describe() if isinstance(carry, VirtualNode) else repr(carry)
+            raise BuildError(f"{what} is not a carry of {self.describe()}")
         if carry in self.updates:
             raise BuildError(f"{carry.describe()} is already updated in {self.describe()}")
         self.updates[carry] = self.graph._as_node(value)
@@ -284,8 +285,9 @@ class LoopNode(VirtualNode):
     def final(self, carry: VirtualNode, name: str | None = None) -> VirtualNode:
         """The value of ``carry`` after the last iteration (its initial value if none ran)."""
         self._check_closed("final()")
-        if carry.kind != "carry" or carry.scope is not self:
-            raise BuildError(f"{carry.describe()} is not a carry of {self.describe()}")
+        if not isinstance(carry, VirtualNode) or carry.kind != "carry" or carry.scope is not self:
+            what = carry.describe() if isinstance(carry, VirtualNode) else repr(carry)
+            raise BuildError(f"{what} is not a carry of {self.describe()}")
         return VirtualNode(self.graph, "Final", "final", (self, carry), None, name or carry.name, self.scope)
 
     def stack(self, value: VirtualNode, name: str | None = None) -> VirtualNode:

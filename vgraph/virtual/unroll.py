@@ -228,8 +228,11 @@ class UnrolledGraph(ComputeGraph):
         """Give inputs new values by name (checked like a build's feed); then call ``forward``.
 
         Raises:
+            TypeError: ``values`` is not a mapping.
             FeedError: unknown names, names this graph did not use, or shapes that do not match.
         """
+        if not isinstance(values, Mapping):
+            raise TypeError(f"feed() takes a mapping input name -> value, got {type(values).__name__}")
         staged = {}
         for name, value in values.items():
             decl = self.virtual._inputs.get(name)
