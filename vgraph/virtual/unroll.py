@@ -445,6 +445,9 @@ class _Builder:
             length = len(kids)
             cg.guard([node], _structure_check(loop, idx, kids), NodeKey("StructureCheck", loop.id, idx))
             defaults, history = state, []  # every node's state, read by its parents
+            rows = kids.tolist()  # plain ints: reading them per node costs less than numpy scalars
+            width = kids.shape[1]
+            reads = [(read, loop.carries.index(read.inputs[0]), read.attrs["slot"]) for read in loop.children]
         captured = {c: frame.owner(c).env[c] for c in self.plan.captures[loop]}
         groups: dict[VirtualNode, ComputeNode] = {}
         if self.hoist and loop.cond is None and loop.until is None and self.plan.hoistable[loop]:
@@ -481,9 +484,9 @@ class _Builder:
             for c, node in zip(loop.carries, state):
                 ienv[c] = node
             if kids is not None:  # each child read *is* the node computed at that child
-                for read in loop.children:
-                    k = loop.carries.index(read.inputs[0])
-                    c = kids[t, read.attrs["slot"]] if read.attrs["slot"] < kids.shape[1] else -1
+                row = rows[t]
+                for read, k, slot in reads:
+                    c = row[slot] if slot < width else -1
                     ienv[read] = history[c][k] if c >= 0 else defaults[k]
             for item, node in zip(loop.items, seqs):
                 if item not in groups:
