@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ..compute import ComputeNode, NodeKey
 from ..ops import OPS
 
@@ -53,7 +55,7 @@ _ELEMENTWISE = frozenset(
 )
 # Ops a loop body may hoist (see plan._hoistable): those batched_attrs can group whatever the
 # shapes turn out to be, given the rules it checks at build time.
-HOISTABLE_OPS = _ELEMENTWISE | {"MatMul", "Softmax", "LogSoftmax", "Take"}
+HOISTABLE_OPS = _ELEMENTWISE | {"MatMul", "Softmax", "LogSoftmax", "Take", "GetItem"}
 _REDUCTIONS = ("Sum", "Mean", "Max")
 
 
@@ -97,6 +99,12 @@ def batched_attrs(
             axis = tuple(range(rank))
         moved = tuple(a if a < 0 else a + 1 for a in (axis if isinstance(axis, tuple) else (axis,)))
         return {**attrs, "axis": moved}
+    if op == "GetItem":  # a basic index (ints, slices): the same index after the new axis
+        index = attrs["index"]
+        items = index if isinstance(index, tuple) else (index,)
+        if not all(isinstance(i, (int, np.integer, slice)) for i in items):
+            return None
+        return {**attrs, "index": (slice(None), *items)}
     if op == "Reshape":
         return {**attrs, "shape": (count, *attrs["shape"])}
     if op == "Transpose":
