@@ -45,11 +45,13 @@ def run(g, feed, loss, cache):
     return cg, value, grads, decisions
 
 
-def test_a_second_build_of_the_same_structure_reuses_the_nodes():
+def test_a_structure_built_again_reuses_the_nodes_from_its_second_build_on():
     g, loss = rnn()
     rng = np.random.default_rng(0)
     a, b = (rng.normal(size=(5, 2, 3)) for _ in range(2))
-    cg1 = g.build({"xs": a}, loss)
+    first = g.build({"xs": a}, loss)  # a first sighting: unrolled, its graph not kept
+    cg1 = g.build({"xs": a}, loss)  # seen before: unrolled again, and kept
+    assert len(first) == len(cg1) and first.node("Tanh:1@3") is not cg1.node("Tanh:1@3")
     node = cg1.node("Tanh:1@3")
     cg2 = g.build({"xs": b}, loss)
     assert cg2.node("Tanh:1@3") is node  # not unrolled again: the same node, new value
@@ -61,6 +63,7 @@ def test_a_second_build_of_the_same_structure_reuses_the_nodes():
 
 def test_the_superseded_graph_says_so_when_used():
     g, loss = rnn()
+    g.build({"xs": np.ones((4, 2, 3))}, loss)
     cg1 = g.build({"xs": np.ones((4, 2, 3))}, loss)
     g.build({"xs": np.zeros((4, 2, 3))}, loss)
     for use in (
@@ -88,6 +91,9 @@ def test_the_cache_is_bounded_and_can_be_turned_off():
     g.cache_size = 2
     for T in (2, 3, 4, 5):
         g.build({"xs": np.ones((T, 2, 3))}, loss)
+    assert len(g._cache) == 0  # each structure seen once: nothing kept
+    for T in (2, 3, 4, 5):
+        g.build({"xs": np.ones((T, 2, 3))}, loss)
     assert len(g._cache) == 2
     g.cache_size = 0
     assert len(g._cache) == 0
@@ -100,11 +106,12 @@ def test_the_cache_is_bounded_and_can_be_turned_off():
 
 def test_declaring_more_nodes_empties_the_cache():
     g, loss = rnn()
-    g.build({"xs": np.ones((2, 2, 3))}, loss)
+    for _ in range(2):
+        g.build({"xs": np.ones((2, 2, 3))}, loss)
     assert len(g._cache) == 1
     loss2 = loss * 2.0
     g.build({"xs": np.ones((2, 2, 3))}, loss2)
-    assert len(g._cache) == 1
+    assert len(g._cache) == 0  # the old declarations' graph is gone; the new key seen once
 
 
 def adaptive():

@@ -3,7 +3,8 @@
 Unrolling costs Python work per node; a training loop over inputs of a few shapes unrolls the same
 structure again and again. The cache keeps the last few unrolled graphs, keyed by what decides a
 structure before any value is looked at — the outputs, the declarations, train/eval and grad mode,
-hoisting, and the names, shapes and dtypes of the feed. A build with a known key hands the cached
+hoisting, and the names, shapes and dtypes of the feed — from the structure's second build on
+(see :class:`BuildCache`). A build with a known key hands the cached
 graph's nodes to a new :class:`UnrolledGraph`, feeds the new values, redraws sampled nodes (dropout
 masks) exactly as a fresh build would, and re-runs every node in creation order; the recorded
 decisions (trip counts, branch choices, recursion structures) are guards, re-checked on the way.
@@ -32,13 +33,21 @@ DEFAULT_CACHE_SIZE = 4
 class BuildCache:
     """A small LRU of unrolled graphs by structure key (see the module docstring).
 
+    A graph is admitted on its structure's *second* build: a structure seen once may never come
+    back (a new sentence length every step), and keeping its graph alive would only hold memory
+    that the next build could have reused warm. So a structure that repeats is unrolled twice,
+    then re-run; one that does not costs nothing but its key in a bounded list.
+
     Memory: each entry keeps one unrolled graph with its values alive, so the cache holds at most
     ``size`` graphs (the one a training step is using among them).
     """
 
+    SEEN = 256  # structure keys remembered for admission
+
     def __init__(self, size: int = DEFAULT_CACHE_SIZE) -> None:
         self.size = size
         self._entries: OrderedDict[tuple[Any, ...], UnrolledGraph] = OrderedDict()
+        self._seen: OrderedDict[tuple[Any, ...], None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -54,14 +63,22 @@ class BuildCache:
         return self._entries.pop(key, None)
 
     def put(self, key: tuple[Any, ...], cg: UnrolledGraph) -> None:
+        """Keep ``cg`` under ``key`` if this structure was built before (see the class docstring)."""
         if self.size <= 0:
             return
+        if key not in self._entries and key not in self._seen:
+            self._seen[key] = None  # first sighting: remember the key, not the graph
+            if len(self._seen) > self.SEEN:
+                self._seen.popitem(last=False)
+            return
+        self._seen.pop(key, None)
         self._entries[key] = cg
         self._entries.move_to_end(key)
         self.resize(self.size)
 
     def clear(self) -> None:
         self._entries.clear()
+        self._seen.clear()
 
 
 class SupersededGraph:
