@@ -300,8 +300,31 @@ class ComputeNode(Operand):
 
         For a computed node it is a read-only view: changing it in place would silently
         desynchronise the graph. Set inputs and parameters instead.
+
+        In a checkpointed loop (``g.loop(..., checkpoint=...)``) a value that was not kept is
+        recomputed on demand: its unit of iterations is recomputed from the stored state before
+        it (about ``k`` iterations' work for ``checkpoint=k``) and stays until another unit is
+        read.
+
+        Raises:
+            GraphStateError: the value was dropped and the node's graph is gone.
         """
-        return self._value if self.op is None else _readonly(self._value)
+        if self.op is None:
+            return self._value
+        v = self._value
+        if v is None:
+            v = self._rematerialize()
+        return _readonly(v)
+
+    def _rematerialize(self) -> Any:
+        graph = self.graph
+        remat = graph._remat if graph is not None else None
+        if remat is None:
+            raise GraphStateError(
+                f"{self.describe()} has no value: it was dropped by a checkpointed loop and its graph "
+                "is gone (keep a reference to the graph to recompute it)"
+            )
+        return remat.value(self)
 
     @value.setter
     def value(self, value: Any) -> None:
@@ -339,12 +362,12 @@ class ComputeNode(Operand):
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape of the value."""
-        return np.shape(self._value)
+        return np.shape(self._value if self._value is not None else self.value)
 
     @property
     def dtype(self) -> np.dtype:
         """The dtype of the value."""
-        return np.asarray(self._value).dtype
+        return np.asarray(self._value if self._value is not None else self.value).dtype
 
     @property
     def is_leaf(self) -> bool:
@@ -438,6 +461,9 @@ class ComputeGraph:
         self._fresh: dict[Any, int] = {}
         self._failed_forward: str | None = None  # what the last forward raised, if it failed
         self.last_forward: ForwardReport | None = None
+        # Checkpointed loops' book-keeping (vgraph.virtual.checkpoint.Rematerializer), if any:
+        # op nodes of dropped iterations have the value None until it recomputes them.
+        self._remat: Any = None
 
     # -- building
     def _next_key(self, type_: str) -> NodeKey:
@@ -747,6 +773,9 @@ class ComputeGraph:
         run = self._run
         try:
             with _anomaly_scope(detect_anomaly):
+                if self._remat is not None:
+                    recomputed = self._forward_dropped(plan, report)
+                    plan = ()
                 for n in plan:
                     version = n.version
                     for p in n.parents:
@@ -770,8 +799,27 @@ class ComputeGraph:
         self._failed_forward = None
         self._mark_fresh(targets)
         if isinstance(target, (list, tuple)):
-            return [_readonly(t._value) for t in targets]
-        return _readonly(targets[0]._value)
+            return [t.value for t in targets]
+        return targets[0].value
+
+    def _forward_dropped(self, plan: list[ComputeNode], report: ForwardReport) -> int:
+        """The forward loop for a graph with checkpointed loops: dropped values that a
+        recomputed node reads are brought back first, and dropped again unit by unit."""
+        explain = report.explanation is not None
+        run = self._run
+        count = 0
+
+        def recompute(n: ComputeNode) -> None:
+            nonlocal count
+            if explain:
+                changed = tuple(p.key for p in n.parents if p.version > n.version)
+                report.explanation.append((n.key, changed))
+            n._value = run(n)
+            n.version = next(_clock)
+            count += 1
+
+        self._remat.forward(plan, recompute)
+        return count
 
     def _mark_fresh(self, targets: Iterable[Any]) -> None:
         """Record that the ancestors of ``targets`` (``[_ALL]``: every node) are consistent now."""
@@ -978,6 +1026,8 @@ class ComputeGraph:
         )
 
     def _seed(self, out: ComputeNode, seed: Any) -> np.ndarray:
+        if out._value is None:  # dropped by a checkpointed loop
+            out.value  # noqa: B018 (recomputes it)
         shape = np.shape(out._value)
         if seed is None:
             if np.size(out._value) != 1:
@@ -1014,6 +1064,7 @@ class ComputeGraph:
         found: dict[ComputeNode, np.ndarray] = {}
         staged: list[tuple[ComputeNode, np.ndarray, bool]] = []  # (node, gradient, owned)
         check = _Anomaly.enabled
+        remat = self._remat  # checkpointed loops: dropped values are recomputed when reached
         try:
             for r, g in roots:
                 if check and not _finite(g):
@@ -1038,7 +1089,7 @@ class ComputeGraph:
                 if accumulate and n.retains_grad:
                     staged.append((n, g, False))
                 parents = n.parents
-                ans = n._value
+                ans = n._value if remat is None else remat.backward_value(n)
                 values = [p._value for p in parents]
                 attrs = n.attrs
                 for p, vjp in zip(parents, n.vjps):
@@ -1077,6 +1128,9 @@ class ComputeGraph:
                 r._g = None
                 r._gown = False
             raise
+        finally:
+            if remat is not None:
+                remat.end_backward()
         for n, g, own in staged:  # the sweep succeeded: commit
             if n.grad is None:
                 n.grad = g if own else np.array(g)

@@ -116,7 +116,7 @@ class LoopNode(VirtualNode):
 
     __slots__ = (
         "times", "cond", "max_iters", "carries", "updates", "sequences", "items", "closed", "body",
-        "structure", "children",
+        "structure", "children", "checkpoint",
     )  # fmt: skip
 
     def __init__(
@@ -127,8 +127,10 @@ class LoopNode(VirtualNode):
         max_iters: int,
         name: str | None,
         structure: VirtualNode | None = None,
+        checkpoint: Any = None,
     ):
         super().__init__(graph, "Loop", "loop", (), None, name, graph._scope())
+        self.checkpoint = checkpoint  # a checkpoint.Schedule, or None: keep every value
         self.times = times
         self.cond = cond
         self.max_iters = max_iters

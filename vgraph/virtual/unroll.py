@@ -37,6 +37,7 @@ from ..errors import (
 )
 from ..ops import OPS, Op
 from .cache import SupersededGraph
+from .checkpoint import LoopRecord, Rematerializer
 from .graph import VirtualGraph
 from .hoist import hoist_loop
 from .nodes import _NO_LOOP_VALUE, BranchNode, LoopNode, VirtualNode
@@ -416,7 +417,7 @@ class _Builder:
             defaults, history = state, []  # every node's state, read by its parents
         captured = {c: frame.owner(c).env[c] for c in self.plan.captures[loop]}
         groups: dict[VirtualNode, ComputeNode] = {}
-        if self.hoist and loop.cond is None and self.plan.hoistable[loop]:
+        if self.hoist and loop.cond is None and loop.checkpoint is None and self.plan.hoistable[loop]:
             trips = min(n for n in (loop.times, length) if n is not None)  # known before it starts
             if 1 < trips <= loop.max_iters:
                 groups = hoist_loop(self, loop, frame, captured, seqs, trips)
@@ -424,6 +425,7 @@ class _Builder:
         stacked = self.plan.stacked.get(loop, [])
         collected: list[list[ComputeNode]] = [[] for _ in stacked]
         names = [c.name for c in loop.carries]
+        ckpt = self.checkpointing(loop, idx, length, kids)  # None unless checkpoint= was given
         t = 0
         while True:
             if loop.times is not None and t >= loop.times:
@@ -477,8 +479,12 @@ class _Builder:
                 history.append(new_state)
             for bucket, s in zip(collected, stacked):
                 bucket.append(ienv[s.inputs[1]])
+            if ckpt is not None:
+                ckpt.end_iteration(t, new_state, [ienv[s.inputs[1]] for s in stacked])
             t += 1
         cg.decisions.append(Decision(loop, idx, "iterations", t))
+        if ckpt is not None:
+            ckpt.finish(t, state)
         env[loop] = None  # the loop itself has no value; its outputs do
         for v in self.plan.finals.get(loop, ()):
             env[v] = state[loop.carries.index(v.inputs[1])]
@@ -486,6 +492,21 @@ class _Builder:
             if not bucket:  # an error only if the stack is used: see build_node
                 continue
             env[s] = cg._add_op(_STACK, tuple(bucket), {"axis": 0}, NodeKey("Stack", s.id, idx), s.name)
+            if ckpt is not None:
+                ckpt.share_stack(env[s], bucket)
+
+    def checkpointing(
+        self, loop: LoopNode, idx: tuple[int, ...], length: int | None, kids: Any
+    ) -> LoopRecord | None:
+        """The book-keeping of a checkpointed loop instance (``None`` if the loop keeps every
+        value): see :mod:`vgraph.virtual.checkpoint`."""
+        if loop.checkpoint is None or not is_grad_enabled():
+            return None
+        cg = self.cg
+        if cg._remat is None:
+            cg._remat = Rematerializer(cg, next_version)
+        known = [n for n in (loop.times, length) if n is not None] if loop.cond is None else []
+        return cg._remat.start_loop(loop, idx, loop.checkpoint, min(known) if known else None, kids)
 
     def choose(self, branch: BranchNode, frame: _Frame) -> int:
         """Run ``branch``'s selector on its keys' values (built by now)."""
@@ -767,7 +788,7 @@ def build_compute_graph(
     cg._mark_fresh([_ALL])  # every node was computed from its parents' current values
     for name, node in builder.new_params.items():  # commit only after success
         graph.params._add(name, node)
-    if cache:
+    if cache and cg._remat is None:  # a replay would read dropped values: checkpointed graphs unroll
         graph._cache.put(key, cg)
     graph.latest_build = cg
     graph._builds += 1

@@ -1,0 +1,509 @@
+"""Checkpointing (issue 15): ``g.loop(..., checkpoint=k | "sqrt" | ("binomial", s))``.
+
+Identity tests: each model is built by one factory with ``checkpoint=None`` (the plain unroll,
+the reference) and with each schedule; losses, every parameter gradient, every decision and
+every node's value (read on demand where it was dropped) must agree (float64, 1e-12). Memory
+bounds are relative to the plain unroll measured in the same test (tracemalloc), never timings.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import vgraph as vg
+from vgraph import nn
+from vgraph.render import to_dot
+from vgraph.tbptt import chunk_feeds, truncated_bptt
+from vgraph.virtual.checkpoint import binomial_positions, binomial_split
+
+ROOT = Path(__file__).resolve().parent.parent
+TOL = {"rtol": 1e-12, "atol": 1e-12}
+SCHEDULES = [1, 2, 3, 7, 1000, "sqrt", ("binomial", 1), ("binomial", 2), ("binomial", 5)]
+I, H, B = 3, 4, 2
+
+
+# ---------------------------------------------------------------------------- models
+
+
+def elman(ck, T=None):
+    """An Elman RNN over a stepped sequence; per-step squared readout summed in a carry, and
+    the hidden states stacked (0.1 * their sum joins the loss)."""
+    g = vg.VirtualGraph(dtype=np.float64, seed=1)
+    xs, h0 = g.input("xs"), g.input("h0")
+    cell = nn.RNNCell(g, I, H, "rnn", share=True)
+    V = g.parameter("V", (H, 1))
+    with g.loop(checkpoint=ck, name="rnn") as loop:
+        x = loop.step(xs)
+        h = loop.carry(h0, name="h")
+        acc = loop.carry(g.constant(0.0), name="acc")
+        hn = cell(x, h)
+        y = hn @ V
+        loop.update(h, hn)
+        loop.update(acc, acc + vg.mean(y * y))
+    loss = loop.final(acc) + 0.1 * vg.sum(loop.stack(hn))
+    return g, loss, loop
+
+
+def lstm(ck):
+    g = vg.VirtualGraph(dtype=np.float64, seed=2)
+    xs, h0 = g.input("xs"), g.input("h0")
+    cell = nn.LSTMCell(g, I, H, "lstm", share=True)
+    with g.loop(checkpoint=ck, name="lstm") as loop:
+        x = loop.step(xs)
+        h = loop.carry(h0, name="h")
+        c = loop.carry(h0, name="c")
+        hn, cn = cell(x, (h, c))
+        loop.update(h, hn)
+        loop.update(c, cn)
+    loss = vg.sum(loop.final(h) ** 2) + vg.mean(loop.final(c))
+    return g, loss, loop
+
+
+def nested(ck_outer, ck_inner):
+    """Three passes (untied weights per pass) over the sequence: a loop over layers around a
+    loop over time."""
+    g = vg.VirtualGraph(dtype=np.float64, seed=3)
+    xs, h0 = g.input("xs"), g.input("h0")
+    with g.loop(times=3, checkpoint=ck_outer, name="layers") as outer:
+        s = outer.carry(h0, name="s")
+        U = g.parameter("U", (H, H), share=False)
+        W = g.parameter("W", (I, H), share=True)
+        with g.loop(checkpoint=ck_inner, name="time") as inner:
+            x = inner.step(xs)
+            h = inner.carry(s, name="h")
+            inner.update(h, vg.tanh(x @ W + h @ U))
+        outer.update(s, inner.final(h))
+    loss = vg.sum(outer.final(s) ** 2)
+    return g, loss, outer
+
+
+def branchy(ck):
+    """A while_ loop whose trip count depends on the data, with a branch per iteration chosen by
+    the stepped input."""
+    g = vg.VirtualGraph(dtype=np.float64, seed=4)
+    x0, xs = g.input("x0"), g.input("xs")
+    W = g.parameter("W", (H, H), init=vg.nn.init.normal(0.6))
+    Wx = g.parameter("Wx", (I, H))
+    b = g.parameter("b", (H,))
+    cond = lambda t, s: float(np.sum(s["acc"])) < 6.0  # noqa: E731
+    with g.loop(while_=cond, checkpoint=ck, name="walk") as loop:
+        x = loop.step(xs)
+        h = loop.carry(x0, name="h")
+        acc = loop.carry(g.constant(0.0), name="acc")
+        z = h @ W + x @ Wx + b
+        hn = g.branch(lambda v: int(np.sum(v) > 0), [vg.tanh(z), vg.sigmoid(z)], keys=[x])
+        loop.update(h, hn)
+        loop.update(acc, acc + vg.mean(hn * hn) + 0.05)
+    loss = loop.final(acc) + vg.sum(loop.final(h))
+    return g, loss, loop
+
+
+def walk_feed(seed=0):
+    rng = np.random.default_rng(seed)
+    return {"x0": rng.uniform(-0.5, 0.5, (B, H)), "xs": rng.standard_normal((200, B, I))}
+
+
+def with_dropout(ck):
+    g = vg.VirtualGraph(dtype=np.float64, seed=5)
+    xs, h0 = g.input("xs"), g.input("h0")
+    cell = nn.RNNCell(g, I, H, "rnn", share=True)
+    drop = nn.Dropout(g, 0.4)
+    with g.loop(checkpoint=ck) as loop:
+        x = loop.step(xs)
+        h = loop.carry(h0, name="h")
+        loop.update(h, drop(cell(x, h)))
+    return g, vg.sum(loop.final(h) ** 2), loop
+
+
+def tree(ck):
+    g = vg.VirtualGraph(dtype=np.float64, seed=6)
+    children, xs = g.input("children"), g.input("xs")
+    with g.recurse(children, checkpoint=ck, name="tree") as r:
+        W = g.parameter("W", (I, H))
+        U = g.parameter("U", (H, H))
+        x = r.step(xs)
+        h = r.state(np.zeros(H), name="h")
+        hn = vg.tanh(x @ W + (r.child(h, 0) + r.child(h, 1)) @ U)
+        r.update(h, hn)
+    loss = vg.sum(r.final(h) ** 2) + 0.1 * vg.sum(r.stack(hn))
+    return g, loss, r
+
+
+def seq_feed(T, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"xs": rng.standard_normal((T, B, I)), "h0": 0.1 * rng.standard_normal((B, H))}
+
+
+def random_tree(rng, leaves):
+    children = [[-1, -1] for _ in range(leaves)]
+    pool = list(range(leaves))
+    while len(pool) > 1:
+        i, j = sorted(rng.choice(len(pool), 2, replace=False))
+        children.append([pool[i], pool[j]])
+        pool = [p for k, p in enumerate(pool) if k not in (i, j)] + [len(children) - 1]
+    return np.array(children)
+
+
+# ---------------------------------------------------------------------------- identity
+
+
+def run(make, ck, feed, **build):
+    g, loss, loop = make(ck)
+    cg = g.build(feed, loss, **build)
+    value = cg.backward(loss)
+    grads = {k: np.array(p.grad) for k, p in g.params.items() if p.grad is not None}
+    return g, cg, loss, value, grads
+
+
+def assert_identical(make, feed, schedules=SCHEDULES, values=True, expect_drops=True):
+    """Loss, every parameter gradient, decisions, keys and (``values``) every node's value of
+    each checkpointed build equal the plain unroll's."""
+    _, plain, _, v0, g0 = run(make, None, feed)
+    assert plain._remat is None
+    for ck in schedules:
+        _, cg, _, v, grads = run(make, ck, feed)
+        np.testing.assert_allclose(v, v0, **TOL, err_msg=str(ck))
+        assert grads.keys() == g0.keys()
+        for k in g0:
+            np.testing.assert_allclose(grads[k], g0[k], **TOL, err_msg=f"{ck} {k}")
+        assert [(d.idx, d.kind, d.value) for d in cg.decisions] == [
+            (d.idx, d.kind, d.value) for d in plain.decisions
+        ]
+        plain_keys = {k for k in plain._nodes if not k.type.endswith("*")}  # hoisting groups
+        assert {k for k in cg._nodes if not k.type.endswith("*")} == plain_keys
+        dropped = [n for n in cg._nodes.values() if n._value is None]
+        if expect_drops and ck != 1000:
+            assert dropped, ck  # the schedule really dropped values
+        if values:
+            for key in sorted(plain_keys, key=str):
+                np.testing.assert_allclose(cg.node(key).value, plain.node(key).value, **TOL, err_msg=str(key))
+    return plain
+
+
+def test_elman_every_schedule_is_the_plain_unroll():
+    assert_identical(elman, seq_feed(23))
+
+
+def test_lstm_every_schedule_is_the_plain_unroll():
+    assert_identical(lstm, seq_feed(17))
+
+
+@pytest.mark.parametrize("outer, inner", [(None, 3), (1, None), (2, "sqrt"), (1, ("binomial", 2))])
+def test_nested_loops(outer, inner):
+    feed = seq_feed(9)
+    _, plain, _, v0, g0 = run(lambda ck: nested(None, None), None, feed)
+    _, cg, _, v, grads = run(lambda ck: nested(outer, inner), None, feed)
+    np.testing.assert_allclose(v, v0, **TOL)
+    assert grads.keys() == g0.keys() and len(g0) == 4  # W and U@0..2
+    for k in g0:
+        np.testing.assert_allclose(grads[k], g0[k], **TOL, err_msg=k)
+    assert any(n._value is None for n in cg._nodes.values())
+    for key, n in plain._nodes.items():
+        if not key.type.endswith("*"):  # hoisting groups: none in a checkpointed loop
+            np.testing.assert_allclose(cg.node(key).value, n.value, **TOL, err_msg=str(key))
+
+
+def test_while_loop_with_branches_and_data_dependent_trip_count():
+    plain = assert_identical(branchy, walk_feed())
+    trips = plain.decisions[-1]
+    assert trips.kind == "iterations" and 10 < trips.value < 200
+    choices = {d.value for d in plain.decisions if d.kind == "option"}
+    assert choices == {0, 1}  # both options were taken
+
+
+def test_dropout_masks_are_the_same_on_recomputation():
+    feed = seq_feed(15)
+    plain = assert_identical(with_dropout, feed)
+    masks = [n for k, n in plain._nodes.items() if k.type == "Sample"]
+    assert masks and any((n.value == 0).any() for n in masks)
+
+
+def test_recursion_over_a_tree():
+    rng = np.random.default_rng(7)
+    children = random_tree(rng, 9)
+    feed = {"children": children, "xs": rng.standard_normal((len(children), I))}
+    assert_identical(tree, feed, schedules=[1, 2, 3, "sqrt"])
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    T=st.integers(1, 40),
+    schedule=st.one_of(
+        st.integers(1, 45), st.just("sqrt"), st.tuples(st.just("binomial"), st.integers(1, 12))
+    ),
+    model=st.sampled_from(["elman", "lstm", "branchy"]),
+    seed=st.integers(0, 100),
+)
+def test_random_lengths_and_schedules(T, schedule, model, seed):
+    if model == "branchy":
+        feed = walk_feed(seed)
+    else:
+        feed = seq_feed(T, seed)
+    make = {"elman": elman, "lstm": lstm, "branchy": branchy}[model]
+    assert_identical(make, feed, schedules=[schedule], values=False, expect_drops=False)
+
+
+# ---------------------------------------------------------------------------- the engine
+
+
+def test_backward_twice_and_grad():
+    feed = seq_feed(20)
+    _, plain, loss0, _, g0 = run(elman, None, feed)
+    for ck in ["sqrt", ("binomial", 3)]:
+        g, loss = elman(ck)[:2]
+        cg = g.build(feed, loss)
+        cg.backward_ex(loss, retain_graph=True)
+        cg.backward(loss)  # the second backward recomputes again, from what is kept
+        for k, p in g.params.items():
+            np.testing.assert_allclose(p.grad, 2 * g0[k], **TOL, err_msg=k)
+        g.params.zero_grad()
+        cg.forward()
+        params = [g.params[k] for k in sorted(g0)]
+        got = cg.grad(loss, params)
+        for k, arr in zip(sorted(g0), got):
+            np.testing.assert_allclose(arr, g0[k], **TOL, err_msg=k)
+            assert g.params[k].grad is None
+
+
+def test_values_are_dropped_and_recomputed_on_demand():
+    g, loss, loop = elman(4)
+    cg = g.build(seq_feed(12), loss)
+    tanh = next(v for v in loop.body if v.type == "Mul")  # y * y: not kept
+    node = cg.node(tanh, (5,))
+    assert node._value is None  # dropped while unrolling
+    value = node.value  # recomputes iterations 4..7 (its unit)
+    _, plain, *_ = run(elman, None, seq_feed(12))
+    np.testing.assert_allclose(value, plain.node(node.key).value, **TOL)
+    assert not value.flags.writeable
+    assert cg.node(tanh, (6,))._value is not None  # its unit stays until another is read
+    assert cg.node(tanh, (9,)).value.shape == (B, 1)
+    assert cg.node(tanh, (6,))._value is None and cg.node(tanh, (9,)).shape == (B, 1)
+    acc = next(c for c in loop.carries if c.name == "acc")
+    assert cg.node(acc, (4,))._value is not None  # the checkpoint: the state entering unit 1
+    assert cg.node(acc, (5,))._value is None
+
+
+def test_forward_after_feed_is_dirty_checked_and_correct():
+    feed, new = seq_feed(16, 0), seq_feed(16, 1)
+    for ck in [3, "sqrt", ("binomial", 2)]:
+        g, loss = elman(ck)[:2]
+        cg = g.build(feed, loss)
+        gp, lossp = elman(None)[:2]
+        plain = gp.build(feed, lossp)
+        cg.feed({"h0": new["h0"]})  # changes every iteration (through the carry)
+        plain.feed({"h0": new["h0"]})
+        np.testing.assert_allclose(cg.forward(), plain.forward(), **TOL)
+        assert cg.last_forward.recomputed == plain.last_forward.recomputed
+        cg.backward(loss)
+        plain.backward(lossp)
+        for k, p in gp.params.items():
+            np.testing.assert_allclose(g.params[k].grad, p.grad, **TOL, err_msg=f"{ck} {k}")
+        assert sum(n._value is None for n in cg._nodes.values()) > 50  # dropped again
+        cg.forward()
+        assert cg.last_forward.recomputed == 0  # nothing changed: nothing recomputed
+
+
+def test_stale_values_still_refuse_backward():
+    g, loss = elman("sqrt")[:2]
+    cg = g.build(seq_feed(10), loss)
+    cg.feed(seq_feed(10, 3))
+    with pytest.raises(vg.GraphStateError, match="out-of-date"):
+        cg.backward(loss)
+
+
+def test_binomial_schedule_numbers():
+    # 2 stored states for 10 steps: C(3 + r, 3) >= 10 at r = 2
+    assert binomial_split(10, 2) in range(1, 10)
+    pos = binomial_positions(10_000, 10)
+    assert len(pos) == 10 and max(pos) < 10_000
+    # every split keeps both parts within their binomial bounds
+    for n in range(2, 200):
+        for free in range(1, 6):
+            assert 1 <= binomial_split(n, free) <= n - 1
+
+
+def test_recomputation_counts_match_the_schedule():
+    T = 60
+    feed = seq_feed(T)
+    counts = {}
+    for ck in [1, "sqrt", ("binomial", 3), ("binomial", 1)]:
+        g, loss = elman(ck)[:2]
+        cg = g.build(feed, loss)
+        cg.backward(loss)
+        counts[str(ck)] = cg._remat.recomputed
+    ops = sum(1 for n in cg._nodes.values() if n.op is not None)
+    assert counts["1"] < counts["sqrt"] <= ops  # at most one extra forward
+    # 4 snapshots (3 stored + the initial state): C(4 + r, 4) >= 60 at r = 3
+    assert ops < counts["('binomial', 3)"] <= 3 * ops
+    assert counts["('binomial', 1)"] > counts["('binomial', 3)"]
+
+
+# ---------------------------------------------------------------------------- memory
+
+
+def peak(make, ck, feed):
+    g, loss = make(ck)[:2]
+    g.build(feed, loss, cache=False)  # parameters exist before measuring
+    g.latest_build = None
+    tracemalloc.start()
+    try:
+        cg = g.build(feed, loss, cache=False)
+        cg.backward(loss)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_peak_memory_is_bounded_relative_to_the_plain_unroll():
+    def big(ck):
+        g = vg.VirtualGraph(dtype=np.float64, seed=1)
+        xs, h0 = g.input("xs"), g.input("h0")
+        cell = nn.RNNCell(g, 4, 64, "rnn", share=True)
+        with g.loop(checkpoint=ck) as loop:
+            h = loop.carry(h0, name="h")
+            loop.update(h, cell(loop.step(xs), h))
+        return g, vg.sum(loop.final(h) ** 2)
+
+    rng = np.random.default_rng(0)
+    feed = {"xs": rng.standard_normal((400, 16, 4)), "h0": np.zeros((16, 64))}
+    plain = peak(big, None, feed)
+    sqrt = peak(big, "sqrt", feed)
+    binomial = peak(big, ("binomial", 4), feed)
+    assert sqrt < 0.3 * plain, (sqrt, plain)
+    assert binomial < 0.3 * plain, (binomial, plain)
+
+
+# ---------------------------------------------------------------------------- combinations
+
+
+def test_hoisting_is_off_in_checkpointed_loops_only():
+    g = vg.VirtualGraph(dtype=np.float64, seed=1)
+    xs = g.input("xs")
+    W = g.parameter("W", (I, H))
+    with g.loop(checkpoint=2) as a:
+        h = a.carry(np.zeros((B, H)), name="h")
+        a.update(h, vg.tanh(a.step(xs) @ W + h))
+    with g.loop() as b:
+        k = b.carry(a.final(h), name="k")
+        b.update(k, vg.tanh(b.step(xs) @ W + k))
+    loss = vg.sum(b.final(k))
+    feed = {"xs": seq_feed(8)["xs"]}
+    cg = g.build(feed, loss)
+    groups = [key for key in cg._nodes if key.type.endswith("*")]
+    assert groups and all(cg._nodes[key].key.type == "MatMul*" or key.type == "Item*" for key in groups)
+    matmul = next(v for v in a.body if v.type == "MatMul")
+    assert cg.node(matmul, (3,)).parents[0].key.type == "Item"  # per iteration, not a Hoisted view
+    cg.backward(loss)
+    got = np.array(W.compute_nodes[()].grad)
+    g.params.zero_grad()
+    plain = g.build(feed, loss, hoist=False)
+    plain.backward(loss)
+    np.testing.assert_allclose(got, W.compute_nodes[()].grad, **TOL)
+
+
+def test_checkpointed_graphs_are_not_cached():
+    g, loss = elman(3)[:2]
+    first = g.build(seq_feed(6), loss)
+    second = g.build(seq_feed(6, 1), loss)
+    assert len(g._cache) == 0
+    assert first.forward() != second.forward()  # the first graph is still its own
+
+
+def test_truncated_bptt_with_checkpointing():
+    results = []
+    for ck in [None, "sqrt"]:
+        g, loss, loop = elman(ck)
+        h = next(c for c in loop.carries if c.name == "h")
+        feed = seq_feed(24)
+        res = truncated_bptt(
+            g,
+            chunk_feeds({"xs": feed["xs"]}, 8, ["xs"]),
+            loss,
+            {"h0": loop.final(h)},
+            {"h0": feed["h0"]},
+            optimizer=vg.optim.SGD(g.params, lr=0.1),
+        )
+        results.append((res.losses, {k: np.array(p.value) for k, p in g.params.items()}))
+    np.testing.assert_allclose(results[0][0], results[1][0], **TOL)
+    for k in results[0][1]:
+        np.testing.assert_allclose(results[0][1][k], results[1][1][k], **TOL)
+
+
+def test_eval_builds_keep_every_value():
+    g, loss = elman("sqrt")[:2]
+    g.eval()
+    cg = g.build(seq_feed(9), loss)
+    assert cg._remat is None and all(n._value is not None for n in cg._nodes.values())
+
+
+# ---------------------------------------------------------------------------- rendering
+
+
+def test_rendering_marks_kept_and_recomputed_iterations():
+    g, loss = elman(3)[:2]
+    cg = g.build(seq_feed(7), loss)
+    cg.backward(loss)
+    dot = to_dot(cg, gradients=True, fold=None)
+    assert "checkpoint every 3" in dot
+    assert dot.count("state kept") == 3  # iterations 2, 5 and 6 (the last, partial unit)
+    assert dot.count("recomputed") == 4
+    assert "|grad|" in dot  # the gradient overlay
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "bad, error, text",
+    [
+        (0, ValueError, "checkpoint=0 cannot work"),
+        (-3, ValueError, "checkpoint=-3 cannot work"),
+        (("binomial", 0), ValueError, "budget of at least one"),
+        (("binomial", -1), ValueError, "budget of at least one"),
+        ("log", ValueError, "unknown checkpoint schedule 'log'"),
+        (("revolve", 3), ValueError, "is not a schedule"),
+        (("binomial", 2.5), TypeError, "needs an int s"),
+        (2.0, TypeError, "is not a schedule"),
+        (True, TypeError, "is not a schedule"),
+        ([3], TypeError, "is not a schedule"),
+    ],
+)
+def test_bad_schedules_are_typed_errors_naming_the_loop(bad, error, text):
+    g = vg.VirtualGraph()
+    before = len(g.nodes)
+    with pytest.raises(error, match=text) as info:
+        g.loop(times=3, checkpoint=bad, name="rnn")
+    assert "<Loop:1> 'rnn'" in str(info.value)
+    assert len(g.nodes) == before  # a failed call changes nothing
+
+
+def test_binomial_recursion_is_refused():
+    g = vg.VirtualGraph()
+    children = g.input("children")
+    with pytest.raises(ValueError, match="needs a chain"):
+        g.recurse(children, checkpoint=("binomial", 3))
+    with pytest.raises(ValueError, match="cannot work"):
+        g.recurse(children, checkpoint=0)
+
+
+# ---------------------------------------------------------------------------- benchmark smoke
+
+
+def test_benchmark_quick_mode_runs():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_checkpoint.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "sqrt" in out.stdout and "binomial(10)" in out.stdout
