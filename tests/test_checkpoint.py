@@ -311,6 +311,15 @@ def test_forward_after_feed_is_dirty_checked_and_correct():
         assert cg.last_forward.recomputed == 0  # nothing changed: nothing recomputed
 
 
+def test_gradcheck_and_check_vjps_on_a_checkpointed_graph():
+    for ck in ["sqrt", ("binomial", 2)]:
+        g, loss = elman(ck)[:2]
+        cg = g.build(seq_feed(9), loss)
+        assert vg.check.gradcheck(cg.node(loss), list(g.params.values())).ok
+        result = vg.check.check_vjps(cg)
+        assert result.ok and len(result.nodes) > 80
+
+
 def test_stale_values_still_refuse_backward():
     g, loss = elman("sqrt")[:2]
     cg = g.build(seq_feed(10), loss)

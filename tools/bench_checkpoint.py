@@ -7,7 +7,7 @@ sequence-regression loss). For each schedule — the plain unroll, ``checkpoint=
 
 * peak memory of one build + backward (tracemalloc, which slows Python down, so separately
   from the time), after a warm-up build so that parameters exist;
-* time of build + backward (best of ``--repeat`` runs, without tracemalloc);
+* time of build + backward (best of ``--repeat`` runs, without tracemalloc; one BLAS thread);
 * how many node values backward recomputed.
 
 Usage::
@@ -19,17 +19,24 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
-import time
-import tracemalloc
-from typing import Any
+import os
 
-import numpy as np
+# One BLAS thread: on a shared machine, a multi-threaded BLAS oversubscribed by other processes
+# made single timings vary by 5x; the comparison is about vgraph's work, not BLAS threading.
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
 
-import vgraph as vg
-from vgraph import nn
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+import tracemalloc  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import vgraph as vg  # noqa: E402
+from vgraph import nn  # noqa: E402
 
 
 def model(schedule: Any, sizes: tuple[int, int, int]) -> tuple[vg.VirtualGraph, Any]:

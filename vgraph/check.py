@@ -442,7 +442,8 @@ def _check_node(
     """Check every input's VJP of one op node; ``None`` if it has nothing to check."""
     op = node.op
     parents = node.parents
-    values = [np.asarray(p._value) for p in parents]
+    # .value recomputes a value a checkpointed loop dropped
+    values = [np.asarray(p._value if p._value is not None else p.value) for p in parents]
     reasons: list[str | None] = []
     for vjp, v in zip(node.vjps, values):
         if vjp is None:

@@ -429,9 +429,13 @@ class Rematerializer:
         return rec
 
     def add_unit(self, unit: _Unit) -> None:
+        covered = False
         while self._los and self._los[-1] >= unit.lo:  # inner units this one covers
             self._los.pop()
             self._units.pop()
+            covered = True
+        if covered:  # their nodes are this unit's now
+            self.live = [u for u in self.live if u.lo < unit.lo]
         self._los.append(unit.lo)
         self._units.append(unit)
 
