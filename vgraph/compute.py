@@ -931,7 +931,8 @@ class ComputeGraph:
         with _anomaly_scope(detect_anomaly):
             self._backprop(self._backward_plan(), [(loss, g)], accumulate=True)
         self._released = not retain_graph
-        return float(np.reshape(loss._value, ())) if np.size(loss._value) == 1 else None
+        value = loss._value if loss._value is not None else loss.value  # checkpointed: recomputed
+        return float(np.reshape(value, ())) if np.size(value) == 1 else None
 
     def grad(
         self,

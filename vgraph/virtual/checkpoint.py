@@ -525,6 +525,14 @@ class Rematerializer:
         """
         self._release_live()
         held: list[_Unit] = []  # the units being recomputed: the current one and the one before
+        try:
+            self._forward(plan, on_dirty, held)
+        finally:
+            for u in held:
+                u.rec.release(u)
+            self._release_live()
+
+    def _forward(self, plan: Sequence[ComputeNode], on_dirty: Any, held: list[_Unit]) -> None:
         los, units = self._los, self._units
         for n in plan:
             version = n.version
@@ -547,6 +555,3 @@ class Rematerializer:
                     if pu not in held and pu not in self.live:
                         self.live.append(pu)
             on_dirty(n)
-        for u in held:
-            u.rec.release(u)
-        self._release_live()
