@@ -221,9 +221,18 @@ def test_while_loop_with_branches_and_data_dependent_trip_count():
 
 def test_dropout_masks_are_the_same_on_recomputation():
     feed = seq_feed(15)
-    plain = assert_identical(with_dropout, feed)
+    plain = assert_identical(with_dropout, feed)  # every node's value, masks included
     masks = [n for k, n in plain._nodes.items() if k.type == "Sample"]
-    assert masks and any((n.value == 0).any() for n in masks)
+    assert len(masks) == 15 and all((n.value == 0).any() for n in masks)
+    for ck in [4, ("binomial", 2)]:
+        _, cg, *_ = run(with_dropout, ck, feed)
+        dropped = [n for k, n in cg._nodes.items() if k.type == "Sample" and n._value is None]
+        assert len(dropped) >= 10  # masks are dropped too, and drawn again when recomputed
+        cg.forward()  # nothing changed
+        cg.feed({"h0": feed["h0"] + 1.0})
+        _, plain2, *_ = run(with_dropout, None, feed)
+        plain2.feed({"h0": feed["h0"] + 1.0})
+        np.testing.assert_allclose(cg.forward(), plain2.forward(), **TOL)
 
 
 def test_recursion_over_a_tree():
@@ -406,14 +415,17 @@ def peak(make, ck, feed):
         tracemalloc.stop()
 
 
-def test_peak_memory_is_bounded_relative_to_the_plain_unroll():
+@pytest.mark.parametrize("dropout", [False, True])
+def test_peak_memory_is_bounded_relative_to_the_plain_unroll(dropout):
     def big(ck):
         g = vg.VirtualGraph(dtype=np.float64, seed=1)
         xs, h0 = g.input("xs"), g.input("h0")
         cell = nn.RNNCell(g, 4, 64, "rnn", share=True)
+        drop = nn.Dropout(g, 0.3)
         with g.loop(checkpoint=ck) as loop:
             h = loop.carry(h0, name="h")
-            loop.update(h, cell(loop.step(xs), h))
+            hn = cell(loop.step(xs), h)
+            loop.update(h, drop(hn) if dropout else hn)  # masks are dropped and drawn again
         return g, vg.sum(loop.final(h) ** 2)
 
     rng = np.random.default_rng(0)

@@ -309,12 +309,10 @@ class ComputeNode(Operand):
         Raises:
             GraphStateError: the value was dropped and the node's graph is gone.
         """
-        if self.op is None:
-            return self._value
         v = self._value
-        if v is None:
+        if v is None:  # dropped by a checkpointed loop (an op node, or a sampled mask)
             v = self._rematerialize()
-        return _readonly(v)
+        return v if self.op is None else _readonly(v)
 
     def _rematerialize(self) -> Any:
         graph = self.graph
@@ -775,7 +773,7 @@ class ComputeGraph:
             with _anomaly_scope(detect_anomaly):
                 if self._remat is not None:
                     recomputed = self._forward_dropped(plan, report)
-                    plan = ()
+                    plan = []
                 for n in plan:
                     version = n.version
                     for p in n.parents:
@@ -805,15 +803,15 @@ class ComputeGraph:
     def _forward_dropped(self, plan: list[ComputeNode], report: ForwardReport) -> int:
         """The forward loop for a graph with checkpointed loops: dropped values that a
         recomputed node reads are brought back first, and dropped again unit by unit."""
-        explain = report.explanation is not None
+        explanation = report.explanation
         run = self._run
         count = 0
 
         def recompute(n: ComputeNode) -> None:
             nonlocal count
-            if explain:
+            if explanation is not None:
                 changed = tuple(p.key for p in n.parents if p.version > n.version)
-                report.explanation.append((n.key, changed))
+                explanation.append((n.key, changed))
             n._value = run(n)
             n.version = next(_clock)
             count += 1

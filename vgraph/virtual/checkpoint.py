@@ -9,8 +9,11 @@ consecutive iterations), except what later code needs:
   recursion, the values read by parents in later units). With ``k`` and ``"sqrt"`` every
   boundary is kept (the checkpoints); with ``("binomial", s)`` at most ``s`` are;
 * what the code after the loop reads (final carries, values collected by ``loop.stack``);
-* leaves (inputs, parameters, sampled dropout masks: a recomputation sees the same masks) and
-  structure guards.
+* leaves other than sampled ones (inputs, parameters) and structure guards.
+
+Sampled leaves made in the loop (dropout masks) are dropped too: a unit remembers the state of
+the build's random generator when it started, and its recomputation draws every sample of the
+unit again, in creation order, from that state — exactly the values the build drew.
 
 Backward meets the dropped units in reverse order. When the sweep reaches a node without a
 value, its whole unit is recomputed in creation order from the kept boundary before it (with
@@ -45,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..compute import ComputeNode
+from ..compute import ComputeNode, _as_value
 from ..errors import GraphStateError
 from ..ops import RowsProductGrad
 
@@ -182,13 +185,14 @@ class _Unit:
     units read (binomial only: with other schedules boundaries are never dropped and not listed);
     ``inner``: ``nodes`` minus ``bound``."""
 
-    __slots__ = ("rec", "index", "first", "last", "lo", "hi", "nodes", "inner", "bound")
+    __slots__ = ("rec", "index", "first", "last", "lo", "hi", "nodes", "inner", "bound", "rng_state")
 
     def __init__(self, rec: LoopRecord, index: int, first: int, last: int, lo: int, hi: int) -> None:
         self.rec, self.index, self.first, self.last, self.lo, self.hi = rec, index, first, last, lo, hi
         self.nodes: list[ComputeNode] = []
         self.inner: list[ComputeNode] = []
         self.bound: list[ComputeNode] = []
+        self.rng_state: dict[str, Any] | None = None  # the generator's state when it started
 
 
 class LoopRecord:
@@ -207,8 +211,11 @@ class LoopRecord:
         schedule: Schedule,
         trips: int | None,
         kids: Any = None,
+        rng: np.random.Generator | None = None,
+        training: bool = True,
     ) -> None:
         self.manager = manager
+        self.rng, self.training = rng, training
         self.loop, self.idx, self.schedule, self.trips = loop, idx, schedule, trips
         self.units: list[_Unit] = []
         self.binomial = schedule.kind == "binomial"
@@ -233,6 +240,7 @@ class LoopRecord:
         self._start = len(cg._nodes)
         self._first = 0
         self._lo = manager.clock()
+        self._rng_state = rng.bit_generator.state if rng is not None else None
         self._states: list[Sequence[ComputeNode]] = []  # per iteration of the open unit
         self._collected: list[ComputeNode] = []
         # Never dropped: what the code after the loop reads (final state, stacked values) and
@@ -287,6 +295,7 @@ class LoopRecord:
                     bound.update(dict.fromkeys(st))
         pinned = self.pinned
         pinned.update(self._collected)  # loop.stack reads them after the loop
+        samples = cg._samples  # sampled leaves: dropped too, drawn again when recomputed
         for n in list(bound):
             if n.serial < lo:  # a carry passed through unchanged: created by an earlier unit
                 pinned.add(n)
@@ -295,7 +304,7 @@ class LoopRecord:
         unit.nodes = [
             n
             for n in new
-            if n.op is not None
+            if (n.op is not None or n in samples)
             and n not in pinned
             and not (keep_bound and n in bound)
             and n.key.type not in KEPT_TYPES
@@ -305,6 +314,10 @@ class LoopRecord:
             unit.inner = [n for n in unit.nodes if n not in bound]
         else:
             unit.inner = unit.nodes
+        if self.rng is not None:
+            if any(n.op is None for n in unit.nodes):
+                unit.rng_state = self._rng_state
+            self._rng_state = self.rng.bit_generator.state
         self.units.append(unit)
         self._first = last + 1
         self._states, self._collected = [], []
@@ -340,7 +353,6 @@ class LoopRecord:
         computed from the stored state before it; binomial: advance from the nearest stored
         state, storing new states as the binomial rule says. ``sweeping``: called by backward,
         which will not need the states after this unit again (their slots are freed)."""
-        run = self.manager.run
         if self.binomial:
             i = unit.index
             if sweeping:
@@ -355,17 +367,32 @@ class LoopRecord:
                     m = i - a if free <= 0 else min(binomial_split(n, free), i - a)
                     for j in range(a, a + m):  # advance: run unit j, keep only its boundary
                         u = self.units[j]
-                        for node in u.nodes:
-                            if node._value is None:
-                                node._value = run(node)
+                        self._recompute(u)
                         _drop(u.inner)
                         if j > a and j not in self.stored:
                             _drop(self.units[j - 1].bound)
                     a += m
                     self.stored.add(a)
                     free -= 1
+        self._recompute(unit, upto)
+
+    def _recompute(self, unit: _Unit, upto: ComputeNode | None = None) -> None:
+        """Run ``unit``'s dropped nodes in creation order (up to ``upto``). Sampled leaves
+        (dropout masks) are drawn again from the generator state the unit started with, every one
+        in order, so each gets exactly the value the build drew."""
+        run = self.manager.run
+        rng = None
+        if unit.rng_state is not None:
+            rng = np.random.default_rng()
+            rng.bit_generator.state = unit.rng_state
+            samples, dtype = self.manager.cg._samples, self.manager.cg.dtype
         for node in unit.nodes:
-            if node._value is None:
+            if node.op is None:  # a sampled leaf: draw (also when present, to stay in step)
+                fn, like = samples[node]
+                value = fn(rng, like._value if like._value is not None else like.value, self.training)
+                if node._value is None:
+                    node._value = _as_value(value, dtype)
+            elif node._value is None:
                 node._value = run(node)
             if node is upto:
                 break
@@ -395,7 +422,7 @@ class LoopRecord:
 
 def _drop(nodes: Iterable[ComputeNode]) -> None:
     for n in nodes:
-        n._value = None
+        n._value = None  # type: ignore[assignment]  # recomputed when needed
 
 
 class Rematerializer:
@@ -422,9 +449,16 @@ class Rematerializer:
         return self.cg._run(node)
 
     def start_loop(
-        self, loop: Any, idx: tuple[int, ...], schedule: Schedule, trips: int | None, kids: Any = None
+        self,
+        loop: Any,
+        idx: tuple[int, ...],
+        schedule: Schedule,
+        trips: int | None,
+        kids: Any = None,
+        rng: np.random.Generator | None = None,
+        training: bool = True,
     ) -> LoopRecord:
-        rec = LoopRecord(self, loop, idx, schedule, trips, kids)
+        rec = LoopRecord(self, loop, idx, schedule, trips, kids, rng, training)
         self.records.append(rec)
         return rec
 

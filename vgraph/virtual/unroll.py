@@ -506,7 +506,8 @@ class _Builder:
         if cg._remat is None:
             cg._remat = Rematerializer(cg, next_version)
         known = [n for n in (loop.times, length) if n is not None] if loop.cond is None else []
-        return cg._remat.start_loop(loop, idx, loop.checkpoint, min(known) if known else None, kids)
+        trips = min(known) if known else None
+        return cg._remat.start_loop(loop, idx, loop.checkpoint, trips, kids, self.rng, self.graph.training)
 
     def choose(self, branch: BranchNode, frame: _Frame) -> int:
         """Run ``branch``'s selector on its keys' values (built by now)."""
