@@ -248,7 +248,7 @@ def test_recursion_over_a_tree():
     schedule=st.one_of(
         st.integers(1, 45), st.just("sqrt"), st.tuples(st.just("binomial"), st.integers(1, 12))
     ),
-    model=st.sampled_from(["elman", "lstm", "branchy"]),
+    model=st.sampled_from(["elman", "lstm", "branchy", "dropout"]),
     seed=st.integers(0, 100),
 )
 def test_random_lengths_and_schedules(T, schedule, model, seed):
@@ -256,7 +256,7 @@ def test_random_lengths_and_schedules(T, schedule, model, seed):
         feed = walk_feed(seed)
     else:
         feed = seq_feed(T, seed)
-    make = {"elman": elman, "lstm": lstm, "branchy": branchy}[model]
+    make = {"elman": elman, "lstm": lstm, "branchy": branchy, "dropout": with_dropout}[model]
     assert_identical(make, feed, schedules=[schedule], values=False, expect_drops=False)
 
 
@@ -318,6 +318,33 @@ def test_forward_after_feed_is_dirty_checked_and_correct():
         assert sum(n._value is None for n in cg._nodes.values()) > 50  # dropped again
         cg.forward()
         assert cg.last_forward.recomputed == 0  # nothing changed: nothing recomputed
+
+
+def test_a_changed_trip_count_is_refused_and_a_failed_backward_changes_nothing():
+    feed = walk_feed(2)
+    g, loss = branchy(3)[:2]
+    cg = g.build(feed, loss)
+    cg.feed({"x0": feed["x0"] + 5.0})  # a larger state: the while_ condition stops earlier
+    with pytest.raises(vg.StructureChangedError, match="condition"):
+        cg.forward()
+    with pytest.raises(vg.StructureChangedError):
+        cg.backward(loss)
+    assert sum(n._value is not None for n in cg._nodes.values() if n.key.idx) < len(cg._nodes) / 2
+
+    g, loss, loop = elman(4)
+    cg = g.build(seq_feed(12), loss)
+    mul = next(v for v in loop.body if v.type == "Mul")
+    node = cg.node(mul, (2,))  # in a dropped unit: backward recomputes it before its VJP runs
+    assert node._value is None
+
+    def broken(*args, **attrs):
+        raise RuntimeError("boom")
+
+    node.vjps = (broken, broken)
+    with pytest.raises(vg.BackwardError, match="boom"):
+        cg.backward(loss)
+    assert all(p.grad is None for p in g.params.values())
+    assert cg._remat.live == [] and node._value is None  # its unit was dropped again
 
 
 def test_gradcheck_and_check_vjps_on_a_checkpointed_graph():
