@@ -235,6 +235,24 @@ def test_dropout_masks_are_the_same_on_recomputation():
         np.testing.assert_allclose(cg.forward(), plain2.forward(), **TOL)
 
 
+def stacked_masks(ck):
+    """A mask collected by loop.stack (kept) drawn before another (dropped) in each iteration."""
+    g = vg.VirtualGraph(dtype=np.float64, seed=8)
+    xs, h0 = g.input("xs"), g.input("h0")
+    cell = nn.RNNCell(g, I, H, "rnn", share=True)
+    drop = nn.Dropout(g, 0.5)
+    with g.loop(checkpoint=ck) as loop:
+        h = loop.carry(h0, name="h")
+        first = drop.mask(h)
+        hn = drop(cell(loop.step(xs), h * first))
+        loop.update(h, hn)
+    return g, vg.sum(loop.final(h) ** 2) + vg.sum(loop.stack(first)), loop
+
+
+def test_kept_masks_are_drawn_again_too_so_the_next_ones_stay_the_same():
+    assert_identical(stacked_masks, seq_feed(11), schedules=[1, 3, "sqrt", ("binomial", 2)])
+
+
 def test_recursion_over_a_tree():
     rng = np.random.default_rng(7)
     children = random_tree(rng, 9)

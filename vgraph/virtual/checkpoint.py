@@ -181,17 +181,20 @@ def binomial_positions(trips: int, slots: int) -> set[int]:
 
 class _Unit:
     """Consecutive iterations ``first..last`` of one loop instance whose values are dropped
-    together. ``nodes``: its droppable op nodes in creation order; ``bound``: those of them later
-    units read (binomial only: with other schedules boundaries are never dropped and not listed);
-    ``inner``: ``nodes`` minus ``bound``."""
+    together. ``nodes``: its droppable nodes (op nodes and sampled leaves) in creation order;
+    ``bound``: those of them later units read (binomial only: with other schedules boundaries are
+    never dropped and not listed); ``inner``: ``nodes`` minus ``bound``; ``order``: every op node
+    and sampled leaf of the unit, kept ones too, in creation order — what a recomputation walks
+    (every sample must be drawn again, in order, for the generator to stay in step)."""
 
-    __slots__ = ("rec", "index", "first", "last", "lo", "hi", "nodes", "inner", "bound", "rng_state")
+    __slots__ = ("rec", "index", "first", "last", "lo", "hi", "nodes", "inner", "bound", "order", "rng_state")
 
     def __init__(self, rec: LoopRecord, index: int, first: int, last: int, lo: int, hi: int) -> None:
         self.rec, self.index, self.first, self.last, self.lo, self.hi = rec, index, first, last, lo, hi
         self.nodes: list[ComputeNode] = []
         self.inner: list[ComputeNode] = []
         self.bound: list[ComputeNode] = []
+        self.order: list[ComputeNode] = []
         self.rng_state: dict[str, Any] | None = None  # the generator's state when it started
 
 
@@ -301,21 +304,15 @@ class LoopRecord:
                 pinned.add(n)
                 del bound[n]
         keep_bound = not self.binomial
-        unit.nodes = [
-            n
-            for n in new
-            if (n.op is not None or n in samples)
-            and n not in pinned
-            and not (keep_bound and n in bound)
-            and n.key.type not in KEPT_TYPES
-        ]
+        unit.order = [n for n in new if (n.op is not None or n in samples) and n.key.type not in KEPT_TYPES]
+        unit.nodes = [n for n in unit.order if n not in pinned and not (keep_bound and n in bound)]
         if self.binomial:
             unit.bound = [n for n in unit.nodes if n in bound]
             unit.inner = [n for n in unit.nodes if n not in bound]
         else:
             unit.inner = unit.nodes
         if self.rng is not None:
-            if any(n.op is None for n in unit.nodes):
+            if any(n.op is None for n in unit.order):
                 unit.rng_state = self._rng_state
             self._rng_state = self.rng.bit_generator.state
         self.units.append(unit)
@@ -386,7 +383,7 @@ class LoopRecord:
             rng = np.random.default_rng()
             rng.bit_generator.state = unit.rng_state
             samples, dtype = self.manager.cg._samples, self.manager.cg.dtype
-        for node in unit.nodes:
+        for node in unit.order:
             if node.op is None:  # a sampled leaf: draw (also when present, to stay in step)
                 fn, like = samples[node]
                 value = fn(rng, like._value if like._value is not None else like.value, self.training)
