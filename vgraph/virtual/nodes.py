@@ -112,6 +112,10 @@ class LoopNode(VirtualNode):
     build time names the loop, the carry and the iteration otherwise); only the first update may
     broadcast the initial value (a learnable ``(1, H)`` state becomes ``(B, H)``) or cast it
     safely (int to float). To collect values of growing size, use :meth:`stack`.
+
+    ``checkpoint`` (``g.loop(..., checkpoint=...)``) changes only memory: the values of some
+    iterations are dropped while unrolling and recomputed in backward (see
+    :mod:`vgraph.virtual.checkpoint`); values and gradients are those of the plain unroll.
     """
 
     __slots__ = (

@@ -707,7 +707,8 @@ def build_compute_graph(
         outputs: top-level virtual nodes to build.
         cache: re-run the graph of an earlier build of the same structure instead of unrolling
             again (see :mod:`vgraph.virtual.cache`: the earlier graph object is then superseded);
-            ``False`` always unrolls and leaves the cache alone.
+            ``False`` always unrolls and leaves the cache alone. A graph with checkpointed loops
+            (``checkpoint=``) is never cached: a replay would need the values it dropped.
         hoist: compute loop-body nodes that depend on no carried state for all iterations at
             once (see :mod:`vgraph.virtual.hoist`); ``False`` gives the plain node-by-node unroll,
             for comparison and debugging. Same keys, values and gradients either way.
