@@ -189,6 +189,7 @@ class _UnrolledView(_Frames):
                 if max(trips) > 0
                 else f"iterations={iterations!r}: no loop of this graph ran any iteration"
             )
+        marks = _checkpoint_marks(self.cg)
         for run in runs:
             parent = run.parent
             if parent is not None and (parent.hidden_as is not None or parent.cluster is None):
@@ -213,7 +214,7 @@ class _UnrolledView(_Frames):
                 head = "idx " + ".".join([*map(str, run.outer), "*"])
             shown = f"{len(visible)} shown" if len(visible) < len(ts) else ""
             sub = f"{run.trips} iteration{'s' if run.trips != 1 else ''}" + (f", {shown}" if shown else "")
-            ckpt = _checkpoint_marks(self.cg).get((loop, run.outer))  # (schedule, kept iterations)
+            ckpt = marks.get((loop, run.outer))  # (schedule, kept iterations)
             if ckpt is not None:
                 sub += f", {ckpt[0]}"
             run.cluster = _Cluster(
