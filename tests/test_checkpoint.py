@@ -209,6 +209,10 @@ def test_nested_loops(outer, inner):
     for key, n in plain._nodes.items():
         if not key.type.endswith("*"):  # hoisting groups: none in a checkpointed loop
             np.testing.assert_allclose(cg.node(key).value, n.value, **TOL, err_msg=str(key))
+    new = seq_feed(9, 1)
+    cg.feed(new)
+    plain.feed(new)
+    np.testing.assert_allclose(cg.forward(), plain.forward(), **TOL)
 
 
 def test_while_loop_with_branches_and_data_dependent_trip_count():
@@ -276,6 +280,26 @@ def test_random_lengths_and_schedules(T, schedule, model, seed):
         feed = seq_feed(T, seed)
     make = {"elman": elman, "lstm": lstm, "branchy": branchy, "dropout": with_dropout}[model]
     assert_identical(make, feed, schedules=[schedule], values=False, expect_drops=False)
+
+
+schedules = st.one_of(
+    st.none(), st.integers(1, 12), st.just("sqrt"), st.tuples(st.just("binomial"), st.integers(1, 5))
+)
+
+
+@settings(max_examples=20, deadline=None)
+@given(T=st.integers(1, 14), outer=schedules, inner=schedules, seed=st.integers(0, 50))
+def test_random_nested_schedules(T, outer, inner, seed):
+    feed = seq_feed(T, seed)
+    _, _, _, v0, g0 = run(lambda ck: nested(None, None), None, feed)
+    _, cg, _, v, grads = run(lambda ck: nested(outer, inner), None, feed)
+    np.testing.assert_allclose(v, v0, **TOL)
+    for k in g0:
+        np.testing.assert_allclose(grads[k], g0[k], **TOL, err_msg=k)
+    cg.forward()  # nothing changed: recomputes nothing, allows another backward
+    cg.backward(cg.outputs[0])  # again, from what the first one left kept
+    for k in g0:
+        np.testing.assert_allclose(cg.virtual.params[k].grad, 2 * g0[k], **TOL, err_msg=k)
 
 
 # ---------------------------------------------------------------------------- the engine
@@ -428,6 +452,29 @@ def test_binomial_schedule_numbers():
             assert 1 <= binomial_split(n, free) <= n - 1
 
 
+def test_binomial_backward_holds_at_most_s_states_besides_the_unit_in_use(monkeypatch):
+    import vgraph.virtual.checkpoint as checkpoint
+
+    T = 40
+    for slots in [1, 3]:
+        g, loss = elman(("binomial", slots))[:2]
+        cg = g.build(seq_feed(T), loss)
+        (rec,) = cg._remat.records
+        most = []
+        bring = checkpoint.Rematerializer._bring
+
+        def counting(self, unit, upto=None, sweeping=False, bring=bring, rec=rec, most=most):
+            bring(self, unit, upto, sweeping)
+            present = [u for u in rec.units[:-1] if all(n._value is not None for n in u.bound)]
+            most.append(len(present))
+
+        monkeypatch.setattr(checkpoint.Rematerializer, "_bring", counting)
+        cg.backward(loss)
+        monkeypatch.undo()
+        # s stored states, the state entering the unit in use and the unit's own end state
+        assert most and max(most) <= slots + 2, (slots, max(most))
+
+
 def test_recomputation_counts_match_the_schedule():
     T = 60
     feed = seq_feed(T)
@@ -482,6 +529,29 @@ def test_peak_memory_is_bounded_relative_to_the_plain_unroll(dropout):
     assert sqrt < 0.2 * plain, (sqrt, plain)
     assert binomial < 0.15 * plain, (binomial, plain)
     assert whole > 0.6 * plain, (whole, plain)
+
+
+def test_nested_checkpointed_loops_recompute_an_outer_unit_inner_unit_by_inner_unit():
+    def stacked(cks):
+        outer_ck, inner_ck = cks
+        g = vg.VirtualGraph(dtype=np.float64, seed=3)
+        xs, h0 = g.input("xs"), g.input("h0")
+        with g.loop(times=2, checkpoint=outer_ck) as outer:
+            s = outer.carry(h0, name="s")
+            U = g.parameter("U", (64, 64), share=False)
+            W = g.parameter("W", (4, 64), share=True)
+            with g.loop(checkpoint=inner_ck) as inner:
+                h = inner.carry(s, name="h")
+                inner.update(h, vg.tanh(inner.step(xs) @ W + h @ U))
+            outer.update(s, inner.final(h))
+        return g, vg.sum(outer.final(s) ** 2)
+
+    rng = np.random.default_rng(0)
+    feed = {"xs": rng.standard_normal((300, 16, 4)), "h0": np.zeros((16, 64))}
+    plain = peak(stacked, (None, None), feed)
+    outer_only = peak(stacked, (1, None), feed)  # one layer's 300 steps at a time (measured 72%)
+    both = peak(stacked, (1, "sqrt"), feed)  # and within it, units of 18 steps (measured 10%)
+    assert outer_only > 0.5 * plain and both < 0.2 * plain, (plain, outer_only, both)
 
 
 # ---------------------------------------------------------------------------- combinations

@@ -22,6 +22,10 @@ as the binomial schedule says), the sweep goes on, and the unit is dropped again
 has left it. Peak memory: the checkpoints plus one unit. Values and gradients are those of the
 plain unroll: the same ops run on the same inputs.
 
+Nested checkpointed loops: a unit of the outer loop covers the inner loops' units. Recomputing it
+drops the inner units again as it passes their ends, as the build did; the sweep then brings back
+one inner unit at a time (its lookup descends into a unit whose values are present).
+
 Schedules (``T`` iterations):
 
 * ``k``: units of ``k`` iterations: ``T/k`` checkpoints + ``k`` iterations; one extra forward.
@@ -187,7 +191,10 @@ class _Unit:
     and sampled leaf of the unit, kept ones too, in creation order — what a recomputation walks
     (every sample must be drawn again, in order, for the generator to stay in step)."""
 
-    __slots__ = ("rec", "index", "first", "last", "lo", "hi", "nodes", "inner", "bound", "order", "rng_state")
+    __slots__ = (
+        "rec", "index", "first", "last", "lo", "hi", "nodes", "inner", "bound", "order", "rng_state",
+        "parent", "children", "child_los", "ends",
+    )  # fmt: skip
 
     def __init__(self, rec: LoopRecord, index: int, first: int, last: int, lo: int, hi: int) -> None:
         self.rec, self.index, self.first, self.last, self.lo, self.hi = rec, index, first, last, lo, hi
@@ -196,6 +203,12 @@ class _Unit:
         self.bound: list[ComputeNode] = []
         self.order: list[ComputeNode] = []
         self.rng_state: dict[str, Any] | None = None  # the generator's state when it started
+        # Units of checkpointed loops inside this one (an outer unit covers them), by first
+        # serial; ``ends``: every unit inside, at any depth, by last serial.
+        self.parent: _Unit | None = None
+        self.children: list[_Unit] = []
+        self.child_los: list[int] = []
+        self.ends: list[_Unit] = []
 
 
 class LoopRecord:
@@ -338,8 +351,9 @@ class LoopRecord:
                         self.stored.discard(q)
                         if q != p:
                             _drop(self.units[q - 1].bound)
-            if prev is not None and unit.index not in self.stored:
-                _drop(prev.bound)  # the state entering this unit: kept only while it was built
+            if prev is not None and unit.index not in self.stored and drop:
+                # the state entering this unit: kept while it was built (and while it stays live)
+                _drop(prev.bound)
 
     # -- bringing values back
     def _position_ready(self, p: int) -> bool:
@@ -383,7 +397,14 @@ class LoopRecord:
             rng = np.random.default_rng()
             rng.bit_generator.state = unit.rng_state
             samples, dtype = self.manager.cg._samples, self.manager.cg.dtype
+        # Inner checkpointed loops drop their units again as the recomputation passes their
+        # ends, as the build did (not for a partial recomputation, which forward asks for).
+        ends = unit.ends if upto is None else []
+        j = 0
         for node in unit.order:
+            while j < len(ends) and node.serial > ends[j].hi:
+                ends[j].rec.rebuilt(ends[j])
+                j += 1
             if node.op is None:  # a sampled leaf: draw (also when present, to stay in step)
                 fn, like = samples[node]
                 value = fn(rng, like._value if like._value is not None else like.value, self.training)
@@ -393,6 +414,16 @@ class LoopRecord:
                 node._value = run(node)
             if node is upto:
                 break
+        else:
+            for inner in ends[j:]:
+                inner.rec.rebuilt(inner)
+
+    def rebuilt(self, unit: _Unit) -> None:
+        """``unit`` was just recomputed as part of an enclosing unit: drop what the build dropped
+        when it closed it."""
+        _drop(unit.inner)
+        if self.binomial and unit.index > 0 and unit.index not in self.stored:
+            _drop(self.units[unit.index - 1].bound)
 
     def release(self, unit: _Unit) -> None:
         """Drop ``unit``'s values again (what a fresh unroll would have dropped)."""
@@ -415,6 +446,9 @@ class LoopRecord:
         if not self.binomial:
             return {u.last for u in self.units}
         return {self.units[p - 1].last for p in self.stored if 0 < p <= len(self.units)}
+
+
+_MAX_DEPTH = 64  # nesting of checkpointed loops a recomputation descends through
 
 
 def _drop(nodes: Iterable[ComputeNode]) -> None:
@@ -460,19 +494,32 @@ class Rematerializer:
         return rec
 
     def add_unit(self, unit: _Unit) -> None:
-        covered = False
+        covered: list[_Unit] = []
         while self._los and self._los[-1] >= unit.lo:  # inner units this one covers
             self._los.pop()
-            self._units.pop()
-            covered = True
-        if covered:  # their nodes are this unit's now
+            covered.append(self._units.pop())
+        if covered:  # their nodes are this unit's too now
             self.live = [u for u in self.live if u.lo < unit.lo]
+            covered.reverse()
+            for c in covered:
+                c.parent = unit
+            unit.children = covered
+            unit.child_los = [c.lo for c in covered]
+            unit.ends = sorted([*covered, *(e for c in covered for e in c.ends)], key=lambda u: u.hi)
         self._los.append(unit.lo)
         self._units.append(unit)
 
     def _find(self, serial: int) -> _Unit | None:
+        """The unit to recompute for a dropped node: the outermost unit holding it, or, while
+        that unit's values are present, the inner loop's unit holding it (at any depth)."""
         i = bisect.bisect_right(self._los, serial) - 1
-        return self._units[i] if i >= 0 and serial <= self._units[i].hi else None
+        unit = self._units[i] if i >= 0 and serial <= self._units[i].hi else None
+        while unit is not None and unit.children and unit in self.live:
+            i = bisect.bisect_right(unit.child_los, serial) - 1
+            if i < 0 or serial > unit.children[i].hi:
+                break
+            unit = unit.children[i]
+        return unit
 
     def unit_of(self, node: ComputeNode) -> _Unit:
         unit = self._find(node.serial)
@@ -481,9 +528,13 @@ class Rematerializer:
         return unit
 
     def _release_live(self, keep: _Unit | None = None, above: int | None = None) -> None:
+        kept = set()
+        while keep is not None:  # the unit and the units enclosing it
+            kept.add(keep)
+            keep = keep.parent
         still = []
         for u in self.live:
-            if u is keep or (above is not None and u.lo < above):
+            if u in kept or (above is not None and u.lo < above):
                 still.append(u)
             else:
                 u.rec.release(u)
@@ -501,23 +552,28 @@ class Rematerializer:
         If one of them was dropped, its unit is recomputed (units the sweep has left, created
         after ``node``, are dropped again first).
         """
-        v = node._value
-        if v is not None:
+        for attempt in range(_MAX_DEPTH):
+            v = node._value
+            missing = None if v is not None else node
             for p in node.parents:
-                if p._value is None:
+                if missing is not None:
                     break
-            else:
+                if p._value is None:
+                    missing = p
+            if missing is None:
                 return v
-        # The node's own unit (a kept boundary or stacked value reads its unit's nodes; with
-        # binomial the unit also needs the state before it), else the dropped parent's.
-        unit = self._find(node.serial) or self.unit_of(p)
-        if self._grad_leaves is None:
-            self._grad_leaves = [leaf for leaf in self.cg._leaves if leaf.requires_grad]
-        if self.live:
-            self._compact()
-        self._release_live(unit, above=node.serial + 1)
-        self._bring(unit, sweeping=True)
-        return node._value
+            # First the node's own unit (a kept boundary or stacked value reads its unit's nodes;
+            # binomial: bringing a unit back restores the state it starts from), then the unit of
+            # what is still missing: a recomputed outer unit drops its inner loops' units again,
+            # and the next round brings back the inner unit needed.
+            unit = (self._find(node.serial) if attempt == 0 else None) or self.unit_of(missing)
+            if self._grad_leaves is None:
+                self._grad_leaves = [leaf for leaf in self.cg._leaves if leaf.requires_grad]
+            if self.live:
+                self._compact()
+            self._release_live(unit, above=node.serial + 1)
+            self._bring(unit, sweeping=True)
+        raise GraphStateError(f"{node.describe()}: could not recompute the values its VJP reads")
 
     def _compact(self) -> None:
         """Sum the weight-gradient products collected so far (the engine stacks a tied
@@ -540,10 +596,13 @@ class Rematerializer:
     def value(self, node: ComputeNode) -> Any:
         """``node.value`` of a dropped node: recompute its unit (from the stored state before it)
         and keep that one unit present until another unit is asked for."""
-        unit = self.unit_of(node)
-        self._release_live(unit)
-        self._bring(unit)
-        return node._value
+        for _ in range(_MAX_DEPTH):  # an outer unit, then the inner loop's unit holding it
+            if node._value is not None:
+                return node._value
+            unit = self.unit_of(node)
+            self._release_live(unit)
+            self._bring(unit)
+        raise GraphStateError(f"{node.describe()}: could not recompute its value")
 
     # -- forward
     def forward(self, plan: Sequence[ComputeNode], on_dirty: Any) -> None:
