@@ -262,6 +262,13 @@ def test_recursion_over_a_tree():
     children = random_tree(rng, 9)
     feed = {"children": children, "xs": rng.standard_normal((len(children), I))}
     assert_identical(tree, feed, schedules=[1, 2, 3, "sqrt"])
+    new = {"xs": rng.standard_normal((len(children), I))}
+    for ck in [2, "sqrt"]:
+        _, cg, *_ = run(tree, ck, feed)
+        _, plain, *_ = run(tree, None, feed)
+        cg.feed(new)
+        plain.feed(new)
+        np.testing.assert_allclose(cg.forward(), plain.forward(), **TOL)
 
 
 @settings(max_examples=25, deadline=None)

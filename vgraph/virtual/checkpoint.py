@@ -34,8 +34,9 @@ Schedules (``T`` iterations):
   (about ``sqrt(2T)`` checkpoints, the largest unit about ``sqrt(2T)`` iterations: within a
   factor 1.5 of the known-``T`` optimum, with no estimate needed). One extra forward.
 * ``("binomial", s)``: units of one iteration and at most ``s`` stored states (plus the one in
-  use), placed by Griewank's binomial rule (revolve): with ``r`` the smallest integer such that
-  ``C(s + r, s) >= T``, every iteration is recomputed at most ``r`` times. For a ``while_`` loop
+  use), placed by Griewank's binomial rule (revolve; the loop's initial state, outside the loop,
+  is one more snapshot): with ``r`` the smallest integer such that ``C(s + 1 + r, s + 1) >= T``,
+  every iteration is recomputed at most about ``r`` times. For a ``while_`` loop
   (``T`` unknown while unrolling), unrolling keeps at most ``s // 2`` evenly spaced states,
   doubling their spacing when full (online); backward then reverses each interval with the
   binomial rule and the slots left. Chains only (not ``g.recurse``).
