@@ -482,6 +482,32 @@ def test_binomial_backward_holds_at_most_s_states_besides_the_unit_in_use(monkey
         assert most and max(most) <= slots + 2, (slots, max(most))
 
 
+def test_a_second_binomial_backward_reverses_from_the_start_with_every_slot():
+    for slots in [1, 3]:
+        g, loss = elman(("binomial", slots))[:2]
+        cg = g.build(seq_feed(30), loss)
+        cg.backward_ex(loss, retain_graph=True)
+        first = cg._remat.recomputed
+        cg.backward(loss)
+        second = cg._remat.recomputed - first
+        assert second <= 2 * first, (slots, first, second)  # not a slot-less quadratic reversal
+
+
+def test_reading_every_value_of_a_binomial_loop_costs_about_two_forwards():
+    T = 50
+    g, loss, loop = elman(("binomial", 2))
+    cg = g.build(seq_feed(T), loss)
+    (rec,) = cg._remat.records
+    ops = [n for n in cg.nodes() if n.op is not None and n.key.idx]
+    before = cg._remat.recomputed
+    most = 0
+    for n in ops:  # in creation order, as the explorer and the renderer read them
+        assert n.value is not None
+        most = max(most, sum(all(m._value is not None for m in u.bound) for u in rec.units[:-1]))
+    assert cg._remat.recomputed - before <= 2.5 * len(ops)  # not one advance per unit
+    assert most <= 2 + 2  # s states, the one entering the unit read, and the unit's own
+
+
 def test_recomputation_counts_match_the_schedule():
     T = 60
     feed = seq_feed(T)

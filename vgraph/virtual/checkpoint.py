@@ -243,6 +243,8 @@ class LoopRecord:
         if self.binomial and trips is not None:
             self.forward_positions = binomial_positions(trips, schedule.slots)
         self.spacing = 1  # online binomial: stored positions are the multiples of this
+        self._cursor: int | None = None  # a stored position beyond the budget, see materialize
+        self.swept = False  # a backward sweep is using (and freeing) the stored states
         self.last_reader = None
         if kids is not None:  # a recursion: which later node reads each node's state
             n = len(kids)
@@ -367,13 +369,17 @@ class LoopRecord:
         which will not need the states after this unit again (their slots are freed)."""
         if self.binomial:
             i = unit.index
+            old, self._cursor = self._cursor, None
             if sweeping:
+                self.swept = True
                 for q in [q for q in self.stored if q > i + 1]:  # states the sweep has passed
                     self.stored.discard(q)
                     _drop(self.units[q - 1].bound)
             a = max([q for q in self.stored if q <= i and self._position_ready(q)], default=0)
             if not self._position_ready(i):
-                free = self.schedule.slots - sum(1 for q in self.stored if q <= i)
+                # backward frees the states after unit i as it goes; other callers keep them
+                used = sum(1 for q in self.stored if q <= i) if sweeping else len(self.stored)
+                free = self.schedule.slots - used
                 while a < i:
                     n = i - a + 1
                     m = i - a if free <= 0 else min(binomial_split(n, free), i - a)
@@ -384,8 +390,17 @@ class LoopRecord:
                         if j > a and j not in self.stored:
                             _drop(self.units[j - 1].bound)
                     a += m
+                    if a == i and a not in self.stored and free <= 0:
+                        self._cursor = i  # over the budget: only until the next unit is asked for
                     self.stored.add(a)
                     free -= 1
+            elif old == i:
+                self._cursor = old
+            if old is not None and old != self._cursor and old in self.stored:
+                # The previous over-budget state: reading units one after another advances from
+                # it (one unit each), and it never adds up to more than one state.
+                self.stored.discard(old)
+                _drop(self.units[old - 1].bound)
         self._recompute(unit, upto)
 
     def _recompute(self, unit: _Unit, upto: ComputeNode | None = None) -> None:
@@ -426,11 +441,26 @@ class LoopRecord:
         if self.binomial and unit.index > 0 and unit.index not in self.stored:
             _drop(self.units[unit.index - 1].bound)
 
+    def end_sweep(self) -> None:
+        """A backward sweep through this loop is over: what it left stored are the states near
+        the loop's start, useless to the next backward, which would find no free slot. Free them
+        all: the next backward reverses the loop from its initial state with all ``s`` slots."""
+        if self.swept:
+            for q in self.stored:
+                _drop(self.units[q - 1].bound)
+            self.stored.clear()
+            self._cursor = None
+            self.swept = False
+
     def release(self, unit: _Unit) -> None:
-        """Drop ``unit``'s values again (what a fresh unroll would have dropped)."""
+        """Drop ``unit``'s values again (what a fresh unroll would have dropped), and with
+        binomial the states entering and leaving it unless they are stored."""
         _drop(unit.inner)
-        if self.binomial and (unit.index + 1) not in self.stored:
-            _drop(unit.bound)
+        if self.binomial:
+            if (unit.index + 1) not in self.stored:
+                _drop(unit.bound)
+            if unit.index > 0 and unit.index not in self.stored:
+                _drop(self.units[unit.index - 1].bound)
 
     def share_stack(self, stack: ComputeNode, collected: Sequence[ComputeNode]) -> None:
         """The values ``loop.stack`` collected become views of the rows of the ``Stack`` node's
@@ -592,6 +622,9 @@ class Rematerializer:
         """The sweep is over (or failed): drop every unit it brought back."""
         self._grad_leaves = None
         self._release_live()
+        for rec in self.records:
+            if rec.binomial:
+                rec.end_sweep()
 
     # -- on demand
     def value(self, node: ComputeNode) -> Any:
