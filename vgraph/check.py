@@ -452,7 +452,8 @@ def _check_node(
 ) -> NodeCheck | None:
     """Check every input's VJP of one op node; ``None`` if it has nothing to check."""
     parents = node.parents
-    values = [np.asarray(p._value) for p in parents]
+    # .value recomputes a value a checkpointed loop dropped
+    values = [np.asarray(p._value if p._value is not None else p.value) for p in parents]
     reasons: list[str | None] = []
     vjps = _vjps(node)
     for vjp, v in zip(vjps, values):

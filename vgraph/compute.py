@@ -315,8 +315,29 @@ class ComputeNode(Operand):
         Changing it in place would bypass dirty checking and silently desynchronise the graph
         (and, for a leaf, the values computed from it): set a leaf's value instead
         (``node.value = new``, ``p.value = p.value - lr * p.grad``, or :meth:`set_value`).
+
+        In a checkpointed loop (``g.loop(..., checkpoint=...)``) a value that was not kept is
+        recomputed on demand: its unit of iterations is recomputed from the stored state before
+        it (about ``k`` iterations' work for ``checkpoint=k``) and stays until another unit is
+        read.
+
+        Raises:
+            GraphStateError: the value was dropped and the node's graph is gone.
         """
-        return _readonly(self._value)
+        v = self._value
+        if v is None:  # dropped by a checkpointed loop (an op node, or a sampled mask)
+            v = self._rematerialize()
+        return _readonly(v)
+
+    def _rematerialize(self) -> Any:
+        graph = self.graph
+        remat = graph._remat if graph is not None else None
+        if remat is None:
+            raise GraphStateError(
+                f"{self.describe()} has no value: it was dropped by a checkpointed loop and its graph "
+                "is gone (keep a reference to the graph to recompute it)"
+            )
+        return remat.value(self)
 
     @value.setter
     def value(self, value: Any) -> None:
@@ -356,12 +377,12 @@ class ComputeNode(Operand):
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape of the value."""
-        return np.shape(self._value)
+        return np.shape(self._value if self._value is not None else self.value)
 
     @property
     def dtype(self) -> np.dtype:
         """The dtype of the value."""
-        return np.asarray(self._value).dtype
+        return np.asarray(self._value if self._value is not None else self.value).dtype
 
     @property
     def is_leaf(self) -> bool:
@@ -470,6 +491,9 @@ class ComputeGraph:
         self._fresh: dict[Any, int] = {}
         self._failed_forward: str | None = None  # what the last forward raised, if it failed
         self.last_forward: ForwardReport | None = None
+        # Checkpointed loops' book-keeping (vgraph.virtual.checkpoint.Rematerializer), if any:
+        # op nodes of dropped iterations have the value None until it recomputes them.
+        self._remat: Any = None
 
     def __repr__(self) -> str:
         leaves = len(self._leaves)
@@ -807,6 +831,9 @@ class ComputeGraph:
         run = self._run
         try:
             with _anomaly_scope(detect_anomaly):
+                if self._remat is not None:
+                    recomputed = self._forward_dropped(plan, report)
+                    plan = []
                 for n in plan:
                     version = n.version
                     for p in n.parents:
@@ -830,8 +857,27 @@ class ComputeGraph:
         self._failed_forward = None
         self._mark_fresh(targets)
         if isinstance(target, (list, tuple)):
-            return [_readonly(t._value) for t in targets]
-        return _readonly(targets[0]._value)
+            return [t.value for t in targets]
+        return targets[0].value
+
+    def _forward_dropped(self, plan: list[ComputeNode], report: ForwardReport) -> int:
+        """The forward loop for a graph with checkpointed loops: dropped values that a
+        recomputed node reads are brought back first, and dropped again unit by unit."""
+        explanation = report.explanation
+        run = self._run
+        count = 0
+
+        def recompute(n: ComputeNode) -> None:
+            nonlocal count
+            if explanation is not None:
+                changed = tuple(p.key for p in n.parents if p.version > n.version)
+                explanation.append((n.key, changed))
+            n._value = run(n)
+            n.version = next(_clock)
+            count += 1
+
+        self._remat.forward(plan, recompute)
+        return count
 
     def _mark_fresh(self, targets: Iterable[Any]) -> None:
         """Record that the ancestors of ``targets`` (``[_ALL]``: every node) are consistent now."""
@@ -943,7 +989,8 @@ class ComputeGraph:
         with _anomaly_scope(detect_anomaly):
             self._backprop(self._backward_plan(), [(loss, g)], accumulate=True)
         self._released = not retain_graph
-        return float(np.reshape(loss._value, ())) if np.size(loss._value) == 1 else None
+        value = loss._value if loss._value is not None else loss.value  # checkpointed: recomputed
+        return float(np.reshape(value, ())) if np.size(value) == 1 else None
 
     def grad(
         self,
@@ -1038,6 +1085,8 @@ class ComputeGraph:
         )
 
     def _seed(self, out: ComputeNode, seed: Any) -> np.ndarray:
+        if out._value is None:  # dropped by a checkpointed loop
+            out.value  # noqa: B018 (recomputes it)
         shape = np.shape(out._value)
         if seed is None:
             if np.size(out._value) != 1:
@@ -1075,6 +1124,7 @@ class ComputeGraph:
         staged: list[tuple[ComputeNode, Any, bool]] = []  # (node, gradient, owned)
         g: Any
         check = _Anomaly.enabled
+        remat = self._remat  # checkpointed loops: dropped values are recomputed when reached
         try:
             for r, g in roots:
                 if check and not _finite(g):
@@ -1100,7 +1150,7 @@ class ComputeGraph:
                 if accumulate and n.retains_grad:
                     staged.append((n, g, False))
                 parents = n.parents
-                ans = n._value
+                ans = n._value if remat is None else remat.backward_value(n)
                 values = [p._value for p in parents]
                 attrs = n.attrs
                 for p, vjp in zip(parents, n.vjps):
@@ -1139,6 +1189,9 @@ class ComputeGraph:
                 r._g = None
                 r._gown = False
             raise
+        finally:
+            if remat is not None:
+                remat.end_backward()
         for n, g, own in staged:  # the sweep succeeded: commit
             if n.grad is None:
                 n.grad = g if own else np.array(g)

@@ -39,6 +39,15 @@ GUARD_TYPES = ("LoopCheck", "LengthCheck")
 REFERENCE_THRESHOLD = 6
 
 
+def _checkpoint_marks(cg: ComputeGraph) -> dict[tuple[Any, tuple[int, ...]], tuple[str, set[int]]]:
+    """For each checkpointed loop run: its schedule and the iterations whose end state is kept
+    (the others' values are recomputed by backward; see vgraph.virtual.checkpoint)."""
+    remat = getattr(cg, "_remat", None)
+    if remat is None:
+        return {}
+    return {(rec.loop, rec.idx): (str(rec.schedule), rec.kept_iterations()) for rec in remat.records}
+
+
 class _UnrolledView(_Frames):
     def __init__(self, cg: ComputeGraph, fold: tuple[int, int] | None, iterations: range | frozenset[int] | None,
                  gradients: bool, guards: bool, constants: bool, shapes: bool, rankdir: str,
@@ -185,6 +194,7 @@ class _UnrolledView(_Frames):
                 if max(trips) > 0
                 else f"iterations={iterations!r}: no loop of this graph ran any iteration"
             )
+        marks = _checkpoint_marks(self.cg)
         for run in runs:
             parent = run.parent
             if parent is None:
@@ -212,6 +222,9 @@ class _UnrolledView(_Frames):
                 head = "idx " + ".".join([*map(str, run.outer), "*"])
             shown = f"{len(visible)} shown" if len(visible) < len(ts) else ""
             sub = f"{run.trips} iteration{'s' if run.trips != 1 else ''}" + (f", {shown}" if shown else "")
+            ckpt = marks.get((loop, run.outer))  # (schedule, kept iterations)
+            if ckpt is not None:
+                sub += f", {ckpt[0]}"
             run.cluster = _Cluster(
                 _cluster_name("loop", lkey, *run.outer),
                 {"label": _label([("b", head), ("s", sub)]), "labeljust": "l", "style": "rounded",
@@ -241,9 +254,12 @@ class _UnrolledView(_Frames):
                     hidden_group = []
                     continue
                 tlabel = "t=" + ".".join(map(str, f.idx))
+                parts = [("b", tlabel)]
+                if ckpt is not None:  # whose state is kept, and which are recomputed in backward
+                    parts.append(("sg", "state kept" if t in ckpt[1] else "recomputed"))
                 f.cluster = _Cluster(
                     _cluster_name("iter", lkey, *f.idx),
-                    {"label": _label([("b", tlabel)]), "labeljust": "l", "fontsize": 13, "style": "rounded,filled",
+                    {"label": _label(parts), "labeljust": "l", "fontsize": 13, "style": "rounded,filled",
                      "fillcolor": "#f4f6f9" if len(f.idx) % 2 else "#e9edf3", "color": "#9aa7b8"},
                 )  # fmt: skip
                 run.cluster.items.append(f.cluster)

@@ -13,6 +13,7 @@ from ..errors import BuildError, ShapeError
 from ..functions import Operand
 from ..ops import OPS
 from .cache import BuildCache
+from .checkpoint import schedule_arg
 from .nodes import _NO_LOOP_VALUE, BranchNode, LoopNode, VirtualNode, _depth
 from .plan import _Plan
 from .store import ParameterStore, _is_iteration_path, _store_name
@@ -354,6 +355,7 @@ class VirtualGraph:
         *,
         until: Callable[[int, dict[str, np.ndarray]], bool] | None = None,
         on_limit: str = "raise",
+        checkpoint: int | str | tuple[str, int] | None = None,
     ) -> LoopNode:
         """Declare a loop; use it as a ``with`` block holding the body (see :class:`LoopNode`).
 
@@ -370,11 +372,18 @@ class VirtualGraph:
             on_limit: ``"raise"`` (default) makes running into ``max_iters`` an error;
                 ``"stop"`` caps the loop there, recorded as a decision (``cg.capped(loop)``).
 
+            checkpoint: keep only some iterations' values and recompute the others in backward
+                (see :mod:`vgraph.virtual.checkpoint` and docs/training.md): ``k`` keeps the
+                state every ``k`` iterations, ``"sqrt"`` about every ``sqrt(T)``,
+                ``("binomial", s)`` at most ``s`` states (Griewank's binomial schedule).
+                Gradients are those of the plain unroll; ``None`` (default) keeps every value.
+
         Raises:
             BuildError: ``times`` is not a non-negative int.
-            TypeError: ``while_`` or ``until`` is not callable, or ``max_iters`` is not an int.
-            ValueError: ``max_iters`` is negative, or ``on_limit`` is neither ``"raise"`` nor
-                ``"stop"``.
+            TypeError: ``while_`` or ``until`` is not callable, ``max_iters`` is not an int, or
+                ``checkpoint`` is not a schedule.
+            ValueError: ``max_iters`` is negative, ``on_limit`` is neither ``"raise"`` nor
+                ``"stop"``, or a schedule cannot work (``k <= 0``, ``s <= 0``, an unknown name).
         """
         if times is not None and (
             isinstance(times, bool) or not isinstance(times, (int, np.integer)) or times < 0
@@ -387,7 +396,10 @@ class VirtualGraph:
         if on_limit not in ("raise", "stop"):
             raise ValueError(f"loop on_limit= must be 'raise' or 'stop', got {on_limit!r}")
         max_iters = _count_arg(max_iters, "loop max_iters=")
-        loop = LoopNode(self, None if times is None else int(times), while_, max_iters, name)
+        schedule = schedule_arg(checkpoint, f"g.loop() {self._next_loop(name)}")
+        loop = LoopNode(
+            self, None if times is None else int(times), while_, max_iters, name, checkpoint=schedule
+        )
         loop.until, loop.on_limit = until, on_limit
         return loop
 
@@ -442,7 +454,13 @@ class VirtualGraph:
         followers = [BranchNode(self, selector, ks, col, name, lead=lead) for col in columns[1:]]
         return (lead, *followers)
 
-    def recurse(self, children: Any, max_nodes: int = 100_000, name: str | None = None) -> LoopNode:
+    def recurse(
+        self,
+        children: Any,
+        max_nodes: int = 100_000,
+        name: str | None = None,
+        checkpoint: int | str | None = None,
+    ) -> LoopNode:
         """Declare a recursion over a tree or DAG given as data; use it as a ``with`` block.
 
         ``children`` is an integer array of shape ``(N, k)`` fed at build time: row ``t`` lists
@@ -483,9 +501,12 @@ class VirtualGraph:
             children: a node whose value is the ``(N, k)`` children array (usually an input).
             max_nodes: a guard: a larger structure is a :class:`~vgraph.errors.LoopLimitError`.
             name: a display name.
+            checkpoint: ``k`` or ``"sqrt"``, as for :meth:`loop` (structure nodes in units of
+                ``k``; a value read by a parent in a later unit is kept). Not ``binomial``.
 
         Raises:
-            TypeError: ``max_nodes`` is not an int.
+            TypeError: ``max_nodes`` is not an int, or ``checkpoint`` is not a schedule.
+            ValueError: a schedule that cannot work, or ``("binomial", s)``.
             BuildError: ``children`` is not a node visible here.
             StructureError: (at build) the array is not ``(N, k)`` integers, is empty, or a child
                 index is out of range or does not come before its parent (which includes cycles);
@@ -493,7 +514,13 @@ class VirtualGraph:
         """
         structure = self._as_node(children)
         max_nodes = _count_arg(max_nodes, "recurse max_nodes=")
-        return LoopNode(self, None, None, max_nodes, name, structure=structure)
+        schedule = schedule_arg(checkpoint, f"g.recurse() {self._next_loop(name)}", recursion=True)
+        return LoopNode(self, None, None, max_nodes, name, structure=structure, checkpoint=schedule)
+
+    def _next_loop(self, name: str | None) -> str:
+        """How the loop being declared will be named in messages (``<Loop:3> 'rnn'``)."""
+        key = f"<Loop:{self._counters.get('Loop', 0) + 1}>"
+        return key + (f" {name!r}" if name else "")
 
     # -- building
     def _plan(self, outputs: list[VirtualNode]) -> _Plan:

@@ -112,11 +112,15 @@ class LoopNode(VirtualNode):
     build time names the loop, the carry and the iteration otherwise); only the first update may
     broadcast the initial value (a learnable ``(1, H)`` state becomes ``(B, H)``) or cast it
     safely (int to float). To collect values of growing size, use :meth:`stack`.
+
+    ``checkpoint`` (``g.loop(..., checkpoint=...)``) changes only memory: the values of some
+    iterations are dropped while unrolling and recomputed in backward (see
+    :mod:`vgraph.virtual.checkpoint`); values and gradients are those of the plain unroll.
     """
 
     __slots__ = (
         "times", "cond", "max_iters", "carries", "updates", "sequences", "items", "closed", "body",
-        "structure", "children", "until", "on_limit",
+        "structure", "children", "until", "on_limit", "checkpoint",
     )  # fmt: skip
 
     def __init__(
@@ -127,8 +131,10 @@ class LoopNode(VirtualNode):
         max_iters: int,
         name: str | None,
         structure: VirtualNode | None = None,
+        checkpoint: Any = None,
     ):
         super().__init__(graph, "Loop", "loop", (), None, name, graph._scope())
+        self.checkpoint = checkpoint  # a checkpoint.Schedule, or None: keep every value
         self.times = times
         self.cond = cond
         self.max_iters = max_iters

@@ -37,6 +37,7 @@ from ..errors import (
 )
 from ..ops import OPS, Op
 from .cache import SupersededGraph
+from .checkpoint import LoopRecord, Rematerializer
 from .graph import VirtualGraph
 from .hoist import hoist_loop
 from .nodes import _NO_LOOP_VALUE, BranchNode, LoopNode, VirtualNode
@@ -450,7 +451,13 @@ class _Builder:
             reads = [(read, loop.carries.index(read.inputs[0]), read.attrs["slot"]) for read in loop.children]
         captured = {c: frame.owner(c).env[c] for c in self.plan.captures[loop]}
         groups: dict[VirtualNode, ComputeNode] = {}
-        if self.hoist and loop.cond is None and loop.until is None and self.plan.hoistable[loop]:
+        if (
+            self.hoist
+            and loop.cond is None
+            and loop.until is None
+            and loop.checkpoint is None
+            and self.plan.hoistable[loop]
+        ):
             trips = min(n for n in (loop.times, length) if n is not None)  # known before it starts
             if 1 < trips <= loop.max_iters:
                 groups = hoist_loop(self, loop, frame, captured, seqs, trips)
@@ -458,6 +465,7 @@ class _Builder:
         stacked = self.plan.stacked.get(loop, [])
         collected: list[list[ComputeNode]] = [[] for _ in stacked]
         names = [c.name for c in loop.carries]
+        ckpt = self.checkpointing(loop, idx, length, kids)  # None unless checkpoint= was given
         t = 0
         while True:
             if loop.times is not None and t >= loop.times:
@@ -515,6 +523,8 @@ class _Builder:
                 history.append(new_state)
             for bucket, s in zip(collected, stacked):
                 bucket.append(ienv[s.inputs[1]])
+            if ckpt is not None:
+                ckpt.end_iteration(t, new_state, [ienv[s.inputs[1]] for s in stacked])
             t += 1
             if loop.until is not None:  # do-while: checked on the updated state
                 done = _run_cond(loop, idx, t - 1, names, [s.value for s in state], until=True)
@@ -526,6 +536,8 @@ class _Builder:
                 if done:
                     break
         cg.decisions.append(Decision(loop, idx, "iterations", t))
+        if ckpt is not None:
+            ckpt.finish(t, state)
         env[loop] = None  # the loop itself has no value; its outputs do
         for v in self.plan.finals.get(loop, ()):
             env[v] = state[loop.carries.index(v.inputs[1])]
@@ -533,6 +545,22 @@ class _Builder:
             if not bucket:  # an error only if the stack is used: see build_node
                 continue
             env[s] = cg._add_op(_STACK, tuple(bucket), {"axis": 0}, NodeKey("Stack", s.id, idx), s.name)
+            if ckpt is not None:
+                ckpt.share_stack(env[s], bucket)
+
+    def checkpointing(
+        self, loop: LoopNode, idx: tuple[int, ...], length: int | None, kids: Any
+    ) -> LoopRecord | None:
+        """The book-keeping of a checkpointed loop instance (``None`` if the loop keeps every
+        value): see :mod:`vgraph.virtual.checkpoint`."""
+        if loop.checkpoint is None or not is_grad_enabled():
+            return None
+        cg = self.cg
+        if cg._remat is None:
+            cg._remat = Rematerializer(cg, next_version)
+        known = [n for n in (loop.times, length) if n is not None] if loop.cond is None else []
+        trips = min(known) if known else None
+        return cg._remat.start_loop(loop, idx, loop.checkpoint, trips, kids, self.rng, self.graph.training)
 
     def choose(self, branch: BranchNode, frame: _Frame) -> int:
         """Run ``branch``'s selector on its keys' values (built by now)."""
@@ -777,7 +805,8 @@ def build_compute_graph(
         outputs: top-level virtual nodes to build.
         cache: re-run the graph of an earlier build of the same structure instead of unrolling
             again (see :mod:`vgraph.virtual.cache`: the earlier graph object is then superseded);
-            ``False`` always unrolls and leaves the cache alone.
+            ``False`` always unrolls and leaves the cache alone. A graph with checkpointed loops
+            (``checkpoint=``) is never cached: a replay would need the values it dropped.
         hoist: compute loop-body nodes that depend on no carried state for all iterations at
             once (see :mod:`vgraph.virtual.hoist`); ``False`` gives the plain node-by-node unroll,
             for comparison and debugging. Same keys, values and gradients either way.
@@ -834,7 +863,7 @@ def build_compute_graph(
     cg._mark_fresh([_ALL])  # every node was computed from its parents' current values
     for name, node in builder.new_params.items():  # commit only after success
         graph.params._add(name, node)
-    if cache:
+    if cache and cg._remat is None:  # a replay would read dropped values: checkpointed graphs unroll
         graph._cache.put(key, cg)
     graph.latest_build = cg
     graph._builds += 1
