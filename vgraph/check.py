@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -426,8 +426,7 @@ def _op_nodes(target: ComputeGraph | ComputeNode) -> list[tuple[ComputeNode, Op]
 def _vjps(node: ComputeNode) -> tuple[VJP | None, ...]:
     """``node.vjps``: one VJP (or ``None``) per input; a variadic op's single VJP was split per
     input when the node was made."""
-    # ComputeNode.vjps is inferred from Op.vjps, which for a variadic op is one function.
-    return cast("tuple[VJP | None, ...]", node.vjps)
+    return node.vjps
 
 
 def _readonly(a: Any) -> Any:

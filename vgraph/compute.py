@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from operator import attrgetter
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
@@ -39,7 +39,17 @@ from .errors import (
     VGraphError,
 )
 from .functions import Operand
-from .ops import OPS, LazyGrad, Op, RowSparseGrad, add_grads, add_grads_sparse, as_row_sparse, unbroadcast
+from .ops import (
+    OPS,
+    VJP,
+    LazyGrad,
+    Op,
+    RowSparseGrad,
+    add_grads,
+    add_grads_sparse,
+    as_row_sparse,
+    unbroadcast,
+)
 
 # ---------------------------------------------------------------------------- settings
 
@@ -59,7 +69,7 @@ def set_default_dtype(dtype: Any) -> None:
 def float_dtype(dtype: Any, what: str) -> np.dtype:
     """``dtype`` as a numpy float dtype, or a TypeError naming ``what``."""
     try:
-        dt = np.dtype(dtype)
+        dt: np.dtype = np.dtype(dtype)
     except (TypeError, ValueError) as e:
         raise TypeError(f"{what}: not a dtype ({type(dtype).__name__} {dtype!r}: {e})") from None
     if dt.kind != "f":
@@ -272,7 +282,7 @@ class ComputeNode(Operand):
     def __init__(
         self,
         key: NodeKey,
-        value: np.ndarray,
+        value: np.ndarray | None,
         op: Op | None = None,
         parents: tuple[ComputeNode, ...] = (),
         attrs: dict[str, Any] | None = None,
@@ -285,11 +295,16 @@ class ComputeNode(Operand):
         self.op = op
         self.parents = parents
         self.attrs = attrs if attrs else _NO_ATTRS
+        # One VJP (or None) per parent. Op.vjps is that tuple for a non-variadic op and the one
+        # shared vjp(i, g, ans, *xs) of a variadic op (vgraph.ops._validated_op makes it so).
+        self.vjps: tuple[VJP | None, ...]
         if op is None or not op.variadic:
-            self.vjps = op.vjps if op is not None else ()
+            self.vjps = cast("tuple[VJP | None, ...]", op.vjps) if op is not None else ()
         else:
-            self.vjps = tuple(partial(op.vjps, i) for i in range(len(parents)))
-        self._value = value
+            self.vjps = tuple(partial(cast("VJP", op.vjps), i) for i in range(len(parents)))
+        # A leaf's array, or what the op's forward returned (an array, a numpy scalar, a guard's
+        # decision); None only while ComputeGraph._add_op has not computed it yet.
+        self._value: Any = value
         # One clock for creation order (a topological order) and for value versions.
         self.serial = self.version = next(_clock)
         self.requires_grad = requires_grad
@@ -327,7 +342,7 @@ class ComputeNode(Operand):
         v = self._value
         if v is None:  # dropped by a checkpointed loop (an op node, or a sampled mask)
             v = self._rematerialize()
-        return _readonly(v)
+        return cast(np.ndarray, _readonly(v))  # an op may also give a numpy scalar or a decision
 
     def _rematerialize(self) -> Any:
         graph = self.graph
@@ -440,6 +455,9 @@ def _readonly(value: Any) -> Any:
     return value
 
 
+_Explanation = list[tuple[NodeKey, tuple[NodeKey, ...]]]  # ForwardReport.explanation, when kept
+
+
 @dataclass
 class ForwardReport:
     """What the last :meth:`ComputeGraph.forward` did.
@@ -453,7 +471,7 @@ class ForwardReport:
 
     visited: int = 0
     recomputed: int = 0
-    explanation: list[tuple[NodeKey, tuple[NodeKey, ...]]] | None = field(default=None)
+    explanation: _Explanation | None = field(default=None)
 
     def __str__(self) -> str:
         lines = [f"recomputed {self.recomputed} of {self.visited} nodes"]
@@ -517,7 +535,9 @@ class ComputeGraph:
             self._counters[key.type] = key.id  # ids are taken only by nodes actually added
         return node
 
-    def _leaf(self, type_: str, value: Any, name: str | None, key: NodeKey | None, requires_grad: bool):
+    def _leaf(
+        self, type_: str, value: Any, name: str | None, key: NodeKey | None, requires_grad: bool
+    ) -> ComputeNode:
         key = key if key is not None else self._next_key(type_)
         arr = _as_value(value, self.dtype)
         if arr is value:  # the caller's own array: a later in-place change must not reach the graph
@@ -651,8 +671,8 @@ class ComputeGraph:
                     if p.requires_grad:
                         requires_grad = True
                         break
-            else:
-                for p, f in zip(parents, op.vjps):
+            else:  # a non-variadic op's vjps: one VJP or None per input (see ComputeNode)
+                for p, f in zip(parents, cast("tuple[VJP | None, ...]", op.vjps)):
                     if f is not None and p.requires_grad:
                         requires_grad = True
                         break
@@ -682,8 +702,9 @@ class ComputeGraph:
     def _run(self, node: ComputeNode) -> Any:
         """Compute ``node``'s value from its parents' current values."""
         values = [p._value for p in node.parents]
+        op = cast(Op, node.op)  # only op nodes are computed
         try:
-            result = node.op.forward(*values, **node.attrs)
+            result = op.forward(*values, **node.attrs)
             if _Anomaly.enabled and not _finite(result):
                 raise _forward_anomaly(node, values, result)
             return result
@@ -694,7 +715,7 @@ class ComputeGraph:
             raise
         except (ValueError, IndexError, TypeError) as e:
             shapes = ", ".join(f"{p.describe()} {np.shape(v)}" for p, v in zip(node.parents, values))
-            raise ShapeError(f"{node.describe()}: cannot compute {node.op.name} of {shapes}: {e}") from e
+            raise ShapeError(f"{node.describe()}: cannot compute {op.name} of {shapes}: {e}") from e
 
     # -- look-up
     def node(self, key: NodeKey | str) -> ComputeNode:
@@ -843,7 +864,7 @@ class ComputeGraph:
                         continue
                     if explain:
                         changed = tuple(p.key for p in n.parents if p.version > version)
-                        report.explanation.append((n.key, changed))
+                        cast("_Explanation", report.explanation).append((n.key, changed))  # a list: explain
                     n._value = run(n)
                     n.version = next(_clock)
                     recomputed += 1
@@ -1213,6 +1234,7 @@ _ALL = "*"  # key of ComputeGraph._fresh meaning every node of the graph
 
 def _forward_anomaly(node: ComputeNode, values: Sequence[Any], result: Any) -> NonFiniteError:
     """The error for the first non-finite value, computed by ``node`` from ``values``."""
+    op = cast(Op, node.op)  # only op nodes compute values
     where = node.describe()
     if node.key.type.endswith("*") and np.ndim(result) > 0:
         # A hoisted loop-body node computed for every iteration at once (vgraph.virtual.hoist):
@@ -1228,18 +1250,14 @@ def _forward_anomaly(node: ComputeNode, values: Sequence[Any], result: Any) -> N
     kind = _first_kind(result)
     bad = [p for p, v in zip(node.parents, values) if not _finite(v)]
     if bad:  # only a leaf can be non-finite already: every op value was checked when computed
-        head = (
-            f"{kind} enters at {where} ({node.op.name}) from {bad[0].describe()}, which is already non-finite"
-        )
+        head = f"{kind} enters at {where} ({op.name}) from {bad[0].describe()}, which is already non-finite"
     else:
         reason = None
-        hint = _ANOMALY_HINTS.get(node.op.name)
+        hint = _ANOMALY_HINTS.get(op.name)
         if hint is not None:
             with contextlib.suppress(Exception):
                 reason = hint(*values)
-        head = f"{kind} first appears at {where}: " + (
-            reason or f"{node.op.name} of finite inputs gave {kind}"
-        )
+        head = f"{kind} first appears at {where}: " + (reason or f"{op.name} of finite inputs gave {kind}")
     lines = [head, *(f"  input {p.describe()}: {_summary(v)}" for p, v in zip(node.parents, values))]
     lines.append(f"  output: {_summary(result)}")
     return NonFiniteError("\n".join(lines))
@@ -1249,8 +1267,9 @@ def _backward_anomaly(
     node: ComputeNode, parent: ComputeNode, g: Any, pg: Any, values: Sequence[Any]
 ) -> NonFiniteError:
     """The error for the first non-finite gradient, produced by ``node``'s VJP for ``parent``."""
+    op = cast(Op, node.op)  # only op nodes have VJPs
     lines = [
-        f"{_first_kind(pg)} first appears in backward at {node.describe()}: the VJP of {node.op.name} "
+        f"{_first_kind(pg)} first appears in backward at {node.describe()}: the VJP of {op.name} "
         f"gave a non-finite gradient for its input {parent.describe()} from a finite incoming gradient",
         f"  incoming gradient: {_summary(g)}",
         *(f"  input {p.describe()}: {_summary(v)}" for p, v in zip(node.parents, values)),

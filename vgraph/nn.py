@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -199,13 +199,13 @@ class Module:
 
     def parameter_names(self) -> list[str]:
         """The declared parameter names (``"rnn.W_x"`` …); untied copies add ``"@idx"`` to them."""
-        return [v.name for v in self.declared.values()]
+        return [cast(str, v.name) for v in self.declared.values()]  # parameters always have a name
 
     def parameters(self) -> list[ComputeNode]:
         """The module's entries in ``graph.params`` now: the shared parameters, or every untied
         copy created so far. Optimisers given the module re-read this at every step."""
         store = self.graph.params
-        out = []
+        out: list[ComputeNode] = []
         for base in self.parameter_names():
             out.extend(store[k] for k in store if k == base or k.startswith(base + "@"))
         return out

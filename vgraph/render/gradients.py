@@ -15,7 +15,7 @@ import numpy as np
 
 from ..compute import ComputeGraph, ComputeNode, NodeKey
 from ..errors import GraphStateError, RenderError, VGraphError
-from ..ops import VJP, as_array, unbroadcast
+from ..ops import as_array, unbroadcast
 from ..virtual import LoopNode, UnrolledGraph, VirtualNode
 from .frames import _Frames
 
@@ -296,10 +296,9 @@ def gradient_through_time(
         ans = n.value
         if row is not None:  # this iteration's row of a group: of its stepped inputs (groups) too
             values = [v[row] if p in groups else v for p, v in zip(n.parents, values)]
-            g, ans = g[row], ans[row]
-        # ComputeNode.vjps is inferred from Op.vjps (one function for a variadic op), but a node's
-        # is always one VJP or None per input.
-        vjps = cast("tuple[VJP | None, ...]", n.vjps)
+            # n is an op node: its gradient is an array (only sparse_grad leaves keep row-sparse ones)
+            g, ans = cast(np.ndarray, g)[row], ans[row]
+        vjps = n.vjps
         for i, p in enumerate(n.parents):
             vjp = vjps[i] if i < len(vjps) else None
             if p is not P or vjp is None:

@@ -325,7 +325,7 @@ class VirtualGraph:
         """A parameter's initial value for iteration path ``idx``, from ``(seed, pid, idx)``."""
         init = attrs["init"]
         if isinstance(init, np.ndarray):
-            return init.copy()
+            return init.copy()  # type: ignore[no-any-return]  # numpy's stubs: Self is Any for py3.10
         seed = self.seed if attrs["seed"] is None else attrs["seed"]
         what = f"<Parameter:{pid}{'@' + '.'.join(map(str, idx)) if idx else ''}> {name!r}"
         try:

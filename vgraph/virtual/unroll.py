@@ -7,9 +7,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -178,12 +178,15 @@ class UnrolledGraph(ComputeGraph):
         if accumulate:
             watched = {g: [c for c in cs if c.retains_grad] for g, cs in self._groups.items()}
         else:
+            wanted = cast("set[ComputeNode]", wanted)  # grad() (accumulate=False) passes the set
             watched = {g: [c for c in cs if c in wanted] for g, cs in self._groups.items()}
         watched = {g: cs for g, cs in watched.items() if cs}
         if not watched:
             return super()._backprop(plan, roots, accumulate, wanted, reach)
         if not accumulate:
-            found = super()._backprop(plan, roots, accumulate, {*wanted, *watched}, reach)
+            found = super()._backprop(
+                plan, roots, accumulate, {*cast("set[ComputeNode]", wanted), *watched}, reach
+            )
             for g, copies in watched.items():
                 for c in copies:
                     if g in found:
@@ -198,7 +201,7 @@ class UnrolledGraph(ComputeGraph):
             for g, copies in watched.items():
                 for c in copies:
                     if g.grad is not None:
-                        row = g.grad[c.attrs["index"]]
+                        row = cast(np.ndarray, g.grad)[c.attrs["index"]]  # an op node's: dense
                         c.grad = np.array(row) if before[c] is None else before[c] + row
         finally:
             for g, (retains, grad) in saved.items():  # the group's own .grad as the user left it
@@ -296,16 +299,18 @@ class _Frame:
 
     __slots__ = ("scope", "idx", "env", "parent")
 
-    def __init__(self, scope: LoopNode | None, idx: tuple[int, ...], env: dict, parent: _Frame | None):
+    def __init__(
+        self, scope: LoopNode | None, idx: tuple[int, ...], env: dict[VirtualNode, Any], parent: _Frame | None
+    ) -> None:
         self.scope = scope
         self.idx = idx
-        self.env = env
+        self.env = env  # virtual node -> its compute node (None for a loop, which has no value)
         self.parent = parent
 
     def owner(self, v: VirtualNode) -> _Frame:
         f = self
         while f.scope is not v.scope:
-            f = f.parent
+            f = cast(_Frame, f.parent)  # v's scope encloses this frame's: an ancestor owns it
         return f
 
 
@@ -337,13 +342,18 @@ class _Builder:
         cg = self.cg
         if kind == "op":
             env[v] = cg._add_op(
-                v.op, tuple([env[i] for i in v.inputs]), v.attrs, NodeKey(v.type, v.id, frame.idx), v.name
+                cast(Op, v.op),
+                tuple([env[i] for i in v.inputs]),
+                v.attrs,
+                NodeKey(v.type, v.id, frame.idx),
+                v.name,
             )
         elif kind == "parameter":
             env[v] = cg.add_leaf(self.parameter(v, frame.idx))
         elif kind == "input":
-            node = cg.input(self.feed[v.name], v.name, NodeKey("Input", v.id, ()), v.attrs["requires_grad"])
-            cg.inputs[v.name] = node
+            name = cast(str, v.name)  # inputs are declared with a name
+            node = cg.input(self.feed[name], name, NodeKey("Input", v.id, ()), v.attrs["requires_grad"])
+            cg.inputs[name] = node
             env[v] = node
         elif kind == "constant":
             env[v] = cg.constant(v.attrs["value"], v.name, NodeKey("Constant", v.id, ()))
@@ -353,6 +363,7 @@ class _Builder:
             env[v] = cg.constant(value, v.name, NodeKey("Sample", v.id, frame.idx))
             cg._samples[env[v]] = (v.attrs["fn"], like)
         elif kind == "loop":
+            assert isinstance(v, LoopNode)
             self.run_loop(v, frame)
         elif kind == "branch":
             self.demand(v, frame)
@@ -366,7 +377,7 @@ class _Builder:
 
     def parameter(self, v: VirtualNode, idx: tuple[int, ...]) -> ComputeNode:
         if v.attrs["share"]:
-            return self.graph.params[v.name]
+            return self.graph.params[cast(str, v.name)]  # parameters are declared with a name
         name = _store_name(v, idx)
         node = self.graph.params._nodes.get(name) or self.new_params.get(name)
         if node is None:  # first time this iteration path is reached: initialise now
@@ -392,6 +403,7 @@ class _Builder:
                 stack.extend(missing)
                 continue
             if v.kind == "branch":
+                assert isinstance(v, BranchNode)
                 choice = choices.get(v)
                 if choice is None:
                     lead = v.lead
@@ -404,7 +416,7 @@ class _Builder:
             else:
                 self.build_node(v, f)
             stack.pop()
-        return frame.owner(target).env[target]
+        return cast(ComputeNode, frame.owner(target).env[target])  # not a loop: it has a value
 
     def run_scope(self, frame: _Frame, order: list[VirtualNode] | None = None) -> None:
         # Declaration order is topological (see LoopNode.__exit__), and a body's env starts with
@@ -438,13 +450,14 @@ class _Builder:
                 )
             length = n
         if seqs:
-            cg.guard(seqs, _length_check(loop, idx, length), NodeKey("LengthCheck", loop.id, idx))
+            cg.guard(seqs, _length_check(loop, idx, cast(int, length)), NodeKey("LengthCheck", loop.id, idx))
         kids = None  # a recursion's children array: row t lists node t's children
         if loop.structure is not None:
             node = frame.owner(loop.structure).env[loop.structure]
             kids = _check_structure(loop, idx, node.value, length)
             length = len(kids)
             cg.guard([node], _structure_check(loop, idx, kids), NodeKey("StructureCheck", loop.id, idx))
+            history: list[list[ComputeNode]]
             defaults, history = state, []  # every node's state, read by its parents
             rows = kids.tolist()  # plain ints: reading them per node costs less than numpy scalars
             width = kids.shape[1]
@@ -466,6 +479,7 @@ class _Builder:
         collected: list[list[ComputeNode]] = [[] for _ in stacked]
         names = [c.name for c in loop.carries]
         ckpt = self.checkpointing(loop, idx, length, kids)  # None unless checkpoint= was given
+        c: Any  # a carry, or in a recursion a child's index
         t = 0
         while True:
             if loop.times is not None and t >= loop.times:
@@ -498,7 +512,7 @@ class _Builder:
                     ienv[read] = history[c][k] if c >= 0 else defaults[k]
             for item, node in zip(loop.items, seqs):
                 if item not in groups:
-                    at = length - 1 - t if item.attrs.get("reverse") else t
+                    at = cast(int, length) - 1 - t if item.attrs.get("reverse") else t
                     ienv[item] = cg._add_op(
                         _GETITEM, (node,), {"index": at}, NodeKey("Item", item.id, inner.idx), item.name
                     )
@@ -599,7 +613,8 @@ class _Builder:
 def _check_structure(loop: LoopNode, idx: tuple[int, ...], value: Any, length: int | None) -> np.ndarray:
     """A recursion's children array, checked: ``(N, k)`` integers, ``N > 0``, every child index in
     ``[-1, t)`` for node ``t`` (children first; a cycle cannot be ordered so)."""
-    where = f"{loop.describe(idx)}: the children array {loop.structure.describe()}"
+    # only a recursion (loop.structure set) has a children array
+    where = f"{loop.describe(idx)}: the children array {cast(VirtualNode, loop.structure).describe()}"
     kids = np.asarray(value)
     if kids.ndim != 2 or kids.dtype.kind not in "iu":
         raise StructureError(f"{where} must be an (N, k) integer array, got {kids.dtype} {kids.shape}")
@@ -622,15 +637,15 @@ def _check_structure(loop: LoopNode, idx: tuple[int, ...], value: Any, length: i
             f"{where}: structure node {t} has child {c} (slot {j}), which does not come before it; "
             "order the nodes children first (a topological order; a structure with a cycle has none)"
         )
-    return kids.copy()
+    return kids.copy()  # type: ignore[no-any-return]  # numpy's stubs: Self is Any for py3.10
 
 
-def _structure_check(loop: LoopNode, idx: tuple[int, ...], kids: np.ndarray):
+def _structure_check(loop: LoopNode, idx: tuple[int, ...], kids: np.ndarray) -> Callable[[np.ndarray], int]:
     def check(value: np.ndarray) -> int:
         if np.shape(value) != kids.shape or not np.array_equal(value, kids):
             raise StructureChangedError(
-                f"{loop.describe(idx)} recurses over {loop.structure.describe()}, whose children array "
-                "changed; rebuild the compute graph for the new structure"
+                f"{loop.describe(idx)} recurses over {cast(VirtualNode, loop.structure).describe()}, "
+                "whose children array changed; rebuild the compute graph for the new structure"
             )
         return len(kids)
 
@@ -671,7 +686,7 @@ def _run_cond(
     loop: LoopNode,
     idx: tuple[int, ...],
     t: int,
-    names: list[str],
+    names: list[str | None],
     values: list[np.ndarray],
     until: bool = False,
 ) -> bool:
@@ -698,8 +713,8 @@ def _run_cond(
 
 
 def _cond_check(
-    loop: LoopNode, idx: tuple[int, ...], t: int, names: list[str], expected: bool, until: bool = False
-):
+    loop: LoopNode, idx: tuple[int, ...], t: int, names: list[str | None], expected: bool, until: bool = False
+) -> Callable[..., bool]:
     def check(*values: np.ndarray) -> bool:
         now = _run_cond(loop, idx, t, names, list(values), until)
         if now != expected:
@@ -712,7 +727,7 @@ def _cond_check(
     return check
 
 
-def _length_check(loop: LoopNode, idx: tuple[int, ...], length: int):
+def _length_check(loop: LoopNode, idx: tuple[int, ...], length: int) -> Callable[..., int]:
     def check(*values: np.ndarray) -> int:
         for seq, value in zip(loop.sequences, values):
             if np.ndim(value) == 0 or value.shape[0] != length:
@@ -726,7 +741,7 @@ def _length_check(loop: LoopNode, idx: tuple[int, ...], length: int):
 
 
 @contextlib.contextmanager
-def _gc_paused():
+def _gc_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector while unrolling.
 
     A build allocates many long-lived objects, which would trigger repeated collections that
@@ -775,7 +790,10 @@ def _checked_feed(graph: VirtualGraph, plan: _Plan, feed: Mapping[str, Any]) -> 
     missing = [v.describe() for v in needed_inputs if v.name not in feed]
     if missing:
         raise FeedError(f"missing feed for input(s) {', '.join(missing)}, needed by the requested outputs")
-    return {v.name: _check_feed_value(v, feed[v.name], graph.dtype) for v in needed_inputs}
+    # inputs are declared with a name
+    return {
+        cast(str, v.name): _check_feed_value(v, feed[cast(str, v.name)], graph.dtype) for v in needed_inputs
+    }
 
 
 def build_compute_graph(
@@ -834,7 +852,8 @@ def build_compute_graph(
            *((n, a.shape, a.dtype.str) for n, a in values.items()))  # fmt: skip
     cached = graph._cache.take(key) if cache else None
     if cached is not None:
-        cg: UnrolledGraph | None = cached._succeed()
+        cg: UnrolledGraph | None
+        cg = cached._succeed()
         try:
             with _anomaly_scope(detect_anomaly):
                 cg._replay(values, np.random.default_rng([graph.seed, graph._builds]))
