@@ -30,6 +30,7 @@ from typing import Any, NamedTuple, cast
 
 import numpy as np
 
+from . import tape as _tape
 from .errors import (
     BackwardError,
     GraphStateError,
@@ -501,6 +502,9 @@ class ComputeGraph:
         self._guards: list[ComputeNode] = []
         self._forward_plans: dict[tuple[Any, ...], list[ComputeNode]] = {}
         self._backward_plans: dict[int, list[ComputeNode]] = {}
+        # Compiled sweeps (vgraph.tape), made on a plan's second sweep: None marks a plan swept once.
+        self._forward_tapes: dict[tuple[Any, ...], _tape.ForwardTape | None] = {}
+        self._backward_tape: tuple[list[ComputeNode], _tape.BackwardTape | None] | None = None
         self._released = False  # a backward without retain_graph ran since the last forward
         self._stale: str | None = None  # set when a structure check failed
         self._leaves: list[ComputeNode] = []
@@ -778,6 +782,17 @@ class ComputeGraph:
             self._forward_plans[cache_key] = plan
         return plan
 
+    def _forward_tape(self, targets: tuple[ComputeNode, ...]) -> _tape.ForwardTape | None:
+        """The compiled forward of ``targets``' plan, from its second forward on (else ``None``)."""
+        key = (*targets, len(self._guards))
+        if key not in self._forward_tapes:
+            self._forward_tapes[key] = None  # swept once: the next forward compiles it
+            return None
+        tape = self._forward_tapes[key]
+        if tape is None:
+            tape = self._forward_tapes[key] = _tape.ForwardTape(self._forward_plan(targets))
+        return tape
+
     def _backward_plan(self) -> list[ComputeNode]:
         """Every node that requires a gradient, in reverse topological order.
 
@@ -855,6 +870,14 @@ class ComputeGraph:
                 if self._remat is not None:
                     recomputed = self._forward_dropped(plan, report)
                     plan = []
+                elif not explain and not _Anomaly.enabled and _tape.tapes_enabled():
+                    tape = self._forward_tape(targets)
+                    if tape is not None:
+                        try:
+                            recomputed = tape(next_version)
+                            plan = []
+                        except Exception:  # the interpreted sweep below raises the error naming the node
+                            recomputed = 0
                 for n in plan:
                     version = n.version
                     for p in n.parents:
@@ -1146,6 +1169,12 @@ class ComputeGraph:
         g: Any
         check = _Anomaly.enabled
         remat = self._remat  # checkpointed loops: dropped values are recomputed when reached
+        if accumulate and wanted is None and reach is None and remat is None and not check:
+            tape = self._backward_tape_for(plan)
+            if tape is not None and self._run_backward_tape(tape, plan, roots, staged):
+                self._commit(staged)
+                return found
+            staged.clear()
         try:
             for r, g in roots:
                 if check and not _finite(g):
@@ -1158,7 +1187,7 @@ class ComputeGraph:
                 n._g = None
                 own = n._gown
                 n._gown = False
-                if isinstance(g, LazyGrad):  # every contribution is in: make it an array
+                if type(g) is not np.ndarray and isinstance(g, LazyGrad):  # all are in: an array
                     # (a sparse_grad leaf's .grad keeps only the rows looked up)
                     g = as_row_sparse(g) if n.sparse_grad and accumulate else g.dense()
                     own = True
@@ -1172,13 +1201,13 @@ class ComputeGraph:
                     staged.append((n, g, False))
                 parents = n.parents
                 ans = n._value if remat is None else remat.backward_value(n)
-                values = [p._value for p in parents]
+                values = tuple(map(_get_value, parents))
                 attrs = n.attrs
                 for p, vjp in zip(parents, n.vjps):
                     if vjp is None or not p.requires_grad or (reach is not None and p not in reach):
                         continue
                     try:
-                        pg = vjp(g, ans, *values, **attrs)
+                        pg = vjp(g, ans, *values, **attrs) if attrs else vjp(g, ans, *values)
                         pshape = p._value.shape
                         if pg.shape != pshape:
                             pg = unbroadcast(pg, pshape)
@@ -1213,14 +1242,58 @@ class ComputeGraph:
         finally:
             if remat is not None:
                 remat.end_backward()
-        for n, g, own in staged:  # the sweep succeeded: commit
+        self._commit(staged)
+        return found
+
+    @staticmethod
+    def _commit(staged: list[tuple[ComputeNode, Any, bool]]) -> None:
+        """Write the gradients a successful sweep staged into ``.grad``."""
+        for n, g, own in staged:
             if n.grad is None:
                 n.grad = g if own else np.array(g)
             elif n.op is None:
                 n.grad += g
             else:
                 n.grad = n.grad + g
-        return found
+
+    def _backward_tape_for(self, plan: list[ComputeNode]) -> _tape.BackwardTape | None:
+        """The compiled sweep of ``plan``, from its second backward on (else ``None``)."""
+        if not _tape.tapes_enabled():
+            return None
+        cached = self._backward_tape
+        if cached is None or cached[0] is not plan:
+            self._backward_tape = (plan, None)  # swept once: the next backward compiles it
+            return None
+        tape = cached[1]
+        if tape is None:
+            tape = _tape.BackwardTape(plan)
+            self._backward_tape = (plan, tape)
+        return tape
+
+    @staticmethod
+    def _run_backward_tape(
+        tape: _tape.BackwardTape,
+        plan: list[ComputeNode],
+        roots: list[tuple[ComputeNode, np.ndarray]],
+        staged: list[tuple[ComputeNode, Any, bool]],
+    ) -> bool:
+        """Run a compiled sweep; ``False`` (with every pending gradient cleared) if it raised, so
+        that the interpreted sweep runs instead and raises the error that names the node."""
+        try:
+            for r, g in roots:
+                r._g = g if r._g is None else add_grads(r._g, g)
+            tape(staged)
+            return True
+        except BaseException as e:
+            for n in plan:
+                n._g = None
+                n._gown = False
+            for r, _ in roots:
+                r._g = None
+                r._gown = False
+            if not isinstance(e, Exception):
+                raise
+            return False
 
     def zero_grad(self) -> None:
         """Clear ``.grad`` of every node of this graph (sets it to ``None``)."""
@@ -1229,6 +1302,7 @@ class ComputeGraph:
 
 
 _by_serial = attrgetter("serial")
+_get_value = attrgetter("_value")
 _ALL = "*"  # key of ComputeGraph._fresh meaning every node of the graph
 
 

@@ -440,7 +440,8 @@ class RowsProductGrad(LazyGrad):
     __slots__ = ("a", "g")
 
     def __init__(self, a: np.ndarray, g: np.ndarray) -> None:
-        super().__init__((a.shape[1], g.shape[1]), np.result_type(a, g))
+        self.shape = (a.shape[1], g.shape[1])  # LazyGrad's fields, set here on the hot path
+        self.dtype = a.dtype if a.dtype == g.dtype else np.result_type(a, g)
         self.a = [a]
         self.g = [g]
 
@@ -491,11 +492,16 @@ def unbroadcast(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     g = np.asarray(g)
     extra = g.ndim - len(shape)
     if extra > 0:
-        g = g.sum(axis=tuple(range(extra)))
+        g = _add_reduce(g, axis=0 if extra == 1 else tuple(range(extra)))
+        if g.shape == shape:  # only leading axes were added (a bias over a batch): done
+            return g
     stretched = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
     if stretched:
         g = g.sum(axis=stretched, keepdims=True)
     return g
+
+
+_add_reduce = np.add.reduce  # ndarray.sum without its Python-level wrapper
 
 
 # ---------------------------------------------------------------------------- elementwise
@@ -543,6 +549,18 @@ def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.reshape(a.reshape(-1, a.shape[-1]) @ b, (*a.shape[:-1], b.shape[-1]))
     out: np.ndarray = np.matmul(a, b)
     return out
+
+
+def _matmul_vjp_a(g: np.ndarray, ans: np.ndarray, a: np.ndarray, b: np.ndarray) -> Any:
+    if a.ndim == 2 and b.ndim == 2:  # the hot path: a matrix times a matrix
+        return g @ b.T
+    return _matmul_vjp(g, a, b, 0)
+
+
+def _matmul_vjp_b(g: np.ndarray, ans: np.ndarray, a: np.ndarray, b: np.ndarray) -> Any:
+    if a.ndim == 2 and b.ndim == 2:  # the hot path (see RowsProductGrad)
+        return RowsProductGrad(a, g)
+    return _matmul_vjp(g, a, b, 1)
 
 
 def _matmul_vjp(g: np.ndarray, a: np.ndarray, b: np.ndarray, wrt: int) -> Any:
@@ -607,12 +625,7 @@ def _matmul_vjp_summed(
     return da
 
 
-defop(
-    "MatMul",
-    _matmul,
-    lambda g, ans, a, b: _matmul_vjp(g, a, b, 0),
-    lambda g, ans, a, b: _matmul_vjp(g, a, b, 1),
-)
+defop("MatMul", _matmul, _matmul_vjp_a, _matmul_vjp_b)
 
 
 # ---------------------------------------------------------------------------- reductions
@@ -706,6 +719,8 @@ defop(
 
 
 def _is_basic_index(index: Any) -> bool:
+    if type(index) is int:  # the hot path: one step of a sequence
+        return True
     items = index if isinstance(index, tuple) else (index,)
     return all(isinstance(i, (int, np.integer, slice)) or i is None or i is Ellipsis for i in items)
 
@@ -814,7 +829,11 @@ defop("GatherRows", _gather_rows, _gather_rows_vjp, variadic=True)
 
 # One iteration's copy of a hoisted loop-body node: row ``index`` of the node computed for every
 # iteration at once (see vgraph.virtual.hoist). A view; its gradient lands in the group's buffer.
-defop("Hoisted", lambda x, index: x[index], _getitem_vjp)
+def _hoisted_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray, index: int) -> IndexedGrad:
+    return IndexedGrad(x.shape, g.dtype, index, g, True)  # an iteration's row: a basic index
+
+
+defop("Hoisted", lambda x, index: x[index], _hoisted_vjp)
 
 
 # ---------------------------------------------------------------------------- fused recurrent cells

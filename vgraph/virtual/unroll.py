@@ -21,6 +21,7 @@ from ..compute import (
     _anomaly_scope,
     _as_value,
     _by_serial,
+    is_anomaly_enabled,
     is_grad_enabled,
     next_version,
     no_grad,
@@ -36,6 +37,7 @@ from ..errors import (
     VGraphError,
 )
 from ..ops import OPS, Op
+from ..tape import ForwardTape, tapes_enabled
 from .cache import SupersededGraph
 from .checkpoint import LoopRecord, Rematerializer
 from .graph import VirtualGraph
@@ -86,6 +88,8 @@ class UnrolledGraph(ComputeGraph):
         self._groups: dict[ComputeNode, list[ComputeNode]] = {}
         # Sampled leaves (dropout masks): how to draw them again when the graph is replayed.
         self._samples: dict[ComputeNode, tuple[Any, ComputeNode]] = {}
+        # The compiled replay (vgraph.tape) of a graph without sampled leaves, made on first replay.
+        self._replay_tape: ForwardTape | None = None
 
     def _copies_of(self, v: VirtualNode) -> dict[tuple[int, ...], ComputeNode]:
         return {idx: env[v] for (scope, idx), env in self._envs.items() if scope is v.scope and v in env}
@@ -132,27 +136,44 @@ class UnrolledGraph(ComputeGraph):
         """
         for name, arr in values.items():
             self.inputs[name].set_value(arr)
-        samples, training = self._samples, self.virtual.training
-        run = self._run
         try:
-            for n in sorted(self._nodes.values(), key=_by_serial) if samples else self._nodes.values():
-                if n.op is None:
-                    sample = samples.get(n)
-                    if sample is not None:
-                        n.set_value(sample[0](rng, sample[1]._value, training))
-                    continue
-                version = n.version
-                for p in n.parents:
-                    if p.version > version:
-                        n._value = run(n)
-                        n.version = next_version()
-                        break
+            if not self._replayed_by_tape():
+                self._replay_interpreted(rng)
         except BaseException as e:
             self._failed_forward = f"{type(e).__name__}: {e}"
             raise
         self._released = False
         self._stale = self._failed_forward = None
         self._mark_fresh([_ALL])
+
+    def _replayed_by_tape(self) -> bool:
+        """Replay with the compiled sweep (vgraph.tape) where one applies; ``False`` where it does
+        not, or where it raised (the interpreted replay then raises the error naming the node)."""
+        if self._samples or not tapes_enabled() or is_anomaly_enabled():
+            return False
+        if self._replay_tape is None:
+            self._replay_tape = ForwardTape([n for n in self._nodes.values() if n.op is not None])
+        try:
+            self._replay_tape(next_version)
+        except Exception:
+            return False
+        return True
+
+    def _replay_interpreted(self, rng: np.random.Generator) -> None:
+        samples, training = self._samples, self.virtual.training
+        run = self._run
+        for n in sorted(self._nodes.values(), key=_by_serial) if samples else self._nodes.values():
+            if n.op is None:
+                sample = samples.get(n)
+                if sample is not None:
+                    n.set_value(sample[0](rng, sample[1]._value, training))
+                continue
+            version = n.version
+            for p in n.parents:
+                if p.version > version:
+                    n._value = run(n)
+                    n.version = next_version()
+                    break
 
     def _add_copy(self, group: ComputeNode, copy: ComputeNode) -> ComputeNode:
         self._groups.setdefault(group, []).append(copy)

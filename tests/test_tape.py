@@ -1,0 +1,357 @@
+"""Compiled sweeps (vgraph.tape, issue 10 §7): a graph swept again runs straight-line code made
+for its structure — and nothing else changes.
+
+Identity tests: every example model, random op graphs and random loop bodies, trained for a few
+steps with tapes on and with tapes off (the interpreted sweeps), give bitwise the same losses,
+parameter gradients, retained gradients and values at every key. Error paths: a VJP or an op that
+fails inside compiled code gives the same typed error, naming the node, and changes no ``.grad``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from test_hoist import apply_unary, example, load, loop_bodies
+from test_properties import build_random_graph, recipes
+
+import vgraph as vg
+from vgraph import tape
+from vgraph.compute import ComputeGraph
+from vgraph.errors import BackwardError, ShapeError
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 4  # sweeps per run: the first is interpreted, the later ones run the tape
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    previous = vg.get_default_dtype()
+    vg.set_default_dtype(np.float64)
+    yield
+    vg.set_default_dtype(previous)
+
+
+@contextlib.contextmanager
+def tapes(enabled: bool):
+    previous = tape.tapes_enabled()
+    tape.set_tapes(enabled)
+    try:
+        yield
+    finally:
+        tape.set_tapes(previous)
+
+
+def train(g, feeds, loss, outputs=None, *, cache=True):
+    """``len(feeds)`` steps: build once, then feed + forward (reuse); retain every gradient;
+    backward; an SGD step. Returns everything the identity compares, step by step."""
+    record = []
+    cg = g.build(feeds[0], outputs or [loss], cache=cache)
+    for step, feed in enumerate(feeds):
+        if step:
+            cg.feed(feed)
+            cg.forward()
+        for n in cg.nodes():
+            if n.requires_grad and n.op is not None:
+                n.retain_grad()
+                n.grad = None
+        g.params.zero_grad()
+        value = cg.backward(cg.node(loss) if not isinstance(loss, vg.VirtualNode) else loss)
+        params = {k: np.array(p.grad) for k, p in g.params.items() if p.grad is not None}
+        nodes = {
+            k: (np.array(n.value), None if n.grad is None else np.array(n.grad)) for k, n in cg._nodes.items()
+        }
+        record.append((value, params, nodes))
+        for _, p in g.params.items():
+            if p.grad is not None:
+                p.value = p.value - 0.05 * np.asarray(p.grad)
+    return record
+
+
+def assert_same(run):
+    """``run()`` with tapes off and on (from fresh state each time) gives bitwise equal records."""
+    with tapes(False):
+        plain = run()
+    with tapes(True):
+        taped = run()
+    assert len(plain) == len(taped)
+    for (v0, p0, n0), (v1, p1, n1) in zip(plain, taped):
+        assert v0 == v1 or (np.isnan(v0) and np.isnan(v1))
+        assert p0.keys() == p1.keys()
+        for k in p0:
+            assert np.array_equal(p0[k], p1[k], equal_nan=True), k
+        assert n0.keys() == n1.keys()
+        for k, (value, grad) in n0.items():
+            assert np.array_equal(value, n1[k][0], equal_nan=True), k
+            assert (grad is None) == (n1[k][1] is None), k
+            if grad is not None:
+                assert np.array_equal(grad, n1[k][1], equal_nan=True), k
+
+
+def feeds_like(feed, n, seed=0):
+    """``n`` feeds shaped like ``feed``: float inputs perturbed, integer ones (tokens, labels) kept."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        f = {}
+        for k, v in feed.items():
+            v = np.asarray(v)
+            f[k] = v + 0.1 * rng.standard_normal(v.shape) if v.dtype.kind == "f" else v
+        out.append(f)
+    return out
+
+
+# ---------------------------------------------------------------------------- the example models
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "examples" / "models").glob("*.py")), ids=lambda p: p.stem)
+def test_model_scripts_taped_equal_interpreted(script):
+    def run():
+        g, feed, outputs = load(script).build()
+        return train(g, feeds_like(feed, STEPS), outputs[0], outputs)
+
+    assert_same(run)
+
+
+def test_rnn_bptt_example():
+    def run():
+        g, outs = example("rnn_bptt").build_model(vocab=5, hidden=4, seed=0)
+        rng = np.random.default_rng(0)
+        feed = {
+            "x": np.eye(5)[rng.integers(0, 5, (6, 3))],
+            "y": rng.integers(0, 5, (6, 3)),
+            "h0": np.zeros((3, 4)),
+        }
+        return train(g, feeds_like(feed, STEPS), outs["loss"])
+
+    assert_same(run)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_lstm_sequence_example(cell):
+    def run():
+        m = example("lstm_sequence")
+        g, outs = m.build_model(cell, hidden=4, seed=0)
+        x, y = m.adding_batch(np.random.default_rng(1), 3, 5)
+        return train(g, feeds_like({"x": x, "y": y, "h0": np.zeros((3, 4))}, STEPS), outs["loss"])
+
+    assert_same(run)
+
+
+@pytest.mark.parametrize("cell", [vg.nn.LSTMCell, vg.nn.GRUCell])
+def test_unfused_cells(cell):
+    def run():
+        g = vg.VirtualGraph(seed=1)
+        xs = g.input("xs", (None, 2, 3))
+        c = cell(g, 3, 4, "cell", fused=False)
+        with g.loop() as L:
+            h = L.carry(np.zeros((2, 4)), name="h")
+            if cell is vg.nn.LSTMCell:
+                s = L.carry(np.zeros((2, 4)), name="c")
+                h_new, s_new = c(L.step(xs), (h, s))
+                L.update(s, s_new)
+            else:
+                h_new = c(L.step(xs), h)
+            L.update(h, h_new)
+        loss = vg.sum(L.final(h) ** 2)
+        return train(g, feeds_like({"xs": np.random.default_rng(2).normal(size=(5, 2, 3))}, STEPS), loss)
+
+    assert_same(run)
+
+
+def test_data_dependent_examples():
+    def adaptive():
+        m = example("adaptive_loop")
+        g, outs = m.build_model(hidden=4, tol=1e-3, max_steps=8, seed=0)
+        return [r for x in (0.7, 0.7, 0.7) for r in train(g, [m.feed(x)] * 2, outs["loss"])]
+
+    def routing():
+        r = example("routing_branch")
+        g, outs = r.build_model(hidden=4, seed=0)
+        return train(g, [r.batch(np.array([-0.8, 0.1, 0.9]))] * STEPS, outs["loss"])
+
+    assert_same(adaptive)
+    assert_same(routing)
+
+
+def test_rebuilds_of_a_cached_structure():
+    """Cached structures replay the graph (vgraph.virtual.cache): its forward and backward run the
+    tapes from the third build on."""
+
+    def run():
+        g, feed, outputs = load(ROOT / "examples" / "models" / "elman_rnn.py").build()
+        record = []
+        for f in feeds_like(feed, 5):
+            record += train(g, [f], outputs[0], outputs)
+        return record
+
+    assert_same(run)
+
+
+# ---------------------------------------------------------------------------- random structures
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(recipes())
+def test_random_op_graphs(recipe):
+    def run():
+        cg, output, params = build_random_graph(recipe)
+        seed = np.random.default_rng(0).standard_normal(output.shape)
+        record = []
+        for step in range(STEPS):
+            for p in params:
+                p.value = p.value * (1 + 0.01 * step)
+                p.grad = None
+            cg.forward(output)
+            if output.requires_grad:  # e.g. not when everything passes through Step
+                cg.backward(output, seed=seed)
+            record.append((0.0, {str(p.key): np.array(p.grad) for p in params if p.grad is not None},
+                           {k: (np.array(n.value), None) for k, n in cg._nodes.items()}))  # fmt: skip
+        return record
+
+    assert_same(run)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(loop_bodies())
+def test_random_loop_bodies(body):
+    steps, times, program, update_from, stack_from = body
+
+    def run():
+        g = vg.VirtualGraph(seed=5)
+        xs = g.input("xs", (None, 2, 3))
+        W = g.parameter("W", (3, 3), init="orthogonal")
+        b = g.parameter("b", (3,), init=vg.nn.init.normal(0.5))
+        with g.loop(times=times) as L:
+            x = L.step(xs)
+            h = L.carry(np.zeros((2, 3)), name="h")
+            pool = [x, h, b * x]
+            for instr in program:
+                if instr[0] == "unary":
+                    pool.append(apply_unary(instr[1], pool[instr[2] % len(pool)]))
+                else:
+                    a, c = pool[instr[2] % len(pool)], pool[instr[3] % len(pool)]
+                    pool.append(
+                        vg.tanh(a) @ W
+                        if instr[1] == "matmul"
+                        else {"add": a + c, "sub": a - c, "mul": a * c}[instr[1]]
+                    )
+            L.update(h, vg.tanh(pool[update_from % len(pool)] + h))
+            out = pool[stack_from % len(pool)]
+        loss = (
+            vg.sum(L.final(h) ** 2) + vg.sum(W * W) + (vg.sum(L.stack(out)) if steps and times != 0 else 0.0)
+        )
+        feed = {"xs": np.random.default_rng(steps).normal(size=(steps, 2, 3))}
+        return train(g, feeds_like(feed, STEPS), loss)
+
+    assert_same(run)
+
+
+# ---------------------------------------------------------------------------- what tapes share, and when
+
+
+def elman(T, B=2):
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, B, 3))
+    W, U, b = g.parameter("W", (3, 4)), g.parameter("U", (4, 4)), g.parameter("b", (4,))
+    with g.loop() as L:
+        h = L.carry(np.zeros((B, 4)), name="h")
+        L.update(h, vg.tanh(L.step(xs) @ W + h @ U + b))
+    return g, vg.sum(L.final(h))
+
+
+def test_loops_of_any_length_share_the_compiled_iterations():
+    """Every iteration of a loop has the same shape, so a loop of 200 steps compiles no more code
+    than one of 20: the compiled functions are per shape, and shared by graphs."""
+    with tapes(True):
+        made = []
+        for T in (20, 200, 37):
+            g, loss = elman(T)
+            cg = g.build({"xs": np.ones((T, 2, 3))}, loss, cache=False)
+            before = len(tape._compiled)
+            for _ in range(2):  # the second sweep compiles
+                cg.forward()
+                cg.backward(loss)
+            made.append(len(tape._compiled) - before)
+        assert made[1] <= made[0] and made[2] <= made[0]
+        assert made[1] <= 1  # at most the loop's last, shorter run or the part after it is new
+
+
+def test_a_graph_swept_once_makes_no_tape():
+    with tapes(True):
+        g, loss = elman(5)
+        cg = g.build({"xs": np.ones((5, 2, 3))}, loss, cache=False)
+        cg.backward(loss)
+        assert cg._backward_tape is not None and cg._backward_tape[1] is None
+        cg.forward()
+        cg.backward(loss)
+        assert isinstance(cg._backward_tape[1], tape.BackwardTape)
+
+
+def test_retain_grad_after_the_tape_was_made():
+    with tapes(True):
+        g, loss = elman(6)
+        cg = g.build({"xs": np.ones((6, 2, 3))}, loss, cache=False)
+        for _ in range(2):
+            cg.forward()
+            cg.backward(loss)
+        node = cg.node("Tanh:1@2")
+        node.retain_grad()
+        cg.forward()
+        cg.backward(loss)
+        got = np.array(node.grad)
+    with tapes(False):
+        cg.forward()
+        node.grad = None
+        cg.backward(loss)
+        assert np.array_equal(got, node.grad)
+
+
+def test_set_tapes_takes_a_bool():
+    with pytest.raises(TypeError, match="True or False"):
+        tape.set_tapes(1)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- failures inside compiled code
+
+
+def test_a_vjp_failing_in_a_tape_names_the_node_and_changes_no_grad():
+    calls = {"n": 0}
+
+    def flaky_vjp(g, ans, x):
+        calls["n"] += 1
+        if calls["n"] > 2:  # the first two backwards (interpreted, then taped) pass
+            raise ValueError("boom")
+        return g * np.cos(x)
+
+    sin = vg.defop("TapeSin", np.sin, flaky_vjp)
+    cg = ComputeGraph(dtype=np.float64)
+    p = cg.parameter(np.array([0.3, -0.2]), name="p")
+    out = vg.sum(sin(p * 2.0))
+    with tapes(True):
+        for _ in range(2):
+            cg.forward(out)
+            cg.backward(out)
+        before = np.array(p.grad)
+        cg.forward(out)
+        with pytest.raises(BackwardError, match=r"<TapeSin:1>.*boom"):
+            cg.backward(out)
+    assert np.array_equal(p.grad, before)  # nothing half-added
+    assert all(n._g is None for n in cg.nodes())
+
+
+def test_an_op_failing_in_a_forward_tape_names_the_node():
+    cg = ComputeGraph(dtype=np.float64)
+    x = cg.input(np.ones((2, 3)), name="x")
+    W = cg.parameter(np.ones((3, 4)), name="W")
+    out = vg.sum(vg.tanh(x @ W))
+    with tapes(True):
+        for _ in range(3):
+            x.value = np.ones((2, 3))
+            cg.forward(out)  # the second and third run the tape
+        x.value = np.ones((2, 5))
+        with pytest.raises(ShapeError, match=r"<MatMul:1>"):
+            cg.forward(out)

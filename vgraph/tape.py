@@ -1,0 +1,271 @@
+"""Straight-line code for the forward and backward sweeps of a graph that is run again.
+
+The engine's sweeps (:meth:`ComputeGraph.forward`, :meth:`ComputeGraph._backprop`) interpret the
+graph: for every node they loop over its parents, look up its VJPs, test which inputs need a
+gradient, unpack attributes. On small values (an RNN step on a batch of one) that bookkeeping costs
+several times the numpy call it dispatches. A graph that is swept again (a re-used graph, a cached
+structure, a second backward) has the same structure every time, so this module writes that
+bookkeeping out once, as Python source with every decision taken: a *tape*.
+
+A tape is a list of *segments*: runs of consecutive plan nodes with the same iteration path
+(``key.idx``), at most :data:`SEGMENT` nodes each. A segment's code depends only on its *shape* —
+how many nodes, which of their parents are inside the segment, which inputs get a gradient, which
+nodes have attributes — never on the op or the values, which the code reads from the nodes when it
+runs. The iterations of an unrolled loop all have the same shape, so a loop of any length needs one
+compiled function per distinct iteration shape, and compiled functions are shared by every graph
+in the process (a bounded cache keyed by shape).
+
+The generated code does exactly what the interpreted sweep does for the same node, in the same
+order — the same VJP calls, the same accumulation into ``_g`` (in place into a buffer the sweep
+owns, or a new array), the same staging of ``.grad`` — so results are bitwise identical; it only
+leaves out the decisions. It is used for the plain cases (no anomaly detection, no ``explain``, no
+checkpointed loop, ``backward`` rather than ``grad``), and from a plan's second sweep on (a graph
+swept once never pays for making a tape). When a compiled segment raises, the caller clears what
+it did and runs the interpreted sweep, which raises the error that names the node.
+
+``set_tapes(False)`` turns tapes off for the whole process (comparison and debugging); tests run
+the same models both ways.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, cast
+
+import numpy as np
+
+from .ops import LazyGrad, add_grads, add_grads_sparse, as_row_sparse, unbroadcast
+
+#: The most nodes one compiled segment covers (a bound on the size of the generated functions).
+SEGMENT = 48
+#: How many compiled segment shapes the process keeps (least recently used dropped first).
+CACHE_SIZE = 512
+
+
+class _Settings:
+    enabled = True
+
+
+def set_tapes(enabled: bool) -> None:
+    """Turn compiled sweeps on (the default) or off for the whole process.
+
+    With tapes off, every forward and backward interprets the graph node by node, as on a graph's
+    first sweep. Results are the same either way (bitwise); only the time differs.
+
+    Raises:
+        TypeError: ``enabled`` is not a bool.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_tapes(enabled) takes True or False, got {type(enabled).__name__} {enabled!r}")
+    _Settings.enabled = enabled
+
+
+def tapes_enabled() -> bool:
+    """Whether compiled sweeps are on (see :func:`set_tapes`)."""
+    return _Settings.enabled
+
+
+_compiled: OrderedDict[Any, Callable[..., Any]] = OrderedDict()
+
+# What generated code refers to by name.
+_NAMESPACE: dict[str, Any] = {
+    "ndarray": np.ndarray,
+    "np_add": np.add,
+    "LazyGrad": LazyGrad,
+    "add_grads": add_grads,
+    "add_grads_sparse": add_grads_sparse,
+    "as_row_sparse": as_row_sparse,
+    "unbroadcast": unbroadcast,
+}
+
+
+def _function(shape: Any, source: Callable[[], list[str]]) -> Callable[..., Any]:
+    """The compiled function for a segment ``shape`` (made by ``source`` on first use)."""
+    fn = _compiled.get(shape)
+    if fn is not None:
+        _compiled.move_to_end(shape)
+        return fn
+    namespace = dict(_NAMESPACE)
+    exec(compile("\n".join(source()), "<vgraph tape>", "exec"), namespace)
+    fn = cast("Callable[..., Any]", namespace["segment"])  # what the source defines
+    _compiled[shape] = fn
+    if len(_compiled) > CACHE_SIZE:
+        _compiled.popitem(last=False)
+    return fn
+
+
+def _segments(plan: Sequence[Any]) -> list[list[Any]]:
+    """``plan`` cut into runs of consecutive nodes with one iteration path, at most SEGMENT long."""
+    runs: list[list[Any]] = []
+    run: list[Any] = []
+    idx: Any = None
+    for n in plan:
+        i = n.key.idx
+        if run and (i != idx or len(run) == SEGMENT):
+            runs.append(run)
+            run = []
+        run.append(n)
+        idx = i
+    if run:
+        runs.append(run)
+    return runs
+
+
+def _slots(run: list[Any]) -> tuple[list[Any], dict[Any, int]]:
+    """The nodes a segment's code touches (its own, then the outside parents), and their slots."""
+    slot: dict[Any, int] = {n: i for i, n in enumerate(run)}
+    nodes = list(run)
+    for n in run:
+        for p in n.parents:
+            if p not in slot:
+                slot[p] = len(nodes)
+                nodes.append(p)
+    return nodes, slot
+
+
+# ---------------------------------------------------------------------------- backward
+
+
+class BackwardTape:
+    """The compiled reverse sweep of one backward plan (see the module docstring).
+
+    Call it with the list the sweep stages ``.grad`` commits into; roots' gradients must already be
+    in their ``_g`` (as for the interpreted sweep).
+    """
+
+    __slots__ = ("_calls",)
+
+    def __init__(self, plan: Sequence[Any]) -> None:
+        calls = []
+        for run in _segments(plan):
+            nodes, slot = _slots(run)
+            shape = tuple(_backward_shape(n, slot) for n in run)
+            calls.append((_function(("b", shape), partial(_backward_source, shape)), tuple(nodes)))
+        self._calls = calls
+
+    def __call__(self, staged: list[Any]) -> None:
+        for fn, nodes in self._calls:
+            fn(nodes, staged)
+
+
+def _backward_shape(n: Any, slot: dict[Any, int]) -> Any:
+    if n.op is None:
+        return ("leaf", bool(n.sparse_grad))
+    edges = tuple(
+        (slot[p], vjp is not None and p.requires_grad, bool(p.sparse_grad))
+        for p, vjp in zip(n.parents, n.vjps)
+    )
+    return ("op", bool(n.attrs), edges)
+
+
+def _backward_source(shape: Any) -> list[str]:
+    width = 1 + max((max((e[0] for e in s[2]), default=0) for s in shape if s[0] == "op"), default=0)
+    width = max(width, len(shape))
+    out = ["def segment(N, staged):", f"    {', '.join(f'n{i}' for i in range(width))}, = N"]
+    for i, s in enumerate(shape):
+        n = f"n{i}"
+        out += [f"    g = {n}._g", "    if g is not None:", f"        {n}._g = None"]
+        if s[0] == "leaf":
+            dense = "as_row_sparse(g)" if s[1] else "g.dense()"
+            out += [
+                f"        own = {n}._gown",
+                f"        {n}._gown = False",
+                "        if type(g) is not ndarray and isinstance(g, LazyGrad):",
+                f"            g = {dense}",
+                "            own = True",
+                f"        staged.append(({n}, g, own))",
+            ]
+            continue
+        _, has_attrs, edges = s
+        out += [
+            f"        {n}._gown = False",
+            "        if type(g) is not ndarray and isinstance(g, LazyGrad):",
+            "            g = g.dense()",
+            f"        if {n}.retains_grad:",
+            f"            staged.append(({n}, g, False))",
+        ]
+        if not any(active for _, active, _ in edges):
+            continue
+        values = [f"x{j}" for j in range(len(edges))]
+        out.append(f"        ans = {n}._value")
+        out += [f"        x{j} = n{p}._value" for j, (p, _, _) in enumerate(edges)]
+        if len(edges) > 1:
+            out.append(f"        vjps = {n}.vjps")
+        kwargs = f", **{n}.attrs" if has_attrs else ""
+        for j, (p, active, sparse) in enumerate(edges):
+            if not active:
+                continue
+            vjp = f"vjps[{j}]" if len(edges) > 1 else f"{n}.vjps[0]"
+            add = "add_grads_sparse" if sparse else "add_grads"
+            out += [
+                f"        c = {vjp}(g, ans, {', '.join(values)}{kwargs})",
+                f"        s = x{j}.shape",
+                "        if c.shape != s:",
+                "            c = unbroadcast(c, s)",
+                f"        acc = n{p}._g",
+                "        if acc is None:",
+                f"            n{p}._g = c",
+                f"        elif n{p}._gown and type(acc) is ndarray:",
+                "            if isinstance(c, LazyGrad):",
+                "                c.add_into(acc)",
+                "            else:",
+                "                np_add(acc, c, out=acc)",
+                "        else:",
+                f"            n{p}._g = {add}(acc, c)",
+                f"            n{p}._gown = True",
+            ]
+    return out
+
+
+# ---------------------------------------------------------------------------- forward
+
+
+class ForwardTape:
+    """The compiled dirty-checked forward over one plan (op nodes in topological order): each node
+    whose parents changed since it was computed is computed again and stamped with a new version.
+
+    Calling it returns how many nodes were recomputed.
+    """
+
+    __slots__ = ("_calls",)
+
+    def __init__(self, plan: Sequence[Any]) -> None:
+        calls = []
+        for run in _segments(plan):
+            nodes, slot = _slots(run)
+            shape = tuple((bool(n.attrs), tuple(slot[p] for p in n.parents)) for n in run)
+            calls.append((_function(("f", shape), partial(_forward_source, shape)), tuple(nodes)))
+        self._calls = calls
+
+    def __call__(self, clock: Callable[[], int]) -> int:
+        count = 0
+        for fn, nodes in self._calls:
+            count += fn(nodes, clock)
+        return count
+
+
+def _forward_source(shape: Any) -> list[str]:
+    width = max(len(shape), 1 + max((max(ps, default=0) for _, ps in shape), default=0))
+    out = [
+        "def segment(N, clock):",
+        f"    {', '.join(f'n{i}' for i in range(width))}, = N",
+        "    count = 0",
+    ]
+    for i, (has_attrs, parents) in enumerate(shape):
+        if not parents:
+            continue  # an op of no inputs never goes out of date (as in the interpreted sweep)
+        n = f"n{i}"
+        out.append(f"    v = {n}.version")
+        changed = " or ".join(f"n{p}.version > v" for p in parents)
+        args = ", ".join(f"n{p}._value" for p in parents)
+        kwargs = f", **{n}.attrs" if has_attrs else ""
+        out += [
+            f"    if {changed}:",
+            f"        {n}._value = {n}.op.forward({args}{kwargs})",
+            f"        {n}.version = clock()",
+            "        count += 1",
+        ]
+    out.append("    return count")
+    return out
