@@ -55,6 +55,9 @@ def test_a_structure_built_again_reuses_the_nodes_from_its_second_build_on():
     node = cg1.node("Tanh:1@3")
     cg2 = g.build({"xs": b}, loss)
     assert cg2.node("Tanh:1@3") is node  # not unrolled again: the same node, new value
+    for xs in (a, b, a):  # and so on for every later build (a replayed graph stays cached)
+        assert g.build({"xs": xs}, loss).node("Tanh:1@3") is node
+    cg2 = g.build({"xs": b}, loss)
     fresh = g.build({"xs": b}, loss, cache=False)
     np.testing.assert_allclose(cg2.forward(), fresh.forward(), rtol=1e-12)
     np.testing.assert_allclose(node.value, fresh.node("Tanh:1@3").value, rtol=1e-12)

@@ -62,11 +62,12 @@ class BuildCache:
         """Remove and return the graph cached under ``key`` (the caller puts back what it returns)."""
         return self._entries.pop(key, None)
 
-    def put(self, key: tuple[Any, ...], cg: UnrolledGraph) -> None:
-        """Keep ``cg`` under ``key`` if this structure was built before (see the class docstring)."""
+    def put(self, key: tuple[Any, ...], cg: UnrolledGraph, replayed: bool = False) -> None:
+        """Keep ``cg`` under ``key`` if this structure was built before (see the class docstring);
+        ``replayed``: ``cg`` is the graph :meth:`take` gave for ``key``, re-run — keep it."""
         if self.size <= 0:
             return
-        if key not in self._entries and key not in self._seen:
+        if not replayed and key not in self._entries and key not in self._seen:
             self._seen[key] = None  # first sighting: remember the key, not the graph
             if len(self._seen) > self.SEEN:
                 self._seen.popitem(last=False)

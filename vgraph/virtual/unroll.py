@@ -881,7 +881,7 @@ def build_compute_graph(
         except VGraphError:  # another structure (or an error a fresh build reports in context)
             cg = None
         if cg is not None:
-            graph._cache.put(key, cg)
+            graph._cache.put(key, cg, replayed=True)
             graph.latest_build = cg
             graph._builds += 1
             return cg
