@@ -344,6 +344,10 @@ class ComputeNode(Operand):
             v = self._rematerialize()
         return cast(np.ndarray, _readonly(v))  # an op may also give a numpy scalar or a decision
 
+    @value.setter
+    def value(self, value: Any) -> None:
+        self.set_value(value)
+
     def _rematerialize(self) -> Any:
         graph = self.graph
         remat = graph._remat if graph is not None else None
@@ -353,10 +357,6 @@ class ComputeNode(Operand):
                 "is gone (keep a reference to the graph to recompute it)"
             )
         return remat.value(self)
-
-    @value.setter
-    def value(self, value: Any) -> None:
-        self.set_value(value)
 
     def set_value(self, value: Any) -> None:
         """Give a leaf a new value and bump its version, so dependent nodes recompute.
