@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from operator import attrgetter
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 
@@ -50,6 +50,9 @@ from .ops import (
     as_row_sparse,
     unbroadcast,
 )
+
+if TYPE_CHECKING:
+    from .virtual.checkpoint import Rematerializer
 
 # ---------------------------------------------------------------------------- settings
 
@@ -511,7 +514,7 @@ class ComputeGraph:
         self.last_forward: ForwardReport | None = None
         # Checkpointed loops' book-keeping (vgraph.virtual.checkpoint.Rematerializer), if any:
         # op nodes of dropped iterations have the value None until it recomputes them.
-        self._remat: Any = None
+        self._remat: Rematerializer | None = None
 
     def __repr__(self) -> str:
         leaves = len(self._leaves)
@@ -897,7 +900,7 @@ class ComputeGraph:
             n.version = next(_clock)
             count += 1
 
-        self._remat.forward(plan, recompute)
+        cast("Rematerializer", self._remat).forward(plan, recompute)  # forward calls this only when set
         return count
 
     def _mark_fresh(self, targets: Iterable[Any]) -> None:
