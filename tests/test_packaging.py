@@ -37,4 +37,8 @@ def test_numpy_only_as_the_readme_says(project):
     assert [re.split(r"[<>=]", d)[0] for d in project["dependencies"]] == ["numpy"]
     assert "numpy only" in (ROOT / "README.md").read_text()
     assert any(d.startswith("tqdm") for d in project["optional-dependencies"]["progress"])
-    assert set(project["urls"]) >= {"Homepage", "Repository", "Issues"}
+
+
+def test_no_project_urls_until_the_project_has_a_public_home(project):
+    """Placeholder links 404 on the package page; see docs/decisions.md, "Packaging metadata"."""
+    assert "urls" not in project

@@ -1,7 +1,7 @@
 """Typing: vgraph ships its annotations (PEP 561) and the package is clean under its mypy config.
 
-The mypy runs are opt-in (``VGRAPH_RUN_MYPY=1``, set in CI once every module is clean): they take
-seconds, not milliseconds. The checks of the marker and the metadata always run.
+The mypy runs are opt-in (``VGRAPH_RUN_MYPY=1``, which CI sets in .ci/run): they take seconds, not
+milliseconds. The checks of the marker and the metadata always run.
 """
 
 from __future__ import annotations

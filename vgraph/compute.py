@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from operator import attrgetter
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 
@@ -51,6 +51,9 @@ from .ops import (
     as_row_sparse,
     unbroadcast,
 )
+
+if TYPE_CHECKING:
+    from .virtual.checkpoint import Rematerializer
 
 # ---------------------------------------------------------------------------- settings
 
@@ -345,6 +348,10 @@ class ComputeNode(Operand):
             v = self._rematerialize()
         return cast(np.ndarray, _readonly(v))  # an op may also give a numpy scalar or a decision
 
+    @value.setter
+    def value(self, value: Any) -> None:
+        self.set_value(value)
+
     def _rematerialize(self) -> Any:
         graph = self.graph
         remat = graph._remat if graph is not None else None
@@ -354,10 +361,6 @@ class ComputeNode(Operand):
                 "is gone (keep a reference to the graph to recompute it)"
             )
         return remat.value(self)
-
-    @value.setter
-    def value(self, value: Any) -> None:
-        self.set_value(value)
 
     def set_value(self, value: Any) -> None:
         """Give a leaf a new value and bump its version, so dependent nodes recompute.
@@ -515,7 +518,7 @@ class ComputeGraph:
         self.last_forward: ForwardReport | None = None
         # Checkpointed loops' book-keeping (vgraph.virtual.checkpoint.Rematerializer), if any:
         # op nodes of dropped iterations have the value None until it recomputes them.
-        self._remat: Any = None
+        self._remat: Rematerializer | None = None
 
     def __repr__(self) -> str:
         leaves = len(self._leaves)
@@ -920,7 +923,7 @@ class ComputeGraph:
             n.version = next(_clock)
             count += 1
 
-        self._remat.forward(plan, recompute)
+        cast("Rematerializer", self._remat).forward(plan, recompute)  # forward calls this only when set
         return count
 
     def _mark_fresh(self, targets: Iterable[Any]) -> None:

@@ -98,10 +98,10 @@ class SupersededGraph:
 
     # Special methods are looked up on the type, not through __getattr__.
     def __len__(self) -> int:
-        return self.nodes  # type: ignore[no-any-return]  # raises
+        return self.nodes  # raises
 
     def __contains__(self, key: object) -> bool:
-        return self.nodes  # type: ignore[no-any-return]  # raises
+        return self.nodes  # raises
 
     def __getitem__(self, key: object) -> Any:
         return self.nodes  # raises

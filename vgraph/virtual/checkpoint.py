@@ -47,7 +47,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,7 +58,7 @@ from ..errors import GraphStateError
 from ..ops import RowsProductGrad
 
 if TYPE_CHECKING:
-    from ..compute import ComputeGraph
+    from .unroll import UnrolledGraph
 
 #: Node types whose values are never dropped (structure guards: tiny, and re-running them would
 #: call the user's condition again).
@@ -203,7 +203,7 @@ class _Unit:
         self.inner: list[ComputeNode] = []
         self.bound: list[ComputeNode] = []
         self.order: list[ComputeNode] = []
-        self.rng_state: dict[str, Any] | None = None  # the generator's state when it started
+        self.rng_state: Mapping[str, Any] | None = None  # the generator's state when it started
         # Units of checkpointed loops inside this one (an outer unit covers them), by first
         # serial; ``ends``: every unit inside, at any depth, by last serial.
         self.parent: _Unit | None = None
@@ -484,7 +484,7 @@ _MAX_DEPTH = 64  # nesting of checkpointed loops a recomputation descends throug
 
 def _drop(nodes: Iterable[ComputeNode]) -> None:
     for n in nodes:
-        n._value = None  # type: ignore[assignment]  # recomputed when needed
+        n._value = None  # recomputed when needed
 
 
 class Rematerializer:
@@ -495,7 +495,7 @@ class Rematerializer:
     :meth:`backward_value`, :meth:`end_backward`, :meth:`value` and the forward hooks.
     """
 
-    def __init__(self, cg: ComputeGraph, clock: Any) -> None:
+    def __init__(self, cg: UnrolledGraph, clock: Any) -> None:
         self.cg = cg
         self.clock = clock
         self.records: list[LoopRecord] = []

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -14,7 +14,7 @@ from ..functions import Operand
 from ..ops import OPS
 from .cache import BuildCache
 from .checkpoint import schedule_arg
-from .nodes import _NO_LOOP_VALUE, BranchNode, LoopNode, VirtualNode, _depth
+from .nodes import _NO_LOOP_VALUE, BranchNode, LoopNode, VirtualNode, _declared_name, _depth
 from .plan import _Plan
 from .store import ParameterStore, _is_iteration_path, _store_name
 
@@ -85,11 +85,12 @@ class VirtualGraph:
                     lines.append(f"    {name}: {shape}{where}")
                 else:
                     copies = sum(1 for k in self.params if k.partition("@")[0] == name)
+                    scope = cast(LoopNode, v.scope)  # untied: in a loop (share is forced at top level)
                     lines.append(
-                        f"    {name}: {shape}, untied in {v.scope.describe()} ({copies} copies so far)"
+                        f"    {name}: {shape}, untied in {scope.describe()} ({copies} copies so far)"
                     )
         for v in self.nodes:
-            if v.kind == "loop":
+            if isinstance(v, LoopNode):
                 rule = []
                 if v.structure is not None:
                     rule.append(f"recurses over {v.structure.describe()}")
@@ -104,7 +105,7 @@ class VirtualGraph:
                 lines.append(
                     f"  {v.describe()}: {'; '.join(rule)}; carries {carries}; {len(v.body)} body nodes"
                 )
-            elif v.kind == "branch" and v.lead is None:
+            elif isinstance(v, BranchNode) and v.lead is None:
                 keys = ", ".join(k.describe() for k in v.keys) or "no keys"
                 lines.append(f"  {v.describe()}: {len(v.options)} options, selector on {keys}")
         return "\n".join(lines)
@@ -154,7 +155,7 @@ class VirtualGraph:
             raise BuildError(_NO_LOOP_VALUE.format(x.describe()))
         if (
             x.kind == "carry"
-            and x.scope.structure is not None
+            and cast(LoopNode, x.scope).structure is not None  # a carry is declared in its loop's body
             and self._scopes
             and self._scopes[-1] is x.scope
         ):
@@ -340,7 +341,7 @@ class VirtualGraph:
 
     def _new_parameter(self, decl: VirtualNode, idx: tuple[int, ...]) -> ComputeNode:
         attrs = decl.attrs
-        value = self._initial_value(decl.name, attrs, decl.id, idx)
+        value = self._initial_value(_declared_name(decl), attrs, decl.id, idx)
         key = NodeKey("Parameter", decl.id, () if attrs["share"] else idx)
         leaf = ComputeNode(key, value, requires_grad=True, name=_store_name(decl, idx))
         leaf.sparse_grad = attrs.get("sparse_grad", False)
@@ -567,10 +568,10 @@ class VirtualGraph:
                 v.scope.body.remove(v)
             self._counters[v.type] -= 1
             if v.kind == "parameter":
-                del self._param_decls[v.name]
-                self.params._nodes.pop(v.name, None)
+                del self._param_decls[_declared_name(v)]
+                self.params._nodes.pop(_declared_name(v), None)
             elif v.kind == "input":
-                del self._inputs[v.name]
+                del self._inputs[_declared_name(v)]
 
     def _declaration_of(self, key: str, what: str) -> tuple[VirtualNode, tuple[int, ...]]:
         """The parameter declaration and iteration path a store name stands for (``"W"``,

@@ -12,7 +12,7 @@ gradients, dirty checking and guards are those of the plain unroll; only the ari
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from ..compute import ComputeNode, NodeKey
 from ..ops import OPS
 
 if TYPE_CHECKING:
+    from ..ops import Op
     from .nodes import LoopNode, VirtualNode
     from .unroll import _Builder, _Frame
 
@@ -167,5 +168,6 @@ def hoist_loop(
         else:
             attrs = batched_attrs(v.type, v.attrs, shapes, stacked, trips)
             if attrs is not None:
-                groups[v] = cg._add_op(v.op, tuple(inputs), attrs, NodeKey(v.type + "*", v.id, idx), v.name)
+                op = cast("Op", v.op)  # plan._hoistable lists only op nodes
+                groups[v] = cg._add_op(op, tuple(inputs), attrs, NodeKey(v.type + "*", v.id, idx), v.name)
     return groups

@@ -4,7 +4,7 @@ block holding a loop body) and :class:`BranchNode` — and the scope helpers the
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -341,6 +341,11 @@ def _depth(scope: LoopNode | None) -> int:
     while scope is not None:
         n, scope = n + 1, scope.scope
     return n
+
+
+def _declared_name(node: VirtualNode) -> str:
+    """An input's or a parameter's name (``VirtualGraph.input`` and ``.parameter`` require a str)."""
+    return cast(str, node.name)  # checked by _name_arg when the input or parameter was declared
 
 
 def _inside(scope: LoopNode | None, loop: LoopNode) -> bool:

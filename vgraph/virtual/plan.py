@@ -4,14 +4,14 @@ scope builds eagerly, in which order, and what each loop captures from outside i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from .hoist import HOISTABLE_OPS
-from .nodes import _inside
+from .nodes import BranchNode, LoopNode, _inside
 
 if TYPE_CHECKING:
     from .graph import VirtualGraph
-    from .nodes import LoopNode, VirtualNode
+    from .nodes import VirtualNode
 
 
 def _captures(loop: LoopNode) -> list[VirtualNode]:
@@ -22,10 +22,10 @@ def _captures(loop: LoopNode) -> list[VirtualNode]:
             seen[u] = None
     for v in loop.graph.nodes:
         if _inside(v.scope, loop):
-            deps = v.inputs if v.kind != "loop" else _loop_inputs(v)
+            deps = v.inputs if not isinstance(v, LoopNode) else _loop_inputs(v)
             if v.kind == "carry":
                 deps = ()
-            for d in (*deps, *(v.updates.values() if v.kind == "loop" else ())):
+            for d in (*deps, *(v.updates.values() if isinstance(v, LoopNode) else ())):
                 if not _inside(d.scope, loop) and d is not loop:
                     seen[d] = None
     return list(seen)
@@ -42,6 +42,11 @@ def _loop_inputs(loop: LoopNode) -> list[VirtualNode]:
     if loop.structure is not None:
         inputs.append(loop.structure)
     return inputs
+
+
+def _loop_of(output: VirtualNode) -> LoopNode:
+    """The loop a ``final`` or ``stacked`` node is an output of."""
+    return cast(LoopNode, output.inputs[0])  # LoopNode.final and .stack make it the first input
 
 
 def _hoistable(loop: LoopNode, eager: Sequence[VirtualNode]) -> list[VirtualNode]:
@@ -82,14 +87,14 @@ class _Plan:
             if v in needed:
                 continue
             needed.add(v)
-            if v.kind == "loop":
+            if isinstance(v, LoopNode):
                 caps = self.captures.setdefault(v, _captures(v))
                 stack.extend((*caps, *_loop_inputs(v), *v.updates.values()))
             elif v.kind == "stacked":
-                self.stacked.setdefault(v.inputs[0], []).append(v)
+                self.stacked.setdefault(_loop_of(v), []).append(v)
                 stack.extend(v.inputs)
             elif v.kind == "final":
-                self.finals.setdefault(v.inputs[0], []).append(v)
+                self.finals.setdefault(_loop_of(v), []).append(v)
                 stack.extend(v.inputs)
             else:
                 stack.extend(v.inputs)
@@ -118,11 +123,10 @@ class _Plan:
 
     def deps(self, v: VirtualNode) -> Sequence[VirtualNode]:
         """What must be built before ``v`` (branch options excluded: they are built on demand)."""
-        kind = v.kind
-        if kind == "branch":
+        if isinstance(v, BranchNode):
             return v.keys if v.lead is None else (v.lead, *v.keys)
-        if kind == "loop":
+        if isinstance(v, LoopNode):
             return [*_loop_inputs(v), *self.captures[v]]
-        if kind in ("final", "stacked"):
+        if v.kind in ("final", "stacked"):
             return (v.inputs[0],)
         return v.inputs

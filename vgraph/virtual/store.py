@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..compute import ComputeNode
+from .nodes import _declared_name
 
 if TYPE_CHECKING:
     from .nodes import VirtualNode
@@ -35,7 +36,7 @@ class ParameterStore(Mapping[str, ComputeNode]):
         except KeyError:
             raise KeyError(f"no parameter {name!r}; known: {', '.join(self._nodes) or 'none'}") from None
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(self._nodes)
 
     def __len__(self) -> int:
@@ -131,7 +132,8 @@ class ParameterStore(Mapping[str, ComputeNode]):
 
 def _store_name(decl: VirtualNode, idx: tuple[int, ...]) -> str:
     """A parameter's name in the store: its declared name, plus ``@idx`` for an untied copy."""
-    return decl.name if decl.attrs["share"] else f"{decl.name}@{'.'.join(map(str, idx))}"
+    name = _declared_name(decl)
+    return name if decl.attrs["share"] else f"{name}@{'.'.join(map(str, idx))}"
 
 
 def _is_iteration_path(text: str, depth: int) -> bool:
