@@ -343,6 +343,38 @@ def test_a_vjp_failing_in_a_tape_names_the_node_and_changes_no_grad():
     assert all(n._g is None for n in cg.nodes())
 
 
+def test_an_op_that_raises_is_called_once_and_named():
+    """In a build and in a compiled forward alike, the error names the node; the op is not run a
+    second time to find out which node it was."""
+    calls = {"n": 0, "fail": False}
+
+    def forward(x):
+        calls["n"] += 1
+        if calls["fail"]:
+            raise ValueError("no")
+        return x * 2.0
+
+    double = vg.defop("TapeDouble", forward, lambda g, ans, x: 2.0 * g)
+    cg = ComputeGraph(dtype=np.float64)
+    x = cg.input(np.ones(3), name="x")
+    out = vg.sum(double(x))
+    with tapes(True):
+        for _ in range(3):  # interpreted, then taped
+            x.value = np.ones(3)
+            cg.forward(out)
+        calls.update(n=0, fail=True)
+        x.value = np.zeros(3)
+        with pytest.raises(
+            ShapeError, match=r"<TapeDouble:1>: cannot compute TapeDouble of <Input:1> 'x' \(3,\): no"
+        ):
+            cg.forward(out)
+        assert calls["n"] == 1
+        calls["n"] = 0
+        with pytest.raises(ShapeError, match=r"<TapeDouble:2>"):
+            double(x)
+        assert calls["n"] == 1
+
+
 def test_an_op_failing_in_a_forward_tape_names_the_node():
     cg = ComputeGraph(dtype=np.float64)
     x = cg.input(np.ones((2, 3)), name="x")

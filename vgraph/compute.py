@@ -684,7 +684,17 @@ class ComputeGraph:
                         requires_grad = True
                         break
         node = ComputeNode(key, None, op, parents, attrs, requires_grad, name, self)
-        node._value = self._run(node)
+        if _Anomaly.enabled:
+            node._value = self._run(node)
+        else:
+            try:  # the op called directly (what _run does, without its checks)
+                node._value = (
+                    op.forward(*map(_get_value, parents), **attrs)
+                    if attrs
+                    else op.forward(*map(_get_value, parents))
+                )
+            except Exception as e:
+                raise self._op_error(node, e)
         return self._register(node, check_unique=False)
 
     def guard(
@@ -712,17 +722,25 @@ class ComputeGraph:
         op = cast(Op, node.op)  # only op nodes are computed
         try:
             result = op.forward(*values, **node.attrs)
-            if _Anomaly.enabled and not _finite(result):
-                raise _forward_anomaly(node, values, result)
-            return result
-        except StructureChangedError as e:
+        except Exception as e:
+            raise self._op_error(node, e)
+        if _Anomaly.enabled and not _finite(result):
+            raise _forward_anomaly(node, values, result)
+        return result
+
+    def _op_error(self, node: ComputeNode, e: Exception) -> Exception:
+        """What to raise for ``e``, raised by ``node``'s op on its parents' current values: a
+        vgraph error as it is (a structure check's also marks the graph stale), a numpy error as a
+        ShapeError naming the node and its inputs' shapes, anything else as it is."""
+        if isinstance(e, StructureChangedError):
             self._stale = str(e)
-            raise
-        except VGraphError:
-            raise
-        except (ValueError, IndexError, TypeError) as e:
-            shapes = ", ".join(f"{p.describe()} {np.shape(v)}" for p, v in zip(node.parents, values))
-            raise ShapeError(f"{node.describe()}: cannot compute {op.name} of {shapes}: {e}") from e
+        if isinstance(e, VGraphError) or not isinstance(e, (ValueError, IndexError, TypeError)):
+            return e
+        op = cast(Op, node.op)  # only op nodes are computed
+        shapes = ", ".join(f"{p.describe()} {np.shape(p._value)}" for p in node.parents)
+        error = ShapeError(f"{node.describe()}: cannot compute {op.name} of {shapes}: {e}")
+        error.__cause__ = e
+        return error
 
     # -- look-up
     def node(self, key: NodeKey | str) -> ComputeNode:
@@ -878,9 +896,9 @@ class ComputeGraph:
                     if tape is not None:
                         try:
                             recomputed = tape(next_version)
-                            plan = []
-                        except Exception:  # the interpreted sweep below raises the error naming the node
-                            recomputed = 0
+                        except Exception as e:
+                            raise self._tape_error(plan, e)
+                        plan = []
                 for n in plan:
                     version = n.version
                     for p in n.parents:
@@ -906,6 +924,16 @@ class ComputeGraph:
         if isinstance(target, (list, tuple)):
             return [t.value for t in targets]
         return targets[0].value
+
+    def _tape_error(self, plan: Sequence[ComputeNode], e: Exception) -> Exception:
+        """The error for ``e``, raised inside a compiled forward over ``plan``: the node that raised
+        is the first one still out of date (the sweep recomputed every earlier one)."""
+        for n in plan:
+            version = n.version
+            for p in n.parents:
+                if p.version > version:
+                    return self._op_error(n, e)
+        return e  # not an op's error (cannot happen: every line of a forward tape computes a node)
 
     def _forward_dropped(self, plan: list[ComputeNode], report: ForwardReport) -> int:
         """The forward loop for a graph with checkpointed loops: dropped values that a

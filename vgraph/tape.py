@@ -20,8 +20,10 @@ order — the same VJP calls, the same accumulation into ``_g`` (in place into a
 owns, or a new array), the same staging of ``.grad`` — so results are bitwise identical; it only
 leaves out the decisions. It is used for the plain cases (no anomaly detection, no ``explain``, no
 checkpointed loop, ``backward`` rather than ``grad``), and from a plan's second sweep on (a graph
-swept once never pays for making a tape). When a compiled segment raises, the caller clears what
-it did and runs the interpreted sweep, which raises the error that names the node.
+swept once never pays for making a tape). When a compiled forward raises, the node that raised is
+the first one still out of date, and the error names it as the interpreted sweep's would; when a
+compiled backward raises, the caller clears every pending gradient and runs the interpreted
+sweep, which raises the error that names the node (VJPs are pure functions of their arguments).
 
 ``set_tapes(False)`` turns tapes off for the whole process (comparison and debugging); tests run
 the same models both ways.

@@ -147,16 +147,15 @@ class UnrolledGraph(ComputeGraph):
         self._mark_fresh([_ALL])
 
     def _replayed_by_tape(self) -> bool:
-        """Replay with the compiled sweep (vgraph.tape) where one applies; ``False`` where it does
-        not, or where it raised (the interpreted replay then raises the error naming the node)."""
+        """Replay with the compiled sweep (vgraph.tape) where one applies (``False`` where not)."""
         if self._samples or not tapes_enabled() or is_anomaly_enabled():
             return False
         if self._replay_tape is None:
             self._replay_tape = ForwardTape([n for n in self._nodes.values() if n.op is not None])
         try:
             self._replay_tape(next_version)
-        except Exception:
-            return False
+        except Exception as e:
+            raise self._tape_error([n for n in self._nodes.values() if n.op is not None], e)
         return True
 
     def _replay_interpreted(self, rng: np.random.Generator) -> None:
