@@ -252,37 +252,40 @@ def loop_bodies(draw):
     return steps, times, program, update_from, stack_from
 
 
+def loop_body_model(body):
+    """The model a :func:`loop_bodies` example describes: ``(graph, loss, feed)``."""
+    steps, times, program, update_from, stack_from = body
+    g = vg.VirtualGraph(seed=5)
+    xs = g.input("xs", (None, 2, 3))
+    W = g.parameter("W", (3, 3), init="orthogonal")
+    b = g.parameter("b", (3,), init=vg.nn.init.normal(0.5))
+    with g.loop(times=times) as L:
+        x = L.step(xs)
+        h = L.carry(np.zeros((2, 3)), name="h")
+        pool = [x, h, b * x]
+        for instr in program:
+            if instr[0] == "unary":
+                pool.append(apply_unary(instr[1], pool[instr[2] % len(pool)]))
+            else:
+                a, c = pool[instr[2] % len(pool)], pool[instr[3] % len(pool)]
+                pool.append(
+                    vg.tanh(a) @ W
+                    if instr[1] == "matmul"
+                    else {"add": a + c, "sub": a - c, "mul": a * c}[instr[1]]
+                )
+        L.update(h, vg.tanh(pool[update_from % len(pool)] + h))
+        out = pool[stack_from % len(pool)]
+    loss = vg.sum(L.final(h) ** 2) + vg.sum(W * W) + (vg.sum(L.stack(out)) if steps and times != 0 else 0.0)
+    return g, loss, {"xs": np.random.default_rng(steps).normal(size=(steps, 2, 3))}
+
+
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(loop_bodies())
 def test_random_loop_bodies_hoisted_equal_plain(body):
-    steps, times, program, update_from, stack_from = body
     previous = vg.get_default_dtype()
     vg.set_default_dtype(np.float64)
     try:
-        g = vg.VirtualGraph(seed=5)
-        xs = g.input("xs", (None, 2, 3))
-        W = g.parameter("W", (3, 3), init="orthogonal")
-        b = g.parameter("b", (3,), init=vg.nn.init.normal(0.5))
-        with g.loop(times=times) as L:
-            x = L.step(xs)
-            h = L.carry(np.zeros((2, 3)), name="h")
-            pool = [x, h, b * x]
-            for instr in program:
-                if instr[0] == "unary":
-                    pool.append(apply_unary(instr[1], pool[instr[2] % len(pool)]))
-                else:
-                    a, c = pool[instr[2] % len(pool)], pool[instr[3] % len(pool)]
-                    pool.append(
-                        vg.tanh(a) @ W
-                        if instr[1] == "matmul"
-                        else {"add": a + c, "sub": a - c, "mul": a * c}[instr[1]]
-                    )
-            L.update(h, vg.tanh(pool[update_from % len(pool)] + h))
-            out = pool[stack_from % len(pool)]
-        loss = (
-            vg.sum(L.final(h) ** 2) + vg.sum(W * W) + (vg.sum(L.stack(out)) if steps and times != 0 else 0.0)
-        )
-        feed = {"xs": np.random.default_rng(steps).normal(size=(steps, 2, 3))}
+        g, loss, feed = loop_body_model(body)
         plain, hoisted = run(g, feed, [loss], loss, False), run(g, feed, [loss], loss, True)
         np.testing.assert_allclose(hoisted[1], plain[1], **TOL)
         for k in plain[2]:

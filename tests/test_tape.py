@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from test_hoist import apply_unary, example, load, loop_bodies
+from test_hoist import example, load, loop_bodies, loop_body_model
 from test_properties import build_random_graph, recipes
 
 import vgraph as vg
@@ -218,33 +218,8 @@ def test_random_op_graphs(recipe):
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(loop_bodies())
 def test_random_loop_bodies(body):
-    steps, times, program, update_from, stack_from = body
-
     def run():
-        g = vg.VirtualGraph(seed=5)
-        xs = g.input("xs", (None, 2, 3))
-        W = g.parameter("W", (3, 3), init="orthogonal")
-        b = g.parameter("b", (3,), init=vg.nn.init.normal(0.5))
-        with g.loop(times=times) as L:
-            x = L.step(xs)
-            h = L.carry(np.zeros((2, 3)), name="h")
-            pool = [x, h, b * x]
-            for instr in program:
-                if instr[0] == "unary":
-                    pool.append(apply_unary(instr[1], pool[instr[2] % len(pool)]))
-                else:
-                    a, c = pool[instr[2] % len(pool)], pool[instr[3] % len(pool)]
-                    pool.append(
-                        vg.tanh(a) @ W
-                        if instr[1] == "matmul"
-                        else {"add": a + c, "sub": a - c, "mul": a * c}[instr[1]]
-                    )
-            L.update(h, vg.tanh(pool[update_from % len(pool)] + h))
-            out = pool[stack_from % len(pool)]
-        loss = (
-            vg.sum(L.final(h) ** 2) + vg.sum(W * W) + (vg.sum(L.stack(out)) if steps and times != 0 else 0.0)
-        )
-        feed = {"xs": np.random.default_rng(steps).normal(size=(steps, 2, 3))}
+        g, loss, feed = loop_body_model(body)
         return train(g, feeds_like(feed, STEPS), loss)
 
     assert_same(run)

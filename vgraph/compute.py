@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, cast
 
 import numpy as np
 
@@ -694,7 +694,7 @@ class ComputeGraph:
                     else op.forward(*map(_get_value, parents))
                 )
             except Exception as e:
-                raise self._op_error(node, e)
+                self._raise_op_error(node, e)
         return self._register(node, check_unique=False)
 
     def guard(
@@ -723,24 +723,22 @@ class ComputeGraph:
         try:
             result = op.forward(*values, **node.attrs)
         except Exception as e:
-            raise self._op_error(node, e)
+            self._raise_op_error(node, e)
         if _Anomaly.enabled and not _finite(result):
             raise _forward_anomaly(node, values, result)
         return result
 
-    def _op_error(self, node: ComputeNode, e: Exception) -> Exception:
-        """What to raise for ``e``, raised by ``node``'s op on its parents' current values: a
-        vgraph error as it is (a structure check's also marks the graph stale), a numpy error as a
-        ShapeError naming the node and its inputs' shapes, anything else as it is."""
+    def _raise_op_error(self, node: ComputeNode, e: Exception) -> NoReturn:
+        """Raise for ``e``, raised by ``node``'s op on its parents' current values: a vgraph error
+        as it is (a structure check's also marks the graph stale), a numpy error as a ShapeError
+        naming the node and its inputs' shapes, anything else as it is."""
         if isinstance(e, StructureChangedError):
             self._stale = str(e)
         if isinstance(e, VGraphError) or not isinstance(e, (ValueError, IndexError, TypeError)):
-            return e
+            raise e
         op = cast(Op, node.op)  # only op nodes are computed
         shapes = ", ".join(f"{p.describe()} {np.shape(p._value)}" for p in node.parents)
-        error = ShapeError(f"{node.describe()}: cannot compute {op.name} of {shapes}: {e}")
-        error.__cause__ = e
-        return error
+        raise ShapeError(f"{node.describe()}: cannot compute {op.name} of {shapes}: {e}") from e
 
     # -- look-up
     def node(self, key: NodeKey | str) -> ComputeNode:
@@ -897,7 +895,7 @@ class ComputeGraph:
                         try:
                             recomputed = tape(next_version)
                         except Exception as e:
-                            raise self._tape_error(plan, e)
+                            self._raise_tape_error(plan, e)
                         plan = []
                 for n in plan:
                     version = n.version
@@ -925,15 +923,15 @@ class ComputeGraph:
             return [t.value for t in targets]
         return targets[0].value
 
-    def _tape_error(self, plan: Sequence[ComputeNode], e: Exception) -> Exception:
-        """The error for ``e``, raised inside a compiled forward over ``plan``: the node that raised
-        is the first one still out of date (the sweep recomputed every earlier one)."""
+    def _raise_tape_error(self, plan: Sequence[ComputeNode], e: Exception) -> NoReturn:
+        """Raise for ``e``, raised inside a compiled forward over ``plan``: the node that raised is
+        the first one still out of date (the sweep recomputed every earlier one)."""
         for n in plan:
             version = n.version
             for p in n.parents:
                 if p.version > version:
-                    return self._op_error(n, e)
-        return e  # not an op's error (cannot happen: every line of a forward tape computes a node)
+                    self._raise_op_error(n, e)
+        raise e  # not an op's error (cannot happen: every line of a forward tape computes a node)
 
     def _forward_dropped(self, plan: list[ComputeNode], report: ForwardReport) -> int:
         """The forward loop for a graph with checkpointed loops: dropped values that a
@@ -1262,13 +1260,8 @@ class ComputeGraph:
                     else:
                         p._g = add_grads_sparse(acc, pg) if p.sparse_grad else add_grads(acc, pg)
                         p._gown = True
-        except BaseException:  # leave no half-propagated gradients behind
-            for n in plan:
-                n._g = None
-                n._gown = False
-            for r, _ in roots:
-                r._g = None
-                r._gown = False
+        except BaseException:
+            self._clear_pending(plan, roots)
             raise
         finally:
             if remat is not None:
@@ -1315,16 +1308,22 @@ class ComputeGraph:
                 r._g = g if r._g is None else add_grads(r._g, g)
             tape(staged)
             return True
-        except BaseException as e:
-            for n in plan:
-                n._g = None
-                n._gown = False
-            for r, _ in roots:
-                r._g = None
-                r._gown = False
-            if not isinstance(e, Exception):
-                raise
+        except Exception:
+            ComputeGraph._clear_pending(plan, roots)
             return False
+        except BaseException:
+            ComputeGraph._clear_pending(plan, roots)
+            raise
+
+    @staticmethod
+    def _clear_pending(plan: list[ComputeNode], roots: list[tuple[ComputeNode, np.ndarray]]) -> None:
+        """Drop every half-propagated gradient of a sweep that raised."""
+        for n in plan:
+            n._g = None
+            n._gown = False
+        for r, _ in roots:
+            r._g = None
+            r._gown = False
 
     def zero_grad(self) -> None:
         """Clear ``.grad`` of every node of this graph (sets it to ``None``)."""

@@ -155,7 +155,7 @@ class UnrolledGraph(ComputeGraph):
         try:
             self._replay_tape(next_version)
         except Exception as e:
-            raise self._tape_error([n for n in self._nodes.values() if n.op is not None], e)
+            self._raise_tape_error([n for n in self._nodes.values() if n.op is not None], e)
         return True
 
     def _replay_interpreted(self, rng: np.random.Generator) -> None:
