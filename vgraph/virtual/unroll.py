@@ -48,6 +48,12 @@ from .store import _store_name
 
 _GETITEM, _STACK, _HOISTED, _BRANCH = OPS["GetItem"], OPS["Stack"], OPS["Hoisted"], OPS["Branch"]
 
+
+def _key(fields: tuple[str, int, tuple[int, ...]]) -> NodeKey:
+    """``NodeKey(*fields)`` without the named tuple's Python-level ``__new__`` (the hot path of
+    unrolling: one key per node)."""
+    return tuple.__new__(NodeKey, fields)
+
 # ---------------------------------------------------------------------------- unrolling
 
 
@@ -447,7 +453,7 @@ class _Builder:
             op = v.op
             if op is not None:  # the hot path: most nodes are ops
                 env[v] = add_op(
-                    op, tuple([env[i] for i in v.inputs]), v.attrs, NodeKey(v.type, v.id, idx), v.name
+                    op, tuple([env[i] for i in v.inputs]), v.attrs, _key((v.type, v.id, idx)), v.name
                 )
             elif v not in env:  # loop outputs are already set by their loop
                 self.build_node(v, frame)
@@ -534,12 +540,12 @@ class _Builder:
                 if item not in groups:
                     at = cast(int, length) - 1 - t if item.attrs.get("reverse") else t
                     ienv[item] = cg._add_op(
-                        _GETITEM, (node,), {"index": at}, NodeKey("Item", item.id, inner.idx), item.name
+                        _GETITEM, (node,), {"index": at}, _key(("Item", item.id, inner.idx)), item.name
                     )
             for v, group in groups.items():  # this iteration's copy of each hoisted node
                 ienv[v] = cg._add_copy(
                     group,
-                    cg._add_op(_HOISTED, (group,), {"index": t}, NodeKey(v.type, v.id, inner.idx), v.name),
+                    cg._add_op(_HOISTED, (group,), {"index": t}, _key((v.type, v.id, inner.idx)), v.name),
                 )
             self.run_scope(inner, order)
             cg._envs[(loop, inner.idx)] = ienv
