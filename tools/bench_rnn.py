@@ -933,6 +933,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--strict", action="store_true", help="exit with status 1 if any target fails")
     ap.add_argument(
+        "--no-tapes",
+        action="store_true",
+        help="interpret every sweep (vgraph.tape.set_tapes(False)): what compiled sweeps gain",
+    )
+    ap.add_argument(
         "--blas-threads", metavar="N",
         help="BLAS threads (default 1, or OPENBLAS_NUM_THREADS/OMP_NUM_THREADS if set); read before numpy is imported",
     )  # fmt: skip
@@ -945,12 +950,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick and repeats < 20:
         print(f"note: {repeats} repeats (the benchmark's standard is at least 20)", file=sys.stderr)
     sizes = args.sizes or SIZES
+    vg.tape.set_tapes(not args.no_tapes)
     info = machine_info()
     started = _dt.datetime.now(_dt.timezone.utc)
     print(
         f"vgraph RNN benchmark  {started:%Y-%m-%d %H:%M UTC}  python {info['python']}  numpy {info['numpy']}  "
         f"{info['cpu_count']} CPUs ({info['processor']})  BLAS threads "
-        f"{info['thread_env'].get('OPENBLAS_NUM_THREADS', 'default')}  repeats {repeats} (+{warmup} warm-up)\n"
+        f"{info['thread_env'].get('OPENBLAS_NUM_THREADS', 'default')}  repeats {repeats} (+{warmup} warm-up)"
+        f"{'  tapes off' if args.no_tapes else ''}\n"
     )
 
     try:
@@ -997,6 +1004,7 @@ def main(argv: list[str] | None = None) -> int:
             "sizes": [list(s) for s in sizes],
             "modes": args.modes,
             "statistic": "median of interleaved repeats (time.perf_counter)",
+            "tapes": not args.no_tapes,
         },
         "correctness": checks,
         "training": rows,

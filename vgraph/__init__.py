@@ -11,6 +11,7 @@ from . import (
     ops,
     optim,
     render,
+    tape,
     tbptt,
 )
 from .check import check_vjps, gradcheck, jacobian
@@ -149,6 +150,7 @@ __all__ = [
     "take",
     "take_along_axis",
     "tanh",
+    "tape",
     "tbptt",
     "transpose",
     "undefop",
