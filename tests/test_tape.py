@@ -17,6 +17,8 @@ import pytest
 from hypothesis import given, settings
 from test_hoist import example, load, loop_bodies, loop_body_model
 from test_properties import build_random_graph, recipes
+from test_sparse import feed as sparse_feed
+from test_sparse import tagger as sparse_tagger
 
 import vgraph as vg
 from vgraph import tape
@@ -72,11 +74,23 @@ def train(g, feeds, loss, outputs=None, *, cache=True):
 
 
 def assert_same(run):
-    """``run()`` with tapes off and on (from fresh state each time) gives bitwise equal records."""
+    """``run()`` with tapes off and on (from fresh state each time) gives bitwise equal records,
+    and with tapes on, backward ran compiled code (it did not fall back to the interpreted sweep)."""
     with tapes(False):
         plain = run()
-    with tapes(True):
+    outcomes = []
+    original = ComputeGraph._run_backward_tape
+
+    def watched(*args):
+        outcomes.append(original(*args))
+        return outcomes[-1]
+
+    with pytest.MonkeyPatch.context() as m, tapes(True):
+        m.setattr(ComputeGraph, "_run_backward_tape", staticmethod(watched))
         taped = run()
+    assert all(outcomes), "a compiled backward raised and the interpreted sweep ran instead"
+    if len(plain) > 1 and any(p for _, p, _ in plain):
+        assert outcomes, "no backward ran compiled code"
     assert len(plain) == len(taped)
     for (v0, p0, n0), (v1, p1, n1) in zip(plain, taped):
         assert v0 == v1 or (np.isnan(v0) and np.isnan(v1))
@@ -158,6 +172,18 @@ def test_unfused_cells(cell):
             L.update(h, h_new)
         loss = vg.sum(L.final(h) ** 2)
         return train(g, feeds_like({"xs": np.random.default_rng(2).normal(size=(5, 2, 3))}, STEPS), loss)
+
+    assert_same(run)
+
+
+@pytest.mark.parametrize("twice", [False, True])
+@pytest.mark.parametrize("tied", [False, True])
+def test_sparse_embedding_gradients(twice, tied):
+    """Row-sparse table gradients (leaves with sparse_grad) and their accumulation."""
+
+    def run():
+        g, loss = sparse_tagger(True, twice=twice, tied=tied)
+        return train(g, feeds_like(sparse_feed(), STEPS), loss)
 
     assert_same(run)
 
