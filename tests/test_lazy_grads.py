@@ -86,3 +86,17 @@ def test_lazy_gradients_add_into_and_merge_like_dense_arrays():
     np.testing.assert_array_equal(i1.merge(i2), expected)
     np.testing.assert_array_equal(ops.add_grads(np.ones((4, 2)), i1), 1 + i1.dense())
     np.testing.assert_array_equal(ops.add_grads(i1, np.ones((4, 2))), 1 + i1.dense())
+
+
+@pytest.mark.parametrize("block_rows", [1, 4, 5, 9, 10_000])
+def test_a_long_stack_of_weight_gradient_products_is_summed_in_blocks(monkeypatch, block_rows):
+    """Many uses of a weight (a long loop): the stacked product is computed block by block, so
+    its copies stay small; the sum is the same whatever the block (an independent reference)."""
+    monkeypatch.setattr(ops.RowsProductGrad, "BLOCK_ROWS", block_rows)
+    rng = np.random.default_rng(1)
+    parts = [(rng.normal(size=(2, 3)), rng.normal(size=(2, 4))) for _ in range(7)]
+    rows = ops.RowsProductGrad(*parts[0])
+    for a, g in parts[1:]:
+        rows = rows.merge(ops.RowsProductGrad(a, g))
+    expected = sum(a.T @ g for a, g in parts)
+    np.testing.assert_allclose(rows.dense(), expected, rtol=1e-12)

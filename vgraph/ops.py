@@ -445,14 +445,22 @@ class RowsProductGrad(LazyGrad):
         self.a = [a]
         self.g = [g]
 
+    #: Rows stacked for one product: longer stacks are summed in blocks of about this many rows,
+    #: so the copies the stacking makes stay small (a few MiB) however long the loop was.
+    BLOCK_ROWS = 8192
+
     def dense(self) -> np.ndarray:
         # The annotated locals here and below: numpy's stubs type arithmetic on arrays of unknown
         # dtype as Any.
         out: np.ndarray
-        if len(self.a) == 1:
-            out = self.a[0].T @ self.g[0]
-        else:
-            out = np.concatenate(self.a).T @ np.concatenate(self.g)
+        a, g = self.a, self.g
+        if len(a) == 1:
+            out = a[0].T @ g[0]
+            return out
+        per = max(1, self.BLOCK_ROWS // max(1, a[0].shape[0]))
+        out = np.concatenate(a[:per]).T @ np.concatenate(g[:per])
+        for i in range(per, len(a), per):
+            out += np.concatenate(a[i : i + per]).T @ np.concatenate(g[i : i + per])
         return out
 
     def add_into(self, acc: np.ndarray) -> None:
