@@ -1018,3 +1018,89 @@ def _gru_cell_grads(
 
 defop("LSTMCell", _lstm_cell, *_SharedVJP(_lstm_cell_grads).vjps(4))
 defop("GRUCell", _gru_cell, *_SharedVJP(_gru_cell_grads).vjps(5))
+
+
+# ---------------------------------------------------------------------------- fused losses
+# Softmax cross-entropy in one node: per row, the log-sum-exp of the logits (shifted by the row
+# maximum) minus the label's logit; the VJP is g * (softmax - onehot), written straight into the
+# one array it returns. Unfused (nll_loss of log_softmax) the backward of a (N, V) output layer
+# costs a dense (N, V) TakeAlongAxis gradient that is zero but one entry per row, then a
+# LogSoftmax VJP that recomputes exp of the whole array and allocates several arrays of its size.
+#
+# Both passes go over the rows in blocks of about _XENT_BLOCK elements, so that a block's shift,
+# exp and scaling run while it is in cache: the forward allocates one block, not a (N, V) array.
+# The VJP does not redo the maximum: the log-sum-exp of a row is its loss plus its label's logit.
+_XENT_BLOCK = 1 << 16
+
+
+def _xent_rows(logits: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``logits`` as ``(N, V)`` rows and ``labels`` as ``N`` non-negative indices, after checking
+    the labels (raises TypeError, ValueError or IndexError, which the engine reports as a
+    ShapeError naming the node)."""
+    labels = np.asarray(labels)
+    if labels.dtype.kind not in "iu":
+        raise TypeError(f"labels must be integer class indices, got dtype {labels.dtype}")
+    if logits.ndim < 1:
+        raise ValueError("logits must have a class axis (the last), got a scalar")
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"labels have shape {labels.shape}; expected {logits.shape[:-1]} for logits of shape {logits.shape}"
+        )
+    V = logits.shape[-1]
+    lab = labels.reshape(-1)
+    if lab.size:
+        lo, hi = int(lab.min()), int(lab.max())
+        if lo < -V or hi >= V:
+            bad = lo if lo < -V else hi
+            raise IndexError(f"label {bad} is out of range for {V} classes")
+        if lo < 0:  # negative labels count from the end, as numpy indices (and TakeAlongAxis) do
+            lab = np.where(lab < 0, lab + V, lab)
+    x = logits.reshape(-1, V)
+    if x.dtype.kind != "f":
+        x = x.astype(np.float64)
+    return x, lab
+
+
+def _softmax_cross_entropy(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    x, lab = _xent_rows(logits, labels)
+    n, V = x.shape
+    out = np.empty(n, dtype=x.dtype)
+    step = max(1, _XENT_BLOCK // max(V, 1))
+    buf = np.empty((min(step, n), V), dtype=x.dtype)
+    rows = np.arange(min(step, n))
+    for s in range(0, n, step):
+        xb = x[s : s + step]
+        k = xb.shape[0]
+        b = buf[:k]
+        m = xb.max(axis=1)
+        np.subtract(xb, m[:, None], out=b)
+        np.exp(b, out=b)
+        # log(sum) - (x_label - max): the same operations, in the same order, as the unfused
+        # -log_softmax(x)[label], so the values agree to the last bit; 0 exactly for a label
+        # whose logit dominates the row.
+        np.log(b.sum(axis=1), out=out[s : s + k])
+        out[s : s + k] -= xb[rows[:k], lab[s : s + k]] - m
+    return out.reshape(logits.shape[:-1])
+
+
+def _softmax_cross_entropy_vjp(
+    g: np.ndarray, ans: np.ndarray, logits: np.ndarray, labels: np.ndarray
+) -> np.ndarray:
+    x, lab = _xent_rows(logits, labels)
+    n, V = x.shape
+    gr = np.broadcast_to(g, ans.shape).reshape(-1)
+    dtype = np.result_type(x.dtype, gr.dtype)
+    out = np.empty((n, V), dtype=dtype)
+    rows = np.arange(n)
+    lse = ans.reshape(-1) + x[rows, lab]  # log-sum-exp of each row: its loss plus the label's logit
+    step = max(1, _XENT_BLOCK // max(V, 1))
+    for s in range(0, n, step):
+        ob = out[s : s + step]
+        np.subtract(x[s : s + step], lse[s : s + step, None], out=ob)
+        np.exp(ob, out=ob)  # softmax
+        ob *= gr[s : s + step, None]
+    out[rows, lab] -= gr
+    return out.reshape(logits.shape)
+
+
+defop("SoftmaxCrossEntropy", _softmax_cross_entropy, _softmax_cross_entropy_vjp, None)
