@@ -177,7 +177,9 @@ def test_node_label_out_of_range_is_a_shape_error_naming_the_node():
     cg = vg.ComputeGraph(np.float64)
     logits = cg.input(np.zeros((2, 3)))
     labels = cg.input(np.array([0, 3]))  # 3 is out of range for 3 classes
-    with pytest.raises(vg.ShapeError, match=r"<SoftmaxCrossEntropy:1>.*label 3 is out of range for 3 classes"):
+    with pytest.raises(
+        vg.ShapeError, match=r"<SoftmaxCrossEntropy:1>.*label 3 is out of range for 3 classes"
+    ):
         losses.cross_entropy(logits, labels)
     with pytest.raises(vg.ShapeError, match=r"<TakeAlongAxis:1>"):  # nll_loss stays unfused
         losses.nll_loss(vg.log_softmax(logits), labels)
@@ -223,14 +225,21 @@ def test_fused_cross_entropy_agrees_with_the_unfused_path(shape, reduction):
     onehot = np.eye(shape[-1])[labels]
     per = -np.take_along_axis(logp, labels[..., None], -1)[..., 0]
     np.testing.assert_allclose(v1, ref_reduce(per, reduction), rtol=1e-12, atol=1e-12)
-    w = {"mean": np.full(shape[:-1], 1 / max(per.size, 1)), "sum": np.ones(shape[:-1]), "none": seed}[reduction]
+    w = {"mean": np.full(shape[:-1], 1 / max(per.size, 1)), "sum": np.ones(shape[:-1]), "none": seed}[
+        reduction
+    ]
     np.testing.assert_allclose(g1, w[..., None] * (np.exp(logp) - onehot), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_fused_cross_entropy_extreme_logits_agree_with_the_unfused_path(reduction):
     logits = np.array(
-        [[1000.0, -1000.0, 0.0, 5.0], [-1000.0, -1000.0, 1000.0, 1000.0], [-1000.0] * 4, [1000.0, 999.0, -3.0, 0.0]]
+        [
+            [1000.0, -1000.0, 0.0, 5.0],
+            [-1000.0, -1000.0, 1000.0, 1000.0],
+            [-1000.0] * 4,
+            [1000.0, 999.0, -3.0, 0.0],
+        ]
     )
     labels = np.array([0, 1, 3, 1])
     with np.errstate(over="raise", invalid="raise", divide="raise"):
@@ -312,5 +321,7 @@ def test_fused_op_bad_labels_in_a_virtual_graph_name_the_node():
     x = g.input("x", (None, 3))
     y = g.input("y", (None,))
     loss = losses.cross_entropy(x, y)
-    with pytest.raises(vg.ShapeError, match=r"<SoftmaxCrossEntropy:1>: .*label 7 is out of range for 3 classes"):
+    with pytest.raises(
+        vg.ShapeError, match=r"<SoftmaxCrossEntropy:1>: .*label 7 is out of range for 3 classes"
+    ):
         g.build({"x": np.zeros((2, 3)), "y": np.array([0, 7])}, loss)

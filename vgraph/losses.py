@@ -90,7 +90,9 @@ def _checked_labels(x: Any, labels: Any, what: str) -> Any:
     if labels.size and labels.min() < 0:
         raise ValueError(f"labels must be non-negative class indices, got {labels.min()}")
     if isinstance(x, ComputeNode) and labels.shape != x.shape[:-1]:
-        raise ShapeError(f"labels have shape {labels.shape}; expected {x.shape[:-1]} for {what} of shape {x.shape}")
+        raise ShapeError(
+            f"labels have shape {labels.shape}; expected {x.shape[:-1]} for {what} of shape {x.shape}"
+        )
     return labels
 
 
