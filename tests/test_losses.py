@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -325,3 +327,47 @@ def test_fused_op_bad_labels_in_a_virtual_graph_name_the_node():
         vg.ShapeError, match=r"<SoftmaxCrossEntropy:1>: .*label 7 is out of range for 3 classes"
     ):
         g.build({"x": np.zeros((2, 3)), "y": np.array([0, 7])}, loss)
+
+
+def test_fused_op_backward_reuses_the_forward_exponentials_and_falls_back_to_recomputing():
+    """The forward keeps exp(x - max) for the VJP of its value (one pass in backward); a second
+    backward (retain_graph), a direct VJP call and a forward under no_grad recompute instead, with
+    the same result."""
+    from vgraph import ops
+
+    r = np.random.default_rng(7)
+    logits, labels = r.standard_normal((6, 9)) * 3, r.integers(0, 9, size=6)
+    expected = (np.exp(ref_log_softmax(logits)) - np.eye(9)[labels]) / 6
+    gc.collect()  # (entries of earlier tests' graphs that are garbage)
+    before = len(ops._XentExp.entries)
+    cg = vg.ComputeGraph(np.float64)
+    x = cg.parameter(logits)
+    per_row = losses.cross_entropy(x, labels, reduction="none")
+    loss = per_row.mean()
+    assert len(ops._XentExp.entries) == before + 1  # kept by the forward ...
+    (g1,) = cg.grad(loss, [x], retain_graph=True)
+    assert len(ops._XentExp.entries) == before  # ... and taken by the backward
+    (g2,) = cg.grad(loss, [x], retain_graph=True)  # recomputed from ans
+    np.testing.assert_allclose(g1, expected, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(g2, expected, rtol=1e-12, atol=1e-15)
+    vjp = ops.OPS["SoftmaxCrossEntropy"].vjps[0]
+    direct = vjp(np.full(6, 1 / 6), per_row.value, logits, labels)
+    np.testing.assert_allclose(direct, expected, rtol=1e-12, atol=1e-15)
+    with vg.no_grad():
+        cg2 = vg.ComputeGraph(np.float64)
+        out = losses.cross_entropy(cg2.input(logits), labels, reduction="none")
+    assert len(ops._XentExp.entries) == before
+    np.testing.assert_array_equal(out.value, per_row.value)
+
+
+def test_fused_op_kept_exponentials_go_with_the_graph():
+    """A forward without a backward keeps its exponentials only as long as its value lives."""
+    from vgraph import ops
+
+    gc.collect()
+    before = len(ops._XentExp.entries)
+    cg = vg.ComputeGraph(np.float64)
+    losses.cross_entropy(cg.parameter(LOGITS), LABELS)
+    assert len(ops._XentExp.entries) == before + 1
+    del cg  # the graph holds the only reference to the value
+    assert len(ops._XentExp.entries) == before

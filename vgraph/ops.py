@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import inspect
 import re
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -1027,9 +1028,12 @@ defop("GRUCell", _gru_cell, *_SharedVJP(_gru_cell_grads).vjps(5))
 # costs a dense (N, V) TakeAlongAxis gradient that is zero but one entry per row, then a
 # LogSoftmax VJP that recomputes exp of the whole array and allocates several arrays of its size.
 #
-# Both passes go over the rows in blocks of about _XENT_BLOCK elements, so that a block's shift,
-# exp and scaling run while it is in cache: the forward allocates one block, not a (N, V) array.
-# The VJP does not redo the maximum: the log-sum-exp of a row is its loss plus its label's logit.
+# The forward goes over the rows in blocks of about _XENT_BLOCK elements, so that a block's
+# shift, exp and sum run while it is in cache. With gradients on it writes exp(x - max) into an
+# array the size of the logits that the VJP of its value turns into its result in place (one pass
+# in backward, see _XentExp); otherwise one block's scratch is all it allocates. Without kept
+# exponentials the VJP recomputes them, blockwise, into the one array it returns, without redoing
+# the maximum: the log-sum-exp of a row is its loss plus its label's logit.
 _XENT_BLOCK = 1 << 16
 
 
@@ -1061,26 +1065,68 @@ def _xent_rows(logits: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.n
     return x, lab
 
 
+class _XentExp:
+    """The exponentials a forward computed, kept for the VJP of the same value.
+
+    While gradients are on (not under ``no_grad``), the forward writes ``exp(x - max)`` of every
+    row into an array the size of the logits and keeps it here with the row sums, keyed by the
+    identity of the value it returned (checked with a weak reference, so a recycled ``id`` never
+    matches; the entry goes when the value does). The VJP of that value takes the array and turns
+    it in place into ``g * softmax - g * onehot``, its result: backward then costs one pass and
+    allocates nothing the size of the logits (the buffer is the same size the VJP would otherwise
+    allocate, only earlier). Without an entry (a second backward with ``retain_graph``, a forward
+    under ``no_grad``, a direct call) the VJP recomputes the softmax from ``ans``.
+    """
+
+    entries: ClassVar[dict[int, tuple[weakref.ref[np.ndarray], np.ndarray, np.ndarray]]] = {}
+
+    @classmethod
+    def keep(cls, ans: np.ndarray, e: np.ndarray, sums: np.ndarray) -> None:
+        key = id(ans)
+
+        def forget(_: object) -> None:
+            cls.entries.pop(key, None)
+
+        cls.entries[key] = (weakref.ref(ans, forget), e, sums)
+
+    @classmethod
+    def take(cls, ans: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        entry = cls.entries.get(id(ans))
+        if entry is None or entry[0]() is not ans:
+            return None
+        del cls.entries[id(ans)]
+        return entry[1], entry[2]
+
+
 def _softmax_cross_entropy(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    from .compute import is_grad_enabled  # (compute imports this module)
+
     x, lab = _xent_rows(logits, labels)
     n, V = x.shape
     out = np.empty(n, dtype=x.dtype)
     step = max(1, _XENT_BLOCK // max(V, 1))
-    buf = np.empty((min(step, n), V), dtype=x.dtype)
+    keep = is_grad_enabled() and n > 0
+    # Kept for the VJP, or one block's scratch (rewritten block after block).
+    e = np.empty((n, V) if keep else (min(step, n), V), dtype=x.dtype)
+    sums = np.empty(n, dtype=x.dtype)
     rows = np.arange(min(step, n))
     for s in range(0, n, step):
         xb = x[s : s + step]
         k = xb.shape[0]
-        b = buf[:k]
+        b = e[s : s + k] if keep else e[:k]
         m = xb.max(axis=1)
         np.subtract(xb, m[:, None], out=b)
         np.exp(b, out=b)
+        np.sum(b, axis=1, out=sums[s : s + k])
         # log(sum) - (x_label - max): the same operations, in the same order, as the unfused
         # -log_softmax(x)[label], so the values agree to the last bit; 0 exactly for a label
         # whose logit dominates the row.
-        np.log(b.sum(axis=1), out=out[s : s + k])
+        np.log(sums[s : s + k], out=out[s : s + k])
         out[s : s + k] -= xb[rows[:k], lab[s : s + k]] - m
-    return out.reshape(logits.shape[:-1])
+    ans = out.reshape(logits.shape[:-1])
+    if keep:
+        _XentExp.keep(ans, e, sums)
+    return ans
 
 
 def _softmax_cross_entropy_vjp(
@@ -1090,15 +1136,20 @@ def _softmax_cross_entropy_vjp(
     n, V = x.shape
     gr = np.broadcast_to(g, ans.shape).reshape(-1)
     dtype = np.result_type(x.dtype, gr.dtype)
-    out = np.empty((n, V), dtype=dtype)
     rows = np.arange(n)
-    lse = ans.reshape(-1) + x[rows, lab]  # log-sum-exp of each row: its loss plus the label's logit
-    step = max(1, _XENT_BLOCK // max(V, 1))
-    for s in range(0, n, step):
-        ob = out[s : s + step]
-        np.subtract(x[s : s + step], lse[s : s + step, None], out=ob)
-        np.exp(ob, out=ob)  # softmax
-        ob *= gr[s : s + step, None]
+    kept = _XentExp.take(ans)
+    if kept is not None and kept[0].dtype == dtype:
+        out, sums = kept
+        np.multiply(out, (gr / sums)[:, None], out=out)  # g * exp(x - max) / sum = g * softmax
+    else:
+        out = np.empty((n, V), dtype=dtype)
+        lse = ans.reshape(-1) + x[rows, lab]  # log-sum-exp of each row: its loss plus the label's logit
+        step = max(1, _XENT_BLOCK // max(V, 1))
+        for s in range(0, n, step):
+            ob = out[s : s + step]
+            np.subtract(x[s : s + step], lse[s : s + step, None], out=ob)
+            np.exp(ob, out=ob)  # softmax
+            ob *= gr[s : s + step, None]
     out[rows, lab] -= gr
     return out.reshape(logits.shape)
 
