@@ -338,6 +338,27 @@ case(
 )  # fmt: skip
 
 
+# Fused softmax cross-entropy: per-row loss; the labels are a constant (no gradient), negative
+# ones counting from the end.
+def np_softmax_cross_entropy(x: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    logp = np.log(np_softmax(x, -1))
+    return -np.take_along_axis(logp, labels[..., None] % x.shape[-1], -1)[..., 0]
+
+
+for sid, shape, labels in [
+    ("rows", (4, 5), np.array([0, 4, 2, 2])),
+    ("vector", (6,), np.array(3)),
+    ("batch-axes", (2, 3, 4), np.array([[0, 3, 1], [2, 2, -1]])),
+    ("one-class", (3, 1), np.array([0, 0, 0])),
+]:
+    case(
+        sid, "SoftmaxCrossEntropy",
+        lambda x, i=labels: vgraph.functions.softmax_cross_entropy(x, i),
+        lambda x, i=labels: np_softmax_cross_entropy(x, i),
+        normal(*shape),
+    )  # fmt: skip
+
+
 # ---------------------------------------------------------------------------- table-driven tests
 def test_every_primitive_is_covered():
     """Every op of the table has gradcheck cases, or is one of the ops with their own tests."""

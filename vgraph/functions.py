@@ -240,6 +240,30 @@ def log_softmax(x: Any, axis: int = -1) -> Any:
     return _dispatch("LogSoftmax", (x,), {"axis": axis})
 
 
+def softmax_cross_entropy(logits: Any, labels: Any) -> Any:
+    """Per-row softmax cross-entropy, ``-log_softmax(logits)[..., label]``, as one fused node.
+
+    Each row's loss is its log-sum-exp (shifted by the row maximum: logits of ``±1000`` are fine)
+    minus the label's logit. The node's type is ``SoftmaxCrossEntropy``; its VJP writes
+    ``g * (softmax(logits) - onehot(labels))`` into the one array it returns, instead of the
+    several arrays of the logits' size that ``log_softmax`` then ``take_along_axis`` cost.
+    :func:`vgraph.losses.cross_entropy` uses it.
+
+    Args:
+        logits: a node of shape ``S + (C,)`` (last axis: classes).
+        labels: integer class indices of shape ``S`` in ``[-C, C)`` (a node or an array; negative
+            labels count from the end, as numpy indices do). They get no gradient.
+
+    Returns:
+        A node of shape ``S``: the loss of each row.
+
+    Raises:
+        ShapeError: (when computed) labels that are not integers, not of shape ``S``, or out of
+            range; it names the node and the input shapes.
+    """
+    return _dispatch("SoftmaxCrossEntropy", (logits, labels))
+
+
 def detach(x: Any) -> Any:
     """The same value, with the gradient stopped: nothing flows back through the result."""
     return _dispatch("Detach", (x,))

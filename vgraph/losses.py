@@ -78,6 +78,24 @@ def bce_with_logits(logits: Any, targets: Any, reduction: str = "mean") -> Any:
     return _reduce(F.softplus(logits) - logits * targets, reduction)
 
 
+def _checked_labels(x: Any, labels: Any, what: str) -> Any:
+    """``labels`` as given if a node, else as an array checked now: integer, non-negative, and of
+    ``x``'s shape without its class axis when ``x`` is a compute node (a virtual node's shape is
+    known at build time; the op checks it then, naming its node)."""
+    if isinstance(labels, Operand):
+        return labels
+    labels = np.asarray(labels)
+    if labels.dtype.kind not in "iu":
+        raise ValueError(f"labels must be integer class indices, got dtype {labels.dtype}")
+    if labels.size and labels.min() < 0:
+        raise ValueError(f"labels must be non-negative class indices, got {labels.min()}")
+    if isinstance(x, ComputeNode) and labels.shape != x.shape[:-1]:
+        raise ShapeError(
+            f"labels have shape {labels.shape}; expected {x.shape[:-1]} for {what} of shape {x.shape}"
+        )
+    return labels
+
+
 def nll_loss(log_probs: Any, labels: Any, reduction: str = "mean") -> Any:
     """Negative log-likelihood: ``-log_probs[..., labels]`` for each label, reduced.
 
@@ -100,17 +118,7 @@ def nll_loss(log_probs: Any, labels: Any, reduction: str = "mean") -> Any:
             names the node). Negative labels in a node count from the end, as numpy indices do.
     """
     _check_reduction(reduction)
-    if not isinstance(labels, Operand):
-        labels = np.asarray(labels)
-        if labels.dtype.kind not in "iu":
-            raise ValueError(f"labels must be integer class indices, got dtype {labels.dtype}")
-        if labels.size and labels.min() < 0:
-            raise ValueError(f"labels must be non-negative class indices, got {labels.min()}")
-        if isinstance(log_probs, ComputeNode) and labels.shape != log_probs.shape[:-1]:
-            raise ShapeError(
-                f"labels have shape {labels.shape}; expected {log_probs.shape[:-1]} for "
-                f"log-probabilities of shape {log_probs.shape}"
-            )
+    labels = _checked_labels(log_probs, labels, "log-probabilities")
     picked = F.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
     return _reduce(-picked, reduction)
 
@@ -118,9 +126,12 @@ def nll_loss(log_probs: Any, labels: Any, reduction: str = "mean") -> Any:
 def cross_entropy(logits: Any, labels: Any, reduction: str = "mean") -> Any:
     """Softmax cross-entropy: ``-log_softmax(logits)[..., labels]``, reduced.
 
-    Computed through ``log_softmax`` (log-sum-exp shifted by the maximum), so logits of
-    ``±1000`` give finite losses and gradients. ``labels`` are integer class indices, as an array
-    or as a node (see :func:`nll_loss`).
+    The per-label losses are one fused ``SoftmaxCrossEntropy`` node
+    (:func:`vgraph.functions.softmax_cross_entropy`): each row's log-sum-exp, shifted by the row
+    maximum (logits of ``±1000`` give finite losses and gradients), minus its label's logit. Its
+    backward writes ``softmax - onehot`` (times the incoming gradient) into one array the size of
+    the logits. The values equal ``nll_loss(log_softmax(logits), labels)``, which stays available
+    unfused. ``labels`` are integer class indices, as an array or as a node (see :func:`nll_loss`).
 
     Args:
         logits: a node of shape ``S + (C,)``, e.g. ``(batch, classes)``.
@@ -134,4 +145,5 @@ def cross_entropy(logits: Any, labels: Any, reduction: str = "mean") -> Any:
         ValueError, ShapeError: as :func:`nll_loss`.
     """
     _check_reduction(reduction)
-    return nll_loss(F.log_softmax(logits, axis=-1), labels, reduction)
+    labels = _checked_labels(logits, labels, "logits")
+    return _reduce(F.softmax_cross_entropy(logits, labels), reduction)

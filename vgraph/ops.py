@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import inspect
 import re
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -1045,3 +1046,139 @@ def _gru_cell_grads(
 
 defop("LSTMCell", _lstm_cell, *_SharedVJP(_lstm_cell_grads).vjps(4))
 defop("GRUCell", _gru_cell, *_SharedVJP(_gru_cell_grads).vjps(5))
+
+
+# ---------------------------------------------------------------------------- fused losses
+# Softmax cross-entropy in one node: per row, the log-sum-exp of the logits (shifted by the row
+# maximum) minus the label's logit; the VJP is g * (softmax - onehot), written straight into the
+# one array it returns. Unfused (nll_loss of log_softmax) the backward of a (N, V) output layer
+# costs a dense (N, V) TakeAlongAxis gradient that is zero but one entry per row, then a
+# LogSoftmax VJP that recomputes exp of the whole array and allocates several arrays of its size.
+#
+# The forward goes over the rows in blocks of about _XENT_BLOCK elements, so that a block's
+# shift, exp and sum run while it is in cache. With gradients on it writes exp(x - max) into an
+# array the size of the logits that the VJP of its value turns into its result in place (one pass
+# in backward, see _XentExp); otherwise one block's scratch is all it allocates. Without kept
+# exponentials the VJP recomputes them, blockwise, into the one array it returns, without redoing
+# the maximum: the log-sum-exp of a row is its loss plus its label's logit.
+_XENT_BLOCK = 1 << 16
+
+
+def _xent_rows(logits: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``logits`` as ``(N, V)`` rows and ``labels`` as ``N`` non-negative indices, after checking
+    the labels (raises TypeError, ValueError or IndexError, which the engine reports as a
+    ShapeError naming the node)."""
+    labels = np.asarray(labels)
+    if labels.dtype.kind not in "iu":
+        raise TypeError(f"labels must be integer class indices, got dtype {labels.dtype}")
+    if logits.ndim < 1:
+        raise ValueError("logits must have a class axis (the last), got a scalar")
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"labels have shape {labels.shape}; expected {logits.shape[:-1]} for logits of shape {logits.shape}"
+        )
+    V = logits.shape[-1]
+    lab = labels.reshape(-1)
+    if lab.size:
+        lo, hi = int(lab.min()), int(lab.max())
+        if lo < -V or hi >= V:
+            bad = lo if lo < -V else hi
+            raise IndexError(f"label {bad} is out of range for {V} classes")
+        if lo < 0:  # negative labels count from the end, as numpy indices (and TakeAlongAxis) do
+            lab = np.where(lab < 0, lab + V, lab)
+    x = logits.reshape(-1, V)
+    if x.dtype.kind != "f":
+        x = x.astype(np.float64)
+    return x, lab
+
+
+class _XentExp:
+    """The exponentials a forward computed, kept for the VJP of the same value.
+
+    While gradients are on (not under ``no_grad``), the forward writes ``exp(x - max)`` of every
+    row into an array the size of the logits and keeps it here with the row sums, keyed by the
+    identity of the value it returned (checked with a weak reference, so a recycled ``id`` never
+    matches; the entry goes when the value does). The VJP of that value takes the array and turns
+    it in place into ``g * softmax - g * onehot``, its result: backward then costs one pass and
+    allocates nothing the size of the logits (the buffer is the same size the VJP would otherwise
+    allocate, only earlier). Without an entry (a second backward with ``retain_graph``, a forward
+    under ``no_grad``, a direct call) the VJP recomputes the softmax from ``ans``.
+    """
+
+    entries: ClassVar[dict[int, tuple[weakref.ref[np.ndarray], np.ndarray, np.ndarray]]] = {}
+
+    @classmethod
+    def keep(cls, ans: np.ndarray, e: np.ndarray, sums: np.ndarray) -> None:
+        key = id(ans)
+
+        def forget(_: object) -> None:
+            cls.entries.pop(key, None)
+
+        cls.entries[key] = (weakref.ref(ans, forget), e, sums)
+
+    @classmethod
+    def take(cls, ans: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        entry = cls.entries.get(id(ans))
+        if entry is None or entry[0]() is not ans:
+            return None
+        del cls.entries[id(ans)]
+        return entry[1], entry[2]
+
+
+def _softmax_cross_entropy(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    from .compute import is_grad_enabled  # (compute imports this module)
+
+    x, lab = _xent_rows(logits, labels)
+    n, V = x.shape
+    out = np.empty(n, dtype=x.dtype)
+    step = max(1, _XENT_BLOCK // max(V, 1))
+    keep = is_grad_enabled() and n > 0
+    # Kept for the VJP, or one block's scratch (rewritten block after block).
+    e = np.empty((n, V) if keep else (min(step, n), V), dtype=x.dtype)
+    sums = np.empty(n, dtype=x.dtype)
+    rows = np.arange(min(step, n))
+    for s in range(0, n, step):
+        xb = x[s : s + step]
+        k = xb.shape[0]
+        b = e[s : s + k] if keep else e[:k]
+        m = xb.max(axis=1)
+        np.subtract(xb, m[:, None], out=b)
+        np.exp(b, out=b)
+        np.sum(b, axis=1, out=sums[s : s + k])
+        # log(sum) - (x_label - max): the same operations, in the same order, as the unfused
+        # -log_softmax(x)[label], so the values agree to the last bit; 0 exactly for a label
+        # whose logit dominates the row.
+        np.log(sums[s : s + k], out=out[s : s + k])
+        out[s : s + k] -= xb[rows[:k], lab[s : s + k]] - m
+    ans = out.reshape(logits.shape[:-1])
+    if keep:
+        _XentExp.keep(ans, e, sums)
+    return ans
+
+
+def _softmax_cross_entropy_vjp(
+    g: np.ndarray, ans: np.ndarray, logits: np.ndarray, labels: np.ndarray
+) -> np.ndarray:
+    x, lab = _xent_rows(logits, labels)
+    n, V = x.shape
+    gr = np.broadcast_to(g, ans.shape).reshape(-1)
+    dtype = np.result_type(x.dtype, gr.dtype)
+    rows = np.arange(n)
+    kept = _XentExp.take(ans)
+    if kept is not None and kept[0].dtype == dtype:
+        out, sums = kept
+        np.multiply(out, (gr / sums)[:, None], out=out)  # g * exp(x - max) / sum = g * softmax
+    else:
+        out = np.empty((n, V), dtype=dtype)
+        lse = ans.reshape(-1) + x[rows, lab]  # log-sum-exp of each row: its loss plus the label's logit
+        step = max(1, _XENT_BLOCK // max(V, 1))
+        for s in range(0, n, step):
+            ob = out[s : s + step]
+            np.subtract(x[s : s + step], lse[s : s + step, None], out=ob)
+            np.exp(ob, out=ob)  # softmax
+            ob *= gr[s : s + step, None]
+    out[rows, lab] -= gr
+    return out.reshape(logits.shape)
+
+
+defop("SoftmaxCrossEntropy", _softmax_cross_entropy, _softmax_cross_entropy_vjp, None)
