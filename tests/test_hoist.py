@@ -306,3 +306,39 @@ def test_grad_with_respect_to_hoisted_copies_equals_plain():
         results.append(cg.grad(loss, wanted))
     for plain, hoisted in zip(*results):
         np.testing.assert_allclose(hoisted, plain, **TOL)
+
+
+# ---------------------------------------------------------------------------- the fused loss
+
+
+def test_a_per_step_cross_entropy_of_stepped_logits_is_hoisted_and_batched():
+    """SoftmaxCrossEntropy groups like the LogSoftmax and TakeAlongAxis it replaced: across the
+    iterations of a loop (hoisting) and across inputs (autobatching), when both its logits and its
+    labels differ per copy."""
+    g = vg.VirtualGraph(seed=0)
+    x = g.input("x", (None, 2, 3))
+    labels = g.input("labels", (None, 2))
+    W = g.parameter("W", (3, 5))
+    with g.loop() as L:
+        h = L.carry(np.zeros((2, 5)), name="h")
+        logits = L.step(x) @ W  # depends on no carried state
+        step_loss = vg.losses.cross_entropy(logits, L.step(labels), reduction="sum")
+        L.update(h, vg.tanh(logits + h))
+    loss = vg.sum(L.stack(step_loss)) + vg.sum(L.final(h) ** 2)
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.normal(size=(T, 2, 3)), "labels": rng.integers(0, 5, (T, 2))} for T in (4, 6, 4)]
+    plain, hoisted = assert_identical(g, feeds[0], [loss], loss)
+    assert any(k.type == "SoftmaxCrossEntropy*" for k in hoisted._nodes)
+
+    g.params.zero_grad()
+    batch = g.build_batch(feeds, loss)
+    total = batch.backward("sum")
+    assert ("SoftmaxCrossEntropy:1", 3) in batch.groups
+    grads = {k: np.array(p.grad) for k, p in g.params.items()}
+    g.params.zero_grad()
+    alone = 0.0
+    for feed in feeds:
+        alone += g.build(feed, loss, cache=False).backward(loss)
+    np.testing.assert_allclose(total, alone, **TOL)
+    for k, p in g.params.items():
+        np.testing.assert_allclose(grads[k], p.grad, **TOL, err_msg=k)

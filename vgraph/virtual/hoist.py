@@ -56,7 +56,7 @@ _ELEMENTWISE = frozenset(
 )
 # Ops a loop body may hoist (see plan._hoistable): those batched_attrs can group whatever the
 # shapes turn out to be, given the rules it checks at build time.
-HOISTABLE_OPS = _ELEMENTWISE | {"MatMul", "Softmax", "LogSoftmax", "Take", "GetItem"}
+HOISTABLE_OPS = _ELEMENTWISE | {"MatMul", "Softmax", "LogSoftmax", "SoftmaxCrossEntropy", "Take", "GetItem"}
 _REDUCTIONS = ("Sum", "Mean", "Max")
 
 
@@ -82,6 +82,8 @@ def batched_attrs(
         return attrs if len(b) == 2 and len(a) >= 1 else None  # (T, ..., I) @ (I, H)
     if op == "Take":  # a shared table looked up with stepped indices
         return attrs if not stacked[0] and stacked[1] else None
+    if op == "SoftmaxCrossEntropy":  # rows of (..., V) logits with their (...) labels: both stacked
+        return attrs if all(stacked) else None
     if any(st and len(s) != rank for s, st in zip(shapes, stacked)):
         return None
     if op in _ELEMENTWISE:
