@@ -116,6 +116,32 @@ def test_lstm_sequence_with_fused_cells(cell):
     assert_identical(make, feeds)
 
 
+@pytest.mark.parametrize("hoist", [True, False])
+def test_hoisting_inside_batched_builds(hoist):
+    """Carry-independent loop-body work (``x_t @ W_x``) is one op per loop and input when hoisting
+    (the default, as in ``g.build``), one per iteration without; both equal one at a time."""
+    m = example("lstm_sequence")
+    rng = np.random.default_rng(2)
+    feeds = []
+    for T in (5, 2, 7, 5):
+        x, y = m.adding_batch(rng, 2, T)
+        feeds.append({"x": x, "y": y, "h0": np.zeros((2, 4))})
+    g1, outs1 = m.build_model("lstm", hidden=4, seed=0)
+    total = 0.0
+    for feed in feeds:
+        cg = g1.build(feed, outs1["loss"], cache=False)
+        total += cg.backward(outs1["loss"])
+    g2, outs2 = m.build_model("lstm", hidden=4, seed=0)
+    batch = g2.build_batch(feeds, outs2["loss"], hoist=hoist)
+    np.testing.assert_allclose(batch.backward("sum"), total, **TOL)
+    for k, p in g1.params.items():
+        np.testing.assert_allclose(g2.params[k].grad, p.grad, **TOL, err_msg=k)
+    hoisted = [k for k, _ in batch.groups if k.split(":")[0].endswith("*")]
+    assert bool(hoisted) == hoist, batch.groups
+    if hoist:  # the two inputs of length 5 share one hoisted product
+        assert any(k.startswith("MatMul*") and n == 2 for k, n in batch.groups), batch.groups
+
+
 def test_adaptive_loop_different_trip_counts():
     m = example("adaptive_loop")
     feeds = [m.feed(a) for a in (0.3, 0.9, 2.5, 5.0)]

@@ -42,6 +42,7 @@ _GATHER, _GETITEM, _STACK, _SUM, _MEAN = (
     OPS["Sum"],
     OPS["Mean"],
 )
+_HOISTED = OPS["Hoisted"]
 _PASS = ("Branch", "Identity")  # ops that pass their first input on unchanged
 
 
@@ -74,15 +75,32 @@ class Row:
         return f"Row({self.describe()} = <{self.src.key}>{''.join(f'[{i}]' for i in self.path)})"
 
 
+def _row(src: ComputeNode, r: int, req: _Request) -> Row:
+    """Row ``r`` of ``src`` for request ``req`` (``Row(src, (r,), …)`` without the generic path walk)."""
+    row = _new_row(Row)
+    row.src, row.path, row.key, row.name, row._value = src, (r,), req.key, req.name, src._value[r]
+    return row
+
+
+_new_row = object.__new__
+
+
 class _Request:
-    __slots__ = ("attrs", "inp", "key", "name", "op", "parents", "signature")
+    __slots__ = ("attrs", "inp", "key", "name", "op", "parents")
 
     def __init__(
         self, inp: int, op: Op, parents: tuple[Any, ...], attrs: Any, key: NodeKey, name: str | None
     ):
         self.inp, self.op, self.parents, self.attrs, self.key, self.name = inp, op, parents, attrs, key, name
-        # what copies must share to run as one op: the declared node, and each input's row shape
-        self.signature = (key.type, key.id, *[(p._value.shape, p._value.dtype) for p in parents])
+
+
+def _by_input(r: _Request) -> int:
+    return r.inp
+
+
+def _signature(r: _Request) -> tuple[Any, ...]:
+    """What copies of one declared node must share to run as one op: each input's row shape."""
+    return tuple([(p._value.shape, p._value.dtype) for p in r.parents])
 
 
 class InputView:
@@ -114,6 +132,9 @@ class InputView:
     def add_leaf(self, node: ComputeNode) -> ComputeNode:
         return self.batch.graph.add_leaf(node)
 
+    def _add_copy(self, group: Any, copy: Any) -> Any:
+        return copy  # an iteration's copy of a hoisted node is a row of its group: nothing to register
+
     def guard(self, *args: Any, **kwargs: Any) -> None:
         return None  # a batched build is one-shot: nothing re-checks decisions later
 
@@ -127,7 +148,7 @@ class InputView:
             return parents[0]
         if op is _STACK and attrs == {"axis": 0}:  # loop.stack: this input's rows, gathered once
             return self.batch._stack(list(parents), key)
-        if op is _GETITEM and isinstance(attrs["index"], (int, np.integer)):
+        if (op is _GETITEM or op is _HOISTED) and isinstance(attrs["index"], (int, np.integer)):
             (src,) = parents  # a stepped item: a row of the sequence, no node
             if isinstance(src, Row):
                 return Row(src.src, (*src.path, int(attrs["index"])), key, name)
@@ -186,7 +207,7 @@ class BatchedBuild:
         self.graph = ComputeGraph(virtual.dtype)
         self.inputs = [InputView(self, i) for i in range(n)]
         self.groups: list[tuple[str, int]] = []
-        self._pending: dict[int, _Request] = {}
+        self._waiting: dict[int, list[_Request]] = {}  # declared node's rank -> its requests
         self._greenlets: dict[int, Any] = {}
         self._order: dict[tuple[str, int], int] = {(v.type, v.id): k for k, v in enumerate(virtual.nodes)}
         self._serial = 0
@@ -240,15 +261,16 @@ class BatchedBuild:
 
     def _run(self, builders: list[Any], frames: list[Any], greenlet_type: Any) -> None:
         self._scheduler = greenlet_type.getcurrent()
+        waiting = self._waiting
         for i, (builder, top) in enumerate(zip(builders, frames)):
             g = greenlet_type(lambda b=builder, f=top: b.run_scope(f))
             self._greenlets[i] = g
-            self._advance(i, self._resume(i, None))
-        while self._pending:
+            self._wait(self._resume(i, None))
+        while waiting:
             members = self._next_group()
             results = self._execute(members)
             for req, result in zip(members, results):
-                self._advance(req.inp, self._resume(req.inp, result))
+                self._wait(self._resume(req.inp, result))
 
     def _resume(self, i: int, result: Any) -> Any:
         """Give input ``i`` the result it waits for; returns its next request (or ``None``: done).
@@ -260,23 +282,37 @@ class BatchedBuild:
         except Exception as e:
             raise BuildError(f"input {i}: the build failed: {type(e).__name__}: {e}") from e
 
-    def _advance(self, i: int, answer: Any) -> None:
-        if isinstance(answer, _Request):
-            self._pending[i] = answer
-        else:  # the input's build finished
-            self._pending.pop(i, None)
+    def _wait(self, answer: Any) -> None:
+        """File an input's next request under its declared node's rank (``None``: it is done)."""
+        if answer is not None:
+            key = answer.key
+            rank = self._order.get((key.type, key.id), -1)
+            bucket = self._waiting.get(rank)
+            if bucket is None:
+                self._waiting[rank] = [answer]
+            else:
+                bucket.append(answer)
 
     def _next_group(self) -> list[_Request]:
         """The requests to run together: those for the declared node first in declaration order
-        among the asked-for ones, with the most common signature (per-row shapes and dtypes)."""
-        order = self._order
-        first = min(self._pending.values(), key=lambda r: order.get((r.key.type, r.key.id), -1))
-        kind = (first.key.type, first.key.id)
+        among the asked-for ones, with the most common signature (per-row shapes and dtypes), in
+        input order."""
+        waiting = self._waiting
+        rank = min(waiting)
+        bucket = waiting.pop(rank)
+        if len(bucket) == 1:
+            return bucket
+        bucket.sort(key=_by_input)
+        sig = _signature(bucket[0])
+        sigs = [_signature(r) for r in bucket]
+        if all(x == sig for x in sigs):
+            return bucket
         by_sig: dict[Any, list[_Request]] = {}
-        for r in self._pending.values():
-            if (r.key.type, r.key.id) == kind:
-                by_sig.setdefault(r.signature, []).append(r)
-        return max(by_sig.values(), key=len)
+        for r, x in zip(bucket, sigs):
+            by_sig.setdefault(x, []).append(r)
+        members = max(by_sig.values(), key=len)
+        waiting[rank] = [r for r in bucket if r not in members]
+        return members
 
     def _execute(self, members: list[_Request]) -> list[Any]:
         g = self.graph
@@ -302,22 +338,28 @@ class BatchedBuild:
                 key = NodeKey(f"{first.key.type}*", first.key.id, (self._serial,))
                 group = g._add_op(first.op, tuple(inputs), attrs or None, key, first.name)
                 self.groups.append((f"{first.key.type}:{first.key.id}", len(members)))
-                axis = 1 if first.op.name in ("LSTMCell", "GRUCell") else 0  # gates lead those values
-                return [
-                    Row(group, (r,) if axis == 0 else ((slice(None), r),), req.key, req.name)
-                    for r, req in enumerate(members)
-                ]
+                if first.op.name in ("LSTMCell", "GRUCell"):  # gates lead those values
+                    return [Row(group, ((slice(None), r),), req.key, req.name) for r, req in enumerate(members)]
+                return [_row(group, r, req) for r, req in enumerate(members)]
         return [self._single(r) for r in members]
 
     def _single(self, r: _Request) -> ComputeNode:
         """An op run for one input alone (nothing to batch it with, or an op that cannot be)."""
-        parents = tuple(
-            p if isinstance(p, ComputeNode) else self._stack([p], p.key, single=True) for p in r.parents
-        )
+        parents = tuple(p if isinstance(p, ComputeNode) else self._unwrap(p) for p in r.parents)
         self.groups.append((f"{r.key.type}:{r.key.id}", 1))
         return self.graph._add_op(
             r.op, parents, r.attrs, NodeKey(f"{r.key.type}#{r.inp}", r.key.id, r.key.idx), r.name
         )
+
+    def _unwrap(self, row: Row) -> ComputeNode:
+        """A node whose value is the row itself: one ``GetItem`` of its group when one basic index
+        reaches it, else a gather of the one row."""
+        if len(row.path) == 1:
+            self._serial += 1
+            return self.graph._add_op(
+                _GETITEM, (row.src,), {"index": row.path[0]}, NodeKey("Row", self._serial, ()), None
+            )
+        return self._stack([row], row.key, single=True)
 
     def _stack(self, column: Sequence[Any], key: NodeKey, single: bool = False) -> ComputeNode:
         """One node whose rows are the given values (rows of groups, or whole nodes), in order;
@@ -365,7 +407,9 @@ class BatchedBuild:
         return node
 
 
-def build_batch(graph: Any, feeds: Sequence[Mapping[str, Any]], outputs: Any) -> BatchedBuild:
+def build_batch(
+    graph: Any, feeds: Sequence[Mapping[str, Any]], outputs: Any, hoist: bool = True
+) -> BatchedBuild:
     """Build ``feeds`` (one feed per input) at once; see :meth:`VirtualGraph.build_batch`."""
     try:
         import greenlet
@@ -387,7 +431,7 @@ def build_batch(graph: Any, feeds: Sequence[Mapping[str, Any]], outputs: Any) ->
     new_params: dict[str, ComputeNode] = {}
     builders, tops = [], []
     for i, v in enumerate(values):
-        b = _Builder(graph, v, plan, hoist=False, cg=batch.inputs[i], builds=graph._builds + i)
+        b = _Builder(graph, v, plan, hoist=hoist, cg=batch.inputs[i], builds=graph._builds + i)
         b.new_params = new_params  # an untied copy two inputs reach is created once
         builders.append(b)
         tops.append(_Frame(None, (), {}, None))
@@ -399,7 +443,7 @@ def build_batch(graph: Any, feeds: Sequence[Mapping[str, Any]], outputs: Any) ->
     for name, node in new_params.items():  # commit only after success
         graph.params._add(name, node)
     graph._builds += len(feeds)
-    del batch._greenlets, batch._pending
+    del batch._greenlets, batch._waiting
     return batch
 
 
