@@ -1025,6 +1025,15 @@ def run_config(task: Task, cfg: Any, rounds: int, warmup: int, quick: bool) -> d
         dense, sparse = result["columns"]["vgraph"], result["columns"]["sparse"]
         result["sparse_speedup"] = dense["ms_per_batch"] / sparse["ms_per_batch"]
         result["sparse_speedup_cpu"] = dense["cpu_ms_per_batch"] / sparse["cpu_ms_per_batch"]
+    for name in [n for n in result["columns"] if n.startswith("batch")]:  # autobatching over one at a time
+        ref = "sparse" if "sparse" in result["columns"] else "vgraph"
+        if ref in result["columns"]:
+            one, many = result["columns"][ref], result["columns"][name]
+            result.setdefault("batch_speedup", {})[name] = {
+                "over": ref,
+                "wall": one["ms_per_batch"] / many["ms_per_batch"],
+                "cpu": one["cpu_ms_per_batch"] / many["cpu_ms_per_batch"],
+            }
     return result
 
 
@@ -1050,6 +1059,11 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
             print(
                 f"{'':<14} {'':<11} sparse x {r['sparse_speedup']:.2f} (cpu {r['sparse_speedup_cpu']:.2f}): the dense "
                 "column's time per batch over the sparse one's"
+            )
+        for name, sp in r.get("batch_speedup", {}).items():
+            print(
+                f"{'':<14} {'':<11} {name} x {sp['wall']:.2f} (cpu {sp['cpu']:.2f}): the {sp['over']} column's "
+                f"time per input over {name}'s (autobatching)"
             )
 
 
