@@ -286,7 +286,13 @@ def test_it_batches():
     alone = sum(len(g.build(f, loss, cache=False)) for f in feeds)
     assert len(batch.graph) < alone / 2  # one node per group, not one per input and op
     sizes = [n for _, n in batch.groups]
-    assert max(sizes) == len(feeds) and sum(sizes) / len(sizes) > 2
+    assert max(sizes) >= len(feeds) and sum(sizes) / len(sizes) > 2
+    # depth order: every leaf of every tree in one group per leaf op (33 leaves in all)
+    leaves = sum(int((f["children"][:, 0] < 0).sum()) for f in feeds)
+    assert leaves in sizes, batch.groups
+    unbatched = g.build_batch(feeds, loss, depth=False)  # one tree node after another per input
+    assert leaves not in [n for _, n in unbatched.groups]
+    assert len(unbatched.groups) > len(batch.groups)
 
 
 def test_bad_batches_are_typed_errors_and_change_nothing():

@@ -24,16 +24,25 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from ..compute import ComputeGraph, ComputeNode, NodeKey, no_grad
-from ..errors import BuildError, VGraphError
+from ..errors import BuildError, ShapeError, VGraphError
 from ..ops import OPS, Op, row_at
-from .hoist import batched_attrs
+from .hoist import batched_attrs, hoist_loop
 from .nodes import LoopNode, VirtualNode
-from .unroll import _Builder, _check_outputs, _checked_feed, _Frame, _gc_paused
+from .unroll import (
+    Decision,
+    _Builder,
+    _check_outputs,
+    _check_structure,
+    _checked_feed,
+    _Frame,
+    _gc_paused,
+    _widens,
+)
 
 _GATHER, _GETITEM, _STACK, _SUM, _MEAN = (
     OPS["GatherRows"],
@@ -86,12 +95,24 @@ _new_row = object.__new__
 
 
 class _Request:
-    __slots__ = ("attrs", "inp", "key", "name", "op", "parents")
+    __slots__ = ("agent", "attrs", "inp", "key", "name", "op", "parents")
 
     def __init__(
         self, inp: int, op: Op, parents: tuple[Any, ...], attrs: Any, key: NodeKey, name: str | None
     ):
         self.inp, self.op, self.parents, self.attrs, self.key, self.name = inp, op, parents, attrs, key, name
+        self.agent: Any = None  # the greenlet that waits for the result
+
+
+class _Spawn:
+    """What a greenlet of a tree-node-wise recursion hands the scheduler instead of a request:
+    greenlets to start (tree nodes whose children are built), then one to resume (the input's
+    own greenlet, when the last tree node is built), if any."""
+
+    __slots__ = ("resume", "start")
+
+    def __init__(self, start: list[Any], resume: Any = None) -> None:
+        self.start, self.resume = start, resume
 
 
 def _by_input(r: _Request) -> int:
@@ -211,6 +232,37 @@ class BatchedBuild:
         self._greenlets: dict[int, Any] = {}
         self._order: dict[tuple[str, int], int] = {(v.type, v.id): k for k, v in enumerate(virtual.nodes)}
         self._serial = 0
+        self._depth_ok: dict[LoopNode, bool] = {}
+        self._depth = True
+
+    def _by_depth(self, loop: LoopNode) -> bool:
+        """Whether ``loop`` is a recursion whose tree nodes can be built in depth order: its body
+        reads the carried state only through children (not the previous node's), draws no random
+        samples, holds no loop and no untied parameter (whose order of creation would change)."""
+        known = self._depth_ok.get(loop)
+        if known is None and not self._depth:
+            known = self._depth_ok[loop] = False
+        if known is None:
+            known = (
+                loop.structure is not None
+                and loop.cond is None
+                and loop.until is None
+                and loop.times is None
+                and loop.checkpoint is None
+                and all(loop.updates.get(c) not in (None, c) for c in loop.carries)
+            )
+            carries = set(loop.carries)
+            for v in self.virtual.nodes:
+                if not known:
+                    break
+                if v.scope is loop and (
+                    v.kind in ("sample", "loop")
+                    or (v.kind == "parameter" and not v.attrs["share"])
+                    or (v.kind != "child" and any(u in carries for u in v.inputs))
+                ):
+                    known = False
+            self._depth_ok[loop] = known
+        return known
 
     def __len__(self) -> int:
         return len(self.inputs)
@@ -257,34 +309,39 @@ class BatchedBuild:
     # -- scheduling
     def _ask(self, request: _Request) -> Any:
         """Called in an input's greenlet: hand the request to the scheduler, wait for the result."""
+        request.agent = self._getcurrent()
         return self._scheduler.switch(request)
 
     def _run(self, builders: list[Any], frames: list[Any], greenlet_type: Any) -> None:
         self._scheduler = greenlet_type.getcurrent()
+        self._getcurrent = greenlet_type.getcurrent
+        self._greenlet = greenlet_type
         waiting = self._waiting
         for i, (builder, top) in enumerate(zip(builders, frames)):
             g = greenlet_type(lambda b=builder, f=top: b.run_scope(f))
             self._greenlets[i] = g
-            self._wait(self._resume(i, None))
+            self._wait(i, self._resume(i, g, None))
         while waiting:
             members = self._next_group()
             results = self._execute(members)
             for req, result in zip(members, results):
-                self._wait(self._resume(req.inp, result))
+                self._wait(req.inp, self._resume(req.inp, req.agent, result))
 
-    def _resume(self, i: int, result: Any) -> Any:
-        """Give input ``i`` the result it waits for; returns its next request (or ``None``: done).
-        An error in its build names the input."""
+    def _resume(self, i: int, agent: Any, result: Any) -> Any:
+        """Give input ``i``'s greenlet ``agent`` the result it waits for; returns its next request
+        (``None``: done; a :class:`_Spawn`: greenlets to start). An error in its build names the
+        input."""
         try:
-            return self._greenlets[i].switch(result) if result is not None else self._greenlets[i].switch()
+            return agent.switch(result) if result is not None else agent.switch()
         except VGraphError as e:
             raise type(e)(f"input {i}: {e}") from e
         except Exception as e:
             raise BuildError(f"input {i}: the build failed: {type(e).__name__}: {e}") from e
 
-    def _wait(self, answer: Any) -> None:
-        """File an input's next request under its declared node's rank (``None``: it is done)."""
-        if answer is not None:
+    def _wait(self, i: int, answer: Any) -> None:
+        """File input ``i``'s next request under its declared node's rank (``None``: that greenlet
+        is done; a :class:`_Spawn`: start greenlets and file their requests)."""
+        if type(answer) is _Request:
             key = answer.key
             rank = self._order.get((key.type, key.id), -1)
             bucket = self._waiting.get(rank)
@@ -292,6 +349,11 @@ class BatchedBuild:
                 self._waiting[rank] = [answer]
             else:
                 bucket.append(answer)
+        elif answer is not None:
+            for agent in answer.start:
+                self._wait(i, self._resume(i, agent, None))
+            if answer.resume is not None:
+                self._wait(i, self._resume(i, answer.resume, None))
 
     def _next_group(self) -> list[_Request]:
         """The requests to run together: those for the declared node first in declaration order
@@ -407,8 +469,121 @@ class BatchedBuild:
         return node
 
 
+class _BatchBuilder(_Builder):
+    """One input's builder in a batched build. A recursion (``g.recurse``) runs tree node by tree
+    node in depth order instead of one node after another: each tree node is built in a greenlet
+    of its own, started as soon as its children are built, so that every input's ready tree nodes
+    ask for their ops together — all leaves of all inputs in one group per op, then the nodes
+    whose children are leaves, and so on (TensorFlow Fold's depth batching, on structures that
+    arrive as data). Values, gradients and decisions (reordered as one node after another would
+    have made them) are those of the sequential build."""
+
+    batch: BatchedBuild
+    index: int
+
+    def run_loop(self, loop: LoopNode, frame: _Frame) -> None:
+        if not self.batch._by_depth(loop):
+            return super().run_loop(loop, frame)
+        self._run_tree(loop, frame)
+
+    def _run_tree(self, loop: LoopNode, frame: _Frame) -> None:
+        cg, env, idx = self.cg, frame.env, frame.idx
+        defaults = [frame.owner(c.inputs[0]).env[c.inputs[0]] for c in loop.carries]
+        seqs = [frame.owner(s).env[s] for s in loop.sequences]
+        length = None
+        for s, node in zip(loop.sequences, seqs):
+            if node.value.ndim == 0:
+                raise ShapeError(f"{loop.describe(idx)}: cannot step through {s.describe()}, a scalar")
+            m = node.value.shape[0]
+            if length is not None and m != length:
+                raise ShapeError(
+                    f"{loop.describe(idx)}: stepped sequences have different lengths {length} and {m}"
+                )
+            length = m
+        structure = cast(VirtualNode, loop.structure)
+        kids = _check_structure(loop, idx, frame.owner(structure).env[structure].value, length)
+        n = len(kids)
+        if n > loop.max_iters:  # the sequential loop reports (or caps) that
+            return super().run_loop(loop, frame)
+        rows = kids.tolist()
+        width = kids.shape[1]
+        reads = [(read, loop.carries.index(read.inputs[0]), read.attrs["slot"]) for read in loop.children]
+        captured = {c: frame.owner(c).env[c] for c in self.plan.captures[loop]}
+        groups: dict[VirtualNode, Any] = {}
+        if self.hoist and self.plan.hoistable[loop] and 1 < n:
+            groups = hoist_loop(self, loop, frame, captured, seqs, n)
+        order = [v for v in self.plan.eager.get(loop, ()) if v not in groups] if groups else None
+        stacked = self.plan.stacked.get(loop, [])
+        history: list[Any] = [None] * n
+        collected: list[Any] = [None] * n
+        remaining = [len({c for c in row if c >= 0}) for row in rows]
+        parents: list[list[int]] = [[] for _ in range(n)]
+        for t, row in enumerate(rows):
+            for c in set(row):
+                if c >= 0:
+                    parents[c].append(t)
+        me = self.batch._getcurrent()
+        scheduler, make = self.batch._scheduler, self.batch._greenlet
+        done = [0]
+
+        def node(t: int) -> _Spawn:
+            inner = _Frame(loop, (*idx, t), dict(captured), frame)
+            ienv = inner.env
+            for c, init in zip(loop.carries, defaults):
+                ienv[c] = init  # (never read: the body reads children's state only; see _by_depth)
+            row = rows[t]
+            for read, k, slot in reads:
+                c = row[slot] if slot < width else -1
+                ienv[read] = history[c][k] if c >= 0 else defaults[k]
+            for item, seq in zip(loop.items, seqs):
+                if item not in groups:
+                    at = cast(int, length) - 1 - t if item.attrs.get("reverse") else t
+                    ienv[item] = cg._add_op(
+                        _GETITEM, (seq,), {"index": at}, NodeKey("Item", item.id, inner.idx), item.name
+                    )
+            for v, group in groups.items():
+                ienv[v] = cg._add_op(_HOISTED, (group,), {"index": t}, NodeKey(v.type, v.id, inner.idx), v.name)
+            self.run_scope(inner, order)
+            cg._envs[(loop, inner.idx)] = ienv
+            history[t] = [ienv[loop.updates[c]] for c in loop.carries]
+            collected[t] = [ienv[s.inputs[1]] for s in stacked]
+            done[0] += 1
+            ready = []
+            for p in parents[t]:
+                remaining[p] -= 1
+                if remaining[p] == 0:
+                    ready.append(make(lambda p=p: node(p), parent=scheduler))
+            return _Spawn(ready, me if done[0] == n else None)
+
+        start = len(cg.decisions)
+        leaves = [make(lambda t=t: node(t), parent=scheduler) for t in range(n) if remaining[t] == 0]
+        scheduler.switch(_Spawn(leaves))  # back when every tree node is built
+        # as one node after another: each node's decisions together, in node order
+        cg.decisions[start:] = sorted(cg.decisions[start:], key=lambda d: d.idx[len(idx)])
+        names = [c.name for c in loop.carries]
+        previous = defaults
+        for t in range(n):
+            for name, old, new in zip(names, previous, history[t]):
+                a, b = old._value, new._value
+                if (a.shape != b.shape or a.dtype != b.dtype) and not (t == 0 and _widens(a, b)):
+                    raise ShapeError(
+                        f"{loop.describe(idx)}: carry {name!r} enters iteration {t} as {a.dtype}{list(a.shape)} "
+                        f"but is updated to {b.dtype}{list(b.shape)} by {new.describe()}; a carry must keep "
+                        "its shape and dtype (to collect values of growing size, use loop.stack)"
+                    )
+            previous = history[t]
+        cg.decisions.append(Decision(loop, idx, "iterations", n))
+        env[loop] = None
+        final = history[n - 1]
+        for v in self.plan.finals.get(loop, ()):
+            env[v] = final[loop.carries.index(v.inputs[1])]
+        for j, s in enumerate(stacked):
+            bucket = tuple(collected[t][j] for t in range(n))
+            env[s] = cg._add_op(_STACK, bucket, {"axis": 0}, NodeKey("Stack", s.id, idx), s.name)
+
+
 def build_batch(
-    graph: Any, feeds: Sequence[Mapping[str, Any]], outputs: Any, hoist: bool = True
+    graph: Any, feeds: Sequence[Mapping[str, Any]], outputs: Any, hoist: bool = True, depth: bool = True
 ) -> BatchedBuild:
     """Build ``feeds`` (one feed per input) at once; see :meth:`VirtualGraph.build_batch`."""
     try:
@@ -428,10 +603,12 @@ def build_batch(
         except VGraphError as e:
             raise type(e)(f"input {i}: {e}") from None
     batch = BatchedBuild(graph, len(feeds))
+    batch._depth = depth
     new_params: dict[str, ComputeNode] = {}
     builders, tops = [], []
     for i, v in enumerate(values):
-        b = _Builder(graph, v, plan, hoist=hoist, cg=batch.inputs[i], builds=graph._builds + i)
+        b = _BatchBuilder(graph, v, plan, hoist=hoist, cg=batch.inputs[i], builds=graph._builds + i)
+        b.batch, b.index = batch, i
         b.new_params = new_params  # an untied copy two inputs reach is created once
         builders.append(b)
         tops.append(_Frame(None, (), {}, None))

@@ -597,6 +597,7 @@ class VirtualGraph:
         feeds: Sequence[Mapping[str, Any]],
         outputs: VirtualNode | Sequence[VirtualNode],
         hoist: bool = True,
+        depth: bool = True,
     ) -> Any:
         """Build many inputs at once, running copies of the same declared node together
         (autobatching; see :mod:`vgraph.virtual.batch`).
@@ -611,6 +612,10 @@ class VirtualGraph:
             hoist: hoist carry-independent loop-body work out of each input's loops, as
                 :meth:`build` does (one op per loop and input instead of one per iteration; the
                 groups can batch across inputs too); ``False`` runs every iteration's copy.
+            depth: build a recursion's tree nodes in depth order (a tree node as soon as its
+                children are built: the leaves of every input together, and so on up); ``False``
+                builds each input's tree nodes one after another, as :meth:`build` does. Results
+                are the same either way.
 
         Returns:
             A :class:`~vgraph.virtual.batch.BatchedBuild`: ``batch.backward()`` backpropagates the
@@ -624,7 +629,7 @@ class VirtualGraph:
         """
         from .batch import build_batch  # batching sits above declaring
 
-        return build_batch(self, feeds, outputs, hoist=hoist)
+        return build_batch(self, feeds, outputs, hoist=hoist, depth=depth)
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Set parameter values from ``state`` (name -> array), checking all of it first.
