@@ -53,6 +53,7 @@ _GATHER, _GETITEM, _STACK, _SUM, _MEAN = (
 )
 _HOISTED = OPS["Hoisted"]
 _PASS = ("Branch", "Identity")  # ops that pass their first input on unchanged
+_SPECIAL = frozenset((*_PASS, "Stack", "GetItem", "Hoisted"))  # ops InputView._add_op looks at
 
 
 class Row:
@@ -165,6 +166,10 @@ class InputView:
         return inputs[0]  # only a branch's lead node comes here: it passes its option on
 
     def _add_op(self, op: Op, parents: tuple[Any, ...], attrs: Any, key: NodeKey, name: str | None) -> Any:
+        if op.name not in _SPECIAL:  # the common case: a request for the scheduler
+            request = _Request(self.index, op, parents, attrs, key, name)
+            request.agent = self._getcurrent()
+            return self._switch(request)
         if op.name in _PASS:
             return parents[0]
         if op is _STACK and attrs == {"axis": 0}:  # loop.stack: this input's rows, gathered once
@@ -316,6 +321,8 @@ class BatchedBuild:
         self._scheduler = greenlet_type.getcurrent()
         self._getcurrent = greenlet_type.getcurrent
         self._greenlet = greenlet_type
+        for view in self.inputs:
+            view._getcurrent, view._switch = greenlet_type.getcurrent, self._scheduler.switch
         waiting = self._waiting
         for i, (builder, top) in enumerate(zip(builders, frames)):
             g = greenlet_type(lambda b=builder, f=top: b.run_scope(f))
