@@ -136,6 +136,7 @@ def test_hoisting_inside_batched_builds(hoist):
     np.testing.assert_allclose(batch.backward("sum"), total, **TOL)
     for k, p in g1.params.items():
         np.testing.assert_allclose(g2.params[k].grad, p.grad, **TOL, err_msg=k)
+    assert list(batch._lockstep.values()) == [True]  # the inputs' loops ran in lockstep
     hoisted = [k for k, _ in batch.groups if k.split(":")[0].endswith("*")]
     assert bool(hoisted) == hoist, batch.groups
     if hoist:  # the two inputs of length 5 share one hoisted product

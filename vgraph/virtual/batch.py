@@ -53,6 +53,7 @@ _GATHER, _GETITEM, _STACK, _SUM, _MEAN = (
 )
 _HOISTED = OPS["Hoisted"]
 _PASS = ("Branch", "Identity")  # ops that pass their first input on unchanged
+_ASK = object()  # InputView._direct: this op must be computed
 _SPECIAL = frozenset((*_PASS, "Stack", "GetItem", "Hoisted"))  # ops InputView._add_op looks at
 
 
@@ -116,8 +117,39 @@ class _Spawn:
         self.start, self.resume = start, resume
 
 
-def _by_input(r: _Request) -> int:
+class _LoopJob:
+    """One input's run of a loop that the scheduler runs in lockstep with the other inputs' runs
+    of the same declared loop (see :meth:`_BatchBuilder._run_lockstep`): what the input's builder
+    prepared, and what the scheduler hands back (the final state and the stacked values)."""
+
+    __slots__ = ("agent", "captured", "collected", "groups", "idx", "inp", "key", "length", "loop",
+                 "seqs", "state", "trips", "view")  # fmt: skip
+
+    def __init__(self, view: InputView, loop: LoopNode, idx: tuple[int, ...], state: list[Any],
+                 seqs: list[Any], length: int | None, trips: int, captured: dict[VirtualNode, Any],
+                 groups: dict[VirtualNode, Any]) -> None:  # fmt: skip
+        self.view, self.inp, self.loop, self.idx = view, view.index, loop, idx
+        self.state, self.seqs, self.length, self.trips = state, seqs, length, trips
+        self.captured, self.groups = captured, groups
+        self.collected: list[list[Any]] = []
+        self.key = NodeKey(loop.type, loop.id, idx)
+        self.agent: Any = None
+
+
+def _by_input(r: Any) -> int:
     return r.inp
+
+
+def _same_signature(requests: list[_Request]) -> list[_Request]:
+    """The requests (in order) with the most common signature (the first such, on a tie)."""
+    sig = _signature(requests[0])
+    sigs = [_signature(r) for r in requests]
+    if all(x == sig for x in sigs):
+        return requests
+    by_sig: dict[Any, list[_Request]] = {}
+    for r, x in zip(requests, sigs):
+        by_sig.setdefault(x, []).append(r)
+    return max(by_sig.values(), key=len)
 
 
 def _signature(r: _Request) -> tuple[Any, ...]:
@@ -166,10 +198,17 @@ class InputView:
         return inputs[0]  # only a branch's lead node comes here: it passes its option on
 
     def _add_op(self, op: Op, parents: tuple[Any, ...], attrs: Any, key: NodeKey, name: str | None) -> Any:
-        if op.name not in _SPECIAL:  # the common case: a request for the scheduler
-            request = _Request(self.index, op, parents, attrs, key, name)
-            request.agent = self._getcurrent()
-            return self._switch(request)
+        if op.name in _SPECIAL:
+            result = self._direct(op, parents, attrs, key, name)
+            if result is not _ASK:
+                return result
+        request = _Request(self.index, op, parents, attrs, key, name)
+        request.agent = self._getcurrent()
+        return self._switch(request)
+
+    def _direct(self, op: Op, parents: tuple[Any, ...], attrs: Any, key: NodeKey, name: str | None) -> Any:
+        """The result of an op that needs no computing (a pass-through, a row of a group, this
+        input's rows stacked), or ``_ASK``."""
         if op.name in _PASS:
             return parents[0]
         if op is _STACK and attrs == {"axis": 0}:  # loop.stack: this input's rows, gathered once
@@ -179,7 +218,7 @@ class InputView:
             if isinstance(src, Row):
                 return Row(src.src, (*src.path, int(attrs["index"])), key, name)
             return Row(src, (int(attrs["index"]),), key, name)
-        return self.batch._ask(_Request(self.index, op, parents, attrs, key, name))
+        return _ASK
 
     # -- what users read
     def trip_count(self, loop: LoopNode, idx: tuple[int, ...] = ()) -> int:
@@ -239,6 +278,8 @@ class BatchedBuild:
         self._serial = 0
         self._depth_ok: dict[LoopNode, bool] = {}
         self._depth = True
+        self._lockstep: dict[LoopNode, bool] = {}
+        self.virtual_plan: Any = None
 
     def _by_depth(self, loop: LoopNode) -> bool:
         """Whether ``loop`` is a recursion whose tree nodes can be built in depth order: its body
@@ -267,6 +308,24 @@ class BatchedBuild:
                 ):
                     known = False
             self._depth_ok[loop] = known
+        return known
+
+    def _lockstep_ok(self, loop: LoopNode) -> bool:
+        """Whether ``loop`` can run in lockstep across inputs (:meth:`_run_jobs`): a loop of known
+        trip count (no condition, no structure, no checkpointing) whose body is ops only — no
+        branch, inner loop, random sample or parameter declared in it."""
+        known = self._lockstep.get(loop)
+        if known is None:
+            known = (
+                self._depth
+                and loop.structure is None
+                and loop.cond is None
+                and loop.until is None
+                and loop.checkpoint is None
+                and all(v.op is not None for v in self.virtual_plan.eager.get(loop, ()))
+                and not any(v.scope is loop and v.kind not in ("op", "item", "carry") for v in self.virtual.nodes)
+            )
+            self._lockstep[loop] = known
         return known
 
     def __len__(self) -> int:
@@ -330,9 +389,93 @@ class BatchedBuild:
             self._wait(i, self._resume(i, g, None))
         while waiting:
             members = self._next_group()
+            if type(members[0]) is _LoopJob:
+                self._run_jobs(members)  # type: ignore[arg-type]
+                for job in members:
+                    self._wait(job.inp, self._resume(job.inp, job.agent, None))
+                continue
             results = self._execute(members)
             for req, result in zip(members, results):
                 self._wait(req.inp, self._resume(req.inp, req.agent, result))
+
+    def _run_jobs(self, jobs: list[_LoopJob]) -> None:
+        """Run the loop of ``jobs`` (one per input; the same declared loop) in lockstep: iteration
+        ``t`` of every input that has one, body node by body node, each node's copies as one op
+        (:meth:`_execute`); the inputs' greenlets are not involved."""
+        loop = jobs[0].loop
+        body = self.virtual_plan.eager.get(loop, ())
+        stacked = self.virtual_plan.stacked.get(loop, [])
+        updates = [loop.updates[c] for c in loop.carries]
+        names = [c.name for c in loop.carries]
+        alive = sorted((j for j in jobs if j.trips > 0), key=_by_input)
+        t = 0
+        while alive:
+            envs = []
+            for j in alive:
+                ienv = dict(j.captured)
+                inner = (*j.idx, t)
+                view = j.view
+                for c, node in zip(loop.carries, j.state):
+                    ienv[c] = node
+                for item, node in zip(loop.items, j.seqs):
+                    if item not in j.groups:
+                        at = cast(int, j.length) - 1 - t if item.attrs.get("reverse") else t
+                        ienv[item] = view._direct(
+                            _GETITEM, (node,), {"index": at}, NodeKey("Item", item.id, inner), item.name
+                        )
+                for v, group in j.groups.items():
+                    ienv[v] = view._direct(
+                        _HOISTED, (group,), {"index": t}, NodeKey(v.type, v.id, inner), v.name
+                    )
+                envs.append(ienv)
+            for v in body:
+                requests = []
+                for j, ienv in zip(alive, envs):
+                    if v in ienv:  # hoisted for this input
+                        continue
+                    parents = tuple([ienv[u] for u in v.inputs])
+                    key = NodeKey(v.type, v.id, (*j.idx, t))
+                    op = cast(Op, v.op)
+                    if op.name in _SPECIAL:
+                        result = j.view._direct(op, parents, v.attrs, key, v.name)
+                        if result is not _ASK:
+                            ienv[v] = result
+                            continue
+                    r = _Request(j.inp, op, parents, v.attrs, key, v.name)
+                    r.agent = ienv
+                    requests.append(r)
+                while requests:
+                    members = _same_signature(requests)
+                    try:
+                        results = self._execute(members)
+                    except VGraphError as e:
+                        raise type(e)(f"input {members[0].inp}: {e}") from e
+                    except Exception as e:
+                        raise BuildError(
+                            f"input {members[0].inp}: the build failed: {type(e).__name__}: {e}"
+                        ) from e
+                    for r, result in zip(members, results):
+                        r.agent[v] = result
+                    if len(members) == len(requests):
+                        break
+                    chosen = {id(r) for r in members}
+                    requests = [r for r in requests if id(r) not in chosen]
+            for j, ienv in zip(alive, envs):
+                j.view._envs[(loop, (*j.idx, t))] = ienv
+                new_state = [ienv[u] for u in updates]
+                for name, old, new in zip(names, j.state, new_state):
+                    a, b = old._value, new._value
+                    if (a.shape != b.shape or a.dtype != b.dtype) and not (t == 0 and _widens(a, b)):
+                        raise ShapeError(
+                            f"input {j.inp}: {loop.describe(j.idx)}: carry {name!r} enters iteration {t} as "
+                            f"{a.dtype}{list(a.shape)} but is updated to {b.dtype}{list(b.shape)} by "
+                            f"{new.describe()}; a carry must keep its shape and dtype (to collect values of "
+                            "growing size, use loop.stack)"
+                        )
+                j.state = new_state
+                j.collected.append([ienv[s.inputs[1]] for s in stacked])
+            t += 1
+            alive = [j for j in alive if t < j.trips]
 
     def _resume(self, i: int, agent: Any, result: Any) -> Any:
         """Give input ``i``'s greenlet ``agent`` the result it waits for; returns its next request
@@ -348,7 +491,7 @@ class BatchedBuild:
     def _wait(self, i: int, answer: Any) -> None:
         """File input ``i``'s next request under its declared node's rank (``None``: that greenlet
         is done; a :class:`_Spawn`: start greenlets and file their requests)."""
-        if type(answer) is _Request:
+        if type(answer) is _Request or type(answer) is _LoopJob:
             key = answer.key
             rank = self._order.get((key.type, key.id), -1)
             bucket = self._waiting.get(rank)
@@ -362,25 +505,20 @@ class BatchedBuild:
             if answer.resume is not None:
                 self._wait(i, self._resume(i, answer.resume, None))
 
-    def _next_group(self) -> list[_Request]:
+    def _next_group(self) -> list[Any]:
         """The requests to run together: those for the declared node first in declaration order
         among the asked-for ones, with the most common signature (per-row shapes and dtypes), in
-        input order."""
+        input order (or the inputs' runs of a loop run in lockstep, :class:`_LoopJob`)."""
         waiting = self._waiting
         rank = min(waiting)
         bucket = waiting.pop(rank)
-        if len(bucket) == 1:
+        if len(bucket) == 1 or type(bucket[0]) is _LoopJob:
             return bucket
         bucket.sort(key=_by_input)
-        sig = _signature(bucket[0])
-        sigs = [_signature(r) for r in bucket]
-        if all(x == sig for x in sigs):
-            return bucket
-        by_sig: dict[Any, list[_Request]] = {}
-        for r, x in zip(bucket, sigs):
-            by_sig.setdefault(x, []).append(r)
-        members = max(by_sig.values(), key=len)
-        waiting[rank] = [r for r in bucket if r not in members]
+        members = _same_signature(bucket)
+        if len(members) < len(bucket):
+            chosen = {id(r) for r in members}
+            waiting[rank] = [r for r in bucket if id(r) not in chosen]
         return members
 
     def _execute(self, members: list[_Request]) -> list[Any]:
@@ -489,9 +627,48 @@ class _BatchBuilder(_Builder):
     index: int
 
     def run_loop(self, loop: LoopNode, frame: _Frame) -> None:
-        if not self.batch._by_depth(loop):
+        if self.batch._by_depth(loop):
+            return self._run_tree(loop, frame)
+        if self.batch._lockstep_ok(loop):
+            return self._run_lockstep(loop, frame)
+        return super().run_loop(loop, frame)
+
+    def _run_lockstep(self, loop: LoopNode, frame: _Frame) -> None:
+        """A loop of known trip count whose body is ops only: prepared here (checks, hoisting),
+        then handed to the scheduler, which runs every input's iteration ``t`` of it together, one
+        body node at a time, without switching to the inputs (:meth:`BatchedBuild._run_jobs`)."""
+        cg, env, idx = self.cg, frame.env, frame.idx
+        state = [frame.owner(c.inputs[0]).env[c.inputs[0]] for c in loop.carries]
+        seqs = [frame.owner(s).env[s] for s in loop.sequences]
+        length = None
+        for s, node in zip(loop.sequences, seqs):
+            if node.value.ndim == 0:
+                raise ShapeError(f"{loop.describe(idx)}: cannot step through {s.describe()}, a scalar")
+            m = node.value.shape[0]
+            if length is not None and m != length:
+                raise ShapeError(
+                    f"{loop.describe(idx)}: stepped sequences have different lengths {length} and {m}"
+                )
+            length = m
+        known = [m for m in (loop.times, length) if m is not None]
+        if not known or min(known) > loop.max_iters:  # the sequential loop reports (or caps) that
             return super().run_loop(loop, frame)
-        self._run_tree(loop, frame)
+        trips = min(known)
+        captured = {c: frame.owner(c).env[c] for c in self.plan.captures[loop]}
+        groups: dict[VirtualNode, Any] = {}
+        if self.hoist and self.plan.hoistable[loop] and 1 < trips:
+            groups = hoist_loop(self, loop, frame, captured, seqs, trips)
+        job = _LoopJob(cast(InputView, cg), loop, idx, state, seqs, length, trips, captured, groups)
+        job.agent = self.batch._getcurrent()
+        self.batch._scheduler.switch(job)  # back when every input's run of the loop is done
+        cg.decisions.append(Decision(loop, idx, "iterations", trips))
+        env[loop] = None
+        for v in self.plan.finals.get(loop, ()):
+            env[v] = job.state[loop.carries.index(v.inputs[1])]
+        for j, s in enumerate(self.plan.stacked.get(loop, [])):
+            bucket = [collected[j] for collected in job.collected]
+            if bucket:  # an error only if the stack is used: see build_node
+                env[s] = cg._add_op(_STACK, tuple(bucket), {"axis": 0}, NodeKey("Stack", s.id, idx), s.name)
 
     def _run_tree(self, loop: LoopNode, frame: _Frame) -> None:
         cg, env, idx = self.cg, frame.env, frame.idx
@@ -611,6 +788,7 @@ def build_batch(
             raise type(e)(f"input {i}: {e}") from None
     batch = BatchedBuild(graph, len(feeds))
     batch._depth = depth
+    batch.virtual_plan = plan
     new_params: dict[str, ComputeNode] = {}
     builders, tops = [], []
     for i, v in enumerate(values):
