@@ -325,3 +325,56 @@ def test_eval_mode_records_nothing_for_backward():
     batch = g.build_batch([{"xs": np.ones((2, 2))}, {"xs": -np.ones((3, 2))}], loss)
     assert not batch.loss().requires_grad
     g.train()
+
+
+def branchy_tree_model(stack_carry=False):
+    """A Tree-LSTM-like recursion: leaves and inner nodes computed by different branch options
+    (what the depth order must keep apart and still batch). ``stack_carry``: also stack the
+    carry itself — each node's value at the start of its iteration, the previous node's state,
+    which a depth order cannot give: such a recursion runs node after node."""
+    g = vg.VirtualGraph(seed=4)
+    children = g.input("children", (None, 2))
+    words = g.input("words", (None, 3))
+    is_leaf = g.input("is_leaf", (None,))
+    W, U, b = g.parameter("W", (3, 4)), g.parameter("U", (8, 4)), g.parameter("b", (4,))
+    with g.recurse(children) as r:
+        h = r.state(np.zeros(4), name="h")
+        leaf = vg.tanh(r.step(words) @ W)
+        inner = vg.sigmoid(vg.concat([r.child(h, 0), r.child(h, 1)], axis=-1) @ U + b)
+        kind = r.step(is_leaf, name="kind")
+        h_new = g.branch(lambda k: 0 if int(k) else 1, [leaf, inner], keys=[kind], name="leaf_or_inner")
+        r.update(h, h_new)
+    loss = vg.sum(r.final(h) ** 2) + vg.sum(r.stack(h_new) * 0.5)
+    if stack_carry:
+        loss = loss + vg.sum(r.stack(h))
+    return g, [loss]
+
+
+def tree_feeds(leaf_counts, seed):
+    rng = np.random.default_rng(seed)
+    feeds = []
+    for n in leaf_counts:
+        k = random_tree(rng, n)
+        feeds.append({"children": k, "words": rng.normal(size=(len(k), 3)), "is_leaf": (k[:, 0] < 0).astype(np.int64)})
+    return feeds
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(st.lists(st.integers(1, 8), min_size=1, max_size=6), st.integers(0, 1000))
+def test_random_trees_with_branches_in_depth_order(leaf_counts, seed):
+    previous = vg.get_default_dtype()
+    vg.set_default_dtype(np.float64)
+    try:
+        feeds = tree_feeds(leaf_counts, seed)
+        batch = assert_identical(branchy_tree_model, feeds, expect_batching=sum(leaf_counts) > 1)
+        assert list(batch._depth_ok.values()) == [True]
+        if sum(leaf_counts) > 1:  # every leaf of every tree in one group (the leaf option's ops)
+            assert ("MatMul:1", sum(leaf_counts)) in batch.groups, batch.groups
+    finally:
+        vg.set_default_dtype(previous)
+
+
+def test_a_recursion_that_stacks_its_carry_runs_node_after_node():
+    feeds = tree_feeds([2, 3, 1], 5)
+    batch = assert_identical(lambda: branchy_tree_model(stack_carry=True), feeds)
+    assert list(batch._depth_ok.values()) == [False]

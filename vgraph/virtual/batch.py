@@ -34,7 +34,9 @@ from ..ops import OPS, Op, row_at
 from .hoist import batched_attrs, hoist_loop
 from .nodes import LoopNode, VirtualNode
 from .unroll import (
+    _ALL,
     Decision,
+    UnrolledGraph,
     _Builder,
     _check_outputs,
     _check_structure,
@@ -275,15 +277,22 @@ class BatchedBuild:
         self._waiting: dict[int, list[_Request]] = {}  # declared node's rank -> its requests
         self._greenlets: dict[int, Any] = {}
         self._order: dict[tuple[str, int], int] = {(v.type, v.id): k for k, v in enumerate(virtual.nodes)}
+        self._by_key: dict[tuple[str, int], VirtualNode] = {(v.type, v.id): v for v in virtual.nodes}
         self._serial = 0
         self._depth_ok: dict[LoopNode, bool] = {}
         self._depth = True
         self._lockstep: dict[LoopNode, bool] = {}
+        # every node that computed copies of a declared node: (one copy's key, copies, inputs)
+        self._copies: dict[ComputeNode, tuple[NodeKey, int, int]] = {}
+        self._values: list[dict[str, np.ndarray]] = []  # the checked feeds (for unrolled)
+        self._outs: list[VirtualNode] = []
+        self._builds = 0  # the build counter of input 0 (seeds its sampled nodes)
         self.virtual_plan: Any = None
 
     def _by_depth(self, loop: LoopNode) -> bool:
         """Whether ``loop`` is a recursion whose tree nodes can be built in depth order: its body
-        reads the carried state only through children (not the previous node's), draws no random
+        reads the carried state only through children (not the previous node's, which a carry
+        holds at the start of an iteration; nor does ``stack`` of a carry), draws no random
         samples, holds no loop and no untied parameter (whose order of creation would change)."""
         known = self._depth_ok.get(loop)
         if known is None and not self._depth:
@@ -298,6 +307,9 @@ class BatchedBuild:
                 and all(loop.updates.get(c) not in (None, c) for c in loop.carries)
             )
             carries = set(loop.carries)
+            plan = self.virtual_plan
+            if any(s.inputs[1] in carries for s in plan.stacked.get(loop, ())):
+                known = False  # loop.stack(carry): each node's value at the start of its iteration
             for v in self.virtual.nodes:
                 if not known:
                     break
@@ -338,6 +350,52 @@ class BatchedBuild:
             f"BatchedBuild({len(self.inputs)} inputs, {len(self.graph)} nodes, {len(self.groups)} groups "
             f"of {mean:.1f} inputs on average)"
         )
+
+    def unrolled(self, i: int) -> UnrolledGraph:
+        """Input ``i`` built alone: the unrolled graph a one-at-a-time build of its feed gives
+        (same values; its sampled nodes drawn with the seed they had in this batch), to inspect
+        or draw as usual (``render.to_dot(batch.unrolled(i))``; ``batch_groups=True`` also says
+        which group computed each node). The parameter store and the build cache are not touched.
+
+        Raises:
+            IndexError: ``i`` is not an input of this batch.
+        """
+        if not -len(self.inputs) <= i < len(self.inputs):
+            raise IndexError(f"input {i} out of range: this batch has {len(self.inputs)} inputs")
+        i %= len(self.inputs)
+        graph = self.virtual
+        builder = _Builder(graph, self._values[i], self.virtual_plan, self._hoist, builds=self._builds + i)
+        top = _Frame(None, (), {}, None)
+        with contextlib.nullcontext() if graph.training else no_grad(), _gc_paused():
+            builder.run_scope(top)
+        cg = builder.cg
+        cg._envs[(None, ())] = top.env
+        cg.outputs = [top.env[o] for o in self._outs]
+        cg._mark_fresh([_ALL])
+        cg._batch_input = (self, i)  # for render.to_dot(cg, batch_groups=True)
+        return cg
+
+    def ran_with(self, i: int, key: NodeKey) -> tuple[ComputeNode, int, int] | None:
+        """Where input ``i``'s node ``key`` (a key of ``batch.unrolled(i)``) was computed: the node
+        of the batched graph, how many copies of the declared node it computed at once, and for
+        how many inputs. ``None`` if no op computed it (a leaf, a row of a fed sequence, a node a
+        batched build does not need such as a guard).
+        """
+        decl = self._by_key.get((key.type, key.id))
+        if decl is None:
+            return None
+        env = self.inputs[i]._envs.get((decl.scope, tuple(key.idx)))
+        found = None if env is None else env.get(decl)
+        if isinstance(found, Row):
+            found = found.src
+        info = self._copies.get(found) if found is not None else None
+        return None if info is None else (cast(ComputeNode, found), info[1], info[2])
+
+    def group_info(self, node: ComputeNode) -> tuple[NodeKey, int, int] | None:
+        """For a node of ``batch.graph`` that computed copies of a declared node: one copy's key
+        (``<type,id,idx>`` of the first input's copy), how many copies it computed and for how many
+        inputs; ``None`` for other nodes (leaves, gathers, the combined loss)."""
+        return self._copies.get(node)
 
     def outputs(self, k: int = 0) -> list[Any]:
         """Every input's value of output ``k`` (in input order)."""
@@ -545,6 +603,7 @@ class BatchedBuild:
                 key = NodeKey(f"{first.key.type}*", first.key.id, (self._serial,))
                 group = g._add_op(first.op, tuple(inputs), attrs or None, key, first.name)
                 self.groups.append((f"{first.key.type}:{first.key.id}", len(members)))
+                self._copies[group] = (first.key, len(members), len({r.inp for r in members}))
                 if first.op.name in ("LSTMCell", "GRUCell"):  # gates lead those values
                     return [Row(group, ((slice(None), r),), req.key, req.name) for r, req in enumerate(members)]
                 return [_row(group, r, req) for r, req in enumerate(members)]
@@ -554,9 +613,11 @@ class BatchedBuild:
         """An op run for one input alone (nothing to batch it with, or an op that cannot be)."""
         parents = tuple(p if isinstance(p, ComputeNode) else self._unwrap(p) for p in r.parents)
         self.groups.append((f"{r.key.type}:{r.key.id}", 1))
-        return self.graph._add_op(
+        node = self.graph._add_op(
             r.op, parents, r.attrs, NodeKey(f"{r.key.type}#{r.inp}", r.key.id, r.key.idx), r.name
         )
+        self._copies[node] = (r.key, 1, 1)
+        return node
 
     def _unwrap(self, row: Row) -> ComputeNode:
         """A node whose value is the row itself: one ``GetItem`` of its group when one basic index
@@ -788,6 +849,8 @@ def build_batch(
             raise type(e)(f"input {i}: {e}") from None
     batch = BatchedBuild(graph, len(feeds))
     batch._depth = depth
+    batch._values, batch._outs, batch._builds = values, outs, graph._builds
+    batch._hoist = hoist
     batch.virtual_plan = plan
     new_params: dict[str, ComputeNode] = {}
     builders, tops = [], []
