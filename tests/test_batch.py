@@ -367,7 +367,7 @@ def test_random_trees_with_branches_in_depth_order(leaf_counts, seed):
     try:
         feeds = tree_feeds(leaf_counts, seed)
         batch = assert_identical(branchy_tree_model, feeds, expect_batching=sum(leaf_counts) > 1)
-        assert list(batch._depth_ok.values()) == [True]
+        assert list(batch._depth_ok.values()) == [True] and list(batch._joint.values()) == [True]
         if sum(leaf_counts) > 1:  # every leaf of every tree in one group (the leaf option's ops)
             assert ("MatMul:1", sum(leaf_counts)) in batch.groups, batch.groups
     finally:
@@ -378,3 +378,35 @@ def test_a_recursion_that_stacks_its_carry_runs_node_after_node():
     feeds = tree_feeds([2, 3, 1], 5)
     batch = assert_identical(lambda: branchy_tree_model(stack_carry=True), feeds)
     assert list(batch._depth_ok.values()) == [False]
+
+
+def test_depth_order_with_a_greenlet_per_tree_node(monkeypatch):
+    """The depth order without the scheduler's joint run (used when a recursion's body holds
+    more than ops and branches): each tree node in a greenlet of its own; same results."""
+    from vgraph.virtual.batch import BatchedBuild
+
+    monkeypatch.setattr(BatchedBuild, "_joint_ok", lambda self, loop: False)
+    batch = assert_identical(branchy_tree_model, tree_feeds([3, 1, 4, 2], 8))
+    assert list(batch._depth_ok.values()) == [True] and ("MatMul:1", 10) in batch.groups
+
+
+def test_loops_without_lockstep(monkeypatch):
+    """Loops run by each input's greenlet, op by op (the scheduler's agenda keeps them in step):
+    the same results and groups as in lockstep."""
+    from vgraph.virtual.batch import BatchedBuild
+
+    m = example("lstm_sequence")
+    rng = np.random.default_rng(3)
+    feeds = []
+    for T in (4, 2, 4):
+        x, y = m.adding_batch(rng, 2, T)
+        feeds.append({"x": x, "y": y, "h0": np.zeros((2, 4))})
+
+    def make():
+        g, outs = m.build_model("gru", hidden=4, seed=0)
+        return g, [outs["loss"]]
+
+    lockstep = assert_identical(make, feeds)
+    monkeypatch.setattr(BatchedBuild, "_lockstep_ok", lambda self, loop: False)
+    plain = assert_identical(make, feeds)
+    assert sorted(lockstep.groups) == sorted(plain.groups)

@@ -32,7 +32,7 @@ from ..compute import ComputeGraph, ComputeNode, NodeKey, no_grad
 from ..errors import BuildError, ShapeError, VGraphError
 from ..ops import OPS, Op, row_at
 from .hoist import batched_attrs, hoist_loop
-from .nodes import LoopNode, VirtualNode
+from .nodes import BranchNode, LoopNode, VirtualNode
 from .unroll import (
     _ALL,
     Decision,
@@ -43,6 +43,7 @@ from .unroll import (
     _checked_feed,
     _Frame,
     _gc_paused,
+    _select,
     _widens,
 )
 
@@ -136,6 +137,28 @@ class _LoopJob:
         self.collected: list[list[Any]] = []
         self.key = NodeKey(loop.type, loop.id, idx)
         self.agent: Any = None
+
+
+class _TreeJob(_LoopJob):
+    """One input's run of a recursion that the scheduler builds tree node by tree node in depth
+    order together with the other inputs' runs of it (:meth:`BatchedBuild._run_tree_jobs`)."""
+
+    __slots__ = ("chosen", "decisions", "history", "parents", "reads", "remaining", "rows", "width")
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.decisions: list[list[Any]] = [[] for _ in range(self.trips)]
+
+
+class _Member:
+    """One tree node of one input in a joint run: its iteration environment."""
+
+    __slots__ = ("env", "idx", "job", "path", "t")
+
+    def __init__(self, job: _TreeJob, t: int, env: dict[VirtualNode, Any]) -> None:
+        self.job, self.t, self.env = job, t, env
+        self.idx = (*job.idx, t)
+        self.path: tuple[Any, ...] = ()  # the branch choices made so far in this iteration
 
 
 def _by_input(r: Any) -> int:
@@ -282,6 +305,9 @@ class BatchedBuild:
         self._depth_ok: dict[LoopNode, bool] = {}
         self._depth = True
         self._lockstep: dict[LoopNode, bool] = {}
+        self._joint: dict[LoopNode, bool] = {}
+        self._lockstep_enabled = True  # loops and recursions run by the scheduler (no greenlet per op)
+        self._closures: dict[Any, list[VirtualNode]] = {}
         # every node that computed copies of a declared node: (one copy's key, copies, inputs)
         self._copies: dict[ComputeNode, tuple[NodeKey, int, int]] = {}
         self._values: list[dict[str, np.ndarray]] = []  # the checked feeds (for unrolled)
@@ -322,6 +348,19 @@ class BatchedBuild:
             self._depth_ok[loop] = known
         return known
 
+    def _joint_ok(self, loop: LoopNode) -> bool:
+        """Whether the scheduler can build ``loop`` (a recursion in depth order, see
+        :meth:`_by_depth`) for every input itself (:meth:`_run_tree_jobs`): its body holds ops and
+        branches only (besides its items, children and carries)."""
+        known = self._joint.get(loop)
+        if known is None:
+            known = self._lockstep_enabled and not any(
+                v.scope is loop and v.kind not in ("op", "branch", "item", "child", "carry")
+                for v in self.virtual.nodes
+            )
+            self._joint[loop] = known
+        return known
+
     def _lockstep_ok(self, loop: LoopNode) -> bool:
         """Whether ``loop`` can run in lockstep across inputs (:meth:`_run_jobs`): a loop of known
         trip count (no condition, no structure, no checkpointing) whose body is ops only — no
@@ -329,7 +368,7 @@ class BatchedBuild:
         known = self._lockstep.get(loop)
         if known is None:
             known = (
-                self._depth
+                self._lockstep_enabled
                 and loop.structure is None
                 and loop.cond is None
                 and loop.until is None
@@ -447,6 +486,11 @@ class BatchedBuild:
             self._wait(i, self._resume(i, g, None))
         while waiting:
             members = self._next_group()
+            if type(members[0]) is _TreeJob:
+                self._run_tree_jobs(members)  # type: ignore[arg-type]
+                for job in members:
+                    self._wait(job.inp, self._resume(job.inp, job.agent, None))
+                continue
             if type(members[0]) is _LoopJob:
                 self._run_jobs(members)  # type: ignore[arg-type]
                 for job in members:
@@ -455,6 +499,145 @@ class BatchedBuild:
             results = self._execute(members)
             for req, result in zip(members, results):
                 self._wait(req.inp, self._resume(req.inp, req.agent, result))
+
+    def _run_tree_jobs(self, jobs: list[_TreeJob]) -> None:
+        """Build the recursion of ``jobs`` (one per input; the same declared recursion) in depth
+        order: every tree node of every input whose children are built, body node by body node,
+        each node's copies as one op; a branch chooses per tree node and each option is built for
+        the tree nodes that chose it. The inputs' greenlets are not involved."""
+        loop = jobs[0].loop
+        updates = [loop.updates[c] for c in loop.carries]
+        stacked = self.virtual_plan.stacked.get(loop, [])
+        level = [(j, t) for j in sorted(jobs, key=_by_input) for t in range(j.trips) if j.remaining[t] == 0]
+        while level:
+            members = []
+            for j, t in level:
+                env = dict(j.captured)
+                m = _Member(j, t, env)
+                view, inner = j.view, m.idx
+                for c, init in zip(loop.carries, j.state):
+                    env[c] = init  # (never read: see _by_depth)
+                row = j.rows[t]
+                for read, k, slot in j.reads:
+                    c = row[slot] if slot < j.width else -1
+                    env[read] = j.history[c][k] if c >= 0 else j.state[k]
+                for item, seq in zip(loop.items, j.seqs):
+                    if item not in j.groups:
+                        at = cast(int, j.length) - 1 - t if item.attrs.get("reverse") else t
+                        env[item] = view._direct(
+                            _GETITEM, (seq,), {"index": at}, NodeKey("Item", item.id, inner), item.name
+                        )
+                for v, group in j.groups.items():
+                    env[v] = view._direct(_HOISTED, (group,), {"index": t}, NodeKey(v.type, v.id, inner), v.name)
+                members.append(m)
+            for v in self.virtual_plan.eager.get(loop, ()):
+                if v.op is not None:
+                    self._joint_op(v, [m for m in members if v not in m.env])
+                else:  # a branch (see _joint_ok)
+                    self._joint_branch(cast(BranchNode, v), [m for m in members if v not in m.env])
+            level = []
+            for m in members:
+                j, t, env = m.job, m.t, m.env
+                j.view._envs[(loop, m.idx)] = env
+                j.history[t] = [env[u] for u in updates]
+                j.collected[t] = [env[s.inputs[1]] for s in stacked]
+                for p in j.parents[t]:
+                    j.remaining[p] -= 1
+                    if j.remaining[p] == 0:
+                        level.append((j, p))
+            level.sort(key=lambda jt: jt[0].inp)
+
+    def _joint_op(self, v: VirtualNode, members: list[_Member]) -> None:
+        """Compute op node ``v`` for every member (whose environments hold its inputs)."""
+        requests = []
+        op = cast(Op, v.op)
+        special = op.name in _SPECIAL
+        for m in members:
+            env = m.env
+            parents = tuple([env[u] for u in v.inputs])
+            key = NodeKey(v.type, v.id, m.idx)
+            if special:
+                result = m.job.view._direct(op, parents, v.attrs, key, v.name)
+                if result is not _ASK:
+                    env[v] = result
+                    continue
+            r = _Request(m.job.inp, op, parents, v.attrs, key, v.name)
+            r.agent = env
+            requests.append(r)
+        while requests:
+            group = _same_signature(requests)
+            try:
+                results = self._execute(group)
+            except VGraphError as e:
+                raise type(e)(f"input {group[0].inp}: {e}") from e
+            except Exception as e:
+                raise BuildError(f"input {group[0].inp}: the build failed: {type(e).__name__}: {e}") from e
+            for r, result in zip(group, results):
+                r.agent[v] = result
+            if len(group) == len(requests):
+                break
+            chosen = {id(r) for r in group}
+            requests = [r for r in requests if id(r) not in chosen]
+
+    def _joint_demand(self, target: VirtualNode, members: list[_Member], at: VirtualNode) -> None:
+        """Build ``target`` and what it needs that is not built yet, for every member (``at``:
+        the branch being built, which with a member's choices so far fixes what is built)."""
+        by_path: dict[tuple[Any, ...], list[_Member]] = {}
+        for m in members:
+            if target not in m.env:
+                by_path.setdefault(m.path, []).append(m)
+        for path, ms in by_path.items():
+            key = (at, target, path)
+            order = self._closures.get(key)
+            if order is None:
+                order = self._closures[key] = self._closure(target, ms[0].env)
+            for v in order:
+                if v.op is not None:
+                    self._joint_op(v, [m for m in ms if v not in m.env])
+                else:
+                    self._joint_branch(cast(BranchNode, v), [m for m in ms if v not in m.env])
+
+    def _closure(self, target: VirtualNode, env: dict[VirtualNode, Any]) -> list[VirtualNode]:
+        """``target`` and its dependencies missing from ``env``, dependencies first."""
+        order: list[VirtualNode] = []
+        seen: set[VirtualNode] = set()
+        stack: list[tuple[VirtualNode, bool]] = [(target, False)]
+        plan = self.virtual_plan
+        while stack:
+            v, expanded = stack.pop()
+            if expanded:
+                order.append(v)
+                continue
+            if v in seen or v in env:
+                continue
+            seen.add(v)
+            stack.append((v, True))
+            stack.extend((d, False) for d in reversed(plan.deps(v)) if d not in env and d not in seen)
+        return order
+
+    def _joint_branch(self, branch: BranchNode, members: list[_Member]) -> None:
+        """Choose per member, then build each chosen option for the members that chose it."""
+        for d in self.virtual_plan.deps(branch):
+            self._joint_demand(d, members, branch)
+        by_choice: dict[int, list[_Member]] = {}
+        for m in members:
+            if branch.lead is None:
+                try:
+                    choice = _select(branch, m.idx, [m.env[k].value for k in branch.keys])
+                except VGraphError as e:
+                    raise type(e)(f"input {m.job.inp}: {e}") from e
+            else:
+                choice = m.job.chosen[(branch.lead, m.idx)]
+            m.path = (*m.path, (branch, choice))
+            by_choice.setdefault(choice, []).append(m)
+        for choice, ms in sorted(by_choice.items()):
+            option = branch.options[choice]
+            self._joint_demand(option, ms, branch)
+            for m in ms:
+                m.env[branch] = m.env[option]
+                if branch.lead is None:
+                    m.job.chosen[(branch, m.idx)] = choice
+                    m.job.decisions[m.t].append(Decision(branch, m.idx, "option", choice))
 
     def _run_jobs(self, jobs: list[_LoopJob]) -> None:
         """Run the loop of ``jobs`` (one per input; the same declared loop) in lockstep: iteration
@@ -549,7 +732,7 @@ class BatchedBuild:
     def _wait(self, i: int, answer: Any) -> None:
         """File input ``i``'s next request under its declared node's rank (``None``: that greenlet
         is done; a :class:`_Spawn`: start greenlets and file their requests)."""
-        if type(answer) is _Request or type(answer) is _LoopJob:
+        if type(answer) is _Request or type(answer) is _LoopJob or type(answer) is _TreeJob:
             key = answer.key
             rank = self._order.get((key.type, key.id), -1)
             bucket = self._waiting.get(rank)
@@ -570,7 +753,7 @@ class BatchedBuild:
         waiting = self._waiting
         rank = min(waiting)
         bucket = waiting.pop(rank)
-        if len(bucket) == 1 or type(bucket[0]) is _LoopJob:
+        if len(bucket) == 1 or type(bucket[0]) in (_LoopJob, _TreeJob):
             return bucket
         bucket.sort(key=_by_input)
         members = _same_signature(bucket)
@@ -801,8 +984,17 @@ class _BatchBuilder(_Builder):
             return _Spawn(ready, me if done[0] == n else None)
 
         start = len(cg.decisions)
-        leaves = [make(lambda t=t: node(t), parent=scheduler) for t in range(n) if remaining[t] == 0]
-        scheduler.switch(_Spawn(leaves))  # back when every tree node is built
+        if self.batch._joint_ok(loop):  # the scheduler builds every input's tree nodes itself
+            job = _TreeJob(cast(InputView, cg), loop, idx, defaults, seqs, length, n, captured, groups)
+            job.reads, job.rows, job.width, job.parents, job.remaining = reads, rows, width, parents, remaining
+            job.history, job.collected, job.chosen = history, collected, self.chosen
+            job.agent = me
+            scheduler.switch(job)  # back when every tree node is built
+            for t in range(n):
+                cg.decisions.extend(job.decisions[t])
+        else:  # each tree node in a greenlet of its own
+            leaves = [make(lambda t=t: node(t), parent=scheduler) for t in range(n) if remaining[t] == 0]
+            scheduler.switch(_Spawn(leaves))  # back when every tree node is built
         # as one node after another: each node's decisions together, in node order
         cg.decisions[start:] = sorted(cg.decisions[start:], key=lambda d: d.idx[len(idx)])
         names = [c.name for c in loop.carries]
