@@ -139,8 +139,8 @@ def test_hoisting_inside_batched_builds(hoist):
     assert list(batch._lockstep.values()) == [True]  # the inputs' loops ran in lockstep
     hoisted = [k for k, _ in batch.groups if k.split(":")[0].endswith("*")]
     assert bool(hoisted) == hoist, batch.groups
-    if hoist:  # the two inputs of length 5 share one hoisted product
-        assert any(k.startswith("MatMul*") and n == 2 for k, n in batch.groups), batch.groups
+    if hoist:  # the four inputs' hoisted products: one product of their inputs concatenated in time
+        assert any(k.startswith("MatMul*") and n == 4 for k, n in batch.groups), batch.groups
 
 
 def test_adaptive_loop_different_trip_counts():
@@ -410,3 +410,43 @@ def test_loops_without_lockstep(monkeypatch):
     monkeypatch.setattr(BatchedBuild, "_lockstep_ok", lambda self, loop: False)
     plain = assert_identical(make, feeds)
     assert sorted(lockstep.groups) == sorted(plain.groups)
+
+
+def tagger_model():
+    """A small sequence tagger: embedding, a tanh RNN, a per-word output layer and cross-entropy
+    over the sentence — its ops outside the loop see whole sentences of different lengths."""
+    g = vg.VirtualGraph(seed=6)
+    tokens = g.input("tokens", (None,))
+    tags = g.input("tags", (None,))
+    emb = vg.nn.Embedding(g, 20, 3, "emb")
+    out = vg.nn.Linear(g, 4, 5, "out")
+    W = g.parameter("W", (3, 4))
+    U = g.parameter("U", (4, 4))
+    embedded = emb(tokens)  # (T, 3)
+    with g.loop() as L:
+        h = L.carry(np.zeros(4), name="h")
+        h_new = vg.tanh(L.step(embedded) @ W + h @ U)
+        L.update(h, h_new)
+    logits = out(vg.tanh(L.stack(h_new)))  # (T, 5)
+    return g, [vg.losses.cross_entropy(logits, tags) + vg.mean(logits) * 0.1]
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(st.lists(st.integers(1, 9), min_size=2, max_size=6), st.integers(0, 1000))
+def test_whole_sentences_of_different_lengths_run_as_one_op(lengths, seed):
+    """Ops that act on each word alone (the output layer, tanh, log-softmax, the embedding
+    lookup) run once on every sentence's words concatenated; reductions over the sentence
+    (``mean``) run per sentence. Identical to one at a time."""
+    previous = vg.get_default_dtype()
+    vg.set_default_dtype(np.float64)
+    try:
+        rng = np.random.default_rng(seed)
+        feeds = [{"tokens": rng.integers(0, 20, n), "tags": rng.integers(0, 5, n)} for n in lengths]
+        batch = assert_identical(tagger_model, feeds)
+        sizes = dict(batch.groups)
+        assert sizes.get("LogSoftmax:1") == len(feeds), batch.groups  # one group, whatever the lengths
+        assert sizes.get("Take:1") == len(feeds), batch.groups
+        if len(set(lengths)) == len(lengths):  # a reduction over each sentence: per sentence
+            assert [n for k, n in batch.groups if k == "Mean:2"] == [1] * len(feeds), batch.groups
+    finally:
+        vg.set_default_dtype(previous)

@@ -54,7 +54,7 @@ _GATHER, _GETITEM, _STACK, _SUM, _MEAN = (
     OPS["Sum"],
     OPS["Mean"],
 )
-_HOISTED = OPS["Hoisted"]
+_HOISTED, _CONCAT = OPS["Hoisted"], OPS["Concat"]
 _PASS = ("Branch", "Identity")  # ops that pass their first input on unchanged
 _ASK = object()  # InputView._direct: this op must be computed
 _SPECIAL = frozenset((*_PASS, "Stack", "GetItem", "Hoisted"))  # ops InputView._add_op looks at
@@ -166,15 +166,75 @@ def _by_input(r: Any) -> int:
 
 
 def _same_signature(requests: list[_Request]) -> list[_Request]:
-    """The requests (in order) with the most common signature (the first such, on a tie)."""
+    """The requests (in order) with the most common signature (the first such, on a tie) — or all
+    of them when their rows differ in length only and the op acts on each row alone
+    (:func:`_ragged`)."""
     sig = _signature(requests[0])
     sigs = [_signature(r) for r in requests]
     if all(x == sig for x in sigs):
+        return requests
+    if _ragged(requests) is not None:
         return requests
     by_sig: dict[Any, list[_Request]] = {}
     for r, x in zip(requests, sigs):
         by_sig.setdefault(x, []).append(r)
     return max(by_sig.values(), key=len)
+
+
+# Ops that compute each row (along axis 0) of their inputs on its own, given the rules _ragged
+# checks: copies whose inputs differ in length (sentences of different lengths) run as one op on
+# the inputs concatenated along axis 0, and each copy's value is its rows of the result.
+_RAGGED = frozenset(
+    ["Add", "Sub", "Mul", "Div", "Neg", "Pow", "Exp", "Log", "Tanh", "Sigmoid", "Relu", "Softplus", "Abs",
+     "MatMul", "Take", "Softmax", "LogSoftmax", "Concat", "TakeAlongAxis"]
+)  # fmt: skip
+
+
+def _ragged(requests: list[_Request]) -> list[bool] | None:
+    """Whether the requests can run as one op on their inputs concatenated along axis 0: which
+    inputs are concatenated (``True``; the others are one node shared by every request) — or
+    ``None`` if they cannot. Concatenated inputs must agree on every axis but the first, and
+    have as many rows as each other within a request; a shared input must not reach axis 0
+    (fewer axes), and the op must not act along axis 0."""
+    first = requests[0]
+    name = first.op.name
+    if name not in _RAGGED or len(requests) < 2 or any(len(r.parents) != len(first.parents) for r in requests):
+        return None
+    ragged: list[bool] = []
+    ndim = None
+    for j, p0 in enumerate(first.parents):
+        column = [r.parents[j] for r in requests]
+        if isinstance(p0, ComputeNode) and all(p is p0 for p in column):
+            ragged.append(False)
+            continue
+        v0 = p0._value
+        if v0.ndim < 1 or any(p._value.shape[1:] != v0.shape[1:] or p._value.dtype != v0.dtype for p in column):
+            return None
+        if ndim is not None and v0.ndim != ndim and name not in ("Take",):
+            return None
+        ndim = v0.ndim
+        ragged.append(True)
+    if not any(ragged):
+        return None
+    for r in requests:  # within a request, the concatenated inputs have as many rows
+        lengths = {p._value.shape[0] for p, rg in zip(r.parents, ragged) if rg}
+        if len(lengths) != 1:
+            return None
+    attrs = first.attrs or {}
+    if name == "Take":  # a shared table looked up with indices
+        return ragged if ragged == [False, True] else None
+    if name == "MatMul":  # (T, …, K) @ (K, M): rows of the left operand one by one
+        return ragged if ragged == [True, False] and cast(int, ndim) >= 2 and first.parents[1]._value.ndim == 2 else None
+    for p, rg in zip(first.parents, ragged):
+        if not rg and np.ndim(p._value) >= cast(int, ndim):
+            return None  # a shared input would meet axis 0
+    if name in ("Softmax", "LogSoftmax", "Concat", "TakeAlongAxis"):
+        axis = attrs.get("axis", 0 if name == "Concat" else -1)
+        if cast(int, ndim) < 2 or axis % cast(int, ndim) == 0:
+            return None
+        if name in ("Concat", "TakeAlongAxis") and not all(ragged):
+            return None
+    return ragged
 
 
 def _signature(r: _Request) -> tuple[Any, ...]:
@@ -297,7 +357,7 @@ class BatchedBuild:
         self.graph = ComputeGraph(virtual.dtype)
         self.inputs = [InputView(self, i) for i in range(n)]
         self.groups: list[tuple[str, int]] = []
-        self._waiting: dict[int, list[_Request]] = {}  # declared node's rank -> its requests
+        self._waiting: dict[tuple[int, str], list[Any]] = {}  # (declared node's rank, type) -> its requests
         self._greenlets: dict[int, Any] = {}
         self._order: dict[tuple[str, int], int] = {(v.type, v.id): k for k, v in enumerate(virtual.nodes)}
         self._by_key: dict[tuple[str, int], VirtualNode] = {(v.type, v.id): v for v in virtual.nodes}
@@ -734,7 +794,8 @@ class BatchedBuild:
         is done; a :class:`_Spawn`: start greenlets and file their requests)."""
         if type(answer) is _Request or type(answer) is _LoopJob or type(answer) is _TreeJob:
             key = answer.key
-            rank = self._order.get((key.type, key.id), -1)
+            # a hoisted group <MatMul*:k> waits with (but apart from) the copies of <MatMul:k>
+            rank = (self._order.get((key.type.rstrip("*"), key.id), -1), key.type)
             bucket = self._waiting.get(rank)
             if bucket is None:
                 self._waiting[rank] = [answer]
@@ -765,6 +826,8 @@ class BatchedBuild:
     def _execute(self, members: list[_Request]) -> list[Any]:
         g = self.graph
         first = members[0]
+        if len(members) > 1 and any(_signature(r) != _signature(first) for r in members[1:]):
+            return self._execute_ragged(members, cast(list, _ragged(members)))
         if len(members) > 1:  # (a variadic op's members have equally many inputs: same signature)
             inputs: list[ComputeNode] = []
             shapes: list[tuple[int, ...]] = []
@@ -791,6 +854,47 @@ class BatchedBuild:
                     return [Row(group, ((slice(None), r),), req.key, req.name) for r, req in enumerate(members)]
                 return [_row(group, r, req) for r, req in enumerate(members)]
         return [self._single(r) for r in members]
+
+    def _execute_ragged(self, members: list[_Request], ragged: list[bool]) -> list[Any]:
+        """Run ``members`` (whose inputs differ in length along axis 0 only, see :func:`_ragged`)
+        as one op on their inputs concatenated along axis 0; each gets its rows of the result."""
+        first = members[0]
+        inputs = []
+        for j, rg in enumerate(ragged):
+            column = [r.parents[j] for r in members]
+            inputs.append(self._concat(column) if rg else column[0])
+        self._serial += 1
+        key = NodeKey(f"{first.key.type}*", first.key.id, (self._serial,))
+        group = self.graph._add_op(first.op, tuple(inputs), first.attrs, key, first.name)
+        self.groups.append((f"{first.key.type}:{first.key.id}", len(members)))
+        self._copies[group] = (first.key, len(members), len({r.inp for r in members}))
+        j = ragged.index(True)
+        out, a = [], 0
+        value = group._value
+        for req in members:
+            b = a + len(req.parents[j]._value)
+            row = _new_row(Row)
+            row.src, row.path, row.key, row.name, row._value = group, (slice(a, b),), req.key, req.name, value[a:b]
+            out.append(row)
+            a = b
+        return out
+
+    def _concat(self, column: list[Any]) -> ComputeNode:
+        """One node: the given values concatenated along axis 0 (the source itself when they are
+        its consecutive row ranges, in order)."""
+        p0 = column[0]
+        if type(p0) is Row and len(p0.path) == 1 and isinstance(p0.path[0], slice):
+            src, a = p0.src, 0
+            for p in column:
+                if type(p) is not Row or p.src is not src or p.path != (slice(a, a + len(p._value)),):
+                    break
+                a += len(p._value)
+            else:
+                if a == len(src._value):
+                    return src
+        nodes = tuple(p if isinstance(p, ComputeNode) else self._unwrap(p) for p in column)
+        self._serial += 1
+        return self.graph._add_op(_CONCAT, nodes, {"axis": 0}, NodeKey("Concat", self._serial, ()), None)
 
     def _single(self, r: _Request) -> ComputeNode:
         """An op run for one input alone (nothing to batch it with, or an op that cannot be)."""
