@@ -165,20 +165,21 @@ def _by_input(r: Any) -> int:
     return r.inp
 
 
-def _same_signature(requests: list[_Request]) -> list[_Request]:
+def _same_signature(requests: list[_Request]) -> tuple[list[_Request], list[bool] | None]:
     """The requests (in order) with the most common signature (the first such, on a tie) — or all
     of them when their rows differ in length only and the op acts on each row alone
-    (:func:`_ragged`)."""
+    (:func:`_ragged`: which inputs to concatenate; ``None`` for requests of one signature)."""
     sig = _signature(requests[0])
     sigs = [_signature(r) for r in requests]
     if all(x == sig for x in sigs):
-        return requests
-    if _ragged(requests) is not None:
-        return requests
+        return requests, None
+    ragged = _ragged(requests)
+    if ragged is not None:
+        return requests, ragged
     by_sig: dict[Any, list[_Request]] = {}
     for r, x in zip(requests, sigs):
         by_sig.setdefault(x, []).append(r)
-    return max(by_sig.values(), key=len)
+    return max(by_sig.values(), key=len), None
 
 
 # Ops that compute each row (along axis 0) of their inputs on its own, given the rules _ragged
@@ -298,11 +299,17 @@ class InputView:
             return parents[0]
         if op is _STACK and attrs == {"axis": 0}:  # loop.stack: this input's rows, gathered once
             return self.batch._stack(list(parents), key)
-        if (op is _GETITEM or op is _HOISTED) and isinstance(attrs["index"], (int, np.integer)):
-            (src,) = parents  # a stepped item: a row of the sequence, no node
-            if isinstance(src, Row):
-                return Row(src.src, (*src.path, int(attrs["index"])), key, name)
-            return Row(src, (int(attrs["index"]),), key, name)
+        index = attrs["index"] if op is _GETITEM or op is _HOISTED else None
+        if type(index) is int or isinstance(index, np.integer):
+            (src,) = parents  # a stepped item: a row of the sequence (or of a row), no node
+            index = int(index)
+            row = _new_row(Row)
+            row.key, row.name, row._value = key, name, src._value[index]
+            if type(src) is Row:
+                row.src, row.path = src.src, (*src.path, index)
+            else:
+                row.src, row.path = src, (index,)
+            return row
         return _ASK
 
     # -- what users read
@@ -368,6 +375,7 @@ class BatchedBuild:
         self._joint: dict[LoopNode, bool] = {}
         self._lockstep_enabled = True  # loops and recursions run by the scheduler (no greenlet per op)
         self._closures: dict[Any, list[VirtualNode]] = {}
+        self._ragged_members: list[bool] | None = None
         # every node that computed copies of a declared node: (one copy's key, copies, inputs)
         self._copies: dict[ComputeNode, tuple[NodeKey, int, int]] = {}
         self._values: list[dict[str, np.ndarray]] = []  # the checked feeds (for unrolled)
@@ -556,7 +564,7 @@ class BatchedBuild:
                 for job in members:
                     self._wait(job.inp, self._resume(job.inp, job.agent, None))
                 continue
-            results = self._execute(members)
+            results = self._execute(members, self._ragged_members if len(members) > 1 else None)
             for req, result in zip(members, results):
                 self._wait(req.inp, self._resume(req.inp, req.agent, result))
 
@@ -625,9 +633,9 @@ class BatchedBuild:
             r.agent = env
             requests.append(r)
         while requests:
-            group = _same_signature(requests)
+            group, ragged = _same_signature(requests)
             try:
-                results = self._execute(group)
+                results = self._execute(group, ragged)
             except VGraphError as e:
                 raise type(e)(f"input {group[0].inp}: {e}") from e
             except Exception as e:
@@ -708,7 +716,9 @@ class BatchedBuild:
         stacked = self.virtual_plan.stacked.get(loop, [])
         updates = [loop.updates[c] for c in loop.carries]
         names = [c.name for c in loop.carries]
-        alive = sorted((j for j in jobs if j.trips > 0), key=_by_input)
+        # longest first: the inputs still running at step t are the first rows of step t-1's
+        # groups, which the next groups read as one view (no gather)
+        alive = sorted((j for j in jobs if j.trips > 0), key=lambda j: (-j.trips, j.inp))
         t = 0
         while alive:
             envs = []
@@ -746,9 +756,9 @@ class BatchedBuild:
                     r.agent = ienv
                     requests.append(r)
                 while requests:
-                    members = _same_signature(requests)
+                    members, ragged = _same_signature(requests)
                     try:
-                        results = self._execute(members)
+                        results = self._execute(members, ragged)
                     except VGraphError as e:
                         raise type(e)(f"input {members[0].inp}: {e}") from e
                     except Exception as e:
@@ -815,19 +825,22 @@ class BatchedBuild:
         rank = min(waiting)
         bucket = waiting.pop(rank)
         if len(bucket) == 1 or type(bucket[0]) in (_LoopJob, _TreeJob):
+            self._ragged_members = None
             return bucket
         bucket.sort(key=_by_input)
-        members = _same_signature(bucket)
+        members, self._ragged_members = _same_signature(bucket)
         if len(members) < len(bucket):
             chosen = {id(r) for r in members}
             waiting[rank] = [r for r in bucket if id(r) not in chosen]
         return members
 
-    def _execute(self, members: list[_Request]) -> list[Any]:
+    def _execute(self, members: list[_Request], ragged: list[bool] | None = None) -> list[Any]:
+        """Run ``members`` (copies of one declared node) as one op; ``ragged``: their inputs
+        differ in length and these are concatenated (see :func:`_same_signature`)."""
         g = self.graph
         first = members[0]
-        if len(members) > 1 and any(_signature(r) != _signature(first) for r in members[1:]):
-            return self._execute_ragged(members, cast(list, _ragged(members)))
+        if ragged is not None:
+            return self._execute_ragged(members, ragged)
         if len(members) > 1:  # (a variadic op's members have equally many inputs: same signature)
             inputs: list[ComputeNode] = []
             shapes: list[tuple[int, ...]] = []
@@ -916,6 +929,11 @@ class BatchedBuild:
             )
         return self._stack([row], row.key, single=True)
 
+    def _view(self, src: ComputeNode, index: Any) -> ComputeNode:
+        """``src[index]`` for a basic index: a view, whose gradient is one slice of src's."""
+        self._serial += 1
+        return self.graph._add_op(_GETITEM, (src,), {"index": index}, NodeKey("Rows", self._serial, ()), None)
+
     def _stack(self, column: Sequence[Any], key: NodeKey, single: bool = False) -> ComputeNode:
         """One node whose rows are the given values (rows of groups, or whole nodes), in order;
         ``single``: the value of one row itself (no new axis).
@@ -928,20 +946,18 @@ class BatchedBuild:
             src, n = first.src, len(column)
             if all(type(p) is Row and p.src is src for p in column):
                 paths = [p.path for p in column]
-                if paths == [(r,) for r in range(len(src._value))]:
-                    return src  # already a group in this order
+                if paths == [(r,) for r in range(n)]:  # the group's first n rows, in order
+                    if n == len(src._value):
+                        return src  # already a group in this order
+                    return self._view(src, slice(0, n))
                 tail = first.path[1:]
                 lead = first.path[0]
                 if (
                     isinstance(lead, tuple)
                     and len(tail) == 1
                     and paths == [((slice(None), r), *tail) for r in range(n)]
-                    and n == np.shape(src._value)[1]
-                ):
-                    self._serial += 1  # src[:, r][k] for every r, in order: src[k]
-                    return self.graph._add_op(
-                        _GETITEM, (src,), {"index": tail[0]}, NodeKey("Rows", self._serial, ()), None
-                    )
+                ):  # src[:, r][k] for the first n r, in order: src[k] (or src[k, :n])
+                    return self._view(src, tail[0] if n == np.shape(src._value)[1] else (tail[0], slice(0, n)))
         sources: list[ComputeNode] = []
         position: dict[int, int] = {}
         where: list[tuple[int, Any]] = []
