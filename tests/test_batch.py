@@ -450,3 +450,15 @@ def test_whole_sentences_of_different_lengths_run_as_one_op(lengths, seed):
             assert [n for k, n in batch.groups if k == "Mean:2"] == [1] * len(feeds), batch.groups
     finally:
         vg.set_default_dtype(previous)
+
+
+def test_a_checkpointed_loop_is_a_typed_error():
+    g = vg.VirtualGraph(seed=1)
+    xs = g.input("xs", (None, 2))
+    W = g.parameter("W", (2, 2))
+    with g.loop(checkpoint=2) as L:
+        h = L.carry(np.zeros(2), name="h")
+        L.update(h, vg.tanh(h @ W + L.step(xs)))
+    with pytest.raises(vg.BuildError, match=r"input 0: <Loop:1> is checkpointed .* one at a time"):
+        g.build_batch([{"xs": np.ones((3, 2))}, {"xs": np.ones((4, 2))}], vg.sum(L.final(h)))
+    assert len(g.params) == 1

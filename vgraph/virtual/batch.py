@@ -991,6 +991,11 @@ class _BatchBuilder(_Builder):
     index: int
 
     def run_loop(self, loop: LoopNode, frame: _Frame) -> None:
+        if loop.checkpoint is not None:
+            raise BuildError(
+                f"{loop.describe(frame.idx)} is checkpointed (checkpoint={loop.checkpoint!r}), which "
+                "g.build_batch does not support: build these inputs one at a time with g.build"
+            )
         if self.batch._by_depth(loop):
             return self._run_tree(loop, frame)
         if self.batch._lockstep_ok(loop):
