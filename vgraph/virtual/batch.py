@@ -16,8 +16,17 @@ gradient is that row of the group's gradient. So the batched graph has one node 
 the gathers that stack rows which do not come in order), and one backward sweep serves every input.
 Decisions are per input; results equal building the inputs one at a time (tested to 1e-12).
 
-Scope of this version: a batched build is one-shot (no ``feed``/re-run forward: build again),
-hoisting and cached structures do not apply inside it, and checkpointing is not supported.
+Where the structure is known when a loop or recursion starts, the scheduler skips the per-op
+round trip: loops of known trip count with ops-only bodies run in lockstep across inputs
+(:meth:`BatchedBuild._run_jobs`), recursions in depth order — the ready tree nodes of every input
+together (:meth:`BatchedBuild._run_tree_jobs`) — and copies whose inputs differ in length only run
+on their inputs concatenated along axis 0 when the op acts on each row alone (:func:`_ragged`).
+docs/decisions.md says why.
+
+Scope: hoisting applies inside each input as in ``g.build`` (``hoist=True``); a batched build is
+one-shot (no ``feed``/re-run forward: build again) and never uses ``g.build``'s cache of
+structures; checkpointed loops are a typed error. ``batch.unrolled(i)`` gives input ``i`` built
+alone, for inspection and drawing (``vgraph.render``).
 """
 
 from __future__ import annotations
@@ -355,8 +364,9 @@ class BatchedBuild:
             on it.
         inputs: one :class:`InputView` per input: its decisions, values and gradients by virtual
             node and iteration path.
-        groups: ``(declared node key, number of inputs)`` for every batched group, in the order
-            the groups ran — what ran together.
+        groups: ``(declared node key, number of copies)`` for every group, in the order the
+            groups ran — what ran together (copies: inputs, or tree nodes of inputs; 1 for an op
+            that ran for one input alone).
     """
 
     def __init__(self, virtual: Any, n: int) -> None:
