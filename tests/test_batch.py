@@ -462,3 +462,31 @@ def test_a_checkpointed_loop_is_a_typed_error():
     with pytest.raises(vg.BuildError, match=r"input 0: <Loop:1> is checkpointed .* one at a time"):
         g.build_batch([{"xs": np.ones((3, 2))}, {"xs": np.ones((4, 2))}], vg.sum(L.final(h)))
     assert len(g.params) == 1
+
+
+def conditional_model(kind):
+    """A loop whose trip count each input's values decide: ``while_`` (checked before each
+    iteration), ``until`` (after it), or a ``while_`` capped by ``max_iters`` (on_limit="stop")."""
+    g = vg.VirtualGraph(seed=3)
+    a = g.input("a", (1, 2))
+    W = g.parameter("W", (2, 2))
+    cond = (lambda t, s: float(np.abs(s["z"]).sum()) < 3.0) if kind != "until" else None
+    until = (lambda t, s: float(np.abs(s["z"]).sum()) >= 3.0) if kind == "until" else None
+    limit = {"max_iters": 4, "on_limit": "stop"} if kind == "capped" else {"max_iters": 50}
+    with g.loop(while_=cond, until=until, name="grow", **limit) as L:
+        z = L.carry(a, name="z")
+        L.update(z, z + 0.3 * vg.tanh(z @ W) ** 2 + 0.1)  # grows: every input stops
+    return g, [vg.sum(L.final(z) ** 2)]
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(st.sampled_from(["while", "until", "capped"]), st.lists(st.floats(-1.5, 1.5), min_size=2, max_size=6))
+def test_conditional_loops_in_lockstep(kind, starts):
+    previous = vg.get_default_dtype()
+    vg.set_default_dtype(np.float64)
+    try:
+        feeds = [{"a": np.array([[s, -0.5 * s]])} for s in starts]
+        batch = assert_identical(lambda: conditional_model(kind), feeds, expect_batching=False)
+        assert list(batch._lockstep.values()) == [True]
+    finally:
+        vg.set_default_dtype(previous)

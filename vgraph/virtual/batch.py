@@ -38,7 +38,7 @@ from typing import Any, cast
 import numpy as np
 
 from ..compute import ComputeGraph, ComputeNode, NodeKey, no_grad
-from ..errors import BuildError, ShapeError, VGraphError
+from ..errors import BuildError, LoopLimitError, ShapeError, VGraphError
 from ..ops import OPS, Op, row_at
 from .hoist import batched_attrs, hoist_loop
 from .nodes import BranchNode, LoopNode, VirtualNode
@@ -52,6 +52,7 @@ from .unroll import (
     _checked_feed,
     _Frame,
     _gc_paused,
+    _run_cond,
     _select,
     _widens,
 )
@@ -134,11 +135,11 @@ class _LoopJob:
     of the same declared loop (see :meth:`_BatchBuilder._run_lockstep`): what the input's builder
     prepared, and what the scheduler hands back (the final state and the stacked values)."""
 
-    __slots__ = ("agent", "captured", "collected", "groups", "idx", "inp", "key", "length", "loop",
-                 "seqs", "state", "trips", "view")  # fmt: skip
+    __slots__ = ("agent", "capped", "captured", "collected", "count", "groups", "idx", "inp", "key",
+                 "length", "loop", "seqs", "state", "trips", "view")  # fmt: skip
 
     def __init__(self, view: InputView, loop: LoopNode, idx: tuple[int, ...], state: list[Any],
-                 seqs: list[Any], length: int | None, trips: int, captured: dict[VirtualNode, Any],
+                 seqs: list[Any], length: int | None, trips: int | None, captured: dict[VirtualNode, Any],
                  groups: dict[VirtualNode, Any]) -> None:  # fmt: skip
         self.view, self.inp, self.loop, self.idx = view, view.index, loop, idx
         self.state, self.seqs, self.length, self.trips = state, seqs, length, trips
@@ -146,6 +147,8 @@ class _LoopJob:
         self.collected: list[list[Any]] = []
         self.key = NodeKey(loop.type, loop.id, idx)
         self.agent: Any = None
+        self.count = 0  # iterations run
+        self.capped: int | None = None  # the iteration at which max_iters stopped it (on_limit="stop")
 
 
 class _TreeJob(_LoopJob):
@@ -440,16 +443,14 @@ class BatchedBuild:
         return known
 
     def _lockstep_ok(self, loop: LoopNode) -> bool:
-        """Whether ``loop`` can run in lockstep across inputs (:meth:`_run_jobs`): a loop of known
-        trip count (no condition, no structure, no checkpointing) whose body is ops only — no
-        branch, inner loop, random sample or parameter declared in it."""
+        """Whether ``loop`` can run in lockstep across inputs (:meth:`_run_jobs`): a loop (not a
+        recursion, not checkpointed) whose body is ops only — no branch, inner loop, random
+        sample or parameter declared in it."""
         known = self._lockstep.get(loop)
         if known is None:
             known = (
                 self._lockstep_enabled
                 and loop.structure is None
-                and loop.cond is None
-                and loop.until is None
                 and loop.checkpoint is None
                 and all(v.op is not None for v in self.virtual_plan.eager.get(loop, ()))
                 and not any(v.scope is loop and v.kind not in ("op", "item", "carry") for v in self.virtual.nodes)
@@ -727,10 +728,40 @@ class BatchedBuild:
         updates = [loop.updates[c] for c in loop.carries]
         names = [c.name for c in loop.carries]
         # longest first: the inputs still running at step t are the first rows of step t-1's
-        # groups, which the next groups read as one view (no gather)
-        alive = sorted((j for j in jobs if j.trips > 0), key=lambda j: (-j.trips, j.inp))
+        # groups, which the next groups read as one view (no gather). With a condition, the
+        # lengths are not known: input order.
+        conditional = loop.cond is not None or loop.until is not None
+        if conditional or any(j.trips is None for j in jobs):
+            alive = sorted(jobs, key=_by_input)
+        else:
+            alive = sorted(jobs, key=lambda j: (-cast(int, j.trips), j.inp))
         t = 0
-        while alive:
+        while True:
+            running = []
+            for j in alive:  # who runs iteration t: the checks of the sequential loop, per input
+                if j.trips is not None and t >= j.trips:
+                    j.count = t
+                    continue
+                if loop.cond is not None:
+                    try:
+                        go = _run_cond(loop, j.idx, t, names, [s._value for s in j.state])
+                    except VGraphError as e:
+                        raise type(e)(f"input {j.inp}: {e}") from e
+                    if not go:
+                        j.count = t
+                        continue
+                if t >= loop.max_iters:
+                    if loop.on_limit == "stop":
+                        j.capped = j.count = t
+                        continue
+                    raise LoopLimitError(
+                        f"input {j.inp}: {loop.describe(j.idx)} reached max_iters={loop.max_iters} and would "
+                        "go on; raise max_iters if that many iterations are intended, or check the loop's condition"
+                    )
+                running.append(j)
+            alive = running
+            if not alive:
+                break
             envs = []
             for j in alive:
                 ienv = dict(j.captured)
@@ -796,7 +827,18 @@ class BatchedBuild:
                 j.state = new_state
                 j.collected.append([ienv[s.inputs[1]] for s in stacked])
             t += 1
-            alive = [j for j in alive if t < j.trips]
+            if loop.until is not None:  # do-while: checked on the updated state
+                still = []
+                for j in alive:
+                    try:
+                        done = _run_cond(loop, j.idx, t - 1, names, [s._value for s in j.state], until=True)
+                    except VGraphError as e:
+                        raise type(e)(f"input {j.inp}: {e}") from e
+                    if done:
+                        j.count = t
+                    else:
+                        still.append(j)
+                alive = still
 
     def _resume(self, i: int, agent: Any, result: Any) -> Any:
         """Give input ``i``'s greenlet ``agent`` the result it waits for; returns its next request
@@ -1013,9 +1055,10 @@ class _BatchBuilder(_Builder):
         return super().run_loop(loop, frame)
 
     def _run_lockstep(self, loop: LoopNode, frame: _Frame) -> None:
-        """A loop of known trip count whose body is ops only: prepared here (checks, hoisting),
-        then handed to the scheduler, which runs every input's iteration ``t`` of it together, one
-        body node at a time, without switching to the inputs (:meth:`BatchedBuild._run_jobs`)."""
+        """A loop whose body is ops only: prepared here (checks, hoisting), then handed to the
+        scheduler, which runs every input's iteration ``t`` of it together, one body node at a
+        time, without switching to the inputs; a ``while_``/``until`` condition is evaluated per
+        input on its own state (:meth:`BatchedBuild._run_jobs`)."""
         cg, env, idx = self.cg, frame.env, frame.idx
         state = [frame.owner(c.inputs[0]).env[c.inputs[0]] for c in loop.carries]
         seqs = [frame.owner(s).env[s] for s in loop.sequences]
@@ -1030,17 +1073,24 @@ class _BatchBuilder(_Builder):
                 )
             length = m
         known = [m for m in (loop.times, length) if m is not None]
-        if not known or min(known) > loop.max_iters:  # the sequential loop reports (or caps) that
-            return super().run_loop(loop, frame)
-        trips = min(known)
+        trips = min(known) if known else None  # at most (a condition may stop it earlier)
         captured = {c: frame.owner(c).env[c] for c in self.plan.captures[loop]}
         groups: dict[VirtualNode, Any] = {}
-        if self.hoist and self.plan.hoistable[loop] and 1 < trips:
+        if (
+            self.hoist
+            and loop.cond is None
+            and loop.until is None
+            and self.plan.hoistable[loop]
+            and trips is not None
+            and 1 < trips <= loop.max_iters
+        ):
             groups = hoist_loop(self, loop, frame, captured, seqs, trips)
         job = _LoopJob(cast(InputView, cg), loop, idx, state, seqs, length, trips, captured, groups)
         job.agent = self.batch._getcurrent()
         self.batch._scheduler.switch(job)  # back when every input's run of the loop is done
-        cg.decisions.append(Decision(loop, idx, "iterations", trips))
+        if job.capped is not None:
+            cg.decisions.append(Decision(loop, idx, "capped", job.capped))
+        cg.decisions.append(Decision(loop, idx, "iterations", job.count))
         env[loop] = None
         for v in self.plan.finals.get(loop, ()):
             env[v] = job.state[loop.carries.index(v.inputs[1])]
