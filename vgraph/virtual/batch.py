@@ -173,6 +173,38 @@ class _Member:
         self.path: tuple[Any, ...] = ()  # the branch choices made so far in this iteration
 
 
+def _rows_of(paths: list[tuple[Any, ...]]) -> Any:
+    """One index that picks the rows ``paths`` lead to (in order) from their common source, when
+    there is one: integers along axis 0 — ``(r,)`` is row ``r``, ``(slice(a, b), t)`` row ``a + t``
+    (step ``t`` of a sentence concatenated with others) — or ``(k, rows)`` for ``((slice(None), r),
+    k)`` (one slab of a fused cell's rows); else ``None``."""
+    p0 = paths[0]
+    if len(p0) == 2 and type(p0[1]) is int and isinstance(p0[0], tuple):
+        k = p0[1]
+        rows = []
+        for p in paths:
+            if len(p) != 2 or p[1] != k or not isinstance(p[0], tuple) or len(p[0]) != 2 or p[0][0] != slice(None):
+                return None
+            rows.append(p[0][1])
+        return (k, np.asarray(rows, dtype=np.intp))
+    rows = []
+    for p in paths:
+        if len(p) == 1 and type(p[0]) is int:
+            rows.append(p[0])
+        elif (
+            len(p) == 2
+            and type(p[0]) is slice
+            and type(p[1]) is int
+            and p[0].step is None
+            and p[0].start is not None
+            and 0 <= p[1] < p[0].stop - p[0].start
+        ):
+            rows.append(p[0].start + p[1])
+        else:
+            return None
+    return np.asarray(rows, dtype=np.intp)
+
+
 def _by_input(r: Any) -> int:
     return r.inp
 
@@ -1010,6 +1042,9 @@ class BatchedBuild:
                     and paths == [((slice(None), r), *tail) for r in range(n)]
                 ):  # src[:, r][k] for the first n r, in order: src[k] (or src[k, :n])
                     return self._view(src, tail[0] if n == np.shape(src._value)[1] else (tail[0], slice(0, n)))
+                rows = _rows_of(paths)
+                if rows is not None:  # rows of src picked by one integer-array index: no Python loop
+                    return self._view(src, rows)  # in backward (np.add.at once)
         sources: list[ComputeNode] = []
         position: dict[int, int] = {}
         where: list[tuple[int, Any]] = []
