@@ -311,7 +311,12 @@ class InputView:
         return node
 
     def constant(self, value: Any, name: str | None, key: NodeKey) -> ComputeNode:
-        return self.batch.graph.constant(value, name, self._key(key))
+        if key.type == "Constant":  # a declared constant: one node for every input (broadcast)
+            shared = self.batch._constants.get(key)
+            if shared is None:
+                shared = self.batch._constants[key] = self.batch.graph.constant(value, name, key)
+            return shared
+        return self.batch.graph.constant(value, name, self._key(key))  # a sample: this input's own
 
     def add_leaf(self, node: ComputeNode) -> ComputeNode:
         return self.batch.graph.add_leaf(node)
@@ -421,6 +426,7 @@ class BatchedBuild:
         self._lockstep_enabled = True  # loops and recursions run by the scheduler (no greenlet per op)
         self._closures: dict[Any, list[VirtualNode]] = {}
         self._ragged_members: list[bool] | None = None
+        self._constants: dict[NodeKey, ComputeNode] = {}
         # every node that computed copies of a declared node: (one copy's key, copies, inputs)
         self._copies: dict[ComputeNode, tuple[NodeKey, int, int]] = {}
         self._values: list[dict[str, np.ndarray]] = []  # the checked feeds (for unrolled)
