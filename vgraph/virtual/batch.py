@@ -818,20 +818,22 @@ class BatchedBuild:
                         _HOISTED, (group,), {"index": t}, NodeKey(v.type, v.id, inner), v.name
                     )
                 envs.append(ienv)
+            steps = [(*j.idx, t) for j in alive]
             for v in body:
                 requests = []
-                for j, ienv in zip(alive, envs):
+                op, inputs, attrs, vtype, vid, vname = cast(Op, v.op), v.inputs, v.attrs, v.type, v.id, v.name
+                special = op.name in _SPECIAL
+                for j, ienv, step in zip(alive, envs, steps):
                     if v in ienv:  # hoisted for this input
                         continue
-                    parents = tuple([ienv[u] for u in v.inputs])
-                    key = NodeKey(v.type, v.id, (*j.idx, t))
-                    op = cast(Op, v.op)
-                    if op.name in _SPECIAL:
-                        result = j.view._direct(op, parents, v.attrs, key, v.name)
+                    parents = tuple([ienv[u] for u in inputs])
+                    key = NodeKey(vtype, vid, step)
+                    if special:
+                        result = j.view._direct(op, parents, attrs, key, vname)
                         if result is not _ASK:
                             ienv[v] = result
                             continue
-                    r = _Request(j.inp, op, parents, v.attrs, key, v.name)
+                    r = _Request(j.inp, op, parents, attrs, key, vname)
                     r.agent = ienv
                     requests.append(r)
                 while requests:
