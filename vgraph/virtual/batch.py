@@ -382,7 +382,9 @@ class InputView:
 
     def gradient(self, v: VirtualNode, idx: tuple[int, ...] = ()) -> np.ndarray | None:
         """This input's gradient at ``v`` in iteration path ``idx`` after backward, when the node
-        (or its group) kept it (``vgraph.render.retain_all_grads(batch)`` before backward)."""
+        (or its group) kept it (``vgraph.render.retain_all_grads(batch)`` before backward). A
+        node whose inputs were the same for every input (the first step from a shared constant
+        state) is computed once for all of them: its gradient is then the sum over the inputs."""
         found = self._find(v, idx)
         if isinstance(found, Row):
             grad = found.src.grad
@@ -948,6 +950,11 @@ class BatchedBuild:
                     inputs.append(self._stack(column, first.key))
                     shapes.append(np.shape(p0._value))
                     stacked.append(True)
+            if not any(stacked):  # the same inputs for every copy (a shared constant state): the
+                node = self._single(first)  # same value — computed once, the node for everyone
+                self._copies[node] = (first.key, len(members), len({r.inp for r in members}))
+                self.groups[-1] = (self.groups[-1][0], len(members))
+                return [node] * len(members)
             attrs = batched_attrs(first.op.name, first.attrs or {}, shapes, stacked, len(members))
             if attrs is not None:
                 self._serial += 1
