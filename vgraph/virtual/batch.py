@@ -619,6 +619,79 @@ class BatchedBuild:
             for req, result in zip(members, results):
                 self._wait(req.inp, self._resume(req.inp, req.agent, result))
 
+    def _column_op(
+        self,
+        v: VirtualNode,
+        alive: list[_LoopJob],
+        envs: list[dict[VirtualNode, Any]],
+        steps: list[tuple[int, ...]],
+        cols: dict[VirtualNode, ComputeNode],
+        cap_cols: dict[VirtualNode, ComputeNode],
+    ) -> bool:
+        """Op node ``v`` for every running input of a lockstep loop as one op, without a request
+        per input, when its inputs are whole columns: the group of an earlier body node (row ``r``
+        = input ``alive[r]``), one node for everyone, or equally shaped values stacked once.
+        Returns ``False`` (nothing done) when that does not apply; the general path then runs."""
+        op = cast(Op, v.op)
+        name = op.name
+        if name in _SPECIAL or name in ("LSTMCell", "GRUCell") or len(alive) < 2:
+            return False
+        if any(v in env for env in envs):
+            return False  # hoisted (for some input): its rows are in place
+        inputs: list[ComputeNode] = []
+        shapes: list[tuple[int, ...]] = []
+        stacked: list[bool] = []
+        for u in v.inputs:
+            node = cols.get(u)
+            if node is None:
+                node = cap_cols.get(u)
+            if node is not None:
+                inputs.append(node)
+                shapes.append(node._value.shape[1:])
+                stacked.append(True)
+                continue
+            column = [env.get(u) for env in envs]
+            p0 = column[0]
+            if p0 is None:
+                return False  # hoisted for some input
+            if isinstance(p0, ComputeNode) and all(p is p0 for p in column):
+                inputs.append(p0)
+                shapes.append(p0._value.shape)
+                stacked.append(False)
+                continue
+            v0 = p0._value
+            if any(p._value.shape != v0.shape or p._value.dtype != v0.dtype for p in column):
+                return False
+            node = self._stack(column, NodeKey(v.type, v.id, steps[0]))
+            if u.scope is not v.scope:  # a value from outside the loop: the same every step
+                cap_cols[u] = node
+            inputs.append(node)
+            shapes.append(v0.shape)
+            stacked.append(True)
+        if not any(stacked):
+            return False
+        attrs = batched_attrs(name, v.attrs or {}, shapes, stacked, len(alive))
+        if attrs is None:
+            return False
+        self._serial += 1
+        first = NodeKey(v.type, v.id, steps[0])
+        try:
+            group = self.graph._add_op(op, tuple(inputs), attrs or None, NodeKey(f"{v.type}*", v.id, (self._serial,)), v.name)
+        except VGraphError as e:
+            raise type(e)(f"input {alive[0].inp}: {e}") from e
+        except Exception as e:
+            raise BuildError(f"input {alive[0].inp}: the build failed: {type(e).__name__}: {e}") from e
+        self.groups.append((f"{v.type}:{v.id}", len(alive)))
+        self._copies[group] = (first, len(alive), len(alive))
+        value = group._value
+        vname = v.name
+        for r, (env, step) in enumerate(zip(envs, steps)):
+            row = _new_row(Row)
+            row.src, row.path, row.key, row.name, row._value = group, (r,), NodeKey(v.type, v.id, step), vname, value[r]
+            env[v] = row
+        cols[v] = group
+        return True
+
     def _run_tree_jobs(self, jobs: list[_TreeJob]) -> None:
         """Build the recursion of ``jobs`` (one per input; the same declared recursion) in depth
         order: every tree node of every input whose children are built, body node by body node,
@@ -776,6 +849,9 @@ class BatchedBuild:
         else:
             alive = sorted(jobs, key=lambda j: (-cast(int, j.trips), j.inp))
         t = 0
+        previous: list[_LoopJob] = []
+        prev_cols: dict[VirtualNode, ComputeNode] = {}  # body node -> the group of last step (all alive)
+        cap_cols: dict[VirtualNode, ComputeNode] = {}  # captured per-input values, stacked once
         while True:
             running = []
             for j in alive:  # who runs iteration t: the checks of the sequential loop, per input
@@ -821,7 +897,16 @@ class BatchedBuild:
                     )
                 envs.append(ienv)
             steps = [(*j.idx, t) for j in alive]
+            if len(alive) != len(previous):  # someone finished: the columns of last step are longer
+                prev_cols, cap_cols = {}, {}
+            previous = alive
+            cols: dict[VirtualNode, ComputeNode] = {}
+            for c, u in zip(loop.carries, updates):
+                if u in prev_cols:
+                    cols[c] = prev_cols[u]
             for v in body:
+                if self._column_op(v, alive, envs, steps, cols, cap_cols):
+                    continue
                 requests = []
                 op, inputs, attrs, vtype, vid, vname = cast(Op, v.op), v.inputs, v.attrs, v.type, v.id, v.name
                 special = op.name in _SPECIAL
@@ -854,6 +939,7 @@ class BatchedBuild:
                         break
                     chosen = {id(r) for r in members}
                     requests = [r for r in requests if id(r) not in chosen]
+            prev_cols = cols
             for j, ienv in zip(alive, envs):
                 j.view._envs[(loop, (*j.idx, t))] = ienv
                 new_state = [ienv[u] for u in updates]
