@@ -85,3 +85,18 @@ def test_bad_batch_drawing_options_are_typed_errors(built):
         render.to_dot(batch.unrolled(0), batch_groups="yes")
     with pytest.raises(IndexError, match="3 inputs"):
         batch.unrolled(3)
+
+
+def test_the_example_draws_its_batch(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "autobatch.py"
+    spec = importlib.util.spec_from_file_location("autobatch_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "batch.dot"
+    module.main(["--steps", "2", "--batch", "4", "--draw", str(out), "--progress", "off"])
+    text = out.read_text()
+    assert "4 sentences, batched" in text and "×4 inputs" in text
+    assert "batched ×4 inputs in" in (tmp_path / "batch-input0.dot").read_text()
