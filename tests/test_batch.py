@@ -355,7 +355,9 @@ def tree_feeds(leaf_counts, seed):
     feeds = []
     for n in leaf_counts:
         k = random_tree(rng, n)
-        feeds.append({"children": k, "words": rng.normal(size=(len(k), 3)), "is_leaf": (k[:, 0] < 0).astype(np.int64)})
+        feeds.append(
+            {"children": k, "words": rng.normal(size=(len(k), 3)), "is_leaf": (k[:, 0] < 0).astype(np.int64)}
+        )
     return feeds
 
 

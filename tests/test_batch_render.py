@@ -9,11 +9,10 @@ import re
 
 import numpy as np
 import pytest
+from test_batch import branchy_tree_model, tree_feeds
 
 import vgraph as vg
 from vgraph import render
-
-from test_batch import branchy_tree_model, tree_feeds
 
 
 @pytest.fixture(autouse=True)
@@ -71,13 +70,15 @@ def test_batch_groups_marks_which_group_computed_each_node(built):
     assert len(leaf_marks) == 4 and {m[0] for m in leaf_marks} == {"9"}
     group = {str(n.key) for n in batch.graph.nodes()}
     assert all(m[2] in group for m in marks)  # the marks name nodes of the batched graph
-    node, copies, inputs = batch.ran_with(2, next(n.key for n in cg.nodes() if n.key.type == "MatMul" and n.key.id == 1))
+    node, copies, inputs = batch.ran_with(
+        2, next(n.key for n in cg.nodes() if n.key.type == "MatMul" and n.key.id == 1)
+    )
     assert (copies, inputs) == (9, 3) and batch.group_info(node)[1:] == (9, 3)
 
 
 def test_bad_batch_drawing_options_are_typed_errors(built):
     g, loss, feeds, batch = built
-    with pytest.raises(ValueError, match="batch.unrolled"):
+    with pytest.raises(ValueError, match=r"batch\.unrolled"):
         render.to_dot(g.build(feeds[0], loss, cache=False), batch_groups=True)
     with pytest.raises(ValueError, match="batch view"):
         render.to_dot(batch, gradients=True)

@@ -871,7 +871,12 @@ class AutobatchLM(VgraphRunner):
         self.k += 1
         words = sum(len(t) for t, _ in group)
         feeds = [
-            {"tokens": t, "targets": y, "weights": np.full(len(y), 1.0 / words, dtype=self.dtype), "zeros": self.zeros}
+            {
+                "tokens": t,
+                "targets": y,
+                "weights": np.full(len(y), 1.0 / words, dtype=self.dtype),
+                "zeros": self.zeros,
+            }
             for t, y in group
         ]
         clock = _Clock()
@@ -994,8 +999,15 @@ def _check_adaptive() -> dict[str, Any]:
     for k, p in g1.params.items():
         errs.append(_max_rel_err(np.asarray(g2.params[k].grad), np.asarray(p.grad)))
     if max(errs) > 1e-12:
-        raise BenchmarkMismatch(f"adaptive_loop: autobatched differs from one at a time (max relative error {max(errs):.1e})")
-    return {"decisions_equal": True, "trip_counts": sorted(set(trips)), "max_rel_err_batch": max(errs), "inputs": len(feeds)}
+        raise BenchmarkMismatch(
+            f"adaptive_loop: autobatched differs from one at a time (max relative error {max(errs):.1e})"
+        )
+    return {
+        "decisions_equal": True,
+        "trip_counts": sorted(set(trips)),
+        "max_rel_err_batch": max(errs),
+        "inputs": len(feeds),
+    }
 
 
 # ---------------------------------------------------------------------------- the registry
@@ -1057,8 +1069,11 @@ TASKS: dict[str, Task] = {
         "LSTM language model, vocab 10k Zipf, PTB-like lengths, embed 128, hidden 256, Adam",
         _lm_configs,
         _lm_data,
-        {"vgraph": (lm_vgraph, _always), "numpy": (lm_numpy, lambda cfg: cfg.mb >= 4),
-         "batch": (lm_batched, lambda cfg: cfg.mb >= 4)},  # fmt: skip
+        {
+            "vgraph": (lm_vgraph, _always),
+            "numpy": (lm_numpy, lambda cfg: cfg.mb >= 4),
+            "batch": (lm_batched, lambda cfg: cfg.mb >= 4),
+        },
         check_lstm_lm,
         label=lambda cfg: f"MB={cfg.mb}",
     ),

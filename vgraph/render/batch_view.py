@@ -12,13 +12,13 @@ from .scene import (
     _HTML,
     _KIND_STYLE,
     _LEAF_EDGE,
+    _base_scene,
     _Cluster,
     _kind_style,
     _label,
     _Scene,
     _shape_text,
-    _base_scene,
-)  # isort: skip
+)
 
 _ALONE = "#ffffff"  # a copy computed for one input alone
 _LOW, _HIGH = (0xDB, 0xE9, 0xF6), (0x2B, 0x6C, 0xB0)  # group colours, few to many copies
@@ -120,21 +120,28 @@ class _BatchView:
         rows = [
             ("white", _ALONE, "one input alone"),
             ("light", group_color(2, max(most, 2)), "a group: 2 copies"),
-            ("dark", group_color(most, most) if most > 1 else _ALONE, f"a group: {most} copies (the largest)"),
+            (
+                "dark",
+                group_color(most, most) if most > 1 else _ALONE,
+                f"a group: {most} copies (the largest)",
+            ),
         ]
         cells = "".join(
-            f'<TR><TD BGCOLOR="{color}" WIDTH="18"> </TD><TD ALIGN="LEFT">{text}</TD></TR>' for _, color, text in rows
+            f'<TR><TD BGCOLOR="{color}" WIDTH="18"> </TD><TD ALIGN="LEFT">{text}</TD></TR>'
+            for _, color, text in rows
         )
         table = _HTML(
             '<TABLE BORDER="0" CELLBORDER="1" CELLSPACING="0" CELLPADDING="3">'
             '<TR><TD COLSPAN="2"><B>batch groups</B></TD></TR>'
             f"{cells}"
             '<TR><TD COLSPAN="2" ALIGN="LEFT">one node per group: the copies of a declared node<BR ALIGN="LEFT"/>'
-            'that ran as one op (grey: gathers of rows)</TD></TR></TABLE>'
+            "that ran as one op (grey: gathers of rows)</TD></TR></TABLE>"
         )
         legend = _Cluster("cluster_legend", {"label": "", "style": "rounded", "color": "#999999"})
         self.scene.root.items.append(legend)
-        self.scene.add_node(legend, "legend", {"shape": "plaintext", "style": "", "label": table, "margin": 0})
+        self.scene.add_node(
+            legend, "legend", {"shape": "plaintext", "style": "", "label": table, "margin": 0}
+        )
 
 
 def _mark_groups(scene: _Scene, view: Any, batch: Any, i: int, gradients: bool) -> None:

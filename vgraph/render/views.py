@@ -172,7 +172,14 @@ def _scene(
             "the batched graph itself, pass the BatchedBuild)"
         )
     if isinstance(graph, BatchedBuild):
-        if gradients or build is not None or iterations is not None or show_all or fold_given or references is not None:
+        if (
+            gradients
+            or build is not None
+            or iterations is not None
+            or show_all
+            or fold_given
+            or references is not None
+        ):
             raise ValueError(
                 "gradients=, build=, fold=, show_all=, iterations= and references= do not apply to "
                 "the batch view; draw one input with render.to_dot(batch.unrolled(i), ...)"

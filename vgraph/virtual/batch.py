@@ -42,7 +42,7 @@ from ..errors import BuildError, LoopLimitError, ShapeError, VGraphError
 from ..ops import OPS, Op, row_at
 from .hoist import batched_attrs, hoist_loop
 from .nodes import BranchNode, LoopNode, VirtualNode
-from .unroll import (
+from .unroll import (  # type: ignore[attr-defined]  # _ALL: the forward plans' "every node"
     _ALL,
     Decision,
     UnrolledGraph,
@@ -97,6 +97,17 @@ class Row:
 
     def __repr__(self) -> str:
         return f"Row({self.describe()} = <{self.src.key}>{''.join(f'[{i}]' for i in self.path)})"
+
+
+def _row_at(src: Any, index: int, key: NodeKey, name: str | None) -> Row:
+    """Row ``index`` of ``src`` (a node, or a row of one: then a row of that row)."""
+    row = _new_row(Row)
+    row.key, row.name, row._value = key, name, src._value[index]
+    if type(src) is Row:
+        row.src, row.path = src.src, (*src.path, index)
+    else:
+        row.src, row.path = src, (index,)
+    return row
 
 
 def _row(src: ComputeNode, r: int, req: _Request) -> Row:
@@ -159,7 +170,15 @@ class _TreeJob(_LoopJob):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.decisions: list[list[Any]] = [[] for _ in range(self.trips)]
+        n = cast(int, self.trips)  # a recursion's node count: always known
+        self.decisions: list[list[Any]] = [[] for _ in range(n)]
+        self.reads: list[tuple[VirtualNode, int, int]] = []
+        self.rows: list[list[int]] = []
+        self.width = 0
+        self.parents: list[list[int]] = []
+        self.remaining: list[int] = []
+        self.history: list[Any] = []
+        self.chosen: dict[Any, int] = {}
 
 
 class _Member:
@@ -183,7 +202,13 @@ def _rows_of(paths: list[tuple[Any, ...]]) -> Any:
         k = p0[1]
         rows = []
         for p in paths:
-            if len(p) != 2 or p[1] != k or not isinstance(p[0], tuple) or len(p[0]) != 2 or p[0][0] != slice(None):
+            if (
+                len(p) != 2
+                or p[1] != k
+                or not isinstance(p[0], tuple)
+                or len(p[0]) != 2
+                or p[0][0] != slice(None)
+            ):
                 return None
             rows.append(p[0][1])
         return (k, np.asarray(rows, dtype=np.intp))
@@ -243,7 +268,11 @@ def _ragged(requests: list[_Request]) -> list[bool] | None:
     (fewer axes), and the op must not act along axis 0."""
     first = requests[0]
     name = first.op.name
-    if name not in _RAGGED or len(requests) < 2 or any(len(r.parents) != len(first.parents) for r in requests):
+    if (
+        name not in _RAGGED
+        or len(requests) < 2
+        or any(len(r.parents) != len(first.parents) for r in requests)
+    ):
         return None
     ragged: list[bool] = []
     ndim = None
@@ -253,7 +282,9 @@ def _ragged(requests: list[_Request]) -> list[bool] | None:
             ragged.append(False)
             continue
         v0 = p0._value
-        if v0.ndim < 1 or any(p._value.shape[1:] != v0.shape[1:] or p._value.dtype != v0.dtype for p in column):
+        if v0.ndim < 1 or any(
+            p._value.shape[1:] != v0.shape[1:] or p._value.dtype != v0.dtype for p in column
+        ):
             return None
         if ndim is not None and v0.ndim != ndim and name not in ("Take",):
             return None
@@ -269,7 +300,11 @@ def _ragged(requests: list[_Request]) -> list[bool] | None:
     if name == "Take":  # a shared table looked up with indices
         return ragged if ragged == [False, True] else None
     if name == "MatMul":  # (T, …, K) @ (K, M): rows of the left operand one by one
-        return ragged if ragged == [True, False] and cast(int, ndim) >= 2 and first.parents[1]._value.ndim == 2 else None
+        return (
+            ragged
+            if ragged == [True, False] and cast(int, ndim) >= 2 and first.parents[1]._value.ndim == 2
+            else None
+        )
     for p, rg in zip(first.parents, ragged):
         if not rg and np.ndim(p._value) >= cast(int, ndim):
             return None  # a shared input would meet axis 0
@@ -299,6 +334,8 @@ class InputView:
         self.outputs: list[Any] = []
         self._envs: dict[tuple[Any, tuple[int, ...]], dict[VirtualNode, Any]] = {}
         self._samples: dict[Any, Any] = {}
+        self._getcurrent: Any = None  # greenlet.getcurrent and the scheduler's switch (bound in _run)
+        self._switch: Any = None
         self._groups: dict[Any, Any] = {}
 
     # -- what the builder calls
@@ -344,21 +381,15 @@ class InputView:
     def _direct(self, op: Op, parents: tuple[Any, ...], attrs: Any, key: NodeKey, name: str | None) -> Any:
         """The result of an op that needs no computing (a pass-through, a row of a group, this
         input's rows stacked), or ``_ASK``."""
+        if op is _GETITEM or op is _HOISTED:
+            index = attrs["index"]
+            if type(index) is int or isinstance(index, np.integer):
+                return _row_at(parents[0], int(index), key, name)  # a stepped item: no node
+            return _ASK
         if op.name in _PASS:
             return parents[0]
         if op is _STACK and attrs == {"axis": 0}:  # loop.stack: this input's rows, gathered once
             return self.batch._stack(list(parents), key)
-        index = attrs["index"] if op is _GETITEM or op is _HOISTED else None
-        if type(index) is int or isinstance(index, np.integer):
-            (src,) = parents  # a stepped item: a row of the sequence (or of a row), no node
-            index = int(index)
-            row = _new_row(Row)
-            row.key, row.name, row._value = key, name, src._value[index]
-            if type(src) is Row:
-                row.src, row.path = src.src, (*src.path, index)
-            else:
-                row.src, row.path = src, (index,)
-            return row
         return _ASK
 
     # -- what users read
@@ -434,6 +465,7 @@ class BatchedBuild:
         self._values: list[dict[str, np.ndarray]] = []  # the checked feeds (for unrolled)
         self._outs: list[VirtualNode] = []
         self._builds = 0  # the build counter of input 0 (seeds its sampled nodes)
+        self._hoist = True
         self.virtual_plan: Any = None
 
     def _by_depth(self, loop: LoopNode) -> bool:
@@ -493,7 +525,9 @@ class BatchedBuild:
                 and loop.structure is None
                 and loop.checkpoint is None
                 and all(v.op is not None for v in self.virtual_plan.eager.get(loop, ()))
-                and not any(v.scope is loop and v.kind not in ("op", "item", "carry") for v in self.virtual.nodes)
+                and not any(
+                    v.scope is loop and v.kind not in ("op", "item", "carry") for v in self.virtual.nodes
+                )
             )
             self._lockstep[loop] = known
         return known
@@ -530,7 +564,7 @@ class BatchedBuild:
         cg._envs[(None, ())] = top.env
         cg.outputs = [top.env[o] for o in self._outs]
         cg._mark_fresh([_ALL])
-        cg._batch_input = (self, i)  # for render.to_dot(cg, batch_groups=True)
+        cg._batch_input = (self, i)  # type: ignore[union-attr]  # for render.to_dot(cg, batch_groups=True)
         return cg
 
     def ran_with(self, i: int, key: NodeKey) -> tuple[ComputeNode, int, int] | None:
@@ -606,12 +640,12 @@ class BatchedBuild:
         while waiting:
             members = self._next_group()
             if type(members[0]) is _TreeJob:
-                self._run_tree_jobs(members)  # type: ignore[arg-type]
+                self._run_tree_jobs(members)
                 for job in members:
                     self._wait(job.inp, self._resume(job.inp, job.agent, None))
                 continue
             if type(members[0]) is _LoopJob:
-                self._run_jobs(members)  # type: ignore[arg-type]
+                self._run_jobs(members)
                 for job in members:
                     self._wait(job.inp, self._resume(job.inp, job.agent, None))
                 continue
@@ -660,7 +694,7 @@ class BatchedBuild:
                 stacked.append(False)
                 continue
             v0 = p0._value
-            if any(p._value.shape != v0.shape or p._value.dtype != v0.dtype for p in column):
+            if any(p is None or p._value.shape != v0.shape or p._value.dtype != v0.dtype for p in column):
                 return False
             node = self._stack(column, NodeKey(v.type, v.id, steps[0]))
             if u.scope is not v.scope:  # a value from outside the loop: the same every step
@@ -676,7 +710,9 @@ class BatchedBuild:
         self._serial += 1
         first = NodeKey(v.type, v.id, steps[0])
         try:
-            group = self.graph._add_op(op, tuple(inputs), attrs or None, NodeKey(f"{v.type}*", v.id, (self._serial,)), v.name)
+            group = self.graph._add_op(
+                op, tuple(inputs), attrs or None, NodeKey(f"{v.type}*", v.id, (self._serial,)), v.name
+            )
         except VGraphError as e:
             raise type(e)(f"input {alive[0].inp}: {e}") from e
         except Exception as e:
@@ -687,7 +723,13 @@ class BatchedBuild:
         vname = v.name
         for r, (env, step) in enumerate(zip(envs, steps)):
             row = _new_row(Row)
-            row.src, row.path, row.key, row.name, row._value = group, (r,), NodeKey(v.type, v.id, step), vname, value[r]
+            row.src, row.path, row.key, row.name, row._value = (
+                group,
+                (r,),
+                NodeKey(v.type, v.id, step),
+                vname,
+                value[r],
+            )
             env[v] = row
         cols[v] = group
         return True
@@ -700,7 +742,12 @@ class BatchedBuild:
         loop = jobs[0].loop
         updates = [loop.updates[c] for c in loop.carries]
         stacked = self.virtual_plan.stacked.get(loop, [])
-        level = [(j, t) for j in sorted(jobs, key=_by_input) for t in range(j.trips) if j.remaining[t] == 0]
+        level = [
+            (j, t)
+            for j in sorted(jobs, key=_by_input)
+            for t in range(cast(int, j.trips))
+            if j.remaining[t] == 0
+        ]
         while level:
             members = []
             for j, t in level:
@@ -711,8 +758,8 @@ class BatchedBuild:
                     env[c] = init  # (never read: see _by_depth)
                 row = j.rows[t]
                 for read, k, slot in j.reads:
-                    c = row[slot] if slot < j.width else -1
-                    env[read] = j.history[c][k] if c >= 0 else j.state[k]
+                    child = row[slot] if slot < j.width else -1
+                    env[read] = j.history[child][k] if child >= 0 else j.state[k]
                 for item, seq in zip(loop.items, j.seqs):
                     if item not in j.groups:
                         at = cast(int, j.length) - 1 - t if item.attrs.get("reverse") else t
@@ -720,7 +767,9 @@ class BatchedBuild:
                             _GETITEM, (seq,), {"index": at}, NodeKey("Item", item.id, inner), item.name
                         )
                 for v, group in j.groups.items():
-                    env[v] = view._direct(_HOISTED, (group,), {"index": t}, NodeKey(v.type, v.id, inner), v.name)
+                    env[v] = view._direct(
+                        _HOISTED, (group,), {"index": t}, NodeKey(v.type, v.id, inner), v.name
+                    )
                 members.append(m)
             for v in self.virtual_plan.eager.get(loop, ()):
                 if v.op is not None:
@@ -882,19 +931,14 @@ class BatchedBuild:
             for j in alive:
                 ienv = dict(j.captured)
                 inner = (*j.idx, t)
-                view = j.view
                 for c, node in zip(loop.carries, j.state):
                     ienv[c] = node
                 for item, node in zip(loop.items, j.seqs):
                     if item not in j.groups:
                         at = cast(int, j.length) - 1 - t if item.attrs.get("reverse") else t
-                        ienv[item] = view._direct(
-                            _GETITEM, (node,), {"index": at}, NodeKey("Item", item.id, inner), item.name
-                        )
+                        ienv[item] = _row_at(node, at, NodeKey("Item", item.id, inner), item.name)
                 for v, group in j.groups.items():
-                    ienv[v] = view._direct(
-                        _HOISTED, (group,), {"index": t}, NodeKey(v.type, v.id, inner), v.name
-                    )
+                    ienv[v] = _row_at(group, t, NodeKey(v.type, v.id, inner), v.name)
                 envs.append(ienv)
             steps = [(*j.idx, t) for j in alive]
             if len(alive) != len(previous):  # someone finished: the columns of last step are longer
@@ -997,7 +1041,7 @@ class BatchedBuild:
             if answer.resume is not None:
                 self._wait(i, self._resume(i, answer.resume, None))
 
-    def _next_group(self) -> list[Any]:
+    def _next_group(self) -> list[Any]:  # requests, or jobs
         """The requests to run together: those for the declared node first in declaration order
         among the asked-for ones, with the most common signature (per-row shapes and dtypes), in
         input order (or the inputs' runs of a loop run in lockstep, :class:`_LoopJob`)."""
@@ -1049,7 +1093,9 @@ class BatchedBuild:
                 self.groups.append((f"{first.key.type}:{first.key.id}", len(members)))
                 self._copies[group] = (first.key, len(members), len({r.inp for r in members}))
                 if first.op.name in ("LSTMCell", "GRUCell"):  # gates lead those values
-                    return [Row(group, ((slice(None), r),), req.key, req.name) for r, req in enumerate(members)]
+                    return [
+                        Row(group, ((slice(None), r),), req.key, req.name) for r, req in enumerate(members)
+                    ]
                 return [_row(group, r, req) for r, req in enumerate(members)]
         return [self._single(r) for r in members]
 
@@ -1072,7 +1118,13 @@ class BatchedBuild:
         for req in members:
             b = a + len(req.parents[j]._value)
             row = _new_row(Row)
-            row.src, row.path, row.key, row.name, row._value = group, (slice(a, b),), req.key, req.name, value[a:b]
+            row.src, row.path, row.key, row.name, row._value = (
+                group,
+                (slice(a, b),),
+                req.key,
+                req.name,
+                value[a:b],
+            )
             out.append(row)
             a = b
         return out
@@ -1142,7 +1194,9 @@ class BatchedBuild:
                     and len(tail) == 1
                     and paths == [((slice(None), r), *tail) for r in range(n)]
                 ):  # src[:, r][k] for the first n r, in order: src[k] (or src[k, :n])
-                    return self._view(src, tail[0] if n == np.shape(src._value)[1] else (tail[0], slice(0, n)))
+                    return self._view(
+                        src, tail[0] if n == np.shape(src._value)[1] else (tail[0], slice(0, n))
+                    )
                 rows = _rows_of(paths)
                 if rows is not None:  # rows of src picked by one integer-array index: no Python loop
                     return self._view(src, rows)  # in backward (np.add.at once)
@@ -1259,7 +1313,7 @@ class _BatchBuilder(_Builder):
         reads = [(read, loop.carries.index(read.inputs[0]), read.attrs["slot"]) for read in loop.children]
         captured = {c: frame.owner(c).env[c] for c in self.plan.captures[loop]}
         groups: dict[VirtualNode, Any] = {}
-        if self.hoist and self.plan.hoistable[loop] and 1 < n:
+        if self.hoist and self.plan.hoistable[loop] and n > 1:
             groups = hoist_loop(self, loop, frame, captured, seqs, n)
         order = [v for v in self.plan.eager.get(loop, ()) if v not in groups] if groups else None
         stacked = self.plan.stacked.get(loop, [])
@@ -1275,15 +1329,15 @@ class _BatchBuilder(_Builder):
         scheduler, make = self.batch._scheduler, self.batch._greenlet
         done = [0]
 
-        def node(t: int) -> _Spawn:
+        def tree_node(t: int) -> _Spawn:
             inner = _Frame(loop, (*idx, t), dict(captured), frame)
             ienv = inner.env
             for c, init in zip(loop.carries, defaults):
                 ienv[c] = init  # (never read: the body reads children's state only; see _by_depth)
             row = rows[t]
             for read, k, slot in reads:
-                c = row[slot] if slot < width else -1
-                ienv[read] = history[c][k] if c >= 0 else defaults[k]
+                child = row[slot] if slot < width else -1
+                ienv[read] = history[child][k] if child >= 0 else defaults[k]
             for item, seq in zip(loop.items, seqs):
                 if item not in groups:
                     at = cast(int, length) - 1 - t if item.attrs.get("reverse") else t
@@ -1291,7 +1345,9 @@ class _BatchBuilder(_Builder):
                         _GETITEM, (seq,), {"index": at}, NodeKey("Item", item.id, inner.idx), item.name
                     )
             for v, group in groups.items():
-                ienv[v] = cg._add_op(_HOISTED, (group,), {"index": t}, NodeKey(v.type, v.id, inner.idx), v.name)
+                ienv[v] = cg._add_op(
+                    _HOISTED, (group,), {"index": t}, NodeKey(v.type, v.id, inner.idx), v.name
+                )
             self.run_scope(inner, order)
             cg._envs[(loop, inner.idx)] = ienv
             history[t] = [ienv[loop.updates[c]] for c in loop.carries]
@@ -1301,20 +1357,28 @@ class _BatchBuilder(_Builder):
             for p in parents[t]:
                 remaining[p] -= 1
                 if remaining[p] == 0:
-                    ready.append(make(lambda p=p: node(p), parent=scheduler))
+                    ready.append(make(lambda p=p: tree_node(p), parent=scheduler))
             return _Spawn(ready, me if done[0] == n else None)
 
         start = len(cg.decisions)
         if self.batch._joint_ok(loop):  # the scheduler builds every input's tree nodes itself
             job = _TreeJob(cast(InputView, cg), loop, idx, defaults, seqs, length, n, captured, groups)
-            job.reads, job.rows, job.width, job.parents, job.remaining = reads, rows, width, parents, remaining
+            job.reads, job.rows, job.width, job.parents, job.remaining = (
+                reads,
+                rows,
+                width,
+                parents,
+                remaining,
+            )
             job.history, job.collected, job.chosen = history, collected, self.chosen
             job.agent = me
             scheduler.switch(job)  # back when every tree node is built
             for t in range(n):
                 cg.decisions.extend(job.decisions[t])
         else:  # each tree node in a greenlet of its own
-            leaves = [make(lambda t=t: node(t), parent=scheduler) for t in range(n) if remaining[t] == 0]
+            leaves = [
+                make(lambda t=t: tree_node(t), parent=scheduler) for t in range(n) if remaining[t] == 0
+            ]
             scheduler.switch(_Spawn(leaves))  # back when every tree node is built
         # as one node after another: each node's decisions together, in node order
         cg.decisions[start:] = sorted(cg.decisions[start:], key=lambda d: d.idx[len(idx)])
