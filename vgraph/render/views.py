@@ -125,8 +125,8 @@ def _scene(
     """The scene for :func:`to_dot`'s options, validated (one place for every entry point)."""
     if not isinstance(graph, (VirtualGraph, ComputeGraph, BatchedBuild)):
         raise TypeError(
-            f"graph must be a VirtualGraph, a ComputeGraph (the result of g.build(...)) or a "
-            f"BatchedBuild (the result of g.build_batch(...)), got {type(graph).__name__}"
+            f"graph must be a VirtualGraph or a ComputeGraph (the result of g.build(...)), or a "
+            f"BatchedBuild (the result of g.build_batch(...)); got {type(graph).__name__}"
         )
     for name, flag in (("show_all", show_all), ("gradients", gradients), ("guards", guards),
                        ("constants", constants), ("shapes", shapes), ("batch_groups", batch_groups)):  # fmt: skip
