@@ -661,6 +661,7 @@ class BatchedBuild:
         steps: list[tuple[int, ...]],
         cols: dict[VirtualNode, ComputeNode],
         cap_cols: dict[VirtualNode, ComputeNode],
+        cells: dict[VirtualNode, ComputeNode],
     ) -> bool:
         """Op node ``v`` for every running input of a lockstep loop as one op, without a request
         per input, when its inputs are whole columns: the group of an earlier body node (row ``r``
@@ -668,10 +669,30 @@ class BatchedBuild:
         Returns ``False`` (nothing done) when that does not apply; the general path then runs."""
         op = cast(Op, v.op)
         name = op.name
-        if name in _SPECIAL or name in ("LSTMCell", "GRUCell") or len(alive) < 2:
+        if len(alive) < 2:
             return False
         if any(v in env for env in envs):
             return False  # hoisted (for some input): its rows are in place
+        if name in _SPECIAL:  # a slab of a fused cell's group (h' or c'): one view for all
+            index = (v.attrs or {}).get("index")
+            group = cells.get(v.inputs[0]) if op is _GETITEM and type(index) is int else None
+            if group is None:
+                return False
+            view = self._view(group, index)
+            rows = view._value
+            for r, (env, step) in enumerate(zip(envs, steps)):
+                row = _new_row(Row)
+                row.src, row.path, row.key, row.name = (
+                    group,
+                    ((slice(None), r), index),
+                    NodeKey(v.type, v.id, step),
+                    v.name,
+                )
+                row._value = rows[r]
+                env[v] = row
+            cols[v] = view
+            return True
+        cell = name in ("LSTMCell", "GRUCell")  # gates lead the value: rows along axis 1
         inputs: list[ComputeNode] = []
         shapes: list[tuple[int, ...]] = []
         stacked: list[bool] = []
@@ -723,15 +744,16 @@ class BatchedBuild:
         vname = v.name
         for r, (env, step) in enumerate(zip(envs, steps)):
             row = _new_row(Row)
-            row.src, row.path, row.key, row.name, row._value = (
-                group,
-                (r,),
-                NodeKey(v.type, v.id, step),
-                vname,
-                value[r],
-            )
+            row.src, row.key, row.name = group, NodeKey(v.type, v.id, step), vname
+            if cell:
+                row.path, row._value = ((slice(None), r),), value[:, r]
+            else:
+                row.path, row._value = (r,), value[r]
             env[v] = row
-        cols[v] = group
+        if cell:
+            cells[v] = group
+        else:
+            cols[v] = group
         return True
 
     def _run_tree_jobs(self, jobs: list[_TreeJob]) -> None:
@@ -945,11 +967,12 @@ class BatchedBuild:
                 prev_cols, cap_cols = {}, {}
             previous = alive
             cols: dict[VirtualNode, ComputeNode] = {}
+            cells: dict[VirtualNode, ComputeNode] = {}  # fused cells' groups (rows along axis 1)
             for c, u in zip(loop.carries, updates):
                 if u in prev_cols:
                     cols[c] = prev_cols[u]
             for v in body:
-                if self._column_op(v, alive, envs, steps, cols, cap_cols):
+                if self._column_op(v, alive, envs, steps, cols, cap_cols, cells):
                     continue
                 requests = []
                 op, inputs, attrs, vtype, vid, vname = cast(Op, v.op), v.inputs, v.attrs, v.type, v.id, v.name
@@ -1376,9 +1399,7 @@ class _BatchBuilder(_Builder):
             for t in range(n):
                 cg.decisions.extend(job.decisions[t])
         else:  # each tree node in a greenlet of its own
-            leaves = [
-                make(lambda t=t: tree_node(t), parent=scheduler) for t in range(n) if remaining[t] == 0
-            ]
+            leaves = [make(lambda t=t: tree_node(t), parent=scheduler) for t in range(n) if remaining[t] == 0]
             scheduler.switch(_Spawn(leaves))  # back when every tree node is built
         # as one node after another: each node's decisions together, in node order
         cg.decisions[start:] = sorted(cg.decisions[start:], key=lambda d: d.idx[len(idx)])
