@@ -426,10 +426,10 @@ def tagger_model():
     U = g.parameter("U", (4, 4))
     embedded = emb(tokens)  # (T, 3)
     with g.loop() as L:
-        h = L.carry(np.zeros(4), name="h")
-        h_new = vg.tanh(L.step(embedded) @ W + h @ U)
+        h = L.carry(np.zeros((1, 4)), name="h")
+        h_new = vg.tanh(L.step(embedded) @ W + h @ U)  # (1, 4)
         L.update(h, h_new)
-    logits = out(vg.tanh(L.stack(h_new)))  # (T, 5)
+    logits = out(vg.tanh(L.stack(h_new).reshape(-1, 4)))  # (T, 5)
     return g, [vg.losses.cross_entropy(logits, tags) + vg.mean(logits) * 0.1]
 
 
@@ -448,6 +448,7 @@ def test_whole_sentences_of_different_lengths_run_as_one_op(lengths, seed):
         sizes = dict(batch.groups)
         assert sizes.get("LogSoftmax:1") == len(feeds), batch.groups  # one group, whatever the lengths
         assert sizes.get("Take:1") == len(feeds), batch.groups
+        assert sizes.get("Reshape:1") == len(feeds), batch.groups  # (T, 1, 4) -> (T, 4): rows stay rows
         if len(set(lengths)) == len(lengths):  # a reduction over each sentence: per sentence
             assert [n for k, n in batch.groups if k == "Mean:2"] == [1] * len(feeds), batch.groups
     finally:

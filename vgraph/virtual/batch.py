@@ -256,7 +256,7 @@ def _same_signature(requests: list[_Request]) -> tuple[list[_Request], list[bool
 # the inputs concatenated along axis 0, and each copy's value is its rows of the result.
 _RAGGED = frozenset(
     ["Add", "Sub", "Mul", "Div", "Neg", "Pow", "Exp", "Log", "Tanh", "Sigmoid", "Relu", "Softplus", "Abs",
-     "MatMul", "Take", "Softmax", "LogSoftmax", "Concat", "TakeAlongAxis"]
+     "MatMul", "Take", "Softmax", "LogSoftmax", "Concat", "TakeAlongAxis", "Reshape", "GetItem"]
 )  # fmt: skip
 
 
@@ -308,6 +308,23 @@ def _ragged(requests: list[_Request]) -> list[bool] | None:
     for p, rg in zip(first.parents, ragged):
         if not rg and np.ndim(p._value) >= cast(int, ndim):
             return None  # a shared input would meet axis 0
+    if name == "Reshape":  # (T, a, b) -> (-1, c) with a*b == c: the rows stay rows
+        shape = tuple(attrs.get("shape", ()))
+        rest = first.parents[0]._value.shape[1:]
+        if not shape or shape[0] != -1 or any(d < 0 for d in shape[1:]):
+            return None
+        return ragged if int(np.prod(shape[1:])) == int(np.prod(rest)) else None
+    if name == "GetItem":  # an index that leaves axis 0 alone: x[:, k], x[..., None]
+        index = attrs.get("index")
+        items = index if isinstance(index, tuple) else (index,)
+        if not items or not (items[0] is Ellipsis or items[0] == slice(None)):
+            return None
+        if not all(isinstance(i, (int, slice)) or i is None or i is Ellipsis for i in items):
+            return None
+        if any(isinstance(i, slice) and i != slice(None) for i in items) and items[0] is Ellipsis:
+            return None  # a slice after ... may reach axis 0
+        used = sum(1 for i in items if i is not None and i is not Ellipsis)
+        return ragged if used - (items[0] == slice(None)) <= cast(int, ndim) - 1 else None
     if name in ("Softmax", "LogSoftmax", "Concat", "TakeAlongAxis"):
         axis = attrs.get("axis", 0 if name == "Concat" else -1)
         if cast(int, ndim) < 2 or axis % cast(int, ndim) == 0:
