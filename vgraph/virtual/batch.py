@@ -317,9 +317,9 @@ def _ragged(requests: list[_Request]) -> list[bool] | None:
     if name == "GetItem":  # an index that leaves axis 0 alone: x[:, k], x[..., None]
         index = attrs.get("index")
         items = index if isinstance(index, tuple) else (index,)
+        if not all(type(i) in (int, slice) or i is None or i is Ellipsis for i in items):
+            return None  # (arrays, booleans: not a basic index that leaves axis 0 alone)
         if not items or not (items[0] is Ellipsis or items[0] == slice(None)):
-            return None
-        if not all(isinstance(i, (int, slice)) or i is None or i is Ellipsis for i in items):
             return None
         if any(isinstance(i, slice) and i != slice(None) for i in items) and items[0] is Ellipsis:
             return None  # a slice after ... may reach axis 0
