@@ -493,3 +493,23 @@ def test_conditional_loops_in_lockstep(kind, starts):
         assert list(batch._lockstep.values()) == [True]
     finally:
         vg.set_default_dtype(previous)
+
+
+def test_indexes_on_sentences_of_different_lengths():
+    """``x[:, k]`` and ``x[..., None]`` leave axis 0 alone: one op for every sentence; an
+    integer-array index (``x[[0, 0]]``) picks rows of each sentence: per sentence. Identical."""
+
+    def make():
+        g = vg.VirtualGraph(seed=0)
+        x = g.input("x", (None, 3))
+        W = g.parameter("W", (3, 3))
+        h = x @ W
+        y = h[:, 1] * 2 + vg.sum(h[..., None]) + vg.sum(h[np.array([0, 0])])
+        return g, [vg.sum(y**2)]
+
+    rng = np.random.default_rng(0)
+    batch = assert_identical(make, [{"x": rng.normal(size=(n, 3))} for n in (2, 5, 3)])
+    sizes = {}
+    for k, n in batch.groups:
+        sizes.setdefault(k, []).append(n)
+    assert sizes["GetItem:1"] == [3] and sizes["GetItem:2"] == [3] and sizes["GetItem:3"] == [1, 1, 1]
