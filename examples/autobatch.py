@@ -101,6 +101,12 @@ def main(argv: list[str] | None = None) -> dict:
         default="auto",
         help="a tqdm bar with rate and ETA (auto: in a terminal, when tqdm is installed), plain lines, or nothing",
     )
+    p.add_argument(
+        "--draw",
+        metavar="PATH",
+        help="draw the held-out batched build to PATH (one node per group; .dot needs no Graphviz) "
+        "and sentence 0 of it, marked with the group of each node, to PATH with suffix -input0",
+    )
     args = p.parse_args(argv)
 
     difference = check_identical(args)
@@ -135,6 +141,17 @@ def main(argv: list[str] | None = None) -> dict:
     batch = g.build_batch(test, loss)
     g.train()
     accuracy = float(np.mean([np.exp(-v) > 0.5 for v in batch.outputs()]))
+    if args.draw:
+        from pathlib import Path
+
+        from vgraph import render
+
+        small = g.build_batch(test[:4], loss)  # four sentences: a drawing one can read
+        path = Path(args.draw)
+        render.render(small, path, title="4 sentences, batched: one node per group")
+        one = path.with_name(f"{path.stem}-input0{path.suffix}")
+        render.render(small.unrolled(0), one, batch_groups=True, fold=None)
+        print(f"drew {path} and {one}")
     print(f"held-out accuracy {accuracy:.3f} (chance 0.5)")
     print(
         f"words/s: batched {batched_rate:,.0f}, one at a time {alone_rate:,.0f} ({batched_rate / alone_rate:.1f}x)"

@@ -116,6 +116,33 @@ def test_lstm_sequence_with_fused_cells(cell):
     assert_identical(make, feeds)
 
 
+@pytest.mark.parametrize("hoist", [True, False])
+def test_hoisting_inside_batched_builds(hoist):
+    """Carry-independent loop-body work (``x_t @ W_x``) is one op per loop and input when hoisting
+    (the default, as in ``g.build``), one per iteration without; both equal one at a time."""
+    m = example("lstm_sequence")
+    rng = np.random.default_rng(2)
+    feeds = []
+    for T in (5, 2, 7, 5):
+        x, y = m.adding_batch(rng, 2, T)
+        feeds.append({"x": x, "y": y, "h0": np.zeros((2, 4))})
+    g1, outs1 = m.build_model("lstm", hidden=4, seed=0)
+    total = 0.0
+    for feed in feeds:
+        cg = g1.build(feed, outs1["loss"], cache=False)
+        total += cg.backward(outs1["loss"])
+    g2, outs2 = m.build_model("lstm", hidden=4, seed=0)
+    batch = g2.build_batch(feeds, outs2["loss"], hoist=hoist)
+    np.testing.assert_allclose(batch.backward("sum"), total, **TOL)
+    for k, p in g1.params.items():
+        np.testing.assert_allclose(g2.params[k].grad, p.grad, **TOL, err_msg=k)
+    assert list(batch._lockstep.values()) == [True]  # the inputs' loops ran in lockstep
+    hoisted = [k for k, _ in batch.groups if k.split(":")[0].endswith("*")]
+    assert bool(hoisted) == hoist, batch.groups
+    if hoist:  # the four inputs' hoisted products: one product of their inputs concatenated in time
+        assert any(k.startswith("MatMul*") and n == 4 for k, n in batch.groups), batch.groups
+
+
 def test_adaptive_loop_different_trip_counts():
     m = example("adaptive_loop")
     feeds = [m.feed(a) for a in (0.3, 0.9, 2.5, 5.0)]
@@ -260,7 +287,13 @@ def test_it_batches():
     alone = sum(len(g.build(f, loss, cache=False)) for f in feeds)
     assert len(batch.graph) < alone / 2  # one node per group, not one per input and op
     sizes = [n for _, n in batch.groups]
-    assert max(sizes) == len(feeds) and sum(sizes) / len(sizes) > 2
+    assert max(sizes) >= len(feeds) and sum(sizes) / len(sizes) > 2
+    # depth order: every leaf of every tree in one group per leaf op (33 leaves in all)
+    leaves = sum(int((f["children"][:, 0] < 0).sum()) for f in feeds)
+    assert leaves in sizes, batch.groups
+    unbatched = g.build_batch(feeds, loss, depth=False)  # one tree node after another per input
+    assert leaves not in [n for _, n in unbatched.groups]
+    assert len(unbatched.groups) > len(batch.groups)
 
 
 def test_bad_batches_are_typed_errors_and_change_nothing():
@@ -292,3 +325,191 @@ def test_eval_mode_records_nothing_for_backward():
     batch = g.build_batch([{"xs": np.ones((2, 2))}, {"xs": -np.ones((3, 2))}], loss)
     assert not batch.loss().requires_grad
     g.train()
+
+
+def branchy_tree_model(stack_carry=False):
+    """A Tree-LSTM-like recursion: leaves and inner nodes computed by different branch options
+    (what the depth order must keep apart and still batch). ``stack_carry``: also stack the
+    carry itself — each node's value at the start of its iteration, the previous node's state,
+    which a depth order cannot give: such a recursion runs node after node."""
+    g = vg.VirtualGraph(seed=4)
+    children = g.input("children", (None, 2))
+    words = g.input("words", (None, 3))
+    is_leaf = g.input("is_leaf", (None,))
+    W, U, b = g.parameter("W", (3, 4)), g.parameter("U", (8, 4)), g.parameter("b", (4,))
+    with g.recurse(children) as r:
+        h = r.state(np.zeros(4), name="h")
+        leaf = vg.tanh(r.step(words) @ W)
+        inner = vg.sigmoid(vg.concat([r.child(h, 0), r.child(h, 1)], axis=-1) @ U + b)
+        kind = r.step(is_leaf, name="kind")
+        h_new = g.branch(lambda k: 0 if int(k) else 1, [leaf, inner], keys=[kind], name="leaf_or_inner")
+        r.update(h, h_new)
+    loss = vg.sum(r.final(h) ** 2) + vg.sum(r.stack(h_new) * 0.5)
+    if stack_carry:
+        loss = loss + vg.sum(r.stack(h))
+    return g, [loss]
+
+
+def tree_feeds(leaf_counts, seed):
+    rng = np.random.default_rng(seed)
+    feeds = []
+    for n in leaf_counts:
+        k = random_tree(rng, n)
+        feeds.append(
+            {"children": k, "words": rng.normal(size=(len(k), 3)), "is_leaf": (k[:, 0] < 0).astype(np.int64)}
+        )
+    return feeds
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(st.lists(st.integers(1, 8), min_size=1, max_size=6), st.integers(0, 1000))
+def test_random_trees_with_branches_in_depth_order(leaf_counts, seed):
+    previous = vg.get_default_dtype()
+    vg.set_default_dtype(np.float64)
+    try:
+        feeds = tree_feeds(leaf_counts, seed)
+        batch = assert_identical(branchy_tree_model, feeds, expect_batching=sum(leaf_counts) > 1)
+        assert list(batch._depth_ok.values()) == [True] and list(batch._joint.values()) == [True]
+        if sum(leaf_counts) > 1:  # every leaf of every tree in one group (the leaf option's ops)
+            assert ("MatMul:1", sum(leaf_counts)) in batch.groups, batch.groups
+    finally:
+        vg.set_default_dtype(previous)
+
+
+def test_a_recursion_that_stacks_its_carry_runs_node_after_node():
+    feeds = tree_feeds([2, 3, 1], 5)
+    batch = assert_identical(lambda: branchy_tree_model(stack_carry=True), feeds)
+    assert list(batch._depth_ok.values()) == [False]
+
+
+def test_depth_order_with_a_greenlet_per_tree_node(monkeypatch):
+    """The depth order without the scheduler's joint run (used when a recursion's body holds
+    more than ops and branches): each tree node in a greenlet of its own; same results."""
+    from vgraph.virtual.batch import BatchedBuild
+
+    monkeypatch.setattr(BatchedBuild, "_joint_ok", lambda self, loop: False)
+    batch = assert_identical(branchy_tree_model, tree_feeds([3, 1, 4, 2], 8))
+    assert list(batch._depth_ok.values()) == [True] and ("MatMul:1", 10) in batch.groups
+
+
+def test_loops_without_lockstep(monkeypatch):
+    """Loops run by each input's greenlet, op by op (the scheduler's agenda keeps them in step):
+    the same results and groups as in lockstep."""
+    from vgraph.virtual.batch import BatchedBuild
+
+    m = example("lstm_sequence")
+    rng = np.random.default_rng(3)
+    feeds = []
+    for T in (4, 2, 4):
+        x, y = m.adding_batch(rng, 2, T)
+        feeds.append({"x": x, "y": y, "h0": np.zeros((2, 4))})
+
+    def make():
+        g, outs = m.build_model("gru", hidden=4, seed=0)
+        return g, [outs["loss"]]
+
+    lockstep = assert_identical(make, feeds)
+    monkeypatch.setattr(BatchedBuild, "_lockstep_ok", lambda self, loop: False)
+    plain = assert_identical(make, feeds)
+    assert sorted(lockstep.groups) == sorted(plain.groups)
+
+
+def tagger_model():
+    """A small sequence tagger: embedding, a tanh RNN, a per-word output layer and cross-entropy
+    over the sentence — its ops outside the loop see whole sentences of different lengths."""
+    g = vg.VirtualGraph(seed=6)
+    tokens = g.input("tokens", (None,))
+    tags = g.input("tags", (None,))
+    emb = vg.nn.Embedding(g, 20, 3, "emb")
+    out = vg.nn.Linear(g, 4, 5, "out")
+    W = g.parameter("W", (3, 4))
+    U = g.parameter("U", (4, 4))
+    embedded = emb(tokens)  # (T, 3)
+    with g.loop() as L:
+        h = L.carry(np.zeros((1, 4)), name="h")
+        h_new = vg.tanh(L.step(embedded) @ W + h @ U)  # (1, 4)
+        L.update(h, h_new)
+    logits = out(vg.tanh(L.stack(h_new).reshape(-1, 4)))  # (T, 5)
+    return g, [vg.losses.cross_entropy(logits, tags) + vg.mean(logits) * 0.1]
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(st.lists(st.integers(1, 9), min_size=2, max_size=6), st.integers(0, 1000))
+def test_whole_sentences_of_different_lengths_run_as_one_op(lengths, seed):
+    """Ops that act on each word alone (the output layer, tanh, log-softmax, the embedding
+    lookup) run once on every sentence's words concatenated; reductions over the sentence
+    (``mean``) run per sentence. Identical to one at a time."""
+    previous = vg.get_default_dtype()
+    vg.set_default_dtype(np.float64)
+    try:
+        rng = np.random.default_rng(seed)
+        feeds = [{"tokens": rng.integers(0, 20, n), "tags": rng.integers(0, 5, n)} for n in lengths]
+        batch = assert_identical(tagger_model, feeds)
+        sizes = dict(batch.groups)
+        assert sizes.get("LogSoftmax:1") == len(feeds), batch.groups  # one group, whatever the lengths
+        assert sizes.get("Take:1") == len(feeds), batch.groups
+        assert sizes.get("Reshape:1") == len(feeds), batch.groups  # (T, 1, 4) -> (T, 4): rows stay rows
+        if len(set(lengths)) == len(lengths):  # a reduction over each sentence: per sentence
+            assert [n for k, n in batch.groups if k == "Mean:2"] == [1] * len(feeds), batch.groups
+    finally:
+        vg.set_default_dtype(previous)
+
+
+def test_a_checkpointed_loop_is_a_typed_error():
+    g = vg.VirtualGraph(seed=1)
+    xs = g.input("xs", (None, 2))
+    W = g.parameter("W", (2, 2))
+    with g.loop(checkpoint=2) as L:
+        h = L.carry(np.zeros(2), name="h")
+        L.update(h, vg.tanh(h @ W + L.step(xs)))
+    with pytest.raises(vg.BuildError, match=r"input 0: <Loop:1> is checkpointed .* one at a time"):
+        g.build_batch([{"xs": np.ones((3, 2))}, {"xs": np.ones((4, 2))}], vg.sum(L.final(h)))
+    assert len(g.params) == 1
+
+
+def conditional_model(kind):
+    """A loop whose trip count each input's values decide: ``while_`` (checked before each
+    iteration), ``until`` (after it), or a ``while_`` capped by ``max_iters`` (on_limit="stop")."""
+    g = vg.VirtualGraph(seed=3)
+    a = g.input("a", (1, 2))
+    W = g.parameter("W", (2, 2))
+    cond = (lambda t, s: float(np.abs(s["z"]).sum()) < 3.0) if kind != "until" else None
+    until = (lambda t, s: float(np.abs(s["z"]).sum()) >= 3.0) if kind == "until" else None
+    limit = {"max_iters": 4, "on_limit": "stop"} if kind == "capped" else {"max_iters": 50}
+    with g.loop(while_=cond, until=until, name="grow", **limit) as L:
+        z = L.carry(a, name="z")
+        L.update(z, z + 0.3 * vg.tanh(z @ W) ** 2 + 0.1)  # grows: every input stops
+    return g, [vg.sum(L.final(z) ** 2)]
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(st.sampled_from(["while", "until", "capped"]), st.lists(st.floats(-1.5, 1.5), min_size=2, max_size=6))
+def test_conditional_loops_in_lockstep(kind, starts):
+    previous = vg.get_default_dtype()
+    vg.set_default_dtype(np.float64)
+    try:
+        feeds = [{"a": np.array([[s, -0.5 * s]])} for s in starts]
+        batch = assert_identical(lambda: conditional_model(kind), feeds, expect_batching=False)
+        assert list(batch._lockstep.values()) == [True]
+    finally:
+        vg.set_default_dtype(previous)
+
+
+def test_indexes_on_sentences_of_different_lengths():
+    """``x[:, k]`` and ``x[..., None]`` leave axis 0 alone: one op for every sentence; an
+    integer-array index (``x[[0, 0]]``) picks rows of each sentence: per sentence. Identical."""
+
+    def make():
+        g = vg.VirtualGraph(seed=0)
+        x = g.input("x", (None, 3))
+        W = g.parameter("W", (3, 3))
+        h = x @ W
+        y = h[:, 1] * 2 + vg.sum(h[..., None]) + vg.sum(h[np.array([0, 0])])
+        return g, [vg.sum(y**2)]
+
+    rng = np.random.default_rng(0)
+    batch = assert_identical(make, [{"x": rng.normal(size=(n, 3))} for n in (2, 5, 3)])
+    sizes = {}
+    for k, n in batch.groups:
+        sizes.setdefault(k, []).append(n)
+    assert sizes["GetItem:1"] == [3] and sizes["GetItem:2"] == [3] and sizes["GetItem:3"] == [1, 1, 1]

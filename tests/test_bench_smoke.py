@@ -244,12 +244,17 @@ def test_dynamic_quick_json_run(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
     assert data["config"]["quick"] is True
-    assert set(data["correctness"]) == {"lstm_lm", "bilstm_tagger", "tree_lstm"}
+    assert set(data["correctness"]) == {"lstm_lm", "bilstm_tagger", "tree_lstm", "adaptive_loop"}
+    assert data["correctness"]["adaptive_loop"]["decisions_equal"] is True
     assert data["correctness"]["bilstm_tagger"]["gradcheck"] == "passed"
     assert data["correctness"]["tree_lstm"]["gradcheck"] == "passed"
     rows = data["rows"]
-    assert {r["task"] for r in rows} == {"lstm_lm", "bilstm_tagger", "tree_lstm"}
-    assert all(r["sparse_speedup"] > 0 for r in rows if r["task"] != "lstm_lm")
+    assert {r["task"] for r in rows} == {"lstm_lm", "bilstm_tagger", "tree_lstm", "adaptive_loop"}
+    assert all(r["sparse_speedup"] > 0 for r in rows if r["task"] in ("bilstm_tagger", "tree_lstm"))
+    # every autobatched column is compared with its one-at-a-time (or padded) column
+    batched = [(r["task"], name) for r in rows for name in r["columns"] if name.startswith("batch")]
+    assert {t for t, _ in batched} == {"lstm_lm", "bilstm_tagger", "tree_lstm", "adaptive_loop"}
+    assert all(r["batch_speedup"][n]["cpu"] > 0 for r in rows for n in r["columns"] if n.startswith("batch"))
     lm_numpy = [r for r in rows if "numpy" in r["columns"]]
     assert lm_numpy and all(r["task"] == "lstm_lm" for r in lm_numpy)
     assert all(r["ratio_vs_numpy"] > 0 and r["ratio_vs_numpy_cpu"] > 0 for r in lm_numpy)

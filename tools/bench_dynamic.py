@@ -838,6 +838,178 @@ def tree_sparse(cfg: TreeConfig, data: Any) -> VgraphRunner:
     return VgraphRunner(g, loss, tree_feed, lazy=True)
 
 
+# ---------------------------------------------------------------------------- autobatching: LM and adaptive loop
+
+
+class AutobatchLM(VgraphRunner):
+    """The language model autobatched (column ``batch`` of ``lstm_lm``): the round's sentences
+    unsorted and unpadded — shuffled, cut into groups of ``mb`` in that order — each a one-sentence
+    build, ``g.build_batch`` per group, the loss the group's mean over its words (each sentence's
+    weights ``1/words of the group``, summed), as in the padded column. The same sentences and
+    words per round as the other columns (which train on the length-sorted, padded minibatches);
+    ``step`` ignores the padded batch it is given and takes the next group."""
+
+    def __init__(self, cfg: LMConfig, data: list[LMBatch]) -> None:
+        g, loss = make_lstm_lm(cfg)
+        super().__init__(g, loss, lambda b: {})
+        sentences = []
+        for b in data:  # unpad: the real positions of each column
+            T, B = b.tokens.shape
+            mask = b.weights.reshape(T, B) > 0
+            targets = b.targets.reshape(T, B)
+            for j in range(B):
+                n = int(mask[:, j].sum())
+                sentences.append((b.tokens[:n, j : j + 1].copy(), targets[:n, j].copy()))
+        order = np.random.default_rng(cfg.mb + 1000).permutation(len(sentences))
+        self.groups = [[sentences[i] for i in order[k : k + cfg.mb]] for k in range(0, len(order), cfg.mb)]
+        self.zeros = np.zeros((1, cfg.hidden), dtype=cfg.dtype)
+        self.dtype = cfg.dtype
+        self.k = 0
+
+    def step(self, batch: Any) -> tuple[float, Phases]:
+        group = self.groups[self.k % len(self.groups)]
+        self.k += 1
+        words = sum(len(t) for t, _ in group)
+        feeds = [
+            {
+                "tokens": t,
+                "targets": y,
+                "weights": np.full(len(y), 1.0 / words, dtype=self.dtype),
+                "zeros": self.zeros,
+            }
+            for t, y in group
+        ]
+        clock = _Clock()
+        batched = self.g.build_batch(feeds, self.loss)
+        build = clock.lap()
+        self.opt.zero_grad()
+        value = batched.backward("sum")
+        backward = clock.lap()
+        self.opt.step()
+        update = clock.lap()
+        self.nodes.append(len(batched.graph))
+        return value, {"build": build, "forward": (0.0, 0.0), "backward": backward, "update": update}
+
+
+def lm_batched(cfg: LMConfig, data: Any) -> VgraphRunner:
+    return AutobatchLM(cfg, data)
+
+
+def _example(name: str) -> Any:
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_example_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass
+class AdaptiveConfig:
+    hidden: int = 16
+    tol: float = 1e-2
+    max_steps: int = 30
+    seed: int = 0
+
+
+@dataclass
+class AdaptiveBatch:
+    """One input of the adaptive while-loop (``examples/adaptive_loop.py``): ``a``, whose square
+    root the model refines until its update is below ``tol``."""
+
+    a: float
+    tokens: np.ndarray  # (1,): one input (for the sentence count)
+    words: int = 1
+
+
+def _adaptive_data(cfg: AdaptiveConfig, quick: bool) -> list[AdaptiveBatch]:
+    roots = np.random.default_rng(17).uniform(0.5, 4.0, 8 if quick else 128)
+    return [AdaptiveBatch(float(r * r), np.zeros(1)) for r in roots]
+
+
+def _adaptive_model(cfg: AdaptiveConfig) -> tuple[vg.VirtualGraph, vg.VirtualNode, Any]:
+    m = _example("adaptive_loop")
+    g, outs = m.build_model(cfg.hidden, cfg.tol, cfg.max_steps, cfg.seed)
+    return g, outs["loss"], outs["loop"]
+
+
+def _adaptive_feed(b: AdaptiveBatch) -> dict[str, Any]:
+    return {"a": np.array([[b.a]]), "target": np.array([[np.sqrt(b.a)]]), "z0": np.array([[1.0]])}
+
+
+class DataDependentRunner(VgraphRunner):
+    """One input at a time, for a model whose structure depends on values: build, backward,
+    update (no re-run of the forward after the update, which would meet another trip count and
+    rightly refuse: the forward is part of the build here)."""
+
+    def step(self, batch: Any) -> tuple[float, Phases]:
+        feed = self.feed(batch)
+        clock = _Clock()
+        cg = self.g.build(feed, self.loss)
+        build = clock.lap()
+        self.opt.zero_grad()
+        value = cg.backward(cg.outputs[0])
+        backward = clock.lap()
+        self.opt.step()
+        update = clock.lap()
+        self.nodes.append(len(cg))
+        return float(value), {"build": build, "forward": (0.0, 0.0), "backward": backward, "update": update}
+
+
+def adaptive_vgraph(cfg: AdaptiveConfig, data: Any) -> VgraphRunner:
+    g, loss, _ = _adaptive_model(cfg)
+    return DataDependentRunner(g, loss, _adaptive_feed)
+
+
+def adaptive_batched(cfg: AdaptiveConfig, data: Any) -> VgraphRunner:
+    g, loss, _ = _adaptive_model(cfg)
+    return AutobatchRunner(g, loss, _adaptive_feed, len(data))
+
+
+def check_adaptive() -> dict[str, Any]:
+    """Autobatched = one at a time on the adaptive loop: every trip count (decided per input from
+    its own values), the losses and every parameter gradient (float64, 1e-12)."""
+    previous = vg.get_default_dtype()
+    vg.set_default_dtype(np.float64)
+    try:
+        return _check_adaptive()
+    finally:
+        vg.set_default_dtype(previous)
+
+
+def _check_adaptive() -> dict[str, Any]:
+    cfg = AdaptiveConfig()
+    data = _adaptive_data(cfg, quick=True) + [AdaptiveBatch(a, np.zeros(1)) for a in (0.3, 9.0, 16.0)]
+    feeds = [_adaptive_feed(b) for b in data]
+    g1, loss1, loop1 = _adaptive_model(cfg)
+    total, trips = 0.0, []
+    for f in feeds:
+        cg = g1.build(f, loss1, cache=False)
+        total += float(cg.backward(loss1))
+        trips.append(cg.trip_count(loop1))
+    g2, loss2, loop2 = _adaptive_model(cfg)
+    batch = g2.build_batch(feeds, loss2)
+    value = batch.backward("sum")
+    batched_trips = [view.trip_count(loop2) for view in batch.inputs]
+    if batched_trips != trips:
+        raise BenchmarkMismatch(f"adaptive_loop: trip counts differ: {batched_trips} batched, {trips} alone")
+    errs = [abs(value - total) / max(abs(total), 1e-300)]
+    for k, p in g1.params.items():
+        errs.append(_max_rel_err(np.asarray(g2.params[k].grad), np.asarray(p.grad)))
+    if max(errs) > 1e-12:
+        raise BenchmarkMismatch(
+            f"adaptive_loop: autobatched differs from one at a time (max relative error {max(errs):.1e})"
+        )
+    return {
+        "decisions_equal": True,
+        "trip_counts": sorted(set(trips)),
+        "max_rel_err_batch": max(errs),
+        "inputs": len(feeds),
+    }
+
+
 # ---------------------------------------------------------------------------- the registry
 
 
@@ -897,7 +1069,11 @@ TASKS: dict[str, Task] = {
         "LSTM language model, vocab 10k Zipf, PTB-like lengths, embed 128, hidden 256, Adam",
         _lm_configs,
         _lm_data,
-        {"vgraph": (lm_vgraph, _always), "numpy": (lm_numpy, lambda cfg: cfg.mb >= 4)},
+        {
+            "vgraph": (lm_vgraph, _always),
+            "numpy": (lm_numpy, lambda cfg: cfg.mb >= 4),
+            "batch": (lm_batched, lambda cfg: cfg.mb >= 4),
+        },
         check_lstm_lm,
         label=lambda cfg: f"MB={cfg.mb}",
     ),
@@ -927,6 +1103,16 @@ TASKS: dict[str, Task] = {
         },
         check_tree_lstm,
         label=lambda cfg: "1 tree",
+    ),
+    "adaptive_loop": Task(
+        "adaptive_loop",
+        "adaptive while-loop (examples/adaptive_loop.py): refine sqrt(a) until the update is below tol; "
+        "trip counts decided per input from its values; one input per build, Adam",
+        lambda quick: [AdaptiveConfig()],
+        _adaptive_data,
+        {"vgraph": (adaptive_vgraph, _always), "batch32": (adaptive_batched, _always)},
+        check_adaptive,
+        label=lambda cfg: "1 input",
     ),
 }
 
@@ -1025,6 +1211,15 @@ def run_config(task: Task, cfg: Any, rounds: int, warmup: int, quick: bool) -> d
         dense, sparse = result["columns"]["vgraph"], result["columns"]["sparse"]
         result["sparse_speedup"] = dense["ms_per_batch"] / sparse["ms_per_batch"]
         result["sparse_speedup_cpu"] = dense["cpu_ms_per_batch"] / sparse["cpu_ms_per_batch"]
+    for name in [n for n in result["columns"] if n.startswith("batch")]:  # autobatching over one at a time
+        ref = "sparse" if "sparse" in result["columns"] else "vgraph"
+        if ref in result["columns"]:
+            one, many = result["columns"][ref], result["columns"][name]
+            result.setdefault("batch_speedup", {})[name] = {
+                "over": ref,
+                "wall": one["ms_per_batch"] / many["ms_per_batch"],
+                "cpu": one["cpu_ms_per_batch"] / many["cpu_ms_per_batch"],
+            }
     return result
 
 
@@ -1050,6 +1245,11 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
             print(
                 f"{'':<14} {'':<11} sparse x {r['sparse_speedup']:.2f} (cpu {r['sparse_speedup_cpu']:.2f}): the dense "
                 "column's time per batch over the sparse one's"
+            )
+        for name, sp in r.get("batch_speedup", {}).items():
+            print(
+                f"{'':<14} {'':<11} {name} x {sp['wall']:.2f} (cpu {sp['cpu']:.2f}): the {sp['over']} column's "
+                f"time per input over {name}'s (autobatching)"
             )
 
 
@@ -1115,6 +1315,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _describe_check(report: dict[str, Any]) -> str:
+    if report.get("decisions_equal"):
+        return (
+            f"autobatched = one at a time ({report['inputs']} inputs: trip counts {report['trip_counts']} equal, "
+            f"losses and gradients to {report['max_rel_err_batch']:.1e} in float64)"
+        )
     if "max_rel_err" in report:
         worst = max(report["max_rel_err"].values())
         return (

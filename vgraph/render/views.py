@@ -12,13 +12,15 @@ import numpy as np
 from ..compute import ComputeGraph
 from ..errors import RenderError
 from ..virtual import UnrolledGraph, VirtualGraph
+from ..virtual.batch import BatchedBuild
+from .batch_view import _BatchView, _mark_groups
 from .scene import _Scene
 from .unrolled_view import DEFAULT_FOLD, _UnrolledView
 from .virtual_view import _VirtualView
 
 
 def to_dot(
-    graph: VirtualGraph | ComputeGraph,
+    graph: VirtualGraph | ComputeGraph | BatchedBuild,
     *,
     build: UnrolledGraph | None = None,
     fold: tuple[int, int] | None = DEFAULT_FOLD,
@@ -32,12 +34,15 @@ def to_dot(
     title: str | None = None,
     dpi: float | None = None,
     references: bool | None = None,
+    batch_groups: bool = False,
 ) -> str:
     """The DOT text drawing ``graph`` (no Graphviz program needed).
 
     Args:
-        graph: a :class:`VirtualGraph` (virtual view) or a :class:`ComputeGraph` /
-            :class:`UnrolledGraph` (unrolled view).
+        graph: a :class:`VirtualGraph` (virtual view), a :class:`ComputeGraph` /
+            :class:`UnrolledGraph` (unrolled view), or a :class:`~vgraph.virtual.batch.BatchedBuild`
+            (batch view: one node per group of copies that ran together, labelled with its
+            declared node and how many copies and inputs it served, coloured by that number).
         build: virtual view only: an unrolled build of ``graph``; nodes it did not build and
             branch options it never took are greyed out, loops show their trip counts.
         fold: unrolled view: ``(first, last)`` — of each loop with more than ``first + last + 1``
@@ -62,6 +67,9 @@ def to_dot(
             edges, so the layout stays a chain of iterations and fast); ``False``: an edge from it
             into every iteration; ``None`` (default): references when it feeds more than
             ``REFERENCE_THRESHOLD`` (6) drawn iterations. The legend says when references are used.
+        batch_groups: unrolled view of one input of a batched build (``batch.unrolled(i)``):
+            say under each node which group of the batched build computed it and with how many
+            copies, and colour it by that number (unless ``gradients``).
 
     Returns:
         DOT source text; identical for identical graphs and options.
@@ -70,14 +78,15 @@ def to_dot(
         TypeError: ``graph`` is neither kind of graph, or an option has the wrong type
             (``dpi="abc"``, ``gradients="yes"``, ``build=5`` …); the message names the option.
         ValueError: invalid options (``fold`` not a pair of non-negative ints, ``build`` not a
-            build of ``graph``, ``gradients`` or ``fold`` options for the virtual view…).
+            build of ``graph``, ``gradients`` or ``fold`` options for the virtual or batch view,
+            ``batch_groups`` for a graph that is not one input of a batched build…).
     """
     return _scene(graph, build=build, fold=fold, show_all=show_all, iterations=iterations, gradients=gradients,
                   guards=guards, constants=constants, shapes=shapes, rankdir=rankdir, title=title,
-                  dpi=dpi, references=references).source()  # fmt: skip
+                  dpi=dpi, references=references, batch_groups=batch_groups).source()  # fmt: skip
 
 
-def to_digraph(graph: VirtualGraph | ComputeGraph, **options: Any) -> Any:
+def to_digraph(graph: VirtualGraph | ComputeGraph | BatchedBuild, **options: Any) -> Any:
     """The drawing as a :class:`graphviz.Digraph` (needs the ``graphviz`` Python package).
 
     Takes the options of :func:`to_dot`; ``to_digraph(g).source == to_dot(g)``. Use it to render
@@ -111,15 +120,16 @@ def _scene(
     title: str | None = None,
     dpi: float | None = None,
     references: bool | None = None,
+    batch_groups: bool = False,
 ) -> _Scene:
     """The scene for :func:`to_dot`'s options, validated (one place for every entry point)."""
-    if not isinstance(graph, (VirtualGraph, ComputeGraph)):
+    if not isinstance(graph, (VirtualGraph, ComputeGraph, BatchedBuild)):
         raise TypeError(
-            f"graph must be a VirtualGraph or a ComputeGraph (the result of g.build(...)), "
-            f"got {type(graph).__name__}"
+            f"graph must be a VirtualGraph or a ComputeGraph (the result of g.build(...)), or a "
+            f"BatchedBuild (the result of g.build_batch(...)); got {type(graph).__name__}"
         )
     for name, flag in (("show_all", show_all), ("gradients", gradients), ("guards", guards),
-                       ("constants", constants), ("shapes", shapes)):  # fmt: skip
+                       ("constants", constants), ("shapes", shapes), ("batch_groups", batch_groups)):  # fmt: skip
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{name} must be True or False, got {type(flag).__name__} {flag!r}")
     if dpi is not None:
@@ -156,7 +166,26 @@ def _scene(
             f"build must be an unrolled build of the VirtualGraph (the result of g.build(...)) or None, "
             f"got {type(build).__name__}"
         )
-    if isinstance(graph, VirtualGraph):
+    if batch_groups and getattr(graph, "_batch_input", None) is None:
+        raise ValueError(
+            "batch_groups=True marks one input of a batched build: pass batch.unrolled(i) (to draw "
+            "the batched graph itself, pass the BatchedBuild)"
+        )
+    if isinstance(graph, BatchedBuild):
+        if (
+            gradients
+            or build is not None
+            or iterations is not None
+            or show_all
+            or fold_given
+            or references is not None
+        ):
+            raise ValueError(
+                "gradients=, build=, fold=, show_all=, iterations= and references= do not apply to "
+                "the batch view; draw one input with render.to_dot(batch.unrolled(i), ...)"
+            )
+        scene = _BatchView(graph, constants, shapes, rankdir, title).scene
+    elif isinstance(graph, VirtualGraph):
         if gradients:
             raise ValueError(
                 "gradients=True draws gradient norms of compute nodes: pass the unrolled graph "
@@ -183,9 +212,13 @@ def _scene(
             )
         if isinstance(iterations, frozenset) and not iterations:
             raise ValueError("iterations is empty: it would draw no iteration")
-        scene = _UnrolledView(
+        view = _UnrolledView(
             graph, fold, iterations, gradients, guards, constants, shapes, rankdir, title, references
-        ).scene
+        )
+        scene = view.scene
+        if batch_groups:
+            batch, i = graph._batch_input  # type: ignore[attr-defined]
+            _mark_groups(scene, view, batch, i, gradients)
     if dpi is not None:
         scene.graph_attrs["dpi"] = float(dpi)
     return scene

@@ -16,24 +16,46 @@ gradient is that row of the group's gradient. So the batched graph has one node 
 the gathers that stack rows which do not come in order), and one backward sweep serves every input.
 Decisions are per input; results equal building the inputs one at a time (tested to 1e-12).
 
-Scope of this version: a batched build is one-shot (no ``feed``/re-run forward: build again),
-hoisting and cached structures do not apply inside it, and checkpointing is not supported.
+Where the structure is known when a loop or recursion starts, the scheduler skips the per-op
+round trip: loops of known trip count with ops-only bodies run in lockstep across inputs
+(:meth:`BatchedBuild._run_jobs`), recursions in depth order — the ready tree nodes of every input
+together (:meth:`BatchedBuild._run_tree_jobs`) — and copies whose inputs differ in length only run
+on their inputs concatenated along axis 0 when the op acts on each row alone (:func:`_ragged`).
+docs/decisions.md says why.
+
+Scope: hoisting applies inside each input as in ``g.build`` (``hoist=True``); a batched build is
+one-shot (no ``feed``/re-run forward: build again) and never uses ``g.build``'s cache of
+structures; checkpointed loops are a typed error. ``batch.unrolled(i)`` gives input ``i`` built
+alone, for inspection and drawing (``vgraph.render``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from ..compute import ComputeGraph, ComputeNode, NodeKey, no_grad
-from ..errors import BuildError, VGraphError
+from ..errors import BuildError, LoopLimitError, ShapeError, VGraphError
 from ..ops import OPS, Op, row_at
-from .hoist import batched_attrs
-from .nodes import LoopNode, VirtualNode
-from .unroll import _Builder, _check_outputs, _checked_feed, _Frame, _gc_paused
+from .hoist import batched_attrs, hoist_loop
+from .nodes import BranchNode, LoopNode, VirtualNode
+from .unroll import (  # type: ignore[attr-defined]  # _ALL: the forward plans' "every node"
+    _ALL,
+    Decision,
+    UnrolledGraph,
+    _Builder,
+    _check_outputs,
+    _check_structure,
+    _checked_feed,
+    _Frame,
+    _gc_paused,
+    _run_cond,
+    _select,
+    _widens,
+)
 
 _GATHER, _GETITEM, _STACK, _SUM, _MEAN = (
     OPS["GatherRows"],
@@ -42,7 +64,10 @@ _GATHER, _GETITEM, _STACK, _SUM, _MEAN = (
     OPS["Sum"],
     OPS["Mean"],
 )
+_HOISTED, _CONCAT = OPS["Hoisted"], OPS["Concat"]
 _PASS = ("Branch", "Identity")  # ops that pass their first input on unchanged
+_ASK = object()  # InputView._direct: this op must be computed
+_SPECIAL = frozenset((*_PASS, "Stack", "GetItem", "Hoisted"))  # ops InputView._add_op looks at
 
 
 class Row:
@@ -74,15 +99,244 @@ class Row:
         return f"Row({self.describe()} = <{self.src.key}>{''.join(f'[{i}]' for i in self.path)})"
 
 
+def _row_at(src: Any, index: int, key: NodeKey, name: str | None) -> Row:
+    """Row ``index`` of ``src`` (a node, or a row of one: then a row of that row)."""
+    row = _new_row(Row)
+    row.key, row.name, row._value = key, name, src._value[index]
+    if type(src) is Row:
+        row.src, row.path = src.src, (*src.path, index)
+    else:
+        row.src, row.path = src, (index,)
+    return row
+
+
+def _row(src: ComputeNode, r: int, req: _Request) -> Row:
+    """Row ``r`` of ``src`` for request ``req`` (``Row(src, (r,), …)`` without the generic path walk)."""
+    row = _new_row(Row)
+    row.src, row.path, row.key, row.name, row._value = src, (r,), req.key, req.name, src._value[r]
+    return row
+
+
+_new_row = object.__new__
+
+
 class _Request:
-    __slots__ = ("attrs", "inp", "key", "name", "op", "parents", "signature")
+    __slots__ = ("agent", "attrs", "inp", "key", "name", "op", "parents")
 
     def __init__(
         self, inp: int, op: Op, parents: tuple[Any, ...], attrs: Any, key: NodeKey, name: str | None
     ):
         self.inp, self.op, self.parents, self.attrs, self.key, self.name = inp, op, parents, attrs, key, name
-        # what copies must share to run as one op: the declared node, and each input's row shape
-        self.signature = (key.type, key.id, *[(p._value.shape, p._value.dtype) for p in parents])
+        self.agent: Any = None  # the greenlet that waits for the result
+
+
+class _Spawn:
+    """What a greenlet of a tree-node-wise recursion hands the scheduler instead of a request:
+    greenlets to start (tree nodes whose children are built), then one to resume (the input's
+    own greenlet, when the last tree node is built), if any."""
+
+    __slots__ = ("resume", "start")
+
+    def __init__(self, start: list[Any], resume: Any = None) -> None:
+        self.start, self.resume = start, resume
+
+
+class _LoopJob:
+    """One input's run of a loop that the scheduler runs in lockstep with the other inputs' runs
+    of the same declared loop (see :meth:`_BatchBuilder._run_lockstep`): what the input's builder
+    prepared, and what the scheduler hands back (the final state and the stacked values)."""
+
+    __slots__ = ("agent", "capped", "captured", "collected", "count", "groups", "idx", "inp", "key",
+                 "length", "loop", "seqs", "state", "trips", "view")  # fmt: skip
+
+    def __init__(self, view: InputView, loop: LoopNode, idx: tuple[int, ...], state: list[Any],
+                 seqs: list[Any], length: int | None, trips: int | None, captured: dict[VirtualNode, Any],
+                 groups: dict[VirtualNode, Any]) -> None:  # fmt: skip
+        self.view, self.inp, self.loop, self.idx = view, view.index, loop, idx
+        self.state, self.seqs, self.length, self.trips = state, seqs, length, trips
+        self.captured, self.groups = captured, groups
+        self.collected: list[list[Any]] = []
+        self.key = NodeKey(loop.type, loop.id, idx)
+        self.agent: Any = None
+        self.count = 0  # iterations run
+        self.capped: int | None = None  # the iteration at which max_iters stopped it (on_limit="stop")
+
+
+class _TreeJob(_LoopJob):
+    """One input's run of a recursion that the scheduler builds tree node by tree node in depth
+    order together with the other inputs' runs of it (:meth:`BatchedBuild._run_tree_jobs`)."""
+
+    __slots__ = ("chosen", "decisions", "history", "parents", "reads", "remaining", "rows", "width")
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        n = cast(int, self.trips)  # a recursion's node count: always known
+        self.decisions: list[list[Any]] = [[] for _ in range(n)]
+        self.reads: list[tuple[VirtualNode, int, int]] = []
+        self.rows: list[list[int]] = []
+        self.width = 0
+        self.parents: list[list[int]] = []
+        self.remaining: list[int] = []
+        self.history: list[Any] = []
+        self.chosen: dict[Any, int] = {}
+
+
+class _Member:
+    """One tree node of one input in a joint run: its iteration environment."""
+
+    __slots__ = ("env", "idx", "job", "path", "t")
+
+    def __init__(self, job: _TreeJob, t: int, env: dict[VirtualNode, Any]) -> None:
+        self.job, self.t, self.env = job, t, env
+        self.idx = (*job.idx, t)
+        self.path: tuple[Any, ...] = ()  # the branch choices made so far in this iteration
+
+
+def _rows_of(paths: list[tuple[Any, ...]]) -> Any:
+    """One index that picks the rows ``paths`` lead to (in order) from their common source, when
+    there is one: integers along axis 0 — ``(r,)`` is row ``r``, ``(slice(a, b), t)`` row ``a + t``
+    (step ``t`` of a sentence concatenated with others) — or ``(k, rows)`` for ``((slice(None), r),
+    k)`` (one slab of a fused cell's rows); else ``None``."""
+    p0 = paths[0]
+    if len(p0) == 2 and type(p0[1]) is int and isinstance(p0[0], tuple):
+        k = p0[1]
+        rows = []
+        for p in paths:
+            if (
+                len(p) != 2
+                or p[1] != k
+                or not isinstance(p[0], tuple)
+                or len(p[0]) != 2
+                or p[0][0] != slice(None)
+            ):
+                return None
+            rows.append(p[0][1])
+        return (k, np.asarray(rows, dtype=np.intp))
+    rows = []
+    for p in paths:
+        if len(p) == 1 and type(p[0]) is int:
+            rows.append(p[0])
+        elif (
+            len(p) == 2
+            and type(p[0]) is slice
+            and type(p[1]) is int
+            and p[0].step is None
+            and p[0].start is not None
+            and 0 <= p[1] < p[0].stop - p[0].start
+        ):
+            rows.append(p[0].start + p[1])
+        else:
+            return None
+    return np.asarray(rows, dtype=np.intp)
+
+
+def _by_input(r: Any) -> int:
+    return r.inp
+
+
+def _same_signature(requests: list[_Request]) -> tuple[list[_Request], list[bool] | None]:
+    """The requests (in order) with the most common signature (the first such, on a tie) — or all
+    of them when their rows differ in length only and the op acts on each row alone
+    (:func:`_ragged`: which inputs to concatenate; ``None`` for requests of one signature)."""
+    sig = _signature(requests[0])
+    sigs = [_signature(r) for r in requests]
+    if all(x == sig for x in sigs):
+        return requests, None
+    ragged = _ragged(requests)
+    if ragged is not None:
+        return requests, ragged
+    by_sig: dict[Any, list[_Request]] = {}
+    for r, x in zip(requests, sigs):
+        by_sig.setdefault(x, []).append(r)
+    return max(by_sig.values(), key=len), None
+
+
+# Ops that compute each row (along axis 0) of their inputs on its own, given the rules _ragged
+# checks: copies whose inputs differ in length (sentences of different lengths) run as one op on
+# the inputs concatenated along axis 0, and each copy's value is its rows of the result.
+_RAGGED = frozenset(
+    ["Add", "Sub", "Mul", "Div", "Neg", "Pow", "Exp", "Log", "Tanh", "Sigmoid", "Relu", "Softplus", "Abs",
+     "MatMul", "Take", "Softmax", "LogSoftmax", "Concat", "TakeAlongAxis", "Reshape", "GetItem"]
+)  # fmt: skip
+
+
+def _ragged(requests: list[_Request]) -> list[bool] | None:
+    """Whether the requests can run as one op on their inputs concatenated along axis 0: which
+    inputs are concatenated (``True``; the others are one node shared by every request) — or
+    ``None`` if they cannot. Concatenated inputs must agree on every axis but the first, and
+    have as many rows as each other within a request; a shared input must not reach axis 0
+    (fewer axes), and the op must not act along axis 0."""
+    first = requests[0]
+    name = first.op.name
+    if (
+        name not in _RAGGED
+        or len(requests) < 2
+        or any(len(r.parents) != len(first.parents) for r in requests)
+    ):
+        return None
+    ragged: list[bool] = []
+    ndim = None
+    for j, p0 in enumerate(first.parents):
+        column = [r.parents[j] for r in requests]
+        if isinstance(p0, ComputeNode) and all(p is p0 for p in column):
+            ragged.append(False)
+            continue
+        v0 = p0._value
+        if v0.ndim < 1 or any(
+            p._value.shape[1:] != v0.shape[1:] or p._value.dtype != v0.dtype for p in column
+        ):
+            return None
+        if ndim is not None and v0.ndim != ndim and name not in ("Take",):
+            return None
+        ndim = v0.ndim
+        ragged.append(True)
+    if not any(ragged):
+        return None
+    for r in requests:  # within a request, the concatenated inputs have as many rows
+        lengths = {p._value.shape[0] for p, rg in zip(r.parents, ragged) if rg}
+        if len(lengths) != 1:
+            return None
+    attrs = first.attrs or {}
+    if name == "Take":  # a shared table looked up with indices
+        return ragged if ragged == [False, True] else None
+    if name == "MatMul":  # (T, …, K) @ (K, M): rows of the left operand one by one
+        return (
+            ragged
+            if ragged == [True, False] and cast(int, ndim) >= 2 and first.parents[1]._value.ndim == 2
+            else None
+        )
+    for p, rg in zip(first.parents, ragged):
+        if not rg and np.ndim(p._value) >= cast(int, ndim):
+            return None  # a shared input would meet axis 0
+    if name == "Reshape":  # (T, a, b) -> (-1, c) with a*b == c: the rows stay rows
+        shape = tuple(attrs.get("shape", ()))
+        rest = first.parents[0]._value.shape[1:]
+        if not shape or shape[0] != -1 or any(d < 0 for d in shape[1:]):
+            return None
+        return ragged if int(np.prod(shape[1:])) == int(np.prod(rest)) else None
+    if name == "GetItem":  # an index that leaves axis 0 alone: x[:, k], x[..., None]
+        index = attrs.get("index")
+        items = index if isinstance(index, tuple) else (index,)
+        if not all(type(i) in (int, slice) or i is None or i is Ellipsis for i in items):
+            return None  # (arrays, booleans: not a basic index that leaves axis 0 alone)
+        if not items or not (items[0] is Ellipsis or items[0] == slice(None)):
+            return None
+        if any(isinstance(i, slice) and i != slice(None) for i in items) and items[0] is Ellipsis:
+            return None  # a slice after ... may reach axis 0
+        used = sum(1 for i in items if i is not None and i is not Ellipsis)
+        return ragged if used - (items[0] == slice(None)) <= cast(int, ndim) - 1 else None
+    if name in ("Softmax", "LogSoftmax", "Concat", "TakeAlongAxis"):
+        axis = attrs.get("axis", 0 if name == "Concat" else -1)
+        if cast(int, ndim) < 2 or axis % cast(int, ndim) == 0:
+            return None
+        if name in ("Concat", "TakeAlongAxis") and not all(ragged):
+            return None
+    return ragged
+
+
+def _signature(r: _Request) -> tuple[Any, ...]:
+    """What copies of one declared node must share to run as one op: each input's row shape."""
+    return tuple([(p._value.shape, p._value.dtype) for p in r.parents])
 
 
 class InputView:
@@ -97,6 +351,8 @@ class InputView:
         self.outputs: list[Any] = []
         self._envs: dict[tuple[Any, tuple[int, ...]], dict[VirtualNode, Any]] = {}
         self._samples: dict[Any, Any] = {}
+        self._getcurrent: Any = None  # greenlet.getcurrent and the scheduler's switch (bound in _run)
+        self._switch: Any = None
         self._groups: dict[Any, Any] = {}
 
     # -- what the builder calls
@@ -109,10 +365,18 @@ class InputView:
         return node
 
     def constant(self, value: Any, name: str | None, key: NodeKey) -> ComputeNode:
-        return self.batch.graph.constant(value, name, self._key(key))
+        if key.type == "Constant":  # a declared constant: one node for every input (broadcast)
+            shared = self.batch._constants.get(key)
+            if shared is None:
+                shared = self.batch._constants[key] = self.batch.graph.constant(value, name, key)
+            return shared
+        return self.batch.graph.constant(value, name, self._key(key))  # a sample: this input's own
 
     def add_leaf(self, node: ComputeNode) -> ComputeNode:
         return self.batch.graph.add_leaf(node)
+
+    def _add_copy(self, group: Any, copy: Any) -> Any:
+        return copy  # an iteration's copy of a hoisted node is a row of its group: nothing to register
 
     def guard(self, *args: Any, **kwargs: Any) -> None:
         return None  # a batched build is one-shot: nothing re-checks decisions later
@@ -123,16 +387,27 @@ class InputView:
         return inputs[0]  # only a branch's lead node comes here: it passes its option on
 
     def _add_op(self, op: Op, parents: tuple[Any, ...], attrs: Any, key: NodeKey, name: str | None) -> Any:
+        if op.name in _SPECIAL:
+            result = self._direct(op, parents, attrs, key, name)
+            if result is not _ASK:
+                return result
+        request = _Request(self.index, op, parents, attrs, key, name)
+        request.agent = self._getcurrent()
+        return self._switch(request)
+
+    def _direct(self, op: Op, parents: tuple[Any, ...], attrs: Any, key: NodeKey, name: str | None) -> Any:
+        """The result of an op that needs no computing (a pass-through, a row of a group, this
+        input's rows stacked), or ``_ASK``."""
+        if op is _GETITEM or op is _HOISTED:
+            index = attrs["index"]
+            if type(index) is int or isinstance(index, np.integer):
+                return _row_at(parents[0], int(index), key, name)  # a stepped item: no node
+            return _ASK
         if op.name in _PASS:
             return parents[0]
         if op is _STACK and attrs == {"axis": 0}:  # loop.stack: this input's rows, gathered once
             return self.batch._stack(list(parents), key)
-        if op is _GETITEM and isinstance(attrs["index"], (int, np.integer)):
-            (src,) = parents  # a stepped item: a row of the sequence, no node
-            if isinstance(src, Row):
-                return Row(src.src, (*src.path, int(attrs["index"])), key, name)
-            return Row(src, (int(attrs["index"]),), key, name)
-        return self.batch._ask(_Request(self.index, op, parents, attrs, key, name))
+        return _ASK
 
     # -- what users read
     def trip_count(self, loop: LoopNode, idx: tuple[int, ...] = ()) -> int:
@@ -155,7 +430,9 @@ class InputView:
 
     def gradient(self, v: VirtualNode, idx: tuple[int, ...] = ()) -> np.ndarray | None:
         """This input's gradient at ``v`` in iteration path ``idx`` after backward, when the node
-        (or its group) kept it (``vgraph.render.retain_all_grads(batch)`` before backward)."""
+        (or its group) kept it (``vgraph.render.retain_all_grads(batch)`` before backward). A
+        node whose inputs were the same for every input (the first step from a shared constant
+        state) is computed once for all of them: its gradient is then the sum over the inputs."""
         found = self._find(v, idx)
         if isinstance(found, Row):
             grad = found.src.grad
@@ -177,8 +454,9 @@ class BatchedBuild:
             on it.
         inputs: one :class:`InputView` per input: its decisions, values and gradients by virtual
             node and iteration path.
-        groups: ``(declared node key, number of inputs)`` for every batched group, in the order
-            the groups ran — what ran together.
+        groups: ``(declared node key, number of copies)`` for every group, in the order the
+            groups ran — what ran together (copies: inputs, or tree nodes of inputs; 1 for an op
+            that ran for one input alone).
     """
 
     def __init__(self, virtual: Any, n: int) -> None:
@@ -186,10 +464,90 @@ class BatchedBuild:
         self.graph = ComputeGraph(virtual.dtype)
         self.inputs = [InputView(self, i) for i in range(n)]
         self.groups: list[tuple[str, int]] = []
-        self._pending: dict[int, _Request] = {}
+        self._waiting: dict[tuple[int, str], list[Any]] = {}  # (declared node's rank, type) -> its requests
         self._greenlets: dict[int, Any] = {}
         self._order: dict[tuple[str, int], int] = {(v.type, v.id): k for k, v in enumerate(virtual.nodes)}
+        self._by_key: dict[tuple[str, int], VirtualNode] = {(v.type, v.id): v for v in virtual.nodes}
         self._serial = 0
+        self._depth_ok: dict[LoopNode, bool] = {}
+        self._depth = True
+        self._lockstep: dict[LoopNode, bool] = {}
+        self._joint: dict[LoopNode, bool] = {}
+        self._lockstep_enabled = True  # loops and recursions run by the scheduler (no greenlet per op)
+        self._closures: dict[Any, list[VirtualNode]] = {}
+        self._ragged_members: list[bool] | None = None
+        self._constants: dict[NodeKey, ComputeNode] = {}
+        # every node that computed copies of a declared node: (one copy's key, copies, inputs)
+        self._copies: dict[ComputeNode, tuple[NodeKey, int, int]] = {}
+        self._values: list[dict[str, np.ndarray]] = []  # the checked feeds (for unrolled)
+        self._outs: list[VirtualNode] = []
+        self._builds = 0  # the build counter of input 0 (seeds its sampled nodes)
+        self._hoist = True
+        self.virtual_plan: Any = None
+
+    def _by_depth(self, loop: LoopNode) -> bool:
+        """Whether ``loop`` is a recursion whose tree nodes can be built in depth order: its body
+        reads the carried state only through children (not the previous node's, which a carry
+        holds at the start of an iteration; nor does ``stack`` of a carry), draws no random
+        samples, holds no loop and no untied parameter (whose order of creation would change)."""
+        known = self._depth_ok.get(loop)
+        if known is None and not self._depth:
+            known = self._depth_ok[loop] = False
+        if known is None:
+            known = (
+                loop.structure is not None
+                and loop.cond is None
+                and loop.until is None
+                and loop.times is None
+                and loop.checkpoint is None
+                and all(loop.updates.get(c) not in (None, c) for c in loop.carries)
+            )
+            carries = set(loop.carries)
+            plan = self.virtual_plan
+            if any(s.inputs[1] in carries for s in plan.stacked.get(loop, ())):
+                known = False  # loop.stack(carry): each node's value at the start of its iteration
+            for v in self.virtual.nodes:
+                if not known:
+                    break
+                if v.scope is loop and (
+                    v.kind in ("sample", "loop")
+                    or (v.kind == "parameter" and not v.attrs["share"])
+                    or (v.kind != "child" and any(u in carries for u in v.inputs))
+                ):
+                    known = False
+            self._depth_ok[loop] = known
+        return known
+
+    def _joint_ok(self, loop: LoopNode) -> bool:
+        """Whether the scheduler can build ``loop`` (a recursion in depth order, see
+        :meth:`_by_depth`) for every input itself (:meth:`_run_tree_jobs`): its body holds ops and
+        branches only (besides its items, children and carries)."""
+        known = self._joint.get(loop)
+        if known is None:
+            known = self._lockstep_enabled and not any(
+                v.scope is loop and v.kind not in ("op", "branch", "item", "child", "carry")
+                for v in self.virtual.nodes
+            )
+            self._joint[loop] = known
+        return known
+
+    def _lockstep_ok(self, loop: LoopNode) -> bool:
+        """Whether ``loop`` can run in lockstep across inputs (:meth:`_run_jobs`): a loop (not a
+        recursion, not checkpointed) whose body is ops only — no branch, inner loop, random
+        sample or parameter declared in it."""
+        known = self._lockstep.get(loop)
+        if known is None:
+            known = (
+                self._lockstep_enabled
+                and loop.structure is None
+                and loop.checkpoint is None
+                and all(v.op is not None for v in self.virtual_plan.eager.get(loop, ()))
+                and not any(
+                    v.scope is loop and v.kind not in ("op", "item", "carry") for v in self.virtual.nodes
+                )
+            )
+            self._lockstep[loop] = known
+        return known
 
     def __len__(self) -> int:
         return len(self.inputs)
@@ -201,6 +559,52 @@ class BatchedBuild:
             f"BatchedBuild({len(self.inputs)} inputs, {len(self.graph)} nodes, {len(self.groups)} groups "
             f"of {mean:.1f} inputs on average)"
         )
+
+    def unrolled(self, i: int) -> UnrolledGraph:
+        """Input ``i`` built alone: the unrolled graph a one-at-a-time build of its feed gives
+        (same values; its sampled nodes drawn with the seed they had in this batch), to inspect
+        or draw as usual (``render.to_dot(batch.unrolled(i))``; ``batch_groups=True`` also says
+        which group computed each node). The parameter store and the build cache are not touched.
+
+        Raises:
+            IndexError: ``i`` is not an input of this batch.
+        """
+        if not -len(self.inputs) <= i < len(self.inputs):
+            raise IndexError(f"input {i} out of range: this batch has {len(self.inputs)} inputs")
+        i %= len(self.inputs)
+        graph = self.virtual
+        builder = _Builder(graph, self._values[i], self.virtual_plan, self._hoist, builds=self._builds + i)
+        top = _Frame(None, (), {}, None)
+        with contextlib.nullcontext() if graph.training else no_grad(), _gc_paused():
+            builder.run_scope(top)
+        cg = builder.cg
+        cg._envs[(None, ())] = top.env
+        cg.outputs = [top.env[o] for o in self._outs]
+        cg._mark_fresh([_ALL])
+        cg._batch_input = (self, i)  # type: ignore[union-attr]  # for render.to_dot(cg, batch_groups=True)
+        return cg
+
+    def ran_with(self, i: int, key: NodeKey) -> tuple[ComputeNode, int, int] | None:
+        """Where input ``i``'s node ``key`` (a key of ``batch.unrolled(i)``) was computed: the node
+        of the batched graph, how many copies of the declared node it computed at once, and for
+        how many inputs. ``None`` if no op computed it (a leaf, a row of a fed sequence, a node a
+        batched build does not need such as a guard).
+        """
+        decl = self._by_key.get((key.type, key.id))
+        if decl is None:
+            return None
+        env = self.inputs[i]._envs.get((decl.scope, tuple(key.idx)))
+        found = None if env is None else env.get(decl)
+        if isinstance(found, Row):
+            found = found.src
+        info = self._copies.get(found) if found is not None else None
+        return None if info is None else (cast(ComputeNode, found), info[1], info[2])
+
+    def group_info(self, node: ComputeNode) -> tuple[NodeKey, int, int] | None:
+        """For a node of ``batch.graph`` that computed copies of a declared node: one copy's key
+        (``<type,id,idx>`` of the first input's copy), how many copies it computed and for how many
+        inputs; ``None`` for other nodes (leaves, gathers, the combined loss)."""
+        return self._copies.get(node)
 
     def outputs(self, k: int = 0) -> list[Any]:
         """Every input's value of output ``k`` (in input order)."""
@@ -236,51 +640,471 @@ class BatchedBuild:
     # -- scheduling
     def _ask(self, request: _Request) -> Any:
         """Called in an input's greenlet: hand the request to the scheduler, wait for the result."""
+        request.agent = self._getcurrent()
         return self._scheduler.switch(request)
 
     def _run(self, builders: list[Any], frames: list[Any], greenlet_type: Any) -> None:
         self._scheduler = greenlet_type.getcurrent()
+        self._getcurrent = greenlet_type.getcurrent
+        self._greenlet = greenlet_type
+        for view in self.inputs:
+            view._getcurrent, view._switch = greenlet_type.getcurrent, self._scheduler.switch
+        waiting = self._waiting
         for i, (builder, top) in enumerate(zip(builders, frames)):
             g = greenlet_type(lambda b=builder, f=top: b.run_scope(f))
             self._greenlets[i] = g
-            self._advance(i, self._resume(i, None))
-        while self._pending:
+            self._wait(i, self._resume(i, g, None))
+        while waiting:
             members = self._next_group()
-            results = self._execute(members)
+            if type(members[0]) is _TreeJob:
+                self._run_tree_jobs(members)
+                for job in members:
+                    self._wait(job.inp, self._resume(job.inp, job.agent, None))
+                continue
+            if type(members[0]) is _LoopJob:
+                self._run_jobs(members)
+                for job in members:
+                    self._wait(job.inp, self._resume(job.inp, job.agent, None))
+                continue
+            results = self._execute(members, self._ragged_members if len(members) > 1 else None)
             for req, result in zip(members, results):
-                self._advance(req.inp, self._resume(req.inp, result))
+                self._wait(req.inp, self._resume(req.inp, req.agent, result))
 
-    def _resume(self, i: int, result: Any) -> Any:
-        """Give input ``i`` the result it waits for; returns its next request (or ``None``: done).
-        An error in its build names the input."""
+    def _column_op(
+        self,
+        v: VirtualNode,
+        alive: list[_LoopJob],
+        envs: list[dict[VirtualNode, Any]],
+        steps: list[tuple[int, ...]],
+        cols: dict[VirtualNode, ComputeNode],
+        cap_cols: dict[VirtualNode, ComputeNode],
+        cells: dict[VirtualNode, ComputeNode],
+    ) -> bool:
+        """Op node ``v`` for every running input of a lockstep loop as one op, without a request
+        per input, when its inputs are whole columns: the group of an earlier body node (row ``r``
+        = input ``alive[r]``), one node for everyone, or equally shaped values stacked once.
+        Returns ``False`` (nothing done) when that does not apply; the general path then runs."""
+        op = cast(Op, v.op)
+        name = op.name
+        if len(alive) < 2:
+            return False
+        if any(v in env for env in envs):
+            return False  # hoisted (for some input): its rows are in place
+        if name in _SPECIAL:  # a slab of a fused cell's group (h' or c'): one view for all
+            index = (v.attrs or {}).get("index")
+            group = cells.get(v.inputs[0]) if op is _GETITEM and type(index) is int else None
+            if group is None:
+                return False
+            view = self._view(group, index)
+            rows = view._value
+            for r, (env, step) in enumerate(zip(envs, steps)):
+                row = _new_row(Row)
+                row.src, row.path, row.key, row.name = (
+                    group,
+                    ((slice(None), r), index),
+                    NodeKey(v.type, v.id, step),
+                    v.name,
+                )
+                row._value = rows[r]
+                env[v] = row
+            cols[v] = view
+            return True
+        cell = name in ("LSTMCell", "GRUCell")  # gates lead the value: rows along axis 1
+        inputs: list[ComputeNode] = []
+        shapes: list[tuple[int, ...]] = []
+        stacked: list[bool] = []
+        for u in v.inputs:
+            node = cols.get(u)
+            if node is None:
+                node = cap_cols.get(u)
+            if node is not None:
+                inputs.append(node)
+                shapes.append(node._value.shape[1:])
+                stacked.append(True)
+                continue
+            column = [env.get(u) for env in envs]
+            p0 = column[0]
+            if p0 is None:
+                return False  # hoisted for some input
+            if isinstance(p0, ComputeNode) and all(p is p0 for p in column):
+                inputs.append(p0)
+                shapes.append(p0._value.shape)
+                stacked.append(False)
+                continue
+            v0 = p0._value
+            if any(p is None or p._value.shape != v0.shape or p._value.dtype != v0.dtype for p in column):
+                return False
+            node = self._stack(column, NodeKey(v.type, v.id, steps[0]))
+            if u.scope is not v.scope:  # a value from outside the loop: the same every step
+                cap_cols[u] = node
+            inputs.append(node)
+            shapes.append(v0.shape)
+            stacked.append(True)
+        if not any(stacked):
+            return False
+        attrs = batched_attrs(name, v.attrs or {}, shapes, stacked, len(alive))
+        if attrs is None:
+            return False
+        self._serial += 1
+        first = NodeKey(v.type, v.id, steps[0])
         try:
-            return self._greenlets[i].switch(result) if result is not None else self._greenlets[i].switch()
+            group = self.graph._add_op(
+                op, tuple(inputs), attrs or None, NodeKey(f"{v.type}*", v.id, (self._serial,)), v.name
+            )
+        except VGraphError as e:
+            raise type(e)(f"input {alive[0].inp}: {e}") from e
+        except Exception as e:
+            raise BuildError(f"input {alive[0].inp}: the build failed: {type(e).__name__}: {e}") from e
+        self.groups.append((f"{v.type}:{v.id}", len(alive)))
+        self._copies[group] = (first, len(alive), len(alive))
+        value = group._value
+        vname = v.name
+        for r, (env, step) in enumerate(zip(envs, steps)):
+            row = _new_row(Row)
+            row.src, row.key, row.name = group, NodeKey(v.type, v.id, step), vname
+            if cell:
+                row.path, row._value = ((slice(None), r),), value[:, r]
+            else:
+                row.path, row._value = (r,), value[r]
+            env[v] = row
+        if cell:
+            cells[v] = group
+        else:
+            cols[v] = group
+        return True
+
+    def _run_tree_jobs(self, jobs: list[_TreeJob]) -> None:
+        """Build the recursion of ``jobs`` (one per input; the same declared recursion) in depth
+        order: every tree node of every input whose children are built, body node by body node,
+        each node's copies as one op; a branch chooses per tree node and each option is built for
+        the tree nodes that chose it. The inputs' greenlets are not involved."""
+        loop = jobs[0].loop
+        updates = [loop.updates[c] for c in loop.carries]
+        stacked = self.virtual_plan.stacked.get(loop, [])
+        level = [
+            (j, t)
+            for j in sorted(jobs, key=_by_input)
+            for t in range(cast(int, j.trips))
+            if j.remaining[t] == 0
+        ]
+        while level:
+            members = []
+            for j, t in level:
+                env = dict(j.captured)
+                m = _Member(j, t, env)
+                view, inner = j.view, m.idx
+                for c, init in zip(loop.carries, j.state):
+                    env[c] = init  # (never read: see _by_depth)
+                row = j.rows[t]
+                for read, k, slot in j.reads:
+                    child = row[slot] if slot < j.width else -1
+                    env[read] = j.history[child][k] if child >= 0 else j.state[k]
+                for item, seq in zip(loop.items, j.seqs):
+                    if item not in j.groups:
+                        at = cast(int, j.length) - 1 - t if item.attrs.get("reverse") else t
+                        env[item] = view._direct(
+                            _GETITEM, (seq,), {"index": at}, NodeKey("Item", item.id, inner), item.name
+                        )
+                for v, group in j.groups.items():
+                    env[v] = view._direct(
+                        _HOISTED, (group,), {"index": t}, NodeKey(v.type, v.id, inner), v.name
+                    )
+                members.append(m)
+            for v in self.virtual_plan.eager.get(loop, ()):
+                if v.op is not None:
+                    self._joint_op(v, [m for m in members if v not in m.env])
+                else:  # a branch (see _joint_ok)
+                    self._joint_branch(cast(BranchNode, v), [m for m in members if v not in m.env])
+            level = []
+            for m in members:
+                j, t, env = m.job, m.t, m.env
+                j.view._envs[(loop, m.idx)] = env
+                j.history[t] = [env[u] for u in updates]
+                j.collected[t] = [env[s.inputs[1]] for s in stacked]
+                for p in j.parents[t]:
+                    j.remaining[p] -= 1
+                    if j.remaining[p] == 0:
+                        level.append((j, p))
+            level.sort(key=lambda jt: jt[0].inp)
+
+    def _joint_op(self, v: VirtualNode, members: list[_Member]) -> None:
+        """Compute op node ``v`` for every member (whose environments hold its inputs)."""
+        requests = []
+        op = cast(Op, v.op)
+        special = op.name in _SPECIAL
+        for m in members:
+            env = m.env
+            parents = tuple([env[u] for u in v.inputs])
+            key = NodeKey(v.type, v.id, m.idx)
+            if special:
+                result = m.job.view._direct(op, parents, v.attrs, key, v.name)
+                if result is not _ASK:
+                    env[v] = result
+                    continue
+            r = _Request(m.job.inp, op, parents, v.attrs, key, v.name)
+            r.agent = env
+            requests.append(r)
+        while requests:
+            group, ragged = _same_signature(requests)
+            try:
+                results = self._execute(group, ragged)
+            except VGraphError as e:
+                raise type(e)(f"input {group[0].inp}: {e}") from e
+            except Exception as e:
+                raise BuildError(f"input {group[0].inp}: the build failed: {type(e).__name__}: {e}") from e
+            for r, result in zip(group, results):
+                r.agent[v] = result
+            if len(group) == len(requests):
+                break
+            chosen = {id(r) for r in group}
+            requests = [r for r in requests if id(r) not in chosen]
+
+    def _joint_demand(self, target: VirtualNode, members: list[_Member], at: VirtualNode) -> None:
+        """Build ``target`` and what it needs that is not built yet, for every member (``at``:
+        the branch being built, which with a member's choices so far fixes what is built)."""
+        by_path: dict[tuple[Any, ...], list[_Member]] = {}
+        for m in members:
+            if target not in m.env:
+                by_path.setdefault(m.path, []).append(m)
+        for path, ms in by_path.items():
+            key = (at, target, path)
+            order = self._closures.get(key)
+            if order is None:
+                order = self._closures[key] = self._closure(target, ms[0].env)
+            for v in order:
+                if v.op is not None:
+                    self._joint_op(v, [m for m in ms if v not in m.env])
+                else:
+                    self._joint_branch(cast(BranchNode, v), [m for m in ms if v not in m.env])
+
+    def _closure(self, target: VirtualNode, env: dict[VirtualNode, Any]) -> list[VirtualNode]:
+        """``target`` and its dependencies missing from ``env``, dependencies first."""
+        order: list[VirtualNode] = []
+        seen: set[VirtualNode] = set()
+        stack: list[tuple[VirtualNode, bool]] = [(target, False)]
+        plan = self.virtual_plan
+        while stack:
+            v, expanded = stack.pop()
+            if expanded:
+                order.append(v)
+                continue
+            if v in seen or v in env:
+                continue
+            seen.add(v)
+            stack.append((v, True))
+            stack.extend((d, False) for d in reversed(plan.deps(v)) if d not in env and d not in seen)
+        return order
+
+    def _joint_branch(self, branch: BranchNode, members: list[_Member]) -> None:
+        """Choose per member, then build each chosen option for the members that chose it."""
+        for d in self.virtual_plan.deps(branch):
+            self._joint_demand(d, members, branch)
+        by_choice: dict[int, list[_Member]] = {}
+        for m in members:
+            if branch.lead is None:
+                try:
+                    choice = _select(branch, m.idx, [m.env[k].value for k in branch.keys])
+                except VGraphError as e:
+                    raise type(e)(f"input {m.job.inp}: {e}") from e
+            else:
+                choice = m.job.chosen[(branch.lead, m.idx)]
+            m.path = (*m.path, (branch, choice))
+            by_choice.setdefault(choice, []).append(m)
+        for choice, ms in sorted(by_choice.items()):
+            option = branch.options[choice]
+            self._joint_demand(option, ms, branch)
+            for m in ms:
+                m.env[branch] = m.env[option]
+                if branch.lead is None:
+                    m.job.chosen[(branch, m.idx)] = choice
+                    m.job.decisions[m.t].append(Decision(branch, m.idx, "option", choice))
+
+    def _run_jobs(self, jobs: list[_LoopJob]) -> None:
+        """Run the loop of ``jobs`` (one per input; the same declared loop) in lockstep: iteration
+        ``t`` of every input that has one, body node by body node, each node's copies as one op
+        (:meth:`_execute`); the inputs' greenlets are not involved."""
+        loop = jobs[0].loop
+        body = self.virtual_plan.eager.get(loop, ())
+        stacked = self.virtual_plan.stacked.get(loop, [])
+        updates = [loop.updates[c] for c in loop.carries]
+        names = [c.name for c in loop.carries]
+        # longest first: the inputs still running at step t are the first rows of step t-1's
+        # groups, which the next groups read as one view (no gather). With a condition, the
+        # lengths are not known: input order.
+        conditional = loop.cond is not None or loop.until is not None
+        if conditional or any(j.trips is None for j in jobs):
+            alive = sorted(jobs, key=_by_input)
+        else:
+            alive = sorted(jobs, key=lambda j: (-cast(int, j.trips), j.inp))
+        t = 0
+        previous: list[_LoopJob] = []
+        prev_cols: dict[VirtualNode, ComputeNode] = {}  # body node -> the group of last step (all alive)
+        cap_cols: dict[VirtualNode, ComputeNode] = {}  # captured per-input values, stacked once
+        while True:
+            running = []
+            for j in alive:  # who runs iteration t: the checks of the sequential loop, per input
+                if j.trips is not None and t >= j.trips:
+                    j.count = t
+                    continue
+                if loop.cond is not None:
+                    try:
+                        go = _run_cond(loop, j.idx, t, names, [s._value for s in j.state])
+                    except VGraphError as e:
+                        raise type(e)(f"input {j.inp}: {e}") from e
+                    if not go:
+                        j.count = t
+                        continue
+                if t >= loop.max_iters:
+                    if loop.on_limit == "stop":
+                        j.capped = j.count = t
+                        continue
+                    raise LoopLimitError(
+                        f"input {j.inp}: {loop.describe(j.idx)} reached max_iters={loop.max_iters} and would "
+                        "go on; raise max_iters if that many iterations are intended, or check the loop's condition"
+                    )
+                running.append(j)
+            alive = running
+            if not alive:
+                break
+            envs = []
+            for j in alive:
+                ienv = dict(j.captured)
+                inner = (*j.idx, t)
+                for c, node in zip(loop.carries, j.state):
+                    ienv[c] = node
+                for item, node in zip(loop.items, j.seqs):
+                    if item not in j.groups:
+                        at = cast(int, j.length) - 1 - t if item.attrs.get("reverse") else t
+                        ienv[item] = _row_at(node, at, NodeKey("Item", item.id, inner), item.name)
+                for v, group in j.groups.items():
+                    ienv[v] = _row_at(group, t, NodeKey(v.type, v.id, inner), v.name)
+                envs.append(ienv)
+            steps = [(*j.idx, t) for j in alive]
+            if len(alive) != len(previous):  # someone finished: the columns of last step are longer
+                prev_cols, cap_cols = {}, {}
+            previous = alive
+            cols: dict[VirtualNode, ComputeNode] = {}
+            cells: dict[VirtualNode, ComputeNode] = {}  # fused cells' groups (rows along axis 1)
+            for c, u in zip(loop.carries, updates):
+                if u in prev_cols:
+                    cols[c] = prev_cols[u]
+            for v in body:
+                if self._column_op(v, alive, envs, steps, cols, cap_cols, cells):
+                    continue
+                requests = []
+                op, inputs, attrs, vtype, vid, vname = cast(Op, v.op), v.inputs, v.attrs, v.type, v.id, v.name
+                special = op.name in _SPECIAL
+                for j, ienv, step in zip(alive, envs, steps):
+                    if v in ienv:  # hoisted for this input
+                        continue
+                    parents = tuple([ienv[u] for u in inputs])
+                    key = NodeKey(vtype, vid, step)
+                    if special:
+                        result = j.view._direct(op, parents, attrs, key, vname)
+                        if result is not _ASK:
+                            ienv[v] = result
+                            continue
+                    r = _Request(j.inp, op, parents, attrs, key, vname)
+                    r.agent = ienv
+                    requests.append(r)
+                while requests:
+                    members, ragged = _same_signature(requests)
+                    try:
+                        results = self._execute(members, ragged)
+                    except VGraphError as e:
+                        raise type(e)(f"input {members[0].inp}: {e}") from e
+                    except Exception as e:
+                        raise BuildError(
+                            f"input {members[0].inp}: the build failed: {type(e).__name__}: {e}"
+                        ) from e
+                    for r, result in zip(members, results):
+                        r.agent[v] = result
+                    if len(members) == len(requests):
+                        break
+                    chosen = {id(r) for r in members}
+                    requests = [r for r in requests if id(r) not in chosen]
+            prev_cols = cols
+            for j, ienv in zip(alive, envs):
+                j.view._envs[(loop, (*j.idx, t))] = ienv
+                new_state = [ienv[u] for u in updates]
+                for name, old, new in zip(names, j.state, new_state):
+                    a, b = old._value, new._value
+                    if (a.shape != b.shape or a.dtype != b.dtype) and not (t == 0 and _widens(a, b)):
+                        raise ShapeError(
+                            f"input {j.inp}: {loop.describe(j.idx)}: carry {name!r} enters iteration {t} as "
+                            f"{a.dtype}{list(a.shape)} but is updated to {b.dtype}{list(b.shape)} by "
+                            f"{new.describe()}; a carry must keep its shape and dtype (to collect values of "
+                            "growing size, use loop.stack)"
+                        )
+                j.state = new_state
+                j.collected.append([ienv[s.inputs[1]] for s in stacked])
+            t += 1
+            if loop.until is not None:  # do-while: checked on the updated state
+                still = []
+                for j in alive:
+                    try:
+                        done = _run_cond(loop, j.idx, t - 1, names, [s._value for s in j.state], until=True)
+                    except VGraphError as e:
+                        raise type(e)(f"input {j.inp}: {e}") from e
+                    if done:
+                        j.count = t
+                    else:
+                        still.append(j)
+                alive = still
+
+    def _resume(self, i: int, agent: Any, result: Any) -> Any:
+        """Give input ``i``'s greenlet ``agent`` the result it waits for; returns its next request
+        (``None``: done; a :class:`_Spawn`: greenlets to start). An error in its build names the
+        input."""
+        try:
+            return agent.switch(result) if result is not None else agent.switch()
         except VGraphError as e:
             raise type(e)(f"input {i}: {e}") from e
         except Exception as e:
             raise BuildError(f"input {i}: the build failed: {type(e).__name__}: {e}") from e
 
-    def _advance(self, i: int, answer: Any) -> None:
-        if isinstance(answer, _Request):
-            self._pending[i] = answer
-        else:  # the input's build finished
-            self._pending.pop(i, None)
+    def _wait(self, i: int, answer: Any) -> None:
+        """File input ``i``'s next request under its declared node's rank (``None``: that greenlet
+        is done; a :class:`_Spawn`: start greenlets and file their requests)."""
+        if type(answer) is _Request or type(answer) is _LoopJob or type(answer) is _TreeJob:
+            key = answer.key
+            # a hoisted group <MatMul*:k> waits with (but apart from) the copies of <MatMul:k>
+            rank = (self._order.get((key.type.rstrip("*"), key.id), -1), key.type)
+            bucket = self._waiting.get(rank)
+            if bucket is None:
+                self._waiting[rank] = [answer]
+            else:
+                bucket.append(answer)
+        elif answer is not None:
+            for agent in answer.start:
+                self._wait(i, self._resume(i, agent, None))
+            if answer.resume is not None:
+                self._wait(i, self._resume(i, answer.resume, None))
 
-    def _next_group(self) -> list[_Request]:
+    def _next_group(self) -> list[Any]:  # requests, or jobs
         """The requests to run together: those for the declared node first in declaration order
-        among the asked-for ones, with the most common signature (per-row shapes and dtypes)."""
-        order = self._order
-        first = min(self._pending.values(), key=lambda r: order.get((r.key.type, r.key.id), -1))
-        kind = (first.key.type, first.key.id)
-        by_sig: dict[Any, list[_Request]] = {}
-        for r in self._pending.values():
-            if (r.key.type, r.key.id) == kind:
-                by_sig.setdefault(r.signature, []).append(r)
-        return max(by_sig.values(), key=len)
+        among the asked-for ones, with the most common signature (per-row shapes and dtypes), in
+        input order (or the inputs' runs of a loop run in lockstep, :class:`_LoopJob`)."""
+        waiting = self._waiting
+        rank = min(waiting)
+        bucket = waiting.pop(rank)
+        if len(bucket) == 1 or type(bucket[0]) in (_LoopJob, _TreeJob):
+            self._ragged_members = None
+            return bucket
+        bucket.sort(key=_by_input)
+        members, self._ragged_members = _same_signature(bucket)
+        if len(members) < len(bucket):
+            chosen = {id(r) for r in members}
+            waiting[rank] = [r for r in bucket if id(r) not in chosen]
+        return members
 
-    def _execute(self, members: list[_Request]) -> list[Any]:
+    def _execute(self, members: list[_Request], ragged: list[bool] | None = None) -> list[Any]:
+        """Run ``members`` (copies of one declared node) as one op; ``ragged``: their inputs
+        differ in length and these are concatenated (see :func:`_same_signature`)."""
         g = self.graph
         first = members[0]
+        if ragged is not None:
+            return self._execute_ragged(members, ragged)
         if len(members) > 1:  # (a variadic op's members have equally many inputs: same signature)
             inputs: list[ComputeNode] = []
             shapes: list[tuple[int, ...]] = []
@@ -296,28 +1120,96 @@ class BatchedBuild:
                     inputs.append(self._stack(column, first.key))
                     shapes.append(np.shape(p0._value))
                     stacked.append(True)
+            if not any(stacked):  # the same inputs for every copy (a shared constant state): the
+                node = self._single(first)  # same value — computed once, the node for everyone
+                self._copies[node] = (first.key, len(members), len({r.inp for r in members}))
+                self.groups[-1] = (self.groups[-1][0], len(members))
+                return [node] * len(members)
             attrs = batched_attrs(first.op.name, first.attrs or {}, shapes, stacked, len(members))
             if attrs is not None:
                 self._serial += 1
                 key = NodeKey(f"{first.key.type}*", first.key.id, (self._serial,))
                 group = g._add_op(first.op, tuple(inputs), attrs or None, key, first.name)
                 self.groups.append((f"{first.key.type}:{first.key.id}", len(members)))
-                axis = 1 if first.op.name in ("LSTMCell", "GRUCell") else 0  # gates lead those values
-                return [
-                    Row(group, (r,) if axis == 0 else ((slice(None), r),), req.key, req.name)
-                    for r, req in enumerate(members)
-                ]
+                self._copies[group] = (first.key, len(members), len({r.inp for r in members}))
+                if first.op.name in ("LSTMCell", "GRUCell"):  # gates lead those values
+                    return [
+                        Row(group, ((slice(None), r),), req.key, req.name) for r, req in enumerate(members)
+                    ]
+                return [_row(group, r, req) for r, req in enumerate(members)]
         return [self._single(r) for r in members]
+
+    def _execute_ragged(self, members: list[_Request], ragged: list[bool]) -> list[Any]:
+        """Run ``members`` (whose inputs differ in length along axis 0 only, see :func:`_ragged`)
+        as one op on their inputs concatenated along axis 0; each gets its rows of the result."""
+        first = members[0]
+        inputs = []
+        for j, rg in enumerate(ragged):
+            column = [r.parents[j] for r in members]
+            inputs.append(self._concat(column) if rg else column[0])
+        self._serial += 1
+        key = NodeKey(f"{first.key.type}*", first.key.id, (self._serial,))
+        group = self.graph._add_op(first.op, tuple(inputs), first.attrs, key, first.name)
+        self.groups.append((f"{first.key.type}:{first.key.id}", len(members)))
+        self._copies[group] = (first.key, len(members), len({r.inp for r in members}))
+        j = ragged.index(True)
+        out, a = [], 0
+        value = group._value
+        for req in members:
+            b = a + len(req.parents[j]._value)
+            row = _new_row(Row)
+            row.src, row.path, row.key, row.name, row._value = (
+                group,
+                (slice(a, b),),
+                req.key,
+                req.name,
+                value[a:b],
+            )
+            out.append(row)
+            a = b
+        return out
+
+    def _concat(self, column: list[Any]) -> ComputeNode:
+        """One node: the given values concatenated along axis 0 (the source itself when they are
+        its consecutive row ranges, in order)."""
+        p0 = column[0]
+        if type(p0) is Row and len(p0.path) == 1 and isinstance(p0.path[0], slice):
+            src, a = p0.src, 0
+            for p in column:
+                if type(p) is not Row or p.src is not src or p.path != (slice(a, a + len(p._value)),):
+                    break
+                a += len(p._value)
+            else:
+                if a == len(src._value):
+                    return src
+        nodes = tuple(p if isinstance(p, ComputeNode) else self._unwrap(p) for p in column)
+        self._serial += 1
+        return self.graph._add_op(_CONCAT, nodes, {"axis": 0}, NodeKey("Concat", self._serial, ()), None)
 
     def _single(self, r: _Request) -> ComputeNode:
         """An op run for one input alone (nothing to batch it with, or an op that cannot be)."""
-        parents = tuple(
-            p if isinstance(p, ComputeNode) else self._stack([p], p.key, single=True) for p in r.parents
-        )
+        parents = tuple(p if isinstance(p, ComputeNode) else self._unwrap(p) for p in r.parents)
         self.groups.append((f"{r.key.type}:{r.key.id}", 1))
-        return self.graph._add_op(
+        node = self.graph._add_op(
             r.op, parents, r.attrs, NodeKey(f"{r.key.type}#{r.inp}", r.key.id, r.key.idx), r.name
         )
+        self._copies[node] = (r.key, 1, 1)
+        return node
+
+    def _unwrap(self, row: Row) -> ComputeNode:
+        """A node whose value is the row itself: one ``GetItem`` of its group when one basic index
+        reaches it, else a gather of the one row."""
+        if len(row.path) == 1:
+            self._serial += 1
+            return self.graph._add_op(
+                _GETITEM, (row.src,), {"index": row.path[0]}, NodeKey("Row", self._serial, ()), None
+            )
+        return self._stack([row], row.key, single=True)
+
+    def _view(self, src: ComputeNode, index: Any) -> ComputeNode:
+        """``src[index]`` for a basic index: a view, whose gradient is one slice of src's."""
+        self._serial += 1
+        return self.graph._add_op(_GETITEM, (src,), {"index": index}, NodeKey("Rows", self._serial, ()), None)
 
     def _stack(self, column: Sequence[Any], key: NodeKey, single: bool = False) -> ComputeNode:
         """One node whose rows are the given values (rows of groups, or whole nodes), in order;
@@ -331,20 +1223,23 @@ class BatchedBuild:
             src, n = first.src, len(column)
             if all(type(p) is Row and p.src is src for p in column):
                 paths = [p.path for p in column]
-                if paths == [(r,) for r in range(len(src._value))]:
-                    return src  # already a group in this order
+                if paths == [(r,) for r in range(n)]:  # the group's first n rows, in order
+                    if n == len(src._value):
+                        return src  # already a group in this order
+                    return self._view(src, slice(0, n))
                 tail = first.path[1:]
                 lead = first.path[0]
                 if (
                     isinstance(lead, tuple)
                     and len(tail) == 1
                     and paths == [((slice(None), r), *tail) for r in range(n)]
-                    and n == np.shape(src._value)[1]
-                ):
-                    self._serial += 1  # src[:, r][k] for every r, in order: src[k]
-                    return self.graph._add_op(
-                        _GETITEM, (src,), {"index": tail[0]}, NodeKey("Rows", self._serial, ()), None
+                ):  # src[:, r][k] for the first n r, in order: src[k] (or src[k, :n])
+                    return self._view(
+                        src, tail[0] if n == np.shape(src._value)[1] else (tail[0], slice(0, n))
                     )
+                rows = _rows_of(paths)
+                if rows is not None:  # rows of src picked by one integer-array index: no Python loop
+                    return self._view(src, rows)  # in backward (np.add.at once)
         sources: list[ComputeNode] = []
         position: dict[int, int] = {}
         where: list[tuple[int, Any]] = []
@@ -365,7 +1260,191 @@ class BatchedBuild:
         return node
 
 
-def build_batch(graph: Any, feeds: Sequence[Mapping[str, Any]], outputs: Any) -> BatchedBuild:
+class _BatchBuilder(_Builder):
+    """One input's builder in a batched build. A recursion (``g.recurse``) runs tree node by tree
+    node in depth order instead of one node after another: each tree node is built in a greenlet
+    of its own, started as soon as its children are built, so that every input's ready tree nodes
+    ask for their ops together — all leaves of all inputs in one group per op, then the nodes
+    whose children are leaves, and so on (TensorFlow Fold's depth batching, on structures that
+    arrive as data). Values, gradients and decisions (reordered as one node after another would
+    have made them) are those of the sequential build."""
+
+    batch: BatchedBuild
+    index: int
+
+    def run_loop(self, loop: LoopNode, frame: _Frame) -> None:
+        if loop.checkpoint is not None:
+            raise BuildError(
+                f"{loop.describe(frame.idx)} is checkpointed (checkpoint={loop.checkpoint!r}), which "
+                "g.build_batch does not support: build these inputs one at a time with g.build"
+            )
+        if self.batch._by_depth(loop):
+            return self._run_tree(loop, frame)
+        if self.batch._lockstep_ok(loop):
+            return self._run_lockstep(loop, frame)
+        return super().run_loop(loop, frame)
+
+    def _run_lockstep(self, loop: LoopNode, frame: _Frame) -> None:
+        """A loop whose body is ops only: prepared here (checks, hoisting), then handed to the
+        scheduler, which runs every input's iteration ``t`` of it together, one body node at a
+        time, without switching to the inputs; a ``while_``/``until`` condition is evaluated per
+        input on its own state (:meth:`BatchedBuild._run_jobs`)."""
+        cg, env, idx = self.cg, frame.env, frame.idx
+        state = [frame.owner(c.inputs[0]).env[c.inputs[0]] for c in loop.carries]
+        seqs = [frame.owner(s).env[s] for s in loop.sequences]
+        length = None
+        for s, node in zip(loop.sequences, seqs):
+            if node.value.ndim == 0:
+                raise ShapeError(f"{loop.describe(idx)}: cannot step through {s.describe()}, a scalar")
+            m = node.value.shape[0]
+            if length is not None and m != length:
+                raise ShapeError(
+                    f"{loop.describe(idx)}: stepped sequences have different lengths {length} and {m}"
+                )
+            length = m
+        known = [m for m in (loop.times, length) if m is not None]
+        trips = min(known) if known else None  # at most (a condition may stop it earlier)
+        captured = {c: frame.owner(c).env[c] for c in self.plan.captures[loop]}
+        groups: dict[VirtualNode, Any] = {}
+        if (
+            self.hoist
+            and loop.cond is None
+            and loop.until is None
+            and self.plan.hoistable[loop]
+            and trips is not None
+            and 1 < trips <= loop.max_iters
+        ):
+            groups = hoist_loop(self, loop, frame, captured, seqs, trips)
+        job = _LoopJob(cast(InputView, cg), loop, idx, state, seqs, length, trips, captured, groups)
+        job.agent = self.batch._getcurrent()
+        self.batch._scheduler.switch(job)  # back when every input's run of the loop is done
+        if job.capped is not None:
+            cg.decisions.append(Decision(loop, idx, "capped", job.capped))
+        cg.decisions.append(Decision(loop, idx, "iterations", job.count))
+        env[loop] = None
+        for v in self.plan.finals.get(loop, ()):
+            env[v] = job.state[loop.carries.index(v.inputs[1])]
+        for j, s in enumerate(self.plan.stacked.get(loop, [])):
+            bucket = [collected[j] for collected in job.collected]
+            if bucket:  # an error only if the stack is used: see build_node
+                env[s] = cg._add_op(_STACK, tuple(bucket), {"axis": 0}, NodeKey("Stack", s.id, idx), s.name)
+
+    def _run_tree(self, loop: LoopNode, frame: _Frame) -> None:
+        cg, env, idx = self.cg, frame.env, frame.idx
+        defaults = [frame.owner(c.inputs[0]).env[c.inputs[0]] for c in loop.carries]
+        seqs = [frame.owner(s).env[s] for s in loop.sequences]
+        length = None
+        for s, node in zip(loop.sequences, seqs):
+            if node.value.ndim == 0:
+                raise ShapeError(f"{loop.describe(idx)}: cannot step through {s.describe()}, a scalar")
+            m = node.value.shape[0]
+            if length is not None and m != length:
+                raise ShapeError(
+                    f"{loop.describe(idx)}: stepped sequences have different lengths {length} and {m}"
+                )
+            length = m
+        structure = cast(VirtualNode, loop.structure)
+        kids = _check_structure(loop, idx, frame.owner(structure).env[structure].value, length)
+        n = len(kids)
+        if n > loop.max_iters:  # the sequential loop reports (or caps) that
+            return super().run_loop(loop, frame)
+        rows = kids.tolist()
+        width = kids.shape[1]
+        reads = [(read, loop.carries.index(read.inputs[0]), read.attrs["slot"]) for read in loop.children]
+        captured = {c: frame.owner(c).env[c] for c in self.plan.captures[loop]}
+        groups: dict[VirtualNode, Any] = {}
+        if self.hoist and self.plan.hoistable[loop] and n > 1:
+            groups = hoist_loop(self, loop, frame, captured, seqs, n)
+        order = [v for v in self.plan.eager.get(loop, ()) if v not in groups] if groups else None
+        stacked = self.plan.stacked.get(loop, [])
+        history: list[Any] = [None] * n
+        collected: list[Any] = [None] * n
+        remaining = [len({c for c in row if c >= 0}) for row in rows]
+        parents: list[list[int]] = [[] for _ in range(n)]
+        for t, row in enumerate(rows):
+            for c in set(row):
+                if c >= 0:
+                    parents[c].append(t)
+        me = self.batch._getcurrent()
+        scheduler, make = self.batch._scheduler, self.batch._greenlet
+        done = [0]
+
+        def tree_node(t: int) -> _Spawn:
+            inner = _Frame(loop, (*idx, t), dict(captured), frame)
+            ienv = inner.env
+            for c, init in zip(loop.carries, defaults):
+                ienv[c] = init  # (never read: the body reads children's state only; see _by_depth)
+            row = rows[t]
+            for read, k, slot in reads:
+                child = row[slot] if slot < width else -1
+                ienv[read] = history[child][k] if child >= 0 else defaults[k]
+            for item, seq in zip(loop.items, seqs):
+                if item not in groups:
+                    at = cast(int, length) - 1 - t if item.attrs.get("reverse") else t
+                    ienv[item] = cg._add_op(
+                        _GETITEM, (seq,), {"index": at}, NodeKey("Item", item.id, inner.idx), item.name
+                    )
+            for v, group in groups.items():
+                ienv[v] = cg._add_op(
+                    _HOISTED, (group,), {"index": t}, NodeKey(v.type, v.id, inner.idx), v.name
+                )
+            self.run_scope(inner, order)
+            cg._envs[(loop, inner.idx)] = ienv
+            history[t] = [ienv[loop.updates[c]] for c in loop.carries]
+            collected[t] = [ienv[s.inputs[1]] for s in stacked]
+            done[0] += 1
+            ready = []
+            for p in parents[t]:
+                remaining[p] -= 1
+                if remaining[p] == 0:
+                    ready.append(make(lambda p=p: tree_node(p), parent=scheduler))
+            return _Spawn(ready, me if done[0] == n else None)
+
+        start = len(cg.decisions)
+        if self.batch._joint_ok(loop):  # the scheduler builds every input's tree nodes itself
+            job = _TreeJob(cast(InputView, cg), loop, idx, defaults, seqs, length, n, captured, groups)
+            job.reads, job.rows, job.width, job.parents, job.remaining = (
+                reads,
+                rows,
+                width,
+                parents,
+                remaining,
+            )
+            job.history, job.collected, job.chosen = history, collected, self.chosen
+            job.agent = me
+            scheduler.switch(job)  # back when every tree node is built
+            for t in range(n):
+                cg.decisions.extend(job.decisions[t])
+        else:  # each tree node in a greenlet of its own
+            leaves = [make(lambda t=t: tree_node(t), parent=scheduler) for t in range(n) if remaining[t] == 0]
+            scheduler.switch(_Spawn(leaves))  # back when every tree node is built
+        # as one node after another: each node's decisions together, in node order
+        cg.decisions[start:] = sorted(cg.decisions[start:], key=lambda d: d.idx[len(idx)])
+        names = [c.name for c in loop.carries]
+        previous = defaults
+        for t in range(n):
+            for name, old, new in zip(names, previous, history[t]):
+                a, b = old._value, new._value
+                if (a.shape != b.shape or a.dtype != b.dtype) and not (t == 0 and _widens(a, b)):
+                    raise ShapeError(
+                        f"{loop.describe(idx)}: carry {name!r} enters iteration {t} as {a.dtype}{list(a.shape)} "
+                        f"but is updated to {b.dtype}{list(b.shape)} by {new.describe()}; a carry must keep "
+                        "its shape and dtype (to collect values of growing size, use loop.stack)"
+                    )
+            previous = history[t]
+        cg.decisions.append(Decision(loop, idx, "iterations", n))
+        env[loop] = None
+        final = history[n - 1]
+        for v in self.plan.finals.get(loop, ()):
+            env[v] = final[loop.carries.index(v.inputs[1])]
+        for j, s in enumerate(stacked):
+            bucket = tuple(collected[t][j] for t in range(n))
+            env[s] = cg._add_op(_STACK, bucket, {"axis": 0}, NodeKey("Stack", s.id, idx), s.name)
+
+
+def build_batch(
+    graph: Any, feeds: Sequence[Mapping[str, Any]], outputs: Any, hoist: bool = True, depth: bool = True
+) -> BatchedBuild:
     """Build ``feeds`` (one feed per input) at once; see :meth:`VirtualGraph.build_batch`."""
     try:
         import greenlet
@@ -384,10 +1463,15 @@ def build_batch(graph: Any, feeds: Sequence[Mapping[str, Any]], outputs: Any) ->
         except VGraphError as e:
             raise type(e)(f"input {i}: {e}") from None
     batch = BatchedBuild(graph, len(feeds))
+    batch._depth = depth
+    batch._values, batch._outs, batch._builds = values, outs, graph._builds
+    batch._hoist = hoist
+    batch.virtual_plan = plan
     new_params: dict[str, ComputeNode] = {}
     builders, tops = [], []
     for i, v in enumerate(values):
-        b = _Builder(graph, v, plan, hoist=False, cg=batch.inputs[i], builds=graph._builds + i)
+        b = _BatchBuilder(graph, v, plan, hoist=hoist, cg=batch.inputs[i], builds=graph._builds + i)
+        b.batch, b.index = batch, i
         b.new_params = new_params  # an untied copy two inputs reach is created once
         builders.append(b)
         tops.append(_Frame(None, (), {}, None))
@@ -399,7 +1483,7 @@ def build_batch(graph: Any, feeds: Sequence[Mapping[str, Any]], outputs: Any) ->
     for name, node in new_params.items():  # commit only after success
         graph.params._add(name, node)
     graph._builds += len(feeds)
-    del batch._greenlets, batch._pending
+    del batch._greenlets, batch._waiting
     return batch
 
 

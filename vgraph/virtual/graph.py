@@ -594,7 +594,11 @@ class VirtualGraph:
         return node
 
     def build_batch(
-        self, feeds: Sequence[Mapping[str, Any]], outputs: VirtualNode | Sequence[VirtualNode]
+        self,
+        feeds: Sequence[Mapping[str, Any]],
+        outputs: VirtualNode | Sequence[VirtualNode],
+        hoist: bool = True,
+        depth: bool = True,
     ) -> Any:
         """Build many inputs at once, running copies of the same declared node together
         (autobatching; see :mod:`vgraph.virtual.batch`).
@@ -606,6 +610,13 @@ class VirtualGraph:
         Args:
             feeds: one feed (input name -> value) per input.
             outputs: top-level virtual nodes to build for every input.
+            hoist: hoist carry-independent loop-body work out of each input's loops, as
+                :meth:`build` does (one op per loop and input instead of one per iteration; the
+                groups can batch across inputs too); ``False`` runs every iteration's copy.
+            depth: build a recursion's tree nodes in depth order (a tree node as soon as its
+                children are built: the leaves of every input together, and so on up); ``False``
+                builds each input's tree nodes one after another, as :meth:`build` does. Results
+                are the same either way.
 
         Returns:
             A :class:`~vgraph.virtual.batch.BatchedBuild`: ``batch.backward()`` backpropagates the
@@ -619,7 +630,7 @@ class VirtualGraph:
         """
         from .batch import build_batch  # batching sits above declaring
 
-        return build_batch(self, feeds, outputs)
+        return build_batch(self, feeds, outputs, hoist=hoist, depth=depth)
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Set parameter values from ``state`` (name -> array), checking all of it first.
