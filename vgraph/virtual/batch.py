@@ -231,7 +231,9 @@ def _rows_of(paths: list[tuple[Any, ...]]) -> Any:
 
 
 def _by_input(r: Any) -> int:
-    return r.inp
+    """Sort key of requests and jobs: their input's index."""
+    inp: int = r.inp
+    return inp
 
 
 def _same_signature(requests: list[_Request]) -> tuple[list[_Request], list[bool] | None]:
@@ -256,7 +258,8 @@ def _same_signature(requests: list[_Request]) -> tuple[list[_Request], list[bool
 # the inputs concatenated along axis 0, and each copy's value is its rows of the result.
 _RAGGED = frozenset(
     ["Add", "Sub", "Mul", "Div", "Neg", "Pow", "Exp", "Log", "Tanh", "Sigmoid", "Relu", "Softplus", "Abs",
-     "MatMul", "Take", "Softmax", "LogSoftmax", "Concat", "TakeAlongAxis", "Reshape", "GetItem"]
+     "MatMul", "Take", "Softmax", "LogSoftmax", "Concat", "TakeAlongAxis", "Reshape", "GetItem",
+     "SoftmaxCrossEntropy"]
 )  # fmt: skip
 
 
@@ -286,9 +289,9 @@ def _ragged(requests: list[_Request]) -> list[bool] | None:
             p._value.shape[1:] != v0.shape[1:] or p._value.dtype != v0.dtype for p in column
         ):
             return None
-        if ndim is not None and v0.ndim != ndim and name not in ("Take",):
+        if ndim is not None and v0.ndim != ndim and name not in ("Take", "SoftmaxCrossEntropy"):
             return None
-        ndim = v0.ndim
+        ndim = v0.ndim if ndim is None else ndim  # the first concatenated input's
         ragged.append(True)
     if not any(ragged):
         return None
@@ -299,6 +302,10 @@ def _ragged(requests: list[_Request]) -> list[bool] | None:
     attrs = first.attrs or {}
     if name == "Take":  # a shared table looked up with indices
         return ragged if ragged == [False, True] else None
+    if name == "SoftmaxCrossEntropy":  # (T, …, V) logits with (T, …) labels: a loss per row
+        logits, labels = first.parents
+        ok = ragged == [True, True] and labels._value.ndim == logits._value.ndim - 1 >= 1
+        return ragged if ok else None
     if name == "MatMul":  # (T, …, K) @ (K, M): rows of the left operand one by one
         return (
             ragged

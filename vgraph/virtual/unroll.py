@@ -54,6 +54,7 @@ def _key(fields: tuple[str, int, tuple[int, ...]]) -> NodeKey:
     unrolling: one key per node)."""
     return tuple.__new__(NodeKey, fields)
 
+
 # ---------------------------------------------------------------------------- unrolling
 
 
