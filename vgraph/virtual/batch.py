@@ -54,6 +54,7 @@ from .unroll import (  # type: ignore[attr-defined]  # _ALL: the forward plans' 
     _gc_paused,
     _run_cond,
     _select,
+    _stepped_sequences,
     _widens,
 )
 
@@ -1298,17 +1299,7 @@ class _BatchBuilder(_Builder):
         input on its own state (:meth:`BatchedBuild._run_jobs`)."""
         cg, env, idx = self.cg, frame.env, frame.idx
         state = [frame.owner(c.inputs[0]).env[c.inputs[0]] for c in loop.carries]
-        seqs = [frame.owner(s).env[s] for s in loop.sequences]
-        length = None
-        for s, node in zip(loop.sequences, seqs):
-            if node.value.ndim == 0:
-                raise ShapeError(f"{loop.describe(idx)}: cannot step through {s.describe()}, a scalar")
-            m = node.value.shape[0]
-            if length is not None and m != length:
-                raise ShapeError(
-                    f"{loop.describe(idx)}: stepped sequences have different lengths {length} and {m}"
-                )
-            length = m
+        seqs, length = _stepped_sequences(loop, frame)
         known = [m for m in (loop.times, length) if m is not None]
         trips = min(known) if known else None  # at most (a condition may stop it earlier)
         captured = {c: frame.owner(c).env[c] for c in self.plan.captures[loop]}
@@ -1339,17 +1330,7 @@ class _BatchBuilder(_Builder):
     def _run_tree(self, loop: LoopNode, frame: _Frame) -> None:
         cg, env, idx = self.cg, frame.env, frame.idx
         defaults = [frame.owner(c.inputs[0]).env[c.inputs[0]] for c in loop.carries]
-        seqs = [frame.owner(s).env[s] for s in loop.sequences]
-        length = None
-        for s, node in zip(loop.sequences, seqs):
-            if node.value.ndim == 0:
-                raise ShapeError(f"{loop.describe(idx)}: cannot step through {s.describe()}, a scalar")
-            m = node.value.shape[0]
-            if length is not None and m != length:
-                raise ShapeError(
-                    f"{loop.describe(idx)}: stepped sequences have different lengths {length} and {m}"
-                )
-            length = m
+        seqs, length = _stepped_sequences(loop, frame)
         structure = cast(VirtualNode, loop.structure)
         kids = _check_structure(loop, idx, frame.owner(structure).env[structure].value, length)
         n = len(kids)

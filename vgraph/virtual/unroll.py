@@ -465,17 +465,7 @@ class _Builder:
         env = frame.env
         idx = frame.idx
         state = [frame.owner(c.inputs[0]).env[c.inputs[0]] for c in loop.carries]
-        seqs = [frame.owner(s).env[s] for s in loop.sequences]
-        length = None
-        for s, node in zip(loop.sequences, seqs):
-            if node.value.ndim == 0:
-                raise ShapeError(f"{loop.describe(idx)}: cannot step through {s.describe()}, a scalar")
-            n = node.value.shape[0]
-            if length is not None and n != length:
-                raise ShapeError(
-                    f"{loop.describe(idx)}: stepped sequences have different lengths {length} and {n}"
-                )
-            length = n
+        seqs, length = _stepped_sequences(loop, frame)
         if seqs:
             cg.guard(seqs, _length_check(loop, idx, cast(int, length)), NodeKey("LengthCheck", loop.id, idx))
         kids = None  # a recursion's children array: row t lists node t's children
@@ -765,6 +755,27 @@ def _length_check(loop: LoopNode, idx: tuple[int, ...], length: int) -> Callable
         return length
 
     return check
+
+
+def _stepped_sequences(loop: LoopNode, frame: _Frame) -> tuple[list[ComputeNode], int | None]:
+    """The sequences ``loop`` steps through, as built in ``frame``, and their common length
+    (``None`` if it steps through none).
+
+    Raises:
+        ShapeError: a scalar sequence, or sequences of different lengths (names the loop).
+    """
+    seqs = [frame.owner(s).env[s] for s in loop.sequences]
+    length = None
+    for s, node in zip(loop.sequences, seqs):
+        if node.value.ndim == 0:
+            raise ShapeError(f"{loop.describe(frame.idx)}: cannot step through {s.describe()}, a scalar")
+        n = node.value.shape[0]
+        if length is not None and n != length:
+            raise ShapeError(
+                f"{loop.describe(frame.idx)}: stepped sequences have different lengths {length} and {n}"
+            )
+        length = n
+    return seqs, length
 
 
 @contextlib.contextmanager
