@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
+
+import vgraph as vg
 
 _COMMON = {
     "deadline": None,
@@ -26,3 +30,12 @@ settings.register_profile("slow", max_examples=600, stateful_step_count=60, data
 settings.register_profile("ci-long", parent=settings.get_profile("slow"))
 
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fast"))
+
+
+@pytest.fixture
+def float64():
+    """Float64 as the default dtype for the test (identity tests compare to 1e-12), restored after."""
+    previous = vg.get_default_dtype()
+    vg.set_default_dtype(np.float64)
+    yield
+    vg.set_default_dtype(previous)

@@ -19,12 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TOL = {"rtol": 1e-12, "atol": 1e-13}
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    previous = vg.get_default_dtype()
-    vg.set_default_dtype(np.float64)
-    yield
-    vg.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64")  # tests/conftest.py
 
 
 def load(path):

@@ -11,16 +11,9 @@ import numpy as np
 import pytest
 from test_batch import branchy_tree_model, tree_feeds
 
-import vgraph as vg
 from vgraph import render
 
-
-@pytest.fixture(autouse=True)
-def float64():
-    previous = vg.get_default_dtype()
-    vg.set_default_dtype(np.float64)
-    yield
-    vg.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64")  # tests/conftest.py
 
 
 @pytest.fixture

@@ -34,12 +34,7 @@ def load(path: Path):
     return module
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    previous = vg.get_default_dtype()
-    vg.set_default_dtype(np.float64)
-    yield
-    vg.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64")  # tests/conftest.py
 
 
 def run(g, feed, outputs, loss, hoist):

@@ -29,12 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS = 4  # sweeps per run: the first is interpreted, the later ones run the tape
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    previous = vg.get_default_dtype()
-    vg.set_default_dtype(np.float64)
-    yield
-    vg.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64")  # tests/conftest.py
 
 
 @contextlib.contextmanager
