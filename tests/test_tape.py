@@ -383,3 +383,18 @@ def test_an_op_failing_in_a_forward_tape_names_the_node():
         x.value = np.ones((2, 5))
         with pytest.raises(ShapeError, match=r"<MatMul:1>"):
             cg.forward(out)
+
+
+def test_anomaly_mode_after_tapes_were_made_still_names_the_node():
+    """Anomaly mode sweeps node by node even where a tape exists (its checks are per node)."""
+    cg = ComputeGraph(dtype=np.float64)
+    x = cg.input(np.ones(3), name="x", requires_grad=True)
+    out = vg.sum(vg.log(x * 2.0))
+    with tapes(True):
+        for _ in range(3):
+            x.value = np.ones(3)
+            cg.forward(out)
+            cg.backward(out)
+        x.value = np.array([1.0, -1.0, 2.0])
+        with pytest.raises(vg.NonFiniteError, match=r"<Log:1>: log of a negative input"):
+            cg.forward(out, detect_anomaly=True)
