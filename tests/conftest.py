@@ -39,3 +39,19 @@ def float64():
     vg.set_default_dtype(np.float64)
     yield
     vg.set_default_dtype(previous)
+
+
+@pytest.fixture
+def defop():
+    """``vg.defop`` that removes the ops it added after the test (the op table is global)."""
+    added: list[str] = []
+
+    def define(name, *args, **kwargs):
+        f = vg.defop(name, *args, **kwargs)
+        added.append(name)
+        return f
+
+    yield define
+    for name in added:
+        if name in vg.ops.OPS:
+            vg.undefop(name)

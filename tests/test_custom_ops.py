@@ -14,22 +14,6 @@ from vgraph.ops import OPS
 F64 = np.float64
 
 
-@pytest.fixture
-def defop():
-    """``vg.defop`` that removes the ops it added after the test (the op table is global)."""
-    added: list[str] = []
-
-    def define(name, *args, **kwargs):
-        f = vg.defop(name, *args, **kwargs)
-        added.append(name)
-        return f
-
-    yield define
-    for name in added:
-        if name in OPS:
-            vg.undefop(name)
-
-
 def softsign(x):
     return x / (1 + np.abs(x))
 

@@ -314,7 +314,7 @@ def test_set_tapes_takes_a_bool():
 # ---------------------------------------------------------------------------- failures inside compiled code
 
 
-def test_a_vjp_failing_in_a_tape_names_the_node_and_changes_no_grad():
+def test_a_vjp_failing_in_a_tape_names_the_node_and_changes_no_grad(defop):
     calls = {"n": 0}
 
     def flaky_vjp(g, ans, x):
@@ -323,7 +323,7 @@ def test_a_vjp_failing_in_a_tape_names_the_node_and_changes_no_grad():
             raise ValueError("boom")
         return g * np.cos(x)
 
-    sin = vg.defop("TapeSin", np.sin, flaky_vjp)
+    sin = defop("TapeSin", np.sin, flaky_vjp)
     cg = ComputeGraph(dtype=np.float64)
     p = cg.parameter(np.array([0.3, -0.2]), name="p")
     out = vg.sum(sin(p * 2.0))
@@ -339,7 +339,7 @@ def test_a_vjp_failing_in_a_tape_names_the_node_and_changes_no_grad():
     assert all(n._g is None for n in cg.nodes())
 
 
-def test_an_op_that_raises_is_called_once_and_named():
+def test_an_op_that_raises_is_called_once_and_named(defop):
     """In a build and in a compiled forward alike, the error names the node; the op is not run a
     second time to find out which node it was."""
     calls = {"n": 0, "fail": False}
@@ -350,7 +350,7 @@ def test_an_op_that_raises_is_called_once_and_named():
             raise ValueError("no")
         return x * 2.0
 
-    double = vg.defop("TapeDouble", forward, lambda g, ans, x: 2.0 * g)
+    double = defop("TapeDouble", forward, lambda g, ans, x: 2.0 * g)
     cg = ComputeGraph(dtype=np.float64)
     x = cg.input(np.ones(3), name="x")
     out = vg.sum(double(x))
