@@ -100,3 +100,25 @@ def test_a_long_stack_of_weight_gradient_products_is_summed_in_blocks(monkeypatc
         rows = rows.merge(ops.RowsProductGrad(a, g))
     expected = sum(a.T @ g for a, g in parts)
     np.testing.assert_allclose(rows.dense(), expected, rtol=1e-12)
+
+
+def test_a_bias_gradient_is_reduced_once_and_never_writes_into_a_contribution():
+    """A leaf's gradient over leading (batch, iteration) axes is kept at full shape, added in
+    place into a buffer of its own, and reduced when asked; the first contribution, which may be
+    another node's gradient too, is copied rather than added into."""
+    rng = np.random.default_rng(2)
+    parts = [rng.normal(size=(3, 4)) for _ in range(5)]
+    first = parts[0].copy()
+    acc = ops.reduce_grad(parts[0], (4,), leaf=True)
+    assert isinstance(acc, ops.LeadingSumGrad)
+    for p in parts[1:]:
+        acc = ops.add_grads(acc, ops.reduce_grad(p, (4,), leaf=True))
+    np.testing.assert_allclose(acc.dense(), sum(p.sum(axis=0) for p in parts), rtol=1e-12)
+    np.testing.assert_array_equal(parts[0], first)
+    # not a leaf, a stretched axis, or another dtype: reduced at once / merged densely
+    assert type(ops.reduce_grad(parts[0], (4,), leaf=False)) is np.ndarray
+    assert type(ops.reduce_grad(parts[0], (1, 4), leaf=True)) is np.ndarray
+    mixed = ops.reduce_grad(parts[1], (4,), leaf=True).merge(
+        ops.reduce_grad(parts[2].astype(np.float32), (4,), leaf=True)
+    )
+    np.testing.assert_allclose(mixed, parts[1].sum(0) + parts[2].astype(np.float32).sum(0), rtol=1e-6)

@@ -49,7 +49,7 @@ from .ops import (
     add_grads,
     add_grads_sparse,
     as_row_sparse,
-    unbroadcast,
+    reduce_grad,
 )
 
 if TYPE_CHECKING:
@@ -1239,7 +1239,7 @@ class ComputeGraph:
                         pg = vjp(g, ans, *values, **attrs) if attrs else vjp(g, ans, *values)
                         pshape = p._value.shape
                         if pg.shape != pshape:
-                            pg = unbroadcast(pg, pshape)
+                            pg = reduce_grad(pg, pshape, p.op is None and not p.sparse_grad)
                     except VGraphError:
                         raise
                     except Exception as e:

@@ -496,6 +496,49 @@ def add_grads(acc: Any, g: Any) -> Any:
     return acc + g
 
 
+class LeadingSumGrad(LazyGrad):
+    """A gradient for a leaf of ``shape`` that reached it broadcast over leading axes (a bias added
+    to every row of a batch, in every iteration of a loop): the contributions are added at their
+    full shape, in place into one buffer, and reduced to ``shape`` once when the leaf's turn
+    comes — one addition per use instead of a reduction and an addition."""
+
+    __slots__ = ("full", "owned")
+
+    def __init__(self, shape: tuple[int, ...], full: np.ndarray) -> None:
+        self.shape = shape
+        self.dtype = full.dtype
+        self.full = full
+        self.owned = False  # full may be another node's gradient too: copied before adding into it
+
+    def dense(self) -> np.ndarray:
+        return unbroadcast(self.full, self.shape)
+
+    def add_into(self, acc: np.ndarray) -> None:
+        acc += self.dense()
+
+    def merge(self, other: LazyGrad) -> LazyGrad | np.ndarray:
+        if (
+            type(other) is LeadingSumGrad
+            and other.full.shape == self.full.shape
+            and other.dtype == self.dtype
+        ):
+            if not self.owned:
+                self.full = self.full.copy()
+                self.owned = True
+            np.add(self.full, other.full, out=self.full)
+            return self
+        return super().merge(other)
+
+
+def reduce_grad(g: Any, shape: tuple[int, ...], leaf: bool) -> Any:
+    """``g`` (whose shape differs from ``shape``) reduced to ``shape`` for an input: for a leaf and
+    only leading axes added, lazily (:class:`LeadingSumGrad`: a leaf collects one contribution
+    per use); otherwise now (:func:`unbroadcast`)."""
+    if leaf and type(g) is np.ndarray and g.ndim > len(shape) and g.shape[g.ndim - len(shape) :] == shape:
+        return LeadingSumGrad(shape, g)
+    return unbroadcast(g, shape)
+
+
 def unbroadcast(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """Sum ``g`` over the axes numpy broadcasting added or stretched, giving an array of ``shape``."""
     g = np.asarray(g)

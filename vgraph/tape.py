@@ -38,7 +38,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from .ops import LazyGrad, add_grads, add_grads_sparse, as_row_sparse, unbroadcast
+from .ops import LazyGrad, add_grads, add_grads_sparse, as_row_sparse, reduce_grad
 
 #: The most nodes one compiled segment covers (a bound on the size of the generated functions).
 SEGMENT = 48
@@ -79,7 +79,7 @@ _NAMESPACE: dict[str, Any] = {
     "add_grads": add_grads,
     "add_grads_sparse": add_grads_sparse,
     "as_row_sparse": as_row_sparse,
-    "unbroadcast": unbroadcast,
+    "reduce_grad": reduce_grad,
 }
 
 
@@ -156,7 +156,7 @@ def _backward_shape(n: Any, slot: dict[Any, int]) -> Any:
     if n.op is None:
         return ("leaf", bool(n.sparse_grad))
     edges = tuple(
-        (slot[p], vjp is not None and p.requires_grad, bool(p.sparse_grad))
+        (slot[p], vjp is not None and p.requires_grad, bool(p.sparse_grad), p.op is None)
         for p, vjp in zip(n.parents, n.vjps)
     )
     return ("op", bool(n.attrs), edges)
@@ -188,15 +188,15 @@ def _backward_source(shape: Any) -> list[str]:
             f"        if {n}.retains_grad:",
             f"            staged.append(({n}, g, False))",
         ]
-        if not any(active for _, active, _ in edges):
+        if not any(edge[1] for edge in edges):
             continue
         values = [f"x{j}" for j in range(len(edges))]
         out.append(f"        ans = {n}._value")
-        out += [f"        x{j} = n{p}._value" for j, (p, _, _) in enumerate(edges)]
+        out += [f"        x{j} = n{p}._value" for j, (p, *_) in enumerate(edges)]
         if len(edges) > 1:
             out.append(f"        vjps = {n}.vjps")
         kwargs = f", **{n}.attrs" if has_attrs else ""
-        for j, (p, active, sparse) in enumerate(edges):
+        for j, (p, active, sparse, leaf) in enumerate(edges):
             if not active:
                 continue
             vjp = f"vjps[{j}]" if len(edges) > 1 else f"{n}.vjps[0]"
@@ -205,7 +205,7 @@ def _backward_source(shape: Any) -> list[str]:
                 f"        c = {vjp}(g, ans, {', '.join(values)}{kwargs})",
                 f"        s = x{j}.shape",
                 "        if c.shape != s:",
-                "            c = unbroadcast(c, s)",
+                f"            c = reduce_grad(c, s, {leaf and not sparse})",
                 f"        acc = n{p}._g",
                 "        if acc is None:",
                 f"            n{p}._g = c",
