@@ -85,7 +85,8 @@ def example(name):
     return load(ROOT / "examples" / f"{name}.py")
 
 
-def test_rnn_bptt_example():
+def rnn_bptt_case():
+    """The flagship's model at a small size, and a feed for it: ``(graph, loss, feed)``."""
     g, outs = example("rnn_bptt").build_model(vocab=5, hidden=4, seed=0)
     rng = np.random.default_rng(0)
     feed = {
@@ -93,7 +94,12 @@ def test_rnn_bptt_example():
         "y": rng.integers(0, 5, (6, 3)),
         "h0": np.zeros((3, 4)),
     }
-    assert_identical(g, feed, [outs["loss"]], outs["loss"])
+    return g, outs["loss"], feed
+
+
+def test_rnn_bptt_example():
+    g, loss, feed = rnn_bptt_case()
+    assert_identical(g, feed, [loss], loss)
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from test_hoist import example, load, loop_bodies, loop_body_model
+from test_hoist import example, load, loop_bodies, loop_body_model, rnn_bptt_case
 from test_properties import build_random_graph, recipes
 from test_sparse import feed as sparse_feed
 from test_sparse import tagger as sparse_tagger
@@ -127,14 +127,8 @@ def test_model_scripts_taped_equal_interpreted(script):
 
 def test_rnn_bptt_example():
     def run():
-        g, outs = example("rnn_bptt").build_model(vocab=5, hidden=4, seed=0)
-        rng = np.random.default_rng(0)
-        feed = {
-            "x": np.eye(5)[rng.integers(0, 5, (6, 3))],
-            "y": rng.integers(0, 5, (6, 3)),
-            "h0": np.zeros((3, 4)),
-        }
-        return train(g, feeds_like(feed, STEPS), outs["loss"])
+        g, loss, feed = rnn_bptt_case()
+        return train(g, feeds_like(feed, STEPS), loss)
 
     assert_same(run)
 

@@ -52,6 +52,7 @@ from .unroll import (  # type: ignore[attr-defined]  # _ALL: the forward plans' 
     _checked_feed,
     _Frame,
     _gc_paused,
+    _iteration_views,
     _run_cond,
     _select,
     _stepped_sequences,
@@ -852,20 +853,7 @@ class BatchedBuild:
             r = _Request(m.job.inp, op, parents, v.attrs, key, v.name)
             r.agent = env
             requests.append(r)
-        while requests:
-            group, ragged = _same_signature(requests)
-            try:
-                results = self._execute(group, ragged)
-            except VGraphError as e:
-                raise type(e)(f"input {group[0].inp}: {e}") from e
-            except Exception as e:
-                raise BuildError(f"input {group[0].inp}: the build failed: {type(e).__name__}: {e}") from e
-            for r, result in zip(group, results):
-                r.agent[v] = result
-            if len(group) == len(requests):
-                break
-            chosen = {id(r) for r in group}
-            requests = [r for r in requests if id(r) not in chosen]
+        self._run_requests(v, requests)
 
     def _joint_demand(self, target: VirtualNode, members: list[_Member], at: VirtualNode) -> None:
         """Build ``target`` and what it needs that is not built yet, for every member (``at``:
@@ -1015,22 +1003,7 @@ class BatchedBuild:
                     r = _Request(j.inp, op, parents, attrs, key, vname)
                     r.agent = ienv
                     requests.append(r)
-                while requests:
-                    members, ragged = _same_signature(requests)
-                    try:
-                        results = self._execute(members, ragged)
-                    except VGraphError as e:
-                        raise type(e)(f"input {members[0].inp}: {e}") from e
-                    except Exception as e:
-                        raise BuildError(
-                            f"input {members[0].inp}: the build failed: {type(e).__name__}: {e}"
-                        ) from e
-                    for r, result in zip(members, results):
-                        r.agent[v] = result
-                    if len(members) == len(requests):
-                        break
-                    chosen = {id(r) for r in members}
-                    requests = [r for r in requests if id(r) not in chosen]
+                self._run_requests(v, requests)
             prev_cols = cols
             for j, ienv in zip(alive, envs):
                 j.view._envs[(loop, (*j.idx, t))] = ienv
@@ -1105,6 +1078,24 @@ class BatchedBuild:
             chosen = {id(r) for r in members}
             waiting[rank] = [r for r in bucket if id(r) not in chosen]
         return members
+
+    def _run_requests(self, v: VirtualNode, requests: list[_Request]) -> None:
+        """Run every request for copies of ``v``, as few ops as their shapes allow, and put each
+        result into the environment the request names (``r.agent``). Errors name the input."""
+        while requests:
+            group, ragged = _same_signature(requests)
+            try:
+                results = self._execute(group, ragged)
+            except VGraphError as e:
+                raise type(e)(f"input {group[0].inp}: {e}") from e
+            except Exception as e:
+                raise BuildError(f"input {group[0].inp}: the build failed: {type(e).__name__}: {e}") from e
+            for r, result in zip(group, results):
+                r.agent[v] = result
+            if len(group) == len(requests):
+                return
+            chosen = {id(r) for r in group}
+            requests = [r for r in requests if id(r) not in chosen]
 
     def _execute(self, members: list[_Request], ragged: list[bool] | None = None) -> list[Any]:
         """Run ``members`` (copies of one declared node) as one op; ``ragged``: their inputs
@@ -1366,16 +1357,7 @@ class _BatchBuilder(_Builder):
             for read, k, slot in reads:
                 child = row[slot] if slot < width else -1
                 ienv[read] = history[child][k] if child >= 0 else defaults[k]
-            for item, seq in zip(loop.items, seqs):
-                if item not in groups:
-                    at = cast(int, length) - 1 - t if item.attrs.get("reverse") else t
-                    ienv[item] = cg._add_op(
-                        _GETITEM, (seq,), {"index": at}, NodeKey("Item", item.id, inner.idx), item.name
-                    )
-            for v, group in groups.items():
-                ienv[v] = cg._add_op(
-                    _HOISTED, (group,), {"index": t}, NodeKey(v.type, v.id, inner.idx), v.name
-                )
+            _iteration_views(cg, loop, inner, seqs, groups, length, t)
             self.run_scope(inner, order)
             cg._envs[(loop, inner.idx)] = ienv
             history[t] = [ienv[loop.updates[c]] for c in loop.carries]

@@ -527,17 +527,7 @@ class _Builder:
                 for read, k, slot in reads:
                     c = row[slot] if slot < width else -1
                     ienv[read] = history[c][k] if c >= 0 else defaults[k]
-            for item, node in zip(loop.items, seqs):
-                if item not in groups:
-                    at = cast(int, length) - 1 - t if item.attrs.get("reverse") else t
-                    ienv[item] = cg._add_op(
-                        _GETITEM, (node,), {"index": at}, _key(("Item", item.id, inner.idx)), item.name
-                    )
-            for v, group in groups.items():  # this iteration's copy of each hoisted node
-                ienv[v] = cg._add_copy(
-                    group,
-                    cg._add_op(_HOISTED, (group,), {"index": t}, _key((v.type, v.id, inner.idx)), v.name),
-                )
+            _iteration_views(cg, loop, inner, seqs, groups, length, t)
             self.run_scope(inner, order)
             cg._envs[(loop, inner.idx)] = ienv
             new_state = [ienv[loop.updates[c]] for c in loop.carries]
@@ -755,6 +745,29 @@ def _length_check(loop: LoopNode, idx: tuple[int, ...], length: int) -> Callable
         return length
 
     return check
+
+
+def _iteration_views(
+    cg: Any,
+    loop: LoopNode,
+    inner: _Frame,
+    seqs: Sequence[ComputeNode],
+    groups: Mapping[VirtualNode, ComputeNode],
+    length: int | None,
+    t: int,
+) -> None:
+    """Put into iteration ``t``'s environment its step of each stepped sequence that is not hoisted
+    (``x[t]``, or ``x[length - 1 - t]`` for a reversed step) and its copy of each hoisted node
+    (row ``t`` of the group, registered with ``cg._add_copy``)."""
+    env, idx = inner.env, inner.idx
+    for item, node in zip(loop.items, seqs):
+        if item not in groups:
+            at = cast(int, length) - 1 - t if item.attrs.get("reverse") else t
+            env[item] = cg._add_op(_GETITEM, (node,), {"index": at}, _key(("Item", item.id, idx)), item.name)
+    for v, group in groups.items():
+        env[v] = cg._add_copy(
+            group, cg._add_op(_HOISTED, (group,), {"index": t}, _key((v.type, v.id, idx)), v.name)
+        )
 
 
 def _stepped_sequences(loop: LoopNode, frame: _Frame) -> tuple[list[ComputeNode], int | None]:
