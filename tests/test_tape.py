@@ -86,8 +86,14 @@ def assert_same(run):
     assert all(outcomes), "a compiled backward raised and the interpreted sweep ran instead"
     if len(plain) > 1 and any(p for _, p, _ in plain):
         assert outcomes, "no backward ran compiled code"
-    assert len(plain) == len(taped)
-    for (v0, p0, n0), (v1, p1, n1) in zip(plain, taped):
+    assert_records_equal(plain, taped)
+
+
+def assert_records_equal(plain, other):
+    """Two :func:`train` records are bitwise equal: losses, parameter gradients, and every node's
+    value and retained gradient at every step."""
+    assert len(plain) == len(other)
+    for (v0, p0, n0), (v1, p1, n1) in zip(plain, other):
         assert v0 == v1 or (np.isnan(v0) and np.isnan(v1))
         assert p0.keys() == p1.keys()
         for k in p0:

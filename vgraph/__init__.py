@@ -13,6 +13,7 @@ from . import (
     render,
     tape,
     tbptt,
+    workspace,
 )
 from .check import check_vjps, gradcheck, jacobian
 from .compute import (
@@ -155,4 +156,5 @@ __all__ = [
     "transpose",
     "undefop",
     "where",
+    "workspace",
 ]

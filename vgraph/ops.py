@@ -28,6 +28,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from . import workspace
+
 VJP = Callable[..., Any]
 
 
@@ -185,7 +187,7 @@ class LazyGrad:
 
     def dense(self) -> np.ndarray:
         """This contribution as a new array."""
-        out = np.zeros(self.shape, dtype=self.dtype)
+        out = workspace.zeros(self.shape, self.dtype)
         self.add_into(out)
         return out
 
@@ -459,9 +461,9 @@ class RowsProductGrad(LazyGrad):
             out = a[0].T @ g[0]
             return out
         per = max(1, self.BLOCK_ROWS // max(1, a[0].shape[0]))
-        out = np.concatenate(a[:per]).T @ np.concatenate(g[:per])
+        out = _stacked(a[:per]).T @ _stacked(g[:per])
         for i in range(per, len(a), per):
-            out += np.concatenate(a[i : i + per]).T @ np.concatenate(g[i : i + per])
+            out += _stacked(a[i : i + per]).T @ _stacked(g[i : i + per])
         return out
 
     def add_into(self, acc: np.ndarray) -> None:
@@ -473,6 +475,19 @@ class RowsProductGrad(LazyGrad):
             self.g.extend(other.g)
             return self
         return super().merge(other)
+
+
+def _stacked(parts: list[np.ndarray]) -> np.ndarray:
+    """The rows of 2-D ``parts`` concatenated, into a recycled buffer (a temporary: see
+    :mod:`vgraph.workspace`)."""
+    rows = 0
+    dtype = parts[0].dtype
+    for p in parts:
+        rows += p.shape[0]
+        if p.dtype != dtype:
+            dtype = np.result_type(dtype, p.dtype)
+    out = workspace.empty((rows, parts[0].shape[1]), dtype)
+    return np.concatenate(parts, out=out)
 
 
 def as_array(g: Any) -> np.ndarray:
@@ -598,7 +613,10 @@ def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``a @ b``; an N-D ``a`` times a matrix is one 2-D product over all its rows (numpy would
     run one product per leading index: 6-14x slower for a (T, B, I) stack)."""
     if b.ndim == 2 and a.ndim > 2:
-        return np.reshape(a.reshape(-1, a.shape[-1]) @ b, (*a.shape[:-1], b.shape[-1]))
+        return np.reshape(_matmul(a.reshape(-1, a.shape[-1]), b), (*a.shape[:-1], b.shape[-1]))
+    if a.ndim == 2 and b.ndim == 2 and a.shape[0] * b.shape[1] * a.itemsize >= workspace.MIN_BYTES:
+        # A large product (a projection hoisted over every step): into a recycled buffer.
+        return np.matmul(a, b, out=workspace.empty((a.shape[0], b.shape[1]), np.result_type(a, b)))
     out: np.ndarray = np.matmul(a, b)
     return out
 

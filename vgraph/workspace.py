@@ -1,0 +1,136 @@
+"""Recycled memory for large arrays that the engine allocates again at every step.
+
+A training step allocates the same large arrays step after step: the stacked rows of a tied
+weight's gradient product, the buffer that collects a hoisted group's per-iteration gradients, a
+hoisted projection over every step. Arrays this large (above glibc's ``mmap`` threshold) come
+fresh from the operating system each time and every page is faulted in and zeroed on first touch:
+at (I, H, B, T) = (32, 128, 32, 50) that was about 570 page faults and a fifth of a training step
+(docs/performance.md). A hand-written loop avoids it by allocating its buffers once.
+
+This module gives the engine the same thing without giving up fresh arrays: :func:`empty` and
+:func:`zeros` hand out a view of a buffer kept from an earlier step **only if nothing refers to
+that buffer any more** — no node value, no gradient, no view a user kept (CPython counts every
+reference, and a numpy view refers to its base), so recycling never changes an array someone can
+still read. Otherwise, or for arrays smaller than :data:`MIN_BYTES`, they allocate as numpy does.
+
+The buffers are per thread. At most :func:`limit` bytes (256 MiB by default) in at most
+:data:`MAX_BUFFERS` buffers are kept; the least recently used beyond that are forgotten (freed once
+the last view of them goes). ``set_limit(0)`` turns recycling off.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+
+#: Arrays smaller than this are allocated as usual: malloc serves them from its free lists cheaply.
+MIN_BYTES = 1 << 17
+#: At most this many buffers are kept per thread (each request looks through them).
+MAX_BUFFERS = 64
+
+_getrefcount = sys.getrefcount
+_np_empty = np.empty
+#: ``sys.getrefcount(buf)`` in the loop of :func:`_take` for a buffer nothing else refers to: the
+#: pool's list, the loop variable and the call's argument.
+_FREE = 3
+
+
+class _Pool(threading.local):
+    def __init__(self) -> None:
+        self.buffers: list[np.ndarray] = []  # flat uint8 buffers, least recently used first
+        self.bytes = 0
+
+
+_pool = _Pool()
+_limit = [256 << 20]
+
+
+def limit() -> int:
+    """The most bytes of buffers kept for reuse per thread (0: recycling is off)."""
+    return _limit[0]
+
+
+def set_limit(nbytes: int) -> None:
+    """Keep at most ``nbytes`` of buffers for reuse per thread; ``0`` turns recycling off.
+
+    Buffers over the new limit are forgotten at once (an array still using one keeps it alive).
+
+    Raises:
+        TypeError: ``nbytes`` is not an int.
+        ValueError: ``nbytes`` is negative.
+    """
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool):
+        raise TypeError(f"workspace.set_limit: nbytes must be an int, got {type(nbytes).__name__}")
+    if nbytes < 0:
+        raise ValueError(f"workspace.set_limit: nbytes must be >= 0, got {nbytes}")
+    _limit[0] = nbytes
+    _shrink(_pool, nbytes)
+
+
+def kept_bytes() -> int:
+    """Bytes of buffers this thread's pool holds (in use or free)."""
+    return _pool.bytes
+
+
+def clear() -> None:
+    """Forget every buffer kept for reuse in this thread."""
+    _shrink(_pool, 0)
+
+
+def _shrink(pool: _Pool, nbytes: int) -> None:
+    bufs = pool.buffers
+    while bufs and pool.bytes > nbytes:
+        pool.bytes -= bufs.pop(0).nbytes
+
+
+def _take(nbytes: int) -> np.ndarray | None:
+    """A free kept buffer of at least ``nbytes`` and at most twice that (the most recently used
+    such), moved to the end of the list; or a new one, kept if the limit allows; ``None`` if
+    recycling is off or the request alone is over the limit."""
+    pool = _pool
+    bufs = pool.buffers
+    for i in range(len(bufs) - 1, -1, -1):
+        buf = bufs[i]
+        if _getrefcount(buf) == _FREE and nbytes <= buf.nbytes <= 2 * nbytes:
+            if i != len(bufs) - 1:
+                del bufs[i]
+                bufs.append(buf)
+            return buf
+    cap = _limit[0]
+    if nbytes > cap:
+        return None
+    buf = _np_empty(nbytes, dtype=np.uint8)
+    bufs.append(buf)
+    pool.bytes += nbytes
+    if pool.bytes > cap or len(bufs) > MAX_BUFFERS:
+        _shrink(pool, cap)
+        del bufs[: max(0, len(bufs) - MAX_BUFFERS)]
+        pool.bytes = sum(b.nbytes for b in bufs)
+    return buf
+
+
+def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised C-contiguous array of ``shape`` and ``dtype``, from a recycled buffer if
+    it is large and one is free (see the module docstring), else new."""
+    dt = np.dtype(dtype)
+    n = dt.itemsize
+    for s in shape:
+        n *= s
+    if n < MIN_BYTES:
+        return _np_empty(shape, dtype=dt)
+    buf = _take(n)
+    if buf is None:
+        return _np_empty(shape, dtype=dt)
+    out: np.ndarray = buf[:n].view(dt).reshape(shape)
+    return out
+
+
+def zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """:func:`empty`, filled with zeros (a new large array is zeroed by the OS page by page; a
+    recycled one by one ``fill``)."""
+    out = empty(shape, dtype)
+    out.fill(0)
+    return out
