@@ -945,3 +945,43 @@ def test_the_unrolling_plan_is_reused_and_follows_new_declarations():
     assert g._plan([total]) is not plan
     expected = 2 * np.tanh(np.tanh(np.tanh(1.0) + 1) + 1) * 2
     assert g.build(feed, extra).forward() == pytest.approx(expected, rel=1e-12)
+
+
+def _long_loop_graph():
+    g = vg.VirtualGraph(dtype=np.float64, seed=0)
+    x = g.input("x", shape=(None, 2))
+    W = g.parameter("W", (2, 2))
+    with g.loop() as L:
+        h = L.carry(g.constant(np.zeros(2)))
+        L.update(h, vg.tanh(L.step(x) + h @ W))
+    return g, L.final(h).sum(), {"x": np.ones((300, 2))}
+
+
+def test_a_build_leaves_its_nodes_out_of_the_young_generation():
+    """The build's thousands of objects are moved to the oldest GC generation on the way out, so
+    the next allocation does not start a collection that scans them all (vgraph.virtual.unroll,
+    _gc_paused); the collector is re-enabled."""
+    import gc
+
+    g, loss, feed = _long_loop_graph()
+    assert gc.isenabled()
+    gc.collect()
+    cg = g.build(feed, loss, cache=False)
+    node = cg.outputs[0]
+    assert len(cg) > 1000
+    assert any(o is node for o in gc.get_objects(generation=2))
+    assert gc.isenabled()
+
+
+def test_a_build_leaves_objects_the_application_froze_frozen():
+    import gc
+
+    g, loss, feed = _long_loop_graph()
+    keep = [[i] for i in range(50)]  # noqa: F841 (objects to freeze)
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        g.build(feed, loss, cache=False)
+        assert gc.get_freeze_count() > frozen - 100  # (a few frozen objects may have been freed)
+    finally:
+        gc.unfreeze()
