@@ -11,6 +11,10 @@ import vgraph as vg
 from vgraph import ops
 
 
+def as_dense(g):
+    return g.dense() if isinstance(g, ops.LazyGrad) else g
+
+
 def stepped_rnn(T, project_outside):
     g = vg.VirtualGraph(dtype=np.float64, seed=0)
     xs = g.input("xs", (None, 2, 3))
@@ -102,23 +106,69 @@ def test_a_long_stack_of_weight_gradient_products_is_summed_in_blocks(monkeypatc
     np.testing.assert_allclose(rows.dense(), expected, rtol=1e-12)
 
 
-def test_a_bias_gradient_is_reduced_once_and_never_writes_into_a_contribution():
-    """A leaf's gradient over leading (batch, iteration) axes is kept at full shape, added in
-    place into a buffer of its own, and reduced when asked; the first contribution, which may be
-    another node's gradient too, is copied rather than added into."""
+@pytest.mark.parametrize("n", [1, 2, 5, 100])
+def test_a_bias_gradient_is_reduced_once_and_never_writes_into_a_contribution(n):
+    """A leaf's gradient over leading (batch, iteration) axes is kept at full shape and reduced
+    when asked; no contribution, which may be another node's gradient too, is written into;
+    ``dense`` gives a new array each time, and asking for it changes nothing."""
     rng = np.random.default_rng(2)
-    parts = [rng.normal(size=(3, 4)) for _ in range(5)]
-    first = parts[0].copy()
+    parts = [rng.normal(size=(3, 4)) for _ in range(n)]
+    originals = [p.copy() for p in parts]
     acc = ops.reduce_grad(parts[0], (4,), leaf=True)
     assert isinstance(acc, ops.LeadingSumGrad)
     for p in parts[1:]:
         acc = ops.add_grads(acc, ops.reduce_grad(p, (4,), leaf=True))
-    np.testing.assert_allclose(acc.dense(), sum(p.sum(axis=0) for p in parts), rtol=1e-12)
-    np.testing.assert_array_equal(parts[0], first)
+    expected = sum(p.sum(axis=0) for p in parts)
+    first = acc.dense()
+    np.testing.assert_allclose(first, expected, rtol=1e-12)
+    for p, o in zip(parts, originals):
+        np.testing.assert_array_equal(p, o)
+    first += 1.0  # the caller owns what dense gave
+    np.testing.assert_allclose(acc.dense(), expected, rtol=1e-12)
+    # a contribution already asked for its dense value (anomaly mode checks each) merges as well
+    other = ops.reduce_grad(parts[0], (4,), leaf=True)
+    other.dense()
+    np.testing.assert_allclose(acc.merge(other).dense(), expected + parts[0].sum(0), rtol=1e-12)
     # not a leaf, a stretched axis, or another dtype: reduced at once / merged densely
     assert type(ops.reduce_grad(parts[0], (4,), leaf=False)) is np.ndarray
     assert type(ops.reduce_grad(parts[0], (1, 4), leaf=True)) is np.ndarray
-    mixed = ops.reduce_grad(parts[1], (4,), leaf=True).merge(
-        ops.reduce_grad(parts[2].astype(np.float32), (4,), leaf=True)
-    )
-    np.testing.assert_allclose(mixed, parts[1].sum(0) + parts[2].astype(np.float32).sum(0), rtol=1e-6)
+    a, b = rng.normal(size=(2, 3, 4))
+    mixed = ops.reduce_grad(a, (4,), leaf=True).merge(ops.reduce_grad(b.astype(np.float32), (4,), leaf=True))
+    np.testing.assert_allclose(mixed, a.sum(0) + b.astype(np.float32).sum(0), rtol=1e-6)
+
+
+def test_a_bias_gradient_from_contributions_of_several_shapes():
+    rng = np.random.default_rng(4)
+    parts = [rng.normal(size=s) for s in [(3, 4), (3, 4), (2, 5, 4), (3, 4), (7, 4)]]
+    acc = ops.reduce_grad(parts[0], (4,), leaf=True)
+    for p in parts[1:]:
+        acc = ops.add_grads(acc, ops.reduce_grad(p, (4,), leaf=True))
+    np.testing.assert_allclose(as_dense(acc), sum(p.reshape(-1, 4).sum(0) for p in parts), rtol=1e-12)
+
+
+@pytest.mark.parametrize("order", ["reverse", "forward", "shuffled", "missing", "repeated"])
+def test_the_rows_of_a_hoisted_group_gradient(order):
+    """A hoisted group's per-iteration gradients, in whatever order, with rows missing or repeated,
+    add up like an independent dense reference."""
+    rng = np.random.default_rng(3)
+    T = 6
+    rows = {t: rng.normal(size=(2, 3)) for t in range(T)}
+    index = {
+        "reverse": list(range(T - 1, -1, -1)),
+        "forward": list(range(T)),
+        "shuffled": [3, 0, 5, 1, 4, 2],
+        "missing": [5, 4, 2, 0],
+        "repeated": [5, 4, 4, 3, 2, 1, 0],
+    }[order]
+    acc = ops._hoisted_vjp(rows[index[0]], None, np.zeros((T, 2, 3)), index[0])
+    for t in index[1:]:
+        acc = ops.add_grads(acc, ops._hoisted_vjp(rows[t], None, np.zeros((T, 2, 3)), t))
+    expected = np.zeros((T, 2, 3))
+    for t in index:
+        expected[t] += rows[t]
+    np.testing.assert_array_equal(as_dense(acc), expected)
+    into, expected_into = np.ones((T, 2, 3)), np.ones((T, 2, 3))
+    into = ops.add_grads(into, acc)
+    for t in index:
+        expected_into[t] += rows[t]
+    np.testing.assert_allclose(into, expected_into, rtol=1e-12)  # sums in another order
