@@ -18,7 +18,8 @@ in the process (a bounded cache keyed by shape).
 The generated code does exactly what the interpreted sweep does for the same node, in the same
 order — the same VJP calls, the same accumulation into ``_g`` (in place into a buffer the sweep
 owns, or a new array), the same staging of ``.grad`` — so results are bitwise identical; it only
-leaves out the decisions. It is used for the plain cases (no anomaly detection, no ``explain``, no
+leaves out the decisions (and writes out inline the two merges a loop makes once per iteration:
+a weight's next :class:`~vgraph.ops.RowsProductGrad` and a bias's next in-place addition). It is used for the plain cases (no anomaly detection, no ``explain``, no
 checkpointed loop, ``backward`` rather than ``grad``), and from a plan's second sweep on (a graph
 swept once never pays for making a tape). When a compiled forward raises, the node that raised is
 the first one still out of date, and the error names it as the interpreted sweep's would; when a
@@ -38,7 +39,15 @@ from typing import Any, cast
 
 import numpy as np
 
-from .ops import LazyGrad, add_grads, add_grads_sparse, as_row_sparse, reduce_grad
+from .ops import (
+    LazyGrad,
+    LeadingSumGrad,
+    RowsProductGrad,
+    add_grads,
+    add_grads_sparse,
+    as_row_sparse,
+    reduce_grad,
+)
 
 #: The most nodes one compiled segment covers (a bound on the size of the generated functions).
 SEGMENT = 48
@@ -76,6 +85,8 @@ _NAMESPACE: dict[str, Any] = {
     "ndarray": np.ndarray,
     "np_add": np.add,
     "LazyGrad": LazyGrad,
+    "LeadingSumGrad": LeadingSumGrad,
+    "RowsProductGrad": RowsProductGrad,
     "add_grads": add_grads,
     "add_grads_sparse": add_grads_sparse,
     "as_row_sparse": as_row_sparse,
@@ -201,23 +212,38 @@ def _backward_source(shape: Any) -> list[str]:
                 continue
             vjp = f"vjps[{j}]" if len(edges) > 1 else f"{n}.vjps[0]"
             add = "add_grads_sparse" if sparse else "add_grads"
+            accumulate = [
+                "if c.shape != s:",
+                f"    c = reduce_grad(c, s, {leaf and not sparse})",
+                "if acc is None:",
+                f"    n{p}._g = c",
+                f"elif n{p}._gown and type(acc) is ndarray:",
+                "    if isinstance(c, LazyGrad):",
+                "        c.add_into(acc)",
+                "    else:",
+                "        np_add(acc, c, out=acc)",
+                "else:",
+                f"    n{p}._g = {add}(acc, c)",
+                f"    n{p}._gown = True",
+            ]
             out += [
                 f"        c = {vjp}(g, ans, {', '.join(values)}{kwargs})",
                 f"        s = x{j}.shape",
-                "        if c.shape != s:",
-                f"            c = reduce_grad(c, s, {leaf and not sparse})",
                 f"        acc = n{p}._g",
-                "        if acc is None:",
-                f"            n{p}._g = c",
-                f"        elif n{p}._gown and type(acc) is ndarray:",
-                "            if isinstance(c, LazyGrad):",
-                "                c.add_into(acc)",
-                "            else:",
-                "                np_add(acc, c, out=acc)",
-                "        else:",
-                f"            n{p}._g = {add}(acc, c)",
-                f"            n{p}._gown = True",
             ]
+            indent = "        "
+            if leaf and not sparse:  # a weight's or a bias's next use, as merge would add it
+                out += [
+                    "        if type(c) is RowsProductGrad and type(acc) is RowsProductGrad:",
+                    "            acc.a += c.a",
+                    "            acc.g += c.g",
+                    "        elif (c.shape != s and type(acc) is LeadingSumGrad and acc.owned and type(c) is ndarray",
+                    "                and acc.full.shape == c.shape and acc.dtype == c.dtype):",
+                    "            np_add(acc.full, c, out=acc.full)",
+                    "        else:",
+                ]
+                indent += "    "
+            out += [indent + line for line in accumulate]
     return out
 
 
