@@ -571,9 +571,14 @@ def unbroadcast(g: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 _add_reduce = np.add.reduce  # ndarray.sum without its Python-level wrapper
 
 
+def pass_through(g: Any, ans: Any, *xs: Any, **attrs: Any) -> Any:
+    """The VJP of an input whose gradient is the output's (``a`` in ``a + b``): ``g`` itself."""
+    return g
+
+
 # ---------------------------------------------------------------------------- elementwise
-defop("Add", np.add, lambda g, ans, a, b: g, lambda g, ans, a, b: g)
-defop("Sub", np.subtract, lambda g, ans, a, b: g, lambda g, ans, a, b: -g)
+defop("Add", np.add, pass_through, pass_through)
+defop("Sub", np.subtract, pass_through, lambda g, ans, a, b: -g)
 defop("Mul", np.multiply, lambda g, ans, a, b: g * b, lambda g, ans, a, b: g * a)
 defop("Div", np.divide, lambda g, ans, a, b: g / b, lambda g, ans, a, b: -g * ans / b)
 defop("Neg", np.negative, lambda g, ans, x: -g)
@@ -849,8 +854,8 @@ defop("Stack", lambda *xs, axis=0: np.stack(xs, axis=axis), _stack_vjp, variadic
 # ---------------------------------------------------------------------------- structural
 # Identity ops that exist for what they mean in the graph, not for their arithmetic.
 defop("Detach", lambda x: x, None)  # stops the gradient
-defop("Branch", lambda x: x, lambda g, ans, x: g)  # the option a BranchNode selected
-defop("Identity", lambda x: x, lambda g, ans, x: g)
+defop("Branch", lambda x: x, pass_through)  # the option a BranchNode selected
+defop("Identity", lambda x: x, pass_through)
 
 
 # Rows of several arrays stacked into one (autobatching, see vgraph.virtual.batch): ``rows`` lists,
@@ -903,7 +908,19 @@ def _hoisted_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray, index: int) -> I
     return IndexedGrad(x.shape, g.dtype, index, g, True)  # an iteration's row: a basic index
 
 
-defop("Hoisted", lambda x, index: x[index], _hoisted_vjp)
+def _hoisted(x: np.ndarray, index: int) -> np.ndarray:
+    row: np.ndarray = x[index]
+    return row
+
+
+defop("Hoisted", _hoisted, _hoisted_vjp)
+
+#: Forwards and VJPs whose effect compiled sweeps (vgraph.tape) write out inline instead of calling
+#: them, by kind. Forward "row": ``x[attrs["index"]]``. VJP "pass": ``g`` itself; "row": ``g`` at
+#: basic index ``attrs["index"]`` of the input (an IndexedGrad), which the sweep adds straight into
+#: a buffer it owns.
+INLINE_FORWARDS: dict[Any, str] = {_hoisted: "row"}
+INLINE_VJPS: dict[Any, str] = {pass_through: "pass", _hoisted_vjp: "row"}
 
 
 # ---------------------------------------------------------------------------- fused recurrent cells

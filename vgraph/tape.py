@@ -10,21 +10,25 @@ bookkeeping out once, as Python source with every decision taken: a *tape*.
 A tape is a list of *segments*: runs of consecutive plan nodes with the same iteration path
 (``key.idx``), at most :data:`SEGMENT` nodes each. A segment's code depends only on its *shape* —
 how many nodes, which of their parents are inside the segment, which inputs get a gradient, which
-nodes have attributes — never on the op or the values, which the code reads from the nodes when it
-runs. The iterations of an unrolled loop all have the same shape, so a loop of any length needs one
-compiled function per distinct iteration shape, and compiled functions are shared by every graph
-in the process (a bounded cache keyed by shape).
+nodes have attributes, and whether a forward or VJP is one of the few the code writes out inline
+(``ops.INLINE_FORWARDS``, ``ops.INLINE_VJPS``: ``g`` passed through an addition, a hoisted
+iteration's row) — never on the values, or on any other op, which the code calls through the node
+when it runs. The iterations of an unrolled loop all have the same shape, so a loop of any length
+needs one compiled function per distinct iteration shape, and compiled functions are shared by
+every graph in the process (a bounded cache keyed by shape).
 
 The generated code does exactly what the interpreted sweep does for the same node, in the same
 order — the same VJP calls, the same accumulation into ``_g`` (in place into a buffer the sweep
 owns, or a new array), the same staging of ``.grad`` — so results are bitwise identical; it only
-leaves out the decisions (and writes out inline the two merges a loop makes once per iteration:
-a weight's next :class:`~vgraph.ops.RowsProductGrad` and a bias's next in-place addition). It is used for the plain cases (no anomaly detection, no ``explain``, no
-checkpointed loop, ``backward`` rather than ``grad``), and from a plan's second sweep on (a graph
-swept once never pays for making a tape). When a compiled forward raises, the node that raised is
-the first one still out of date, and the error names it as the interpreted sweep's would; when a
-compiled backward raises, the caller clears every pending gradient and runs the interpreted
-sweep, which raises the error that names the node (VJPs are pure functions of their arguments).
+leaves out the decisions and, for what a loop does once per iteration (a pass-through VJP, a
+hoisted row and its gradient, a weight's next :class:`~vgraph.ops.RowsProductGrad`, a bias's next
+in-place addition), the function calls. It is used for the plain cases (no anomaly detection, no
+``explain``, no checkpointed loop, ``backward`` rather than ``grad``), and from a plan's second
+sweep on (a graph swept once never pays for making a tape). When a compiled forward raises, the
+node that raised is the first one still out of date, and the error names it as the interpreted
+sweep's would; when a compiled backward raises, the caller clears every pending gradient and runs
+the interpreted sweep, which raises the error that names the node (VJPs are pure functions of their
+arguments).
 
 ``set_tapes(False)`` turns tapes off for the whole process (comparison and debugging); tests run
 the same models both ways.
@@ -40,6 +44,8 @@ from typing import Any, cast
 import numpy as np
 
 from .ops import (
+    INLINE_FORWARDS,
+    INLINE_VJPS,
     LazyGrad,
     LeadingSumGrad,
     RowsProductGrad,
@@ -167,10 +173,24 @@ def _backward_shape(n: Any, slot: dict[Any, int]) -> Any:
     if n.op is None:
         return ("leaf", bool(n.sparse_grad))
     edges = tuple(
-        (slot[p], vjp is not None and p.requires_grad, bool(p.sparse_grad), p.op is None)
+        (
+            slot[p],
+            vjp is not None and p.requires_grad,
+            bool(p.sparse_grad),
+            p.op is None,
+            _inline_kind(INLINE_VJPS, vjp),
+        )
         for p, vjp in zip(n.parents, n.vjps)
     )
     return ("op", bool(n.attrs), edges)
+
+
+def _inline_kind(table: dict[Any, str], fn: Any) -> str | None:
+    """How the code writes ``fn`` out inline (see ``ops.INLINE_VJPS``), or None: call it."""
+    for f, kind in table.items():  # by identity: a user's function need not be hashable
+        if fn is f:
+            return kind
+    return None
 
 
 def _backward_source(shape: Any) -> list[str]:
@@ -207,11 +227,14 @@ def _backward_source(shape: Any) -> list[str]:
         if len(edges) > 1:
             out.append(f"        vjps = {n}.vjps")
         kwargs = f", **{n}.attrs" if has_attrs else ""
-        for j, (p, active, sparse, leaf) in enumerate(edges):
+        for j, (p, active, sparse, leaf, inline) in enumerate(edges):
             if not active:
                 continue
             vjp = f"vjps[{j}]" if len(edges) > 1 else f"{n}.vjps[0]"
             add = "add_grads_sparse" if sparse else "add_grads"
+            call = f"{vjp}(g, ans, {', '.join(values)}{kwargs})"
+            if inline == "pass":
+                call = "g"
             accumulate = [
                 "if c.shape != s:",
                 f"    c = reduce_grad(c, s, {leaf and not sparse})",
@@ -226,21 +249,29 @@ def _backward_source(shape: Any) -> list[str]:
                 f"    n{p}._g = {add}(acc, c)",
                 f"    n{p}._gown = True",
             ]
-            out += [
-                f"        c = {vjp}(g, ans, {', '.join(values)}{kwargs})",
-                f"        s = x{j}.shape",
-                f"        acc = n{p}._g",
-            ]
             indent = "        "
+            if inline == "row":  # into the buffer the sweep owns, as IndexedGrad.add_into would
+                out += [
+                    f"        acc = n{p}._g",
+                    f"        if n{p}._gown and type(acc) is ndarray:",
+                    f"            acc[{n}.attrs['index']] += g",
+                    "        else:",
+                ]
+                indent += "    "
+            out += [
+                f"{indent}c = {call}",
+                f"{indent}s = x{j}.shape",
+                f"{indent}acc = n{p}._g",
+            ]
             if leaf and not sparse:  # a weight's or a bias's next use, as merge would add it
                 out += [
-                    "        if type(c) is RowsProductGrad and type(acc) is RowsProductGrad:",
-                    "            acc.a += c.a",
-                    "            acc.g += c.g",
-                    "        elif (c.shape != s and type(acc) is LeadingSumGrad and acc.owned and type(c) is ndarray",
-                    "                and acc.full.shape == c.shape and acc.dtype == c.dtype):",
-                    "            np_add(acc.full, c, out=acc.full)",
-                    "        else:",
+                    f"{indent}if type(c) is RowsProductGrad and type(acc) is RowsProductGrad:",
+                    f"{indent}    acc.a += c.a",
+                    f"{indent}    acc.g += c.g",
+                    f"{indent}elif (c.shape != s and type(acc) is LeadingSumGrad and acc.owned and type(c) is ndarray",
+                    f"{indent}        and acc.full.shape == c.shape and acc.dtype == c.dtype):",
+                    f"{indent}    np_add(acc.full, c, out=acc.full)",
+                    f"{indent}else:",
                 ]
                 indent += "    "
             out += [indent + line for line in accumulate]
@@ -263,7 +294,14 @@ class ForwardTape:
         calls = []
         for run in _segments(plan):
             nodes, slot = _slots(run)
-            shape = tuple((bool(n.attrs), tuple(slot[p] for p in n.parents)) for n in run)
+            shape = tuple(
+                (
+                    bool(n.attrs),
+                    tuple(slot[p] for p in n.parents),
+                    _inline_kind(INLINE_FORWARDS, n.op.forward),
+                )
+                for n in run
+            )
             calls.append((_function(("f", shape), partial(_forward_source, shape)), tuple(nodes)))
         self._calls = calls
 
@@ -275,13 +313,13 @@ class ForwardTape:
 
 
 def _forward_source(shape: Any) -> list[str]:
-    width = max(len(shape), 1 + max((max(ps, default=0) for _, ps in shape), default=0))
+    width = max(len(shape), 1 + max((max(ps, default=0) for _, ps, _ in shape), default=0))
     out = [
         "def segment(N, clock):",
         f"    {', '.join(f'n{i}' for i in range(width))}, = N",
         "    count = 0",
     ]
-    for i, (has_attrs, parents) in enumerate(shape):
+    for i, (has_attrs, parents, inline) in enumerate(shape):
         if not parents:
             continue  # an op of no inputs never goes out of date (as in the interpreted sweep)
         n = f"n{i}"
@@ -289,9 +327,12 @@ def _forward_source(shape: Any) -> list[str]:
         changed = " or ".join(f"n{p}.version > v" for p in parents)
         args = ", ".join(f"n{p}._value" for p in parents)
         kwargs = f", **{n}.attrs" if has_attrs else ""
+        value = f"{n}.op.forward({args}{kwargs})"
+        if inline == "row":
+            value = f"n{parents[0]}._value[{n}.attrs['index']]"
         out += [
             f"    if {changed}:",
-            f"        {n}._value = {n}.op.forward({args}{kwargs})",
+            f"        {n}._value = {value}",
             f"        {n}.version = clock()",
             "        count += 1",
         ]
