@@ -798,22 +798,12 @@ def _gc_paused() -> Iterator[None]:
     A build allocates many long-lived objects, which would trigger repeated collections that
     traverse the whole growing graph and find nothing: compute graphs hold no reference cycles
     (nodes refer to their graph weakly). Restored on exit, also on errors.
-
-    On exit the build's objects (tens of thousands for a long loop) would all sit in the youngest
-    generation, and the next allocation would start a collection that scans every one of them —
-    4 to 10 ms after each build of a 1,000-step loop, about a tenth of a rebuild step. So they are
-    moved to the oldest generation first (``gc.freeze()`` then ``gc.unfreeze()``: two list splices,
-    O(1)); a full collection still sees them. Skipped while the application keeps objects frozen
-    itself (``gc.get_freeze_count()``), whose frozen set this must not release.
     """
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        if not gc.get_freeze_count():  # (never touch objects the application froze)
-            gc.freeze()  # every tracked object, the build's new nodes among them, moved to the
-            gc.unfreeze()  # oldest generation in O(1): no young collection scans them all
         if was_enabled:
             gc.enable()
 
