@@ -91,15 +91,23 @@ def test_small_arrays_are_allocated_as_usual():
 
 
 def test_the_limit_bounds_what_is_kept_and_zero_turns_recycling_off():
-    workspace.set_limit(3 * 2**20)  # 3 MiB: two 1 MiB buffers in use and one more fit
-    held = [workspace.empty((128, 1024), np.float64) for _ in range(4)]
-    assert workspace.kept_bytes() <= 3 * 2**20
+    workspace.set_limit(4 * 2**20)  # 4 MiB: four 1 MiB buffers fit
+    held = [workspace.empty((128, 1024), np.float64) for _ in range(6)]
+    assert workspace.kept_bytes() == 4 * 2**20
     assert all(h.shape == (128, 1024) for h in held)
     workspace.set_limit(0)
     assert workspace.kept_bytes() == 0
     a = workspace.empty(BIG, np.float64)
     assert a.flags.owndata  # a plain array
     assert held[0].sum() is not None  # arrays from forgotten buffers stay valid
+
+
+def test_an_array_over_a_quarter_of_the_limit_is_allocated_as_usual():
+    workspace.set_limit(4 * 2**20)
+    at_quarter = workspace.empty((128, 1024), np.float64)  # 1 MiB: kept
+    assert not at_quarter.flags.owndata and workspace.kept_bytes() == 2**20
+    over = workspace.empty((128, 1025), np.float64)  # just over 1 MiB: a plain array
+    assert over.flags.owndata and workspace.kept_bytes() == 2**20
 
 
 def test_the_number_of_buffers_is_bounded():

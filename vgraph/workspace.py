@@ -13,9 +13,12 @@ that buffer any more** — no node value, no gradient, no view a user kept (CPyt
 reference, and a numpy view refers to its base), so recycling never changes an array someone can
 still read. Otherwise, or for arrays smaller than :data:`MIN_BYTES`, they allocate as numpy does.
 
-The buffers are per thread. At most :func:`limit` bytes (256 MiB by default) in at most
+The buffers are per thread. At most :func:`limit` bytes (64 MiB by default) in at most
 :data:`MAX_BUFFERS` buffers are kept; the least recently used beyond that are forgotten (freed once
-the last view of them goes). ``set_limit(0)`` turns recycling off.
+the last view of them goes). An array over a quarter of the limit is allocated as usual: a few
+huge arrays of varying sizes (a language model's logits) would rarely find a free buffer of their
+size and would hold memory the application's own allocations then cannot reuse.
+``set_limit(0)`` turns recycling off.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ class _Pool(threading.local):
 
 
 _pool = _Pool()
-_limit = [256 << 20]
+_limit = [64 << 20]
 
 
 def limit() -> int:
@@ -89,7 +92,10 @@ def _shrink(pool: _Pool, nbytes: int) -> None:
 def _take(nbytes: int) -> np.ndarray | None:
     """A free kept buffer of at least ``nbytes`` and at most twice that (the most recently used
     such), moved to the end of the list; or a new one, kept if the limit allows; ``None`` if
-    recycling is off or the request alone is over the limit."""
+    recycling is off or the request is over a quarter of the limit."""
+    cap = _limit[0]
+    if nbytes > cap >> 2:
+        return None
     pool = _pool
     bufs = pool.buffers
     for i in range(len(bufs) - 1, -1, -1):
@@ -99,9 +105,6 @@ def _take(nbytes: int) -> np.ndarray | None:
                 del bufs[i]
                 bufs.append(buf)
             return buf
-    cap = _limit[0]
-    if nbytes > cap:
-        return None
     buf = _np_empty(nbytes, dtype=np.uint8)
     bufs.append(buf)
     pool.bytes += nbytes
