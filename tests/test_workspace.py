@@ -189,8 +189,8 @@ def test_values_and_gradients_a_user_holds_never_change(recycle_everything):
 
 
 def test_recycling_is_used_by_a_hoisted_loop(recycle_everything):
-    """The hoisted product, the stacked weight-gradient rows and the hoisted group's gradient come
-    from the workspace (and are recycled step after step: the pool stops growing)."""
+    """The stacked weight-gradient rows and the hoisted group's gradient come from the workspace
+    (and are recycled step after step: the pool stops growing)."""
     g, loss, _, feed = elman()
     cg = g.build(feed, loss)
     sizes = []

@@ -618,10 +618,7 @@ def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``a @ b``; an N-D ``a`` times a matrix is one 2-D product over all its rows (numpy would
     run one product per leading index: 6-14x slower for a (T, B, I) stack)."""
     if b.ndim == 2 and a.ndim > 2:
-        return np.reshape(_matmul(a.reshape(-1, a.shape[-1]), b), (*a.shape[:-1], b.shape[-1]))
-    if a.ndim == 2 and b.ndim == 2 and a.shape[0] * b.shape[1] * a.itemsize >= workspace.MIN_BYTES:
-        # A large product (a projection hoisted over every step): into a recycled buffer.
-        return np.matmul(a, b, out=workspace.empty((a.shape[0], b.shape[1]), np.result_type(a, b)))
+        return np.reshape(a.reshape(-1, a.shape[-1]) @ b, (*a.shape[:-1], b.shape[-1]))
     out: np.ndarray = np.matmul(a, b)
     return out
 

@@ -1,11 +1,16 @@
 """Recycled memory for large arrays that the engine allocates again at every step.
 
-A training step allocates the same large arrays step after step: the stacked rows of a tied
-weight's gradient product, the buffer that collects a hoisted group's per-iteration gradients, a
-hoisted projection over every step. Arrays this large (above glibc's ``mmap`` threshold) come
-fresh from the operating system each time and every page is faulted in and zeroed on first touch:
-at (I, H, B, T) = (32, 128, 32, 50) that was about 570 page faults and a fifth of a training step
-(docs/performance.md). A hand-written loop avoids it by allocating its buffers once.
+A training step allocates the same large temporaries step after step: the stacked rows of a tied
+weight's gradient product, the buffer that collects a hoisted group's per-iteration gradients.
+Arrays this large (above glibc's ``mmap`` threshold) can come fresh from the operating system each
+time, every page faulted in and zeroed on first touch: at (I, H, B, T) = (64, 256, 64, 100) that
+was about 1,600 page faults and a tenth of a training step (docs/performance.md). A hand-written
+loop avoids it by allocating its buffers once.
+
+Only temporaries — arrays that die within the sweep that made them — go through it, not node
+values: a value lives as long as its graph, so recycling one needs a second buffer while the
+first is still read, and values of varying sizes (a language model's logits) would fill the pool
+with memory the application's own allocations could otherwise reuse.
 
 This module gives the engine the same thing without giving up fresh arrays: :func:`empty` and
 :func:`zeros` hand out a view of a buffer kept from an earlier step **only if nothing refers to
@@ -15,9 +20,7 @@ still read. Otherwise, or for arrays smaller than :data:`MIN_BYTES`, they alloca
 
 The buffers are per thread. At most :func:`limit` bytes (64 MiB by default) in at most
 :data:`MAX_BUFFERS` buffers are kept; the least recently used beyond that are forgotten (freed once
-the last view of them goes). An array over a quarter of the limit is allocated as usual: a few
-huge arrays of varying sizes (a language model's logits) would rarely find a free buffer of their
-size and would hold memory the application's own allocations then cannot reuse.
+the last view of them goes), and an array over a quarter of the limit is allocated as usual.
 ``set_limit(0)`` turns recycling off.
 """
 
