@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import vgraph as vg
+from vgraph import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = {"rtol": 1e-12, "atol": 1e-12}
@@ -167,6 +168,30 @@ def test_carry_independent_nodes_become_one_group_each():
     assert copy.op.name == "Hoisted"
     assert np.shares_memory(copy.value, group.value)  # a view of the group's row
     np.testing.assert_allclose(copy.value, xs[3] @ g.params["Wx"].value, rtol=1e-12)
+
+
+@pytest.mark.parametrize("cell", ["rnn", "lstm"])
+def test_the_library_cells_add_their_bias_in_the_hoisted_group(cell):
+    """nn.RNNCell and the unfused nn.LSTMCell write ``x_t @ W_x + b + h @ W_h``: the bias joins the
+    input projection, so hoisting adds it once for every step instead of once per iteration."""
+    g = vg.VirtualGraph(dtype=np.float64, seed=0)
+    x = g.input("x", shape=(None, 2, 3))
+    h0 = g.constant(np.zeros((2, 4)))
+    module = nn.RNNCell(g, 3, 4, "cell") if cell == "rnn" else nn.LSTMCell(g, 3, 4, "cell", fused=False)
+    with g.loop(name="t") as L:
+        h = L.carry(h0, name="h")
+        if cell == "rnn":
+            L.update(h, module(L.step(x), h))
+        else:
+            c = L.carry(h0, name="c")
+            h_new, c_new = module(L.step(x), (h, c))
+            L.update(h, h_new)
+            L.update(c, c_new)
+    loss = vg.sum(L.final(h) ** 2)
+    feed = {"x": np.random.default_rng(0).normal(size=(5, 2, 3))}
+    _, hoisted = assert_identical(g, feed, [loss], loss)
+    groups = sorted(k.type for k in hoisted._nodes if k.type.endswith("*"))
+    assert groups == ["Add*", "Item*", "MatMul*"]
 
 
 def test_times_shorter_than_the_sequence_hoists_only_the_steps_that_run():

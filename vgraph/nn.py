@@ -283,7 +283,9 @@ class RNNCell(Module):
 
     def __call__(self, x_t: Any, h: Any) -> Any:
         """One step: ``x_t`` ``(batch, input_size)``, ``h`` ``(batch, hidden_size)`` -> new h."""
-        z = x_t @ self.W_x + h @ self.W_h + self.b
+        # The bias joins the input projection first (PyTorch's order too): in a loop stepping
+        # through x, hoisting then computes x_t @ W_x + b for every step at once.
+        z = x_t @ self.W_x + self.b + h @ self.W_h
         return F.tanh(z) if self.nonlinearity == "tanh" else F.relu(z)
 
 
@@ -350,7 +352,7 @@ class LSTMCell(Module):
             cell = F.lstm_cell(x_t @ self.W_x, h @ self.W_h, self.b, c)
             return cell[0], cell[1]
         H = self.hidden_size
-        z = x_t @ self.W_x + h @ self.W_h + self.b
+        z = x_t @ self.W_x + self.b + h @ self.W_h  # the bias hoistable with x_t @ W_x (see RNNCell)
         i = F.sigmoid(z[..., 0:H])
         f = F.sigmoid(z[..., H : 2 * H])
         g = F.tanh(z[..., 2 * H : 3 * H])
