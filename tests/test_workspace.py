@@ -109,6 +109,8 @@ def test_an_array_over_a_quarter_of_the_limit_is_allocated_as_usual():
     assert not at_quarter.flags.owndata and workspace.kept_bytes() == 2**20
     over = workspace.empty((128, 1025), np.float64)  # just over 1 MiB: a plain array
     assert over.flags.owndata and workspace.kept_bytes() == 2**20
+    zeros = workspace.zeros((128, 1025), np.float64)
+    assert zeros.flags.owndata and not zeros.any() and workspace.kept_bytes() == 2**20
 
 
 def test_the_number_of_buffers_is_bounded():

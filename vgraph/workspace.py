@@ -118,25 +118,35 @@ def _take(nbytes: int) -> np.ndarray | None:
     return buf
 
 
+def _recycled(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray | None:
+    """A view of ``shape`` and ``dtype`` into a kept buffer (see :func:`_take`), or None: the
+    array is small, or recycling is off, or it is over a quarter of the limit."""
+    n = dtype.itemsize
+    for s in shape:
+        n *= s
+    if n < MIN_BYTES:
+        return None
+    buf = _take(n)
+    if buf is None:
+        return None
+    out: np.ndarray = buf[:n].view(dtype).reshape(shape)
+    return out
+
+
 def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """An uninitialised C-contiguous array of ``shape`` and ``dtype``, from a recycled buffer if
     it is large and one is free (see the module docstring), else new."""
     dt = np.dtype(dtype)
-    n = dt.itemsize
-    for s in shape:
-        n *= s
-    if n < MIN_BYTES:
-        return _np_empty(shape, dtype=dt)
-    buf = _take(n)
-    if buf is None:
-        return _np_empty(shape, dtype=dt)
-    out: np.ndarray = buf[:n].view(dt).reshape(shape)
-    return out
+    out = _recycled(shape, dt)
+    return _np_empty(shape, dtype=dt) if out is None else out
 
 
 def zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """:func:`empty`, filled with zeros (a new large array is zeroed by the OS page by page; a
-    recycled one by one ``fill``)."""
-    out = empty(shape, dtype)
+    """:func:`empty`, filled with zeros: a recycled buffer by one ``fill``; a new array as
+    :func:`numpy.zeros` makes it (large ones from pages the OS zeroes when first touched)."""
+    dt = np.dtype(dtype)
+    out = _recycled(shape, dt)
+    if out is None:
+        return np.zeros(shape, dtype=dt)
     out.fill(0)
     return out
