@@ -531,16 +531,20 @@ class LeadingSumGrad(LazyGrad):
     def add_into(self, acc: np.ndarray) -> None:
         acc += self.dense()
 
+    def absorb(self, full: Any) -> bool:
+        """Add ``full``, another use's gradient at the same full shape and dtype, into this one's
+        buffer and return True; False (nothing done) for anything else."""
+        mine = self.full
+        if type(full) is not np.ndarray or full.shape != mine.shape or full.dtype != self.dtype:
+            return False
+        if not self.owned:
+            mine = self.full = mine.copy()
+            self.owned = True
+        np.add(mine, full, out=mine)
+        return True
+
     def merge(self, other: LazyGrad) -> LazyGrad | np.ndarray:
-        if (
-            type(other) is LeadingSumGrad
-            and other.full.shape == self.full.shape
-            and other.dtype == self.dtype
-        ):
-            if not self.owned:
-                self.full = self.full.copy()
-                self.owned = True
-            np.add(self.full, other.full, out=self.full)
+        if type(other) is LeadingSumGrad and self.absorb(other.full):
             return self
         return super().merge(other)
 

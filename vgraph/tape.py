@@ -263,15 +263,12 @@ def _backward_source(shape: Any) -> list[str]:
                 f"{indent}s = x{j}.shape",
                 f"{indent}acc = n{p}._g",
             ]
-            if leaf and not sparse:  # a weight's or a bias's next use, as merge would add it
+            if leaf and not sparse:  # a weight's or a bias's next use, merged directly
                 out += [
                     f"{indent}if type(c) is RowsProductGrad and type(acc) is RowsProductGrad:",
-                    f"{indent}    acc.a += c.a",
+                    f"{indent}    acc.a += c.a  # RowsProductGrad.merge, written out",
                     f"{indent}    acc.g += c.g",
-                    f"{indent}elif (c.shape != s and type(acc) is LeadingSumGrad and acc.owned and type(c) is ndarray",
-                    f"{indent}        and acc.full.shape == c.shape and acc.dtype == c.dtype):",
-                    f"{indent}    np_add(acc.full, c, out=acc.full)",
-                    f"{indent}else:",
+                    f"{indent}elif not (c.shape != s and type(acc) is LeadingSumGrad and acc.absorb(c)):",
                 ]
                 indent += "    "
             out += [indent + line for line in accumulate]

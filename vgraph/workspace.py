@@ -92,13 +92,9 @@ def _shrink(pool: _Pool, nbytes: int) -> None:
         pool.bytes -= bufs.pop(0).nbytes
 
 
-def _take(nbytes: int) -> np.ndarray | None:
+def _take(nbytes: int) -> np.ndarray:
     """A free kept buffer of at least ``nbytes`` and at most twice that (the most recently used
-    such), moved to the end of the list; or a new one, kept if the limit allows; ``None`` if
-    recycling is off or the request is over a quarter of the limit."""
-    cap = _limit[0]
-    if nbytes > cap >> 2:
-        return None
+    such), moved to the end of the list; or a new one, kept within the limit."""
     pool = _pool
     bufs = pool.buffers
     for i in range(len(bufs) - 1, -1, -1):
@@ -108,6 +104,7 @@ def _take(nbytes: int) -> np.ndarray | None:
                 del bufs[i]
                 bufs.append(buf)
             return buf
+    cap = _limit[0]
     buf = _np_empty(nbytes, dtype=np.uint8)
     bufs.append(buf)
     pool.bytes += nbytes
@@ -120,16 +117,13 @@ def _take(nbytes: int) -> np.ndarray | None:
 
 def _recycled(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray | None:
     """A view of ``shape`` and ``dtype`` into a kept buffer (see :func:`_take`), or None: the
-    array is small, or recycling is off, or it is over a quarter of the limit."""
+    array is under :data:`MIN_BYTES` or over a quarter of the limit (0 when recycling is off)."""
     n = dtype.itemsize
     for s in shape:
         n *= s
-    if n < MIN_BYTES:
+    if n < MIN_BYTES or n > _limit[0] >> 2:
         return None
-    buf = _take(n)
-    if buf is None:
-        return None
-    out: np.ndarray = buf[:n].view(dtype).reshape(shape)
+    out: np.ndarray = _take(n)[:n].view(dtype).reshape(shape)
     return out
 
 
