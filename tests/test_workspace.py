@@ -205,3 +205,144 @@ def test_recycling_is_used_by_a_hoisted_loop(recycle_everything):
         sizes.append(len(workspace._pool.buffers))
     assert sizes[0] > 0
     assert sizes[-1] == sizes[-2] == sizes[-3]
+
+
+# ---------------------------------------------------------------------------- huge pages
+
+madvise = pytest.importorskip("numpy._core.multiarray")
+get_advice, set_advice = madvise._get_madvise_hugepage, madvise._set_madvise_hugepage
+
+
+@pytest.fixture
+def advice():
+    """numpy's huge-page advice on (numpy's Linux default) and vgraph's policy at its default;
+    both as they were afterwards."""
+    was, policy = set_advice(True), workspace.huge_pages()
+    workspace.set_huge_pages(False)
+    yield
+    set_advice(was)
+    workspace.set_huge_pages(policy)
+
+
+def recording_model():
+    """A model whose op records numpy's huge-page advice in its forward and VJP."""
+    seen: list[tuple[str, bool]] = []
+
+    def forward(x):
+        seen.append(("forward", get_advice()))
+        return x * 2.0
+
+    def vjp(g, ans, x):
+        seen.append(("vjp", get_advice()))
+        return g * 2.0
+
+    double = vg.defop("RecordAdvice", forward, vjp, replace=True)
+    g = vg.VirtualGraph(dtype=np.float64, seed=0)
+    x = g.input("x", shape=(3,))
+    w = g.parameter("w", (3,), init="normal")
+    loss = (double(x * w)).sum()
+    return g, loss, seen
+
+
+def test_vgraph_computes_without_huge_page_advice_and_restores_it(advice):
+    g, loss, seen = recording_model()
+    cg = g.build({"x": np.arange(3.0)}, loss, cache=False)
+    assert get_advice() is True
+    opt = vg.optim.Adam(g.params)
+    cg.backward(cg.outputs[0])
+    assert get_advice() is True
+    cg.forward(cg.outputs[0])  # nothing changed: nothing recomputed
+    opt.step()
+    cg.forward(cg.outputs[0])  # the parameter changed: recomputed
+    cg.grad(cg.outputs[0], [cg.outputs[0]])
+    assert get_advice() is True
+    assert seen == [("forward", False), ("vjp", False), ("forward", False)]
+
+
+def test_a_user_setting_is_left_alone(advice):
+    g, loss, seen = recording_model()
+    set_advice(False)  # the user turned numpy's advice off: vgraph keeps it off and leaves it off
+    cg = g.build({"x": np.arange(3.0)}, loss, cache=False)
+    cg.backward(cg.outputs[0])
+    assert get_advice() is False
+    set_advice(True)
+    workspace.set_huge_pages(True)  # vgraph's work lets numpy advise as numpy is set
+    cg = g.build({"x": np.arange(3.0)}, loss, cache=False)
+    cg.backward(cg.outputs[0])
+    assert seen == [("forward", False), ("vjp", False), ("forward", True), ("vjp", True)]
+    assert get_advice() is True
+
+
+def test_nested_scopes_restore_the_advice_only_when_the_outermost_exits(advice):
+    with workspace.compute_scope:
+        with workspace.compute_scope:  # e.g. a build that re-runs a cached graph's forward
+            assert get_advice() is False
+        assert get_advice() is False
+    assert get_advice() is True
+
+
+def test_the_advice_is_restored_when_a_build_or_backward_fails(advice):
+    def forward(x):
+        raise ValueError("no")
+
+    bad = vg.defop("FailsForward", forward, lambda g, ans, x: g, replace=True)
+    g = vg.VirtualGraph(dtype=np.float64)
+    x = g.input("x", shape=(3,))
+    with pytest.raises(vg.VGraphError):
+        g.build({"x": np.zeros(3)}, bad(x), cache=False)
+    assert get_advice() is True
+
+    fails_vjp = vg.defop("FailsVJP", lambda x: x + 0.0, lambda g, ans, x: 1 / 0, replace=True)
+    w = g.parameter("w", (3,), init="normal")
+    loss = fails_vjp(x * w).sum()
+    cg = g.build({"x": np.zeros(3)}, loss, cache=False)
+    with pytest.raises(vg.VGraphError):
+        cg.backward(cg.outputs[0])
+    assert get_advice() is True
+
+
+def test_the_advice_is_restored_after_builds_in_several_threads(advice):
+    """The outermost scope in the process restores numpy's setting, however the threads' scopes
+    overlap; inside any of them the advice is off."""
+    g, loss, seen = recording_model()
+    start = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def work():
+        try:
+            start.wait()
+            for _ in range(20):
+                cg = g.build({"x": np.arange(3.0)}, loss, cache=False)
+                cg.backward(cg.outputs[0])
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert get_advice() is True
+    assert len(seen) == 4 * 20 * 2 and not any(on for _, on in seen)
+
+
+def test_set_huge_pages_checks_its_argument():
+    with pytest.raises(TypeError, match="must be a bool"):
+        workspace.set_huge_pages(1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("env, expected", [(None, False), ("0", True), ("1", True)])
+def test_numpys_environment_switch_means_vgraph_leaves_the_advice_alone(env, expected):
+    import os
+    import subprocess
+    import sys
+
+    environ = {k: v for k, v in os.environ.items() if k != "NUMPY_MADVISE_HUGEPAGE"}
+    if env is not None:
+        environ["NUMPY_MADVISE_HUGEPAGE"] = env
+    out = subprocess.run(
+        [sys.executable, "-c", "import vgraph; print(vgraph.workspace.huge_pages())"],
+        env=environ, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert out.stdout.strip() == str(expected)

@@ -51,6 +51,7 @@ from .ops import (
     as_row_sparse,
     reduce_grad,
 )
+from .workspace import computing
 
 if TYPE_CHECKING:
     from .virtual.checkpoint import Rematerializer
@@ -851,6 +852,7 @@ class ComputeGraph:
         return (self._node_arg(x, arg, fn),)
 
     # -- forward
+    @computing
     def forward(
         self,
         target: ComputeNode | Sequence[ComputeNode],
@@ -1050,6 +1052,7 @@ class ComputeGraph:
         """
         return self.backward_ex(loss, seed, retain_graph=False, detect_anomaly=detect_anomaly)
 
+    @computing
     def backward_ex(
         self, loss: ComputeNode, seed: Any = None, retain_graph: bool = False, *, detect_anomaly: bool = False
     ) -> float | None:
@@ -1065,6 +1068,7 @@ class ComputeGraph:
         value = loss._value if loss._value is not None else loss.value  # checkpointed: recomputed
         return float(np.reshape(value, ())) if np.size(value) == 1 else None
 
+    @computing
     def grad(
         self,
         outputs: ComputeNode | Sequence[ComputeNode],

@@ -51,6 +51,7 @@ import numpy as np
 from .compute import ComputeNode
 from .errors import ShapeError, VGraphError
 from .ops import RowSparseGrad
+from .workspace import computing
 
 __all__ = [
     "SGD",
@@ -394,6 +395,7 @@ class Optimizer:
             )
         return g
 
+    @computing
     def step(self) -> None:
         """Update every bound parameter that has a gradient, by the optimiser's formula.
 

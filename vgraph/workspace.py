@@ -22,15 +22,46 @@ The buffers are per thread. At most :func:`limit` bytes (64 MiB by default) in a
 :data:`MAX_BUFFERS` buffers are kept; the least recently used beyond that are forgotten (freed once
 the last view of them goes), and an array over a quarter of the limit is allocated as usual.
 ``set_limit(0)`` turns recycling off.
+
+**Transparent huge pages.** On Linux numpy asks the kernel to back every new array of 4 MiB or
+more with 2 MiB "transparent huge pages" (``madvise(MADV_HUGEPAGE)``). A huge page is zeroed as a
+whole when first touched, and on a virtual machine or a host short of free huge pages that fault can
+cost far more than the small pages it replaces; numpy issue #31590 describes the same. A training
+step of vgraph allocates its large values afresh (a language model's ``(T*B, vocabulary)`` logits
+several times per step), a hand-written loop allocates them once: on the benchmark machine the
+huge-page faults alone made the LSTM language model's step 1.3x slower at 64 sentences per batch
+and 1.15x at 16 (docs/performance.md). So, like PyTorch's CPU allocator (no huge-page advice unless
+its ``THP_MEM_ALLOC_ENABLE`` switch is set), vgraph's own work — building, forward, backward, an optimiser's step —
+runs with numpy's huge-page advice off, and restores numpy's setting when it returns (also on
+errors, also when calls nest or run in several threads). Code outside vgraph is not affected.
+:func:`set_huge_pages` ``(True)`` leaves numpy's setting alone; so does setting
+``NUMPY_MADVISE_HUGEPAGE`` in the environment (numpy's own switch: you chose).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 import sys
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
+
+
+def _advice_switch() -> Callable[[bool], bool] | None:
+    """numpy's switch for its huge-page advice (``switch(on)`` returns the previous setting; not
+    in numpy's stubs), or None in a numpy without it: then there is nothing to turn off."""
+    core = getattr(np, "_core", None) or getattr(np, "core", None)  # numpy 2 / numpy 1
+    switch: Callable[[bool], bool] | None = getattr(
+        getattr(core, "multiarray", None), "_set_madvise_hugepage", None
+    )
+    return switch
+
+
+_set_madvise_hugepage = _advice_switch()
 
 #: Arrays smaller than this are allocated as usual: malloc serves them from its free lists cheaply.
 MIN_BYTES = 1 << 17
@@ -144,3 +175,73 @@ def zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         return np.zeros(shape, dtype=dt)
     out.fill(0)
     return out
+
+
+# ---------------------------------------------------------------------------- huge pages
+
+_huge = ["NUMPY_MADVISE_HUGEPAGE" in os.environ]
+_huge_lock = threading.Lock()
+_huge_depth = [0]
+_huge_saved: list[bool | None] = [None]
+
+
+def huge_pages() -> bool:
+    """Whether vgraph's own work lets numpy ask for transparent huge pages (numpy's setting then
+    applies unchanged). ``False`` by default; ``True`` if ``NUMPY_MADVISE_HUGEPAGE`` was set in
+    the environment when vgraph was imported. See the module docstring."""
+    return _huge[0]
+
+
+def set_huge_pages(allow: bool) -> None:
+    """``True``: vgraph's work leaves numpy's huge-page advice as numpy has it (on Linux, on for
+    arrays of 4 MiB or more unless ``NUMPY_MADVISE_HUGEPAGE=0``). ``False`` (the default): builds,
+    forward and backward sweeps and optimiser steps run with it off. Takes effect at the next
+    call into vgraph.
+
+    Raises:
+        TypeError: ``allow`` is not a bool.
+    """
+    if not isinstance(allow, bool):
+        raise TypeError(f"workspace.set_huge_pages: allow must be a bool, got {type(allow).__name__}")
+    _huge[0] = allow
+
+
+class _NoHugePages(contextlib.AbstractContextManager["_NoHugePages"]):
+    """The scope of vgraph's own work: numpy's huge-page advice off inside (unless
+    :func:`huge_pages`), numpy's setting restored when the outermost scope in the process exits."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> _NoHugePages:
+        with _huge_lock:
+            if _huge_depth[0] == 0 and not _huge[0] and _set_madvise_hugepage is not None:
+                _huge_saved[0] = _set_madvise_hugepage(False)
+            _huge_depth[0] += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with _huge_lock:
+            _huge_depth[0] -= 1
+            saved, switch = _huge_saved[0], _set_madvise_hugepage
+            if _huge_depth[0] == 0 and saved is not None and switch is not None:
+                _huge_saved[0] = None
+                switch(saved)
+
+
+#: ``with compute_scope:`` around every entry point that computes (see the module docstring).
+compute_scope = _NoHugePages()
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def computing(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Decorate an entry point of vgraph's work: ``fn`` runs inside :data:`compute_scope`."""
+
+    @functools.wraps(fn)
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with compute_scope:
+            return fn(*args, **kwargs)
+
+    return run

@@ -40,6 +40,7 @@ import numpy as np
 from ..compute import ComputeGraph, ComputeNode, NodeKey, no_grad
 from ..errors import BuildError, LoopLimitError, ShapeError, VGraphError
 from ..ops import OPS, Op, row_at
+from ..workspace import computing
 from .hoist import batched_attrs, hoist_loop
 from .nodes import BranchNode, LoopNode, VirtualNode
 from .unroll import (  # type: ignore[attr-defined]  # _ALL: the forward plans' "every node"
@@ -569,6 +570,7 @@ class BatchedBuild:
             f"of {mean:.1f} inputs on average)"
         )
 
+    @computing
     def unrolled(self, i: int) -> UnrolledGraph:
         """Input ``i`` built alone: the unrolled graph a one-at-a-time build of its feed gives
         (same values; its sampled nodes drawn with the seed they had in this batch), to inspect
@@ -641,6 +643,7 @@ class BatchedBuild:
             None,
         )
 
+    @computing
     def backward(self, reduction: str = "mean", output: int = 0) -> float:
         """Backpropagate the combined loss (:meth:`loss`) once for every input; returns its value."""
         value = self.graph.backward(self.loss(reduction, output))
@@ -1412,6 +1415,7 @@ class _BatchBuilder(_Builder):
             env[s] = cg._add_op(_STACK, bucket, {"axis": 0}, NodeKey("Stack", s.id, idx), s.name)
 
 
+@computing
 def build_batch(
     graph: Any, feeds: Sequence[Mapping[str, Any]], outputs: Any, hoist: bool = True, depth: bool = True
 ) -> BatchedBuild:

@@ -38,6 +38,7 @@ from ..errors import (
 )
 from ..ops import OPS, Op
 from ..tape import ForwardTape, tapes_enabled
+from ..workspace import computing
 from .cache import SupersededGraph
 from .checkpoint import LoopRecord, Rematerializer
 from .graph import VirtualGraph
@@ -847,6 +848,7 @@ def _checked_feed(graph: VirtualGraph, plan: _Plan, feed: Mapping[str, Any]) -> 
     }
 
 
+@computing
 def build_compute_graph(
     graph: VirtualGraph,
     feed: Mapping[str, Any],
