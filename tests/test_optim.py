@@ -754,3 +754,80 @@ def test_zero_d_arrays_are_accepted_as_numbers():
     assert optim.SGD(params, lr=np.array(0.5)).lr == 0.5
     with pytest.raises(TypeError, match="lr"):
         optim.SGD(params, lr=np.array([0.5]))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(("cls", "wd"), [(optim.Adam, 0.0), (optim.Adam, 0.1), (optim.AdamW, 0.1)])
+def test_adam_in_place_is_the_formula_bit_for_bit(dtype, cls, wd):
+    """Adam works in place through a recycled scratch array; the result is the formula computed
+    with fresh temporaries, in the same order, bit for bit — for parameters large enough that the
+    scratch is recycled (one buffer shared by both), and the arrays a user read before a step keep
+    their contents."""
+    rng = np.random.default_rng(1)
+    cg = vg.ComputeGraph(dtype)
+    shapes = [(300, 200), (200, 300), (7,)]
+    params = [cg.parameter(rng.standard_normal(s), name=f"p{i}") for i, s in enumerate(shapes)]
+    lr, (b1, b2), eps = 0.01, (0.8, 0.95), 1e-6
+    opt = cls(params, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    ref = [np.array(p.value) for p in params]
+    m = [np.zeros_like(r) for r in ref]
+    v = [np.zeros_like(r) for r in ref]
+    for t in range(1, 4):
+        held = [p.value for p in params]
+        copies = [np.array(h) for h in held]
+        for i, p in enumerate(params):
+            g = rng.standard_normal(p.shape).astype(dtype)
+            p.grad = g
+            if cls is optim.AdamW:
+                ref[i] = ref[i] * (1.0 - lr * wd)
+            else:
+                g = g + wd * ref[i]
+            m[i] = m[i] * b1 + (1.0 - b1) * g
+            v[i] = v[i] * b2 + (1.0 - b2) * g * g
+            denom = np.sqrt(v[i]) / math.sqrt(1.0 - b2**t) + eps
+            ref[i] = ref[i] - (lr / (1.0 - b1**t)) * (m[i] / denom)
+        opt.step()
+        for i, p in enumerate(params):
+            assert p.value.dtype == dtype
+            np.testing.assert_array_equal(p.value, ref[i])
+            np.testing.assert_array_equal(held[i], copies[i])
+
+
+def test_a_step_adopts_its_new_array_and_copies_anything_someone_else_holds():
+    """The built-in updates make a new array that becomes the value without a copy; a custom
+    update that returns an array it keeps (or a view) has it copied, as ``p.value = x`` does."""
+    (a, _), grads = make_params()
+    seen = []
+
+    class Keeper(optim.SGD):
+        def _update(self, value, grad, state):
+            new = super()._update(value, grad, state)
+            seen.append(new)
+            return new
+
+    opt = optim.SGD([a], lr=0.1)
+    a.grad = grads[0][0]
+    before = a.value
+    opt.step()
+    assert not np.shares_memory(a.value, before)
+    a.grad = grads[1][0]
+    kept_opt = Keeper([a], lr=0.1)
+    kept_opt.step()
+    assert len(seen) == 1 and not np.shares_memory(a.value, seen[0])  # copied: seen[0] is held
+    seen[0][...] = 0.0  # the keeper changing its array does not reach the parameter
+    assert np.abs(a.value).sum() > 0
+
+
+def test_the_built_in_update_is_adopted_without_a_copy():
+    (a, _), grads = make_params()
+    made = []
+
+    class Spy(optim.SGD):
+        def _update(self, value, grad, state):
+            new = super()._update(value, grad, state)
+            made.append(new.__array_interface__["data"][0])  # its address only: holding it would share it
+            return new
+
+    a.grad = grads[0][0]
+    Spy([a], lr=0.1).step()
+    assert a.value.__array_interface__["data"][0] == made[0]

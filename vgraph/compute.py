@@ -372,6 +372,11 @@ class ComputeNode(Operand):
             GraphStateError: if the node is computed by an op (set its inputs instead).
             ShapeError: if a parameter's new value has a different shape.
         """
+        self._set(value, copy=True)
+
+    def _set(self, value: Any, copy: bool) -> None:
+        """:meth:`set_value`; ``copy=False`` adopts an array nobody else refers to as it is (an
+        optimiser's fresh result)."""
         if self.op is not None:
             raise GraphStateError(
                 f"{self.describe()} is computed by {self.op.name}; only inputs, parameters and "
@@ -382,7 +387,7 @@ class ComputeNode(Operand):
         else:
             dtype = self._value.dtype if self._value.dtype.kind == "f" else _default_dtype
         arr = _as_value(value, dtype)
-        if arr is value:  # the caller's own array: a later in-place change must not reach the graph
+        if copy and arr is value:  # the caller's array: a later in-place change must not reach the graph
             arr = arr.copy()
         if self.key.type == "Parameter":
             arr = arr.astype(dtype, copy=False)  # parameters are always floats

@@ -42,16 +42,20 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import partial
 from typing import Any, ClassVar
 
 import numpy as np
 
+from . import workspace
 from .compute import ComputeNode
 from .errors import ShapeError, VGraphError
 from .ops import RowSparseGrad
 from .workspace import computing
+
+_getrefcount = sys.getrefcount
 
 __all__ = [
     "SGD",
@@ -416,9 +420,13 @@ class Optimizer:
                     st.update(self._pending.pop(adopt))
             st["step"] += 1
             if isinstance(grad, RowSparseGrad):
-                p.value = self._update_rows(p.value, grad, st)
+                new = self._update_rows(p.value, grad, st)
             else:
-                p.value = self._update(p.value, grad, st)
+                new = self._update(p.value, grad, st)
+            # A new array nothing else refers to (this name and getrefcount's argument) becomes the
+            # value as it is; anything else is copied, as the value setter does.
+            owned = type(new) is np.ndarray and new.base is None and _getrefcount(new) == 2
+            p._set(new, copy=not owned)
 
     def _update(self, value: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> np.ndarray:
         raise NotImplementedError
@@ -735,14 +743,25 @@ class Adam(Optimizer):
             m = state["exp_avg"] = np.zeros_like(value)
             state["exp_avg_sq"] = np.zeros_like(value)
         v = state["exp_avg_sq"]
+        # The formula in place, through one scratch array (recycled when large): the same
+        # operations in the same order as m += (1 - b1) * g; v += (1 - b2) * g * g;
+        # value - (lr / bias1) * (m / (sqrt(v) / sqrt(bias2) + eps)), without their temporaries.
+        tmp = workspace.empty(value.shape, m.dtype)
         m *= b1
-        m += (1.0 - b1) * grad
+        np.multiply(grad, 1.0 - b1, out=tmp)
+        m += tmp
         v *= b2
-        v += (1.0 - b2) * grad * grad
+        np.multiply(grad, 1.0 - b2, out=tmp)
+        tmp *= grad
+        v += tmp
         bias1 = 1.0 - b1**t
         bias2 = 1.0 - b2**t
-        denom = np.sqrt(v) / math.sqrt(bias2) + self.eps
-        new: np.ndarray = value - (self.lr / bias1) * (m / denom)
+        np.sqrt(v, out=tmp)
+        tmp /= math.sqrt(bias2)
+        tmp += self.eps
+        np.divide(m, tmp, out=tmp)
+        tmp *= self.lr / bias1
+        new: np.ndarray = value - tmp  # a new array (see the module docstring)
         return new
 
     def _update_rows(self, value: np.ndarray, grad: RowSparseGrad, state: dict[str, Any]) -> np.ndarray:
