@@ -509,3 +509,81 @@ def test_indexes_on_sentences_of_different_lengths():
     for k, n in batch.groups:
         sizes.setdefault(k, []).append(n)
     assert sizes["GetItem:1"] == [3] and sizes["GetItem:2"] == [3] and sizes["GetItem:3"] == [1, 1, 1]
+
+
+# ---------------------------------------------------------------------------- memory
+
+
+def cyclic_garbage(run):
+    """The objects that ``run()`` leaves for the cyclic garbage collector (reference cycles)."""
+    import gc
+
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        run()
+        gc.collect()
+        garbage = list(gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    return garbage
+
+
+def _tagger_run():
+    rng = np.random.default_rng(0)
+    g, outs = tagger_model()
+    feeds = [{"tokens": rng.integers(0, 20, n), "tags": rng.integers(0, 5, n)} for n in (3, 5, 2)]
+    return g, outs, feeds
+
+
+@pytest.mark.parametrize("joint", [True, False], ids=["joint-trees", "greenlet-per-tree-node"])
+def test_batched_builds_leave_no_reference_cycles(joint, monkeypatch):
+    """A batched build, its backward and an update are freed by reference counting: tens of
+    thousands of objects per build would otherwise wait for (and slow down) the cyclic collector."""
+    from vgraph.virtual.batch import BatchedBuild
+
+    if not joint:
+        monkeypatch.setattr(BatchedBuild, "_joint_ok", lambda self, loop: False)
+    models = [_tagger_run(), (*branchy_tree_model(), tree_feeds([3, 1, 4], 2))]
+    for g, outs, feeds in models:
+        opt = vg.optim.Adam(g.params)
+
+        def step(g=g, outs=outs, feeds=feeds, opt=opt):
+            batch = g.build_batch(feeds, outs)
+            opt.zero_grad()
+            batch.backward("mean")
+            opt.step()
+
+        step()  # optimiser state, caches
+        garbage = cyclic_garbage(step)
+        assert not garbage, sorted({type(o).__name__ for o in garbage})
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "examples" / "models").glob("*.py")), ids=lambda p: p.stem)
+def test_builds_of_the_example_models_leave_no_reference_cycles(script):
+    module = load(script)
+    g, feed, outputs = module.build(seed=0)
+
+    def step():
+        cg = g.build(feed, outputs, cache=False)
+        cg.backward(outputs[0])
+
+    step()
+    garbage = cyclic_garbage(step)
+    assert not garbage, sorted({type(o).__name__ for o in garbage})
+
+
+def test_an_input_view_needs_its_batch():
+    g, outs, feeds = _tagger_run()
+    batch = g.build_batch(feeds, outs)
+    view = batch.inputs[1]
+    assert view.batch is batch and view.trip_count(_loop_of(g)) == 5
+    del batch
+    with pytest.raises(vg.GraphStateError, match="input 1's batched build is gone"):
+        view.batch  # noqa: B018
+    assert view.trip_count(_loop_of(g)) == 5  # what the view keeps of its own still reads
+
+
+def _loop_of(g):
+    return next(v for v in g.nodes if isinstance(v, vg.LoopNode))

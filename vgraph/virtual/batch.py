@@ -32,13 +32,14 @@ alone, for inspection and drawing (``vgraph.render``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
 
 from ..compute import ComputeGraph, ComputeNode, NodeKey, no_grad
-from ..errors import BuildError, LoopLimitError, ShapeError, VGraphError
+from ..errors import BuildError, GraphStateError, LoopLimitError, ShapeError, VGraphError
 from ..ops import OPS, Op, row_at
 from ..workspace import computing
 from .hoist import batched_attrs, hoist_loop
@@ -355,7 +356,10 @@ class InputView:
     decisions, iteration environments and outputs (``trip_count``, ``choice``, ``value``)."""
 
     def __init__(self, batch: BatchedBuild, index: int) -> None:
-        self.batch, self.index = batch, index
+        # Weakly, as nodes refer to their graph: the batch holds its views, and a cycle would leave
+        # every build (tens of thousands of objects) to the cyclic garbage collector.
+        self._batch = weakref.ref(batch)
+        self.index = index
         self.decisions: list[Any] = []
         self.inputs: dict[str, ComputeNode] = {}
         self.outputs: list[Any] = []
@@ -364,6 +368,20 @@ class InputView:
         self._getcurrent: Any = None  # greenlet.getcurrent and the scheduler's switch (bound in _run)
         self._switch: Any = None
         self._groups: dict[Any, Any] = {}
+
+    @property
+    def batch(self) -> BatchedBuild:
+        """The batched build this input belongs to.
+
+        Raises:
+            GraphStateError: nothing holds the batched build any more (keep a reference to it).
+        """
+        batch = self._batch()
+        if batch is None:
+            raise GraphStateError(
+                f"input {self.index}'s batched build is gone: keep a reference to what build_batch returned"
+            )
+        return batch
 
     # -- what the builder calls
     def _key(self, key: NodeKey) -> NodeKey:
@@ -1350,6 +1368,10 @@ class _BatchBuilder(_Builder):
         me = self.batch._getcurrent()
         scheduler, make = self.batch._scheduler, self.batch._greenlet
         done = [0]
+        # tree_node spawns itself for the parents it completes. Reached through this list, emptied
+        # at the end, not by its own name: a closure naming itself is a reference cycle, which
+        # would leave the whole build to the cyclic garbage collector.
+        spawn: list[Callable[[int], _Spawn]] = []
 
         def tree_node(t: int) -> _Spawn:
             inner = _Frame(loop, (*idx, t), dict(captured), frame)
@@ -1370,9 +1392,10 @@ class _BatchBuilder(_Builder):
             for p in parents[t]:
                 remaining[p] -= 1
                 if remaining[p] == 0:
-                    ready.append(make(lambda p=p: tree_node(p), parent=scheduler))
+                    ready.append(make(lambda p=p: spawn[0](p), parent=scheduler))
             return _Spawn(ready, me if done[0] == n else None)
 
+        spawn.append(tree_node)
         start = len(cg.decisions)
         if self.batch._joint_ok(loop):  # the scheduler builds every input's tree nodes itself
             job = _TreeJob(cast(InputView, cg), loop, idx, defaults, seqs, length, n, captured, groups)
@@ -1391,6 +1414,7 @@ class _BatchBuilder(_Builder):
         else:  # each tree node in a greenlet of its own
             leaves = [make(lambda t=t: tree_node(t), parent=scheduler) for t in range(n) if remaining[t] == 0]
             scheduler.switch(_Spawn(leaves))  # back when every tree node is built
+        spawn.clear()
         # as one node after another: each node's decisions together, in node order
         cg.decisions[start:] = sorted(cg.decisions[start:], key=lambda d: d.idx[len(idx)])
         names = [c.name for c in loop.carries]
