@@ -647,3 +647,37 @@ def test_stack_gradient_is_a_view_of_the_incoming_gradient():
         assert np.shares_memory(got, g)
     got = OPS["Stack"].vjps(1, g, g, *xs, axis=-2)
     np.testing.assert_array_equal(got, g[:, 1])
+
+
+@pytest.mark.parametrize("at", [[3, 0, 5, 1], [2, 2, 0, 2]], ids=["unique-rows", "repeated-rows"])
+def test_rows_grad_adds_whole_rows_as_one_indexed_addition_bit_for_bit(at):
+    """RowsGrad adds first-axis rows with one indexed addition (np.add.at when rows repeat): the
+    same additions, in the same order, as one in-place addition per row."""
+    from vgraph.ops import RowsGrad
+
+    rng = np.random.default_rng(0)
+    g = rng.standard_normal((6, 3))
+    pairs = [((r,), p) for r, p in zip(at, [4, 0, 2, 5])]
+    acc = rng.standard_normal((7, 3))
+    expected = acc.copy()
+    for (r,), p in pairs:
+        expected[r] += g[p]
+    RowsGrad(acc.shape, acc.dtype, g, pairs).add_into(acc)
+    np.testing.assert_array_equal(acc, expected)
+
+
+def test_gather_rows_vjps_of_interleaved_nodes_pick_their_own_rows():
+    """The grouping of a GatherRows node's rows by input is computed once per node and kept for
+    the next input's VJP: another node's VJP in between must not get the first node's rows."""
+    from vgraph.ops import _gather_rows_vjp
+
+    a, b = np.arange(12.0).reshape(4, 3), np.arange(6.0).reshape(2, 3)
+    rows1 = ((0, (1,)), (1, (0,)), (0, (3,)))
+    rows2 = ((1, (1,)), (0, (2,)))
+    g1, g2 = np.ones((3, 3)), np.full((2, 3), 2.0)
+    first = _gather_rows_vjp(0, g1, None, a, b, rows=rows1)
+    other = _gather_rows_vjp(0, g2, None, a, b, rows=rows2)
+    second = _gather_rows_vjp(1, g1, None, a, b, rows=rows1)
+    assert first.pairs == [((1,), 0), ((3,), 2)]
+    assert other.pairs == [((2,), 1)]
+    assert second.pairs == [((0,), 1)]

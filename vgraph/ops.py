@@ -888,16 +888,39 @@ class RowsGrad(LazyGrad):
         self.pairs = pairs
 
     def add_into(self, acc: np.ndarray) -> None:
-        g = self.g
-        for path, p in self.pairs:
+        g, pairs = self.g, self.pairs
+        if len(pairs) > 1 and all(len(path) == 1 and type(path[0]) is int for path, _ in pairs):
+            # rows of the first axis (the common case: one row per input of a group): one
+            # indexed addition, the same additions per element as the loop below
+            at = [path[0] for path, _ in pairs]
+            rows = g[[p for _, p in pairs]]
+            if len(set(at)) == len(at):
+                acc[at] += rows
+            else:
+                np.add.at(acc, at, rows)  # a repeated row accumulates in order
+            return
+        for path, p in pairs:
             if path:
                 row_at(acc, path[:-1])[path[-1]] += g[p]  # in place: a view of acc
             else:  # the whole input is the row
                 np.add(acc, g[p], out=acc)
 
 
+#: The latest GatherRows node's rows grouped by the input they come from, with the ``rows``
+#: attribute they were computed from (one tuple, replaced in one step): the engine calls a node's
+#: VJPs one input after another with the same attributes, so the grouping is done once per node
+#: instead of once per input (which made a node of n inputs cost n² steps).
+_rows_by_input: list[tuple[Any, dict[int, list[tuple[Any, int]]]]] = [((), {})]
+
+
 def _gather_rows_vjp(i: int, g: np.ndarray, ans: np.ndarray, *xs: np.ndarray, rows: Any) -> RowsGrad:
-    return RowsGrad(xs[i].shape, g.dtype, g, [(r, p) for p, (s, r) in enumerate(rows) if s == i])
+    memo = _rows_by_input[0]
+    if memo[0] is not rows:
+        by: dict[int, list[tuple[Any, int]]] = {}
+        for p, (s, r) in enumerate(rows):
+            by.setdefault(s, []).append((r, p))
+        memo = _rows_by_input[0] = (rows, by)
+    return RowsGrad(xs[i].shape, g.dtype, g, memo[1].get(i, []))
 
 
 defop("GatherRows", _gather_rows, _gather_rows_vjp, variadic=True)
