@@ -304,7 +304,8 @@ class ComputeNode(Operand):
         # shared vjp(i, g, ans, *xs) of a variadic op (vgraph.ops._validated_op makes it so).
         self.vjps: tuple[VJP | None, ...]
         if op is None or not op.variadic:
-            self.vjps = cast("tuple[VJP | None, ...]", op.vjps) if op is not None else ()
+            # (not typing.cast: a function call, and this runs once per node)
+            self.vjps = op.vjps if op is not None else ()  # type: ignore[assignment]
         else:
             self.vjps = tuple(partial(cast("VJP", op.vjps), i) for i in range(len(parents)))
         # A leaf's array, or what the op's forward returned (an array, a numpy scalar, a guard's
@@ -685,7 +686,7 @@ class ComputeGraph:
                         requires_grad = True
                         break
             else:  # a non-variadic op's vjps: one VJP or None per input (see ComputeNode)
-                for p, f in zip(parents, cast("tuple[VJP | None, ...]", op.vjps)):
+                for p, f in zip(parents, op.vjps):  # type: ignore[arg-type]  # (no cast call per node)
                     if f is not None and p.requires_grad:
                         requires_grad = True
                         break
