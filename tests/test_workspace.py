@@ -224,8 +224,8 @@ def advice():
     workspace.set_huge_pages(policy)
 
 
-def recording_model():
-    """A model whose op records numpy's huge-page advice in its forward and VJP."""
+def recording_op():
+    """An op that records numpy's huge-page advice in its forward and VJP, and what it saw."""
     seen: list[tuple[str, bool]] = []
 
     def forward(x):
@@ -236,12 +236,20 @@ def recording_model():
         seen.append(("vjp", get_advice()))
         return g * 2.0
 
-    double = vg.defop("RecordAdvice", forward, vjp, replace=True)
+    return vg.defop("RecordAdvice", forward, vjp, replace=True), seen
+
+
+def model_with(double):
     g = vg.VirtualGraph(dtype=np.float64, seed=0)
     x = g.input("x", shape=(3,))
     w = g.parameter("w", (3,), init="normal")
-    loss = (double(x * w)).sum()
-    return g, loss, seen
+    return g, (double(x * w)).sum()
+
+
+def recording_model():
+    """A model whose op records numpy's huge-page advice in its forward and VJP."""
+    double, seen = recording_op()
+    return (*model_with(double), seen)
 
 
 def test_vgraph_computes_without_huge_page_advice_and_restores_it(advice):
@@ -304,11 +312,12 @@ def test_the_advice_is_restored_when_a_build_or_backward_fails(advice):
 def test_the_advice_is_restored_after_builds_in_several_threads(advice):
     """The outermost scope in the process restores numpy's setting, however the threads' scopes
     overlap; inside any of them the advice is off."""
-    g, loss, seen = recording_model()
+    double, seen = recording_op()
+    models = [model_with(double) for _ in range(4)]  # a graph per thread (one op)
     start = threading.Barrier(4)
     errors: list[BaseException] = []
 
-    def work():
+    def work(g, loss):
         try:
             start.wait()
             for _ in range(20):
@@ -317,7 +326,7 @@ def test_the_advice_is_restored_after_builds_in_several_threads(advice):
         except BaseException as e:  # reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=work) for _ in range(4)]
+    threads = [threading.Thread(target=work, args=m) for m in models]
     for t in threads:
         t.start()
     for t in threads:

@@ -30,10 +30,11 @@ cost far more than the small pages it replaces; numpy issue #31590 describes the
 step of vgraph allocates its large values afresh (a language model's ``(T*B, vocabulary)`` logits
 several times per step), a hand-written loop allocates them once: on the benchmark machine the
 huge-page faults alone made the LSTM language model's step 1.3x slower at 64 sentences per batch
-and 1.15x at 16 (docs/performance.md). So, like PyTorch's CPU allocator (no huge-page advice unless
-its ``THP_MEM_ALLOC_ENABLE`` switch is set), vgraph's own work — building, forward, backward, an optimiser's step —
-runs with numpy's huge-page advice off, and restores numpy's setting when it returns (also on
-errors, also when calls nest or run in several threads). Code outside vgraph is not affected.
+and 1.15x at 16 (docs/performance.md). So, like PyTorch's CPU allocator (no huge-page advice
+unless its ``THP_MEM_ALLOC_ENABLE`` switch is set), vgraph's own work — building, forward,
+backward, an optimiser's step — runs with numpy's huge-page advice off, and restores numpy's
+setting when it returns (also on errors, also when calls nest or run in several threads). Code
+outside vgraph is not affected.
 :func:`set_huge_pages` ``(True)`` leaves numpy's setting alone; so does setting
 ``NUMPY_MADVISE_HUGEPAGE`` in the environment (numpy's own switch: you chose).
 """
@@ -49,19 +50,6 @@ from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
-
-
-def _advice_switch() -> Callable[[bool], bool] | None:
-    """numpy's switch for its huge-page advice (``switch(on)`` returns the previous setting; not
-    in numpy's stubs), or None in a numpy without it: then there is nothing to turn off."""
-    core = getattr(np, "_core", None) or getattr(np, "core", None)  # numpy 2 / numpy 1
-    switch: Callable[[bool], bool] | None = getattr(
-        getattr(core, "multiarray", None), "_set_madvise_hugepage", None
-    )
-    return switch
-
-
-_set_madvise_hugepage = _advice_switch()
 
 #: Arrays smaller than this are allocated as usual: malloc serves them from its free lists cheaply.
 MIN_BYTES = 1 << 17
@@ -178,6 +166,19 @@ def zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- huge pages
+
+
+def _advice_switch() -> Callable[[bool], bool] | None:
+    """numpy's switch for its huge-page advice (``switch(on)`` returns the previous setting; not
+    in numpy's stubs), or None in a numpy without it: then there is nothing to turn off."""
+    core = getattr(np, "_core", None) or getattr(np, "core", None)  # numpy 2 / numpy 1
+    switch: Callable[[bool], bool] | None = getattr(
+        getattr(core, "multiarray", None), "_set_madvise_hugepage", None
+    )
+    return switch
+
+
+_set_madvise_hugepage = _advice_switch()
 
 _huge = ["NUMPY_MADVISE_HUGEPAGE" in os.environ]
 _huge_lock = threading.Lock()
