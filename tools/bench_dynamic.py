@@ -53,8 +53,9 @@ update (every node recomputes: the parameters changed), and "build" is the diffe
 rounds are plain training steps: a re-run forward in them would change the next step's memory
 (see :func:`run_config`). The numpy floor has no build. vgraph and the floor alternate batch by
 batch in one process, on the same initial weights; the autobatched columns alternate with a fresh
-runner of their one-at-a-time column in a second pass. "vs floor" is vgraph's time per batch over the floor's (medians); "cpu" the same ratio in thread
-CPU time, which moves less when other processes load the machine.
+runner of their one-at-a-time column in a second pass. "vs floor" is vgraph's time per batch over
+the floor's (medians); "cpu" the same ratio in thread CPU time, which moves less when other
+processes load the machine.
 
 Adding a task or a column: a task is a :class:`Task` in :data:`TASKS` (its data, its configurations,
 its columns and an optional correctness check); a column is a function ``(config, data) -> Runner``
