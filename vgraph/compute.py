@@ -260,6 +260,22 @@ def _as_value(value: Any, float_dtype: np.dtype) -> np.ndarray:
     return arr
 
 
+class _GraphRef:
+    """How a graph's nodes refer to it: weakly (graph -> node -> graph would make every graph a
+    reference cycle that only the cyclic garbage collector frees), through one object the graph
+    shares with all its nodes. Calling it gives the graph, or ``None`` once it is gone. A cached
+    build handed on to a new graph object (:mod:`vgraph.virtual.cache`) re-points every node by
+    re-pointing this one reference."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, graph: ComputeGraph) -> None:
+        self.ref = weakref.ref(graph)
+
+    def __call__(self) -> ComputeGraph | None:
+        return self.ref()
+
+
 class ComputeNode(Operand):
     """One node of a :class:`ComputeGraph`: a leaf or one primitive applied to parent nodes.
 
@@ -316,8 +332,7 @@ class ComputeNode(Operand):
         self.requires_grad = requires_grad
         self.grad: np.ndarray | RowSparseGrad | None = None
         self.retains_grad = False
-        # A weak reference: graph -> node -> graph would make every graph a reference cycle that
-        # only the cyclic garbage collector frees (slowly, and after the memory piles up).
+        # Weakly, through the graph's _GraphRef (see there).
         self._graph = graph._weak_self if graph is not None else None
         self._g: Any = None  # gradient being accumulated during one backward pass
         self._gown = False  # whether _g is an array this pass allocated (safe to add into)
@@ -507,7 +522,7 @@ class ComputeGraph:
     def __init__(self, dtype: Any = None) -> None:
         self.dtype = float_dtype(dtype, "ComputeGraph(dtype=...)") if dtype is not None else _default_dtype
         self._nodes: dict[NodeKey, ComputeNode] = {}
-        self._weak_self = weakref.ref(self)
+        self._weak_self = _GraphRef(self)
         self._counters: dict[str, int] = {}
         self._guards: list[ComputeNode] = []
         self._forward_plans: dict[tuple[Any, ...], list[ComputeNode]] = {}

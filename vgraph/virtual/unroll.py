@@ -9,6 +9,7 @@ import gc
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, cast
 
 import numpy as np
@@ -126,18 +127,15 @@ class UnrolledGraph(ComputeGraph):
         :class:`~.cache.SupersededGraph` (see :mod:`vgraph.virtual.cache`)."""
         new = object.__new__(UnrolledGraph)
         new.__dict__.update(self.__dict__)
-        new._weak_self = weakref.ref(new)
-        for n in new._nodes.values():
-            if n._graph is not None:  # op nodes and the graph's own leaves; not shared parameters
-                n._graph = new._weak_self
+        new._weak_self.ref = weakref.ref(new)  # what every node of the graph refers to it by
         self.__dict__.clear()
         self.__class__ = SupersededGraph  # type: ignore[assignment]
         return new
 
-    def _replay(self, values: Mapping[str, np.ndarray], rng: np.random.Generator) -> None:
+    def _replay(self, values: Mapping[str, np.ndarray], rng: Callable[[], np.random.Generator]) -> None:
         """Recompute every node for new input values, as a fresh build of this structure would:
-        in creation order, sampled leaves drawn again from ``rng`` when their turn comes, guards
-        re-checking every recorded decision.
+        in creation order, sampled leaves drawn again from the generator ``rng()`` makes (called only
+        if the graph has any) when their turn comes, guards re-checking every recorded decision.
 
         Raises:
             StructureChangedError: the new values lead to another structure.
@@ -146,7 +144,7 @@ class UnrolledGraph(ComputeGraph):
             self.inputs[name].set_value(arr)
         try:
             if not self._replayed_by_tape():
-                self._replay_interpreted(rng)
+                self._replay_interpreted(rng() if self._samples else None)
         except BaseException as e:
             self._failed_forward = f"{type(e).__name__}: {e}"
             raise
@@ -166,14 +164,14 @@ class UnrolledGraph(ComputeGraph):
             self._raise_tape_error([n for n in self._nodes.values() if n.op is not None], e)
         return True
 
-    def _replay_interpreted(self, rng: np.random.Generator) -> None:
+    def _replay_interpreted(self, rng: np.random.Generator | None) -> None:
         samples, training = self._samples, self.virtual.training
         run = self._run
         for n in sorted(self._nodes.values(), key=_by_serial) if samples else self._nodes.values():
             if n.op is None:
                 sample = samples.get(n)
                 if sample is not None:
-                    n.set_value(sample[0](rng, sample[1]._value, training))
+                    n.set_value(sample[0](rng, sample[1]._value, training))  # rng: made when samples exist
                 continue
             version = n.version
             for p in n.parents:
@@ -361,7 +359,17 @@ class _Builder:
         self.cg = UnrolledGraph(graph) if cg is None else cg
         self.new_params: dict[str, ComputeNode] = {}
         self.chosen: dict[tuple[BranchNode, tuple[int, ...]], int] = {}  # for multi-output branches
-        self.rng = np.random.default_rng([graph.seed, graph._builds if builds is None else builds])
+        self._seed = [graph.seed, graph._builds if builds is None else builds]
+        self._rng: np.random.Generator | None = None
+
+    @property
+    def rng(self) -> np.random.Generator:
+        """The generator of this build's sampled nodes, seeded by the graph's seed and the build
+        counter; made when first needed (making one costs about 10 µs, and most builds sample
+        nothing)."""
+        if self._rng is None:
+            self._rng = np.random.default_rng(self._seed)
+        return self._rng
 
     # -- building one node whose dependencies are built
     def build_node(self, v: VirtualNode, frame: _Frame) -> None:
@@ -909,7 +917,7 @@ def build_compute_graph(
         cg = cached._succeed()
         try:
             with _anomaly_scope(detect_anomaly):
-                cg._replay(values, np.random.default_rng([graph.seed, graph._builds]))
+                cg._replay(values, partial(np.random.default_rng, [graph.seed, graph._builds]))
         except VGraphError:  # another structure (or an error a fresh build reports in context)
             cg = None
         if cg is not None:
