@@ -587,3 +587,24 @@ def test_an_input_view_needs_its_batch():
 
 def _loop_of(g):
     return next(v for v in g.nodes if isinstance(v, vg.LoopNode))
+
+
+def test_rows_of_lockstep_loops_have_the_keys_of_the_unrolled_nodes():
+    """A lockstep loop's rows make their keys only when read; each is the key the input's own
+    unrolled graph gives that node in that iteration."""
+    from vgraph.virtual.batch import Row
+
+    g, outs, feeds = _tagger_run()
+    batch = g.build_batch(feeds, outs)
+    checked = 0
+    for i, view in enumerate(batch.inputs):
+        alone = batch.unrolled(i)
+        for (scope, idx), env in view._envs.items():
+            if scope is None:
+                continue
+            for v, row in env.items():
+                if type(row) is Row and row._key is None:
+                    assert row.key == alone.node(v, idx).key == (v.type, v.id, idx)
+                    assert row._key is row.key  # made once
+                    checked += 1
+    assert checked > 20

@@ -82,11 +82,23 @@ class Row:
     graph has no node for it.
     """
 
-    __slots__ = ("_value", "key", "name", "path", "src")
+    __slots__ = ("_key", "_step", "_v", "_value", "name", "path", "src")
+    _key: NodeKey | None  # None: made from _v and _step when read
+    _v: VirtualNode
+    _step: tuple[int, ...]
 
     def __init__(self, src: ComputeNode, path: tuple[Any, ...], key: NodeKey, name: str | None) -> None:
-        self.src, self.path, self.key, self.name = src, path, key, name
+        self.src, self.path, self._key, self.name = src, path, key, name
         self._value = row_at(src._value, path)  # a one-shot build: the group's value never changes
+
+    @property
+    def key(self) -> NodeKey:
+        """The key the unrolled node would have (``<type,id,idx>``)."""
+        key = self._key
+        if key is None:  # a lockstep loop's row: its key is made when first read (see _lazy_key)
+            v = self._v
+            key = self._key = NodeKey(v.type, v.id, self._step)
+        return key
 
     @property
     def value(self) -> Any:
@@ -103,10 +115,11 @@ class Row:
         return f"Row({self.describe()} = <{self.src.key}>{''.join(f'[{i}]' for i in self.path)})"
 
 
-def _row_at(src: Any, index: int, key: NodeKey, name: str | None) -> Row:
-    """Row ``index`` of ``src`` (a node, or a row of one: then a row of that row)."""
+def _row_at(src: Any, index: int, key: NodeKey | None, name: str | None) -> Row:
+    """Row ``index`` of ``src`` (a node, or a row of one: then a row of that row). ``key`` None:
+    the caller sets the row's ``_v`` and ``_step`` (see :func:`_lazy_key`)."""
     row = _new_row(Row)
-    row.key, row.name, row._value = key, name, src._value[index]
+    row._key, row.name, row._value = key, name, src._value[index]
     if type(src) is Row:
         row.src, row.path = src.src, (*src.path, index)
     else:
@@ -117,7 +130,16 @@ def _row_at(src: Any, index: int, key: NodeKey, name: str | None) -> Row:
 def _row(src: ComputeNode, r: int, req: _Request) -> Row:
     """Row ``r`` of ``src`` for request ``req`` (``Row(src, (r,), …)`` without the generic path walk)."""
     row = _new_row(Row)
-    row.src, row.path, row.key, row.name, row._value = src, (r,), req.key, req.name, src._value[r]
+    row.src, row.path, row._key, row.name, row._value = src, (r,), req.key, req.name, src._value[r]
+    return row
+
+
+def _lazy_key(row: Row, v: VirtualNode, step: tuple[int, ...]) -> Row:
+    """Give ``row`` the key of ``v`` at ``step``, made only when read. A lockstep loop makes a row
+    per input, iteration and body node, and their keys are read only for messages, drawings and
+    look-ups: making them eagerly cost a NodeKey object each (a third of a batched build's
+    objects, all traversed by the garbage collector)."""
+    row._key, row._v, row._step = None, v, step
     return row
 
 
@@ -729,14 +751,9 @@ class BatchedBuild:
             rows = view._value
             for r, (env, step) in enumerate(zip(envs, steps)):
                 row = _new_row(Row)
-                row.src, row.path, row.key, row.name = (
-                    group,
-                    ((slice(None), r), index),
-                    NodeKey(v.type, v.id, step),
-                    v.name,
-                )
+                row.src, row.path, row.name = group, ((slice(None), r), index), v.name
                 row._value = rows[r]
-                env[v] = row
+                env[v] = _lazy_key(row, v, step)
             cols[v] = view
             return True
         cell = name in ("LSTMCell", "GRUCell")  # gates lead the value: rows along axis 1
@@ -791,7 +808,8 @@ class BatchedBuild:
         vname = v.name
         for r, (env, step) in enumerate(zip(envs, steps)):
             row = _new_row(Row)
-            row.src, row.key, row.name = group, NodeKey(v.type, v.id, step), vname
+            row.src, row.name = group, vname
+            _lazy_key(row, v, step)
             if cell:
                 row.path, row._value = ((slice(None), r),), value[:, r]
             else:
@@ -992,9 +1010,9 @@ class BatchedBuild:
                 for item, node in zip(loop.items, j.seqs):
                     if item not in j.groups:
                         at = cast(int, j.length) - 1 - t if item.attrs.get("reverse") else t
-                        ienv[item] = _row_at(node, at, NodeKey("Item", item.id, inner), item.name)
+                        ienv[item] = _lazy_key(_row_at(node, at, None, item.name), item, inner)
                 for v, group in j.groups.items():
-                    ienv[v] = _row_at(group, t, NodeKey(v.type, v.id, inner), v.name)
+                    ienv[v] = _lazy_key(_row_at(group, t, None, v.name), v, inner)
                 envs.append(ienv)
             steps = [(*j.idx, t) for j in alive]
             if len(alive) != len(previous):  # someone finished: the columns of last step are longer
@@ -1178,7 +1196,7 @@ class BatchedBuild:
         for req in members:
             b = a + len(req.parents[j]._value)
             row = _new_row(Row)
-            row.src, row.path, row.key, row.name, row._value = (
+            row.src, row.path, row._key, row.name, row._value = (
                 group,
                 (slice(a, b),),
                 req.key,
