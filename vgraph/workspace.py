@@ -31,10 +31,12 @@ step of vgraph allocates its large values afresh (a language model's ``(T*B, voc
 several times per step), a hand-written loop allocates them once: on the benchmark machine the
 huge-page faults alone made the LSTM language model's step 1.3x slower at 64 sentences per batch
 and 1.15x at 16 (docs/performance.md). So, like PyTorch's CPU allocator (no huge-page advice
-unless its ``THP_MEM_ALLOC_ENABLE`` switch is set), vgraph's own work — building, forward,
-backward, an optimiser's step — runs with numpy's huge-page advice off, and restores numpy's
-setting when it returns (also on errors, also when calls nest or run in several threads). Code
-outside vgraph is not affected.
+unless its ``THP_MEM_ALLOC_ENABLE`` switch is set), vgraph's own work — building a virtual
+graph (``build``, ``build_batch``), ``forward``, ``backward``, ``grad``, an optimiser's step —
+runs with numpy's huge-page advice off, and restores numpy's setting when it returns (also on
+errors, also when calls nest or run in several threads). Code outside vgraph is not affected, nor
+are ops applied one at a time to compute nodes (``cg.apply``, ``x * y`` on nodes): a scope per op
+would cost more than a small op.
 :func:`set_huge_pages` ``(True)`` leaves numpy's setting alone; so does setting
 ``NUMPY_MADVISE_HUGEPAGE`` in the environment (numpy's own switch: you chose).
 """
