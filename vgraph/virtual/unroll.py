@@ -9,7 +9,6 @@ import gc
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, cast
 
 import numpy as np
@@ -132,10 +131,11 @@ class UnrolledGraph(ComputeGraph):
         self.__class__ = SupersededGraph  # type: ignore[assignment]
         return new
 
-    def _replay(self, values: Mapping[str, np.ndarray], rng: Callable[[], np.random.Generator]) -> None:
+    def _replay(self, values: Mapping[str, np.ndarray], seed: list[int]) -> None:
         """Recompute every node for new input values, as a fresh build of this structure would:
-        in creation order, sampled leaves drawn again from the generator ``rng()`` makes (called only
-        if the graph has any) when their turn comes, guards re-checking every recorded decision.
+        in creation order, sampled leaves drawn again (from a generator seeded with ``seed``, made
+        only if the graph has any: making one costs about 10 µs) when their turn comes, guards
+        re-checking every recorded decision.
 
         Raises:
             StructureChangedError: the new values lead to another structure.
@@ -144,7 +144,7 @@ class UnrolledGraph(ComputeGraph):
             self.inputs[name].set_value(arr)
         try:
             if not self._replayed_by_tape():
-                self._replay_interpreted(rng() if self._samples else None)
+                self._replay_interpreted(np.random.default_rng(seed) if self._samples else None)
         except BaseException as e:
             self._failed_forward = f"{type(e).__name__}: {e}"
             raise
@@ -171,7 +171,7 @@ class UnrolledGraph(ComputeGraph):
             if n.op is None:
                 sample = samples.get(n)
                 if sample is not None:
-                    n.set_value(sample[0](rng, sample[1]._value, training))  # rng: made when samples exist
+                    n.set_value(sample[0](rng, sample[1]._value, training))
                 continue
             version = n.version
             for p in n.parents:
@@ -917,7 +917,7 @@ def build_compute_graph(
         cg = cached._succeed()
         try:
             with _anomaly_scope(detect_anomaly):
-                cg._replay(values, partial(np.random.default_rng, [graph.seed, graph._builds]))
+                cg._replay(values, [graph.seed, graph._builds])
         except VGraphError:  # another structure (or an error a fresh build reports in context)
             cg = None
         if cg is not None:
