@@ -144,6 +144,10 @@ def _slots(run: list[Any]) -> tuple[list[Any], dict[Any, int]]:
     return nodes, slot
 
 
+#: One compiled segment: its function and the nodes it is called with.
+Call = tuple[Callable[..., Any], tuple[Any, ...]]
+
+
 # ---------------------------------------------------------------------------- backward
 
 
@@ -156,17 +160,25 @@ class BackwardTape:
 
     __slots__ = ("_calls",)
 
-    def __init__(self, plan: Sequence[Any]) -> None:
-        calls = []
-        for run in _segments(plan):
-            nodes, slot = _slots(run)
-            shape = tuple(_backward_shape(n, slot) for n in run)
-            calls.append((_function(("b", shape), partial(_backward_source, shape)), tuple(nodes)))
-        self._calls = calls
+    def __init__(self, plan: Sequence[Any], calls: list[Call] | None = None) -> None:
+        """The tape of ``plan``; or, given ``calls``, the tape that makes them in turn (the calls of
+        consecutive parts of a plan, from :func:`backward_calls`)."""
+        self._calls = backward_calls(plan) if calls is None else calls
 
     def __call__(self, staged: list[Any]) -> None:
         for fn, nodes in self._calls:
             fn(nodes, staged)
+
+
+def backward_calls(plan: Sequence[Any]) -> list[Call]:
+    """The compiled segments of a backward ``plan`` (any part of one: a plan's parts' calls, one
+    after the other, sweep it as its own calls do)."""
+    calls = []
+    for run in _segments(plan):
+        nodes, slot = _slots(run)
+        shape = tuple(_backward_shape(n, slot) for n in run)
+        calls.append((_function(("b", shape), partial(_backward_source, shape)), tuple(nodes)))
+    return calls
 
 
 def _backward_shape(n: Any, slot: dict[Any, int]) -> Any:
@@ -287,26 +299,30 @@ class ForwardTape:
 
     __slots__ = ("_calls",)
 
-    def __init__(self, plan: Sequence[Any]) -> None:
-        calls = []
-        for run in _segments(plan):
-            nodes, slot = _slots(run)
-            shape = tuple(
-                (
-                    bool(n.attrs),
-                    tuple(slot[p] for p in n.parents),
-                    _inline_kind(INLINE_FORWARDS, n.op.forward),
-                )
-                for n in run
-            )
-            calls.append((_function(("f", shape), partial(_forward_source, shape)), tuple(nodes)))
-        self._calls = calls
+    def __init__(self, plan: Sequence[Any], calls: list[Call] | None = None) -> None:
+        """The tape of ``plan``; or, given ``calls``, the tape that makes them in turn (the calls of
+        consecutive parts of a plan, from :func:`forward_calls`)."""
+        self._calls = forward_calls(plan) if calls is None else calls
 
     def __call__(self, clock: Callable[[], int]) -> int:
         count = 0
         for fn, nodes in self._calls:
             count += fn(nodes, clock)
         return count
+
+
+def forward_calls(plan: Sequence[Any]) -> list[Call]:
+    """The compiled segments of a forward ``plan`` (or of any part of one, as for
+    :func:`backward_calls`)."""
+    calls = []
+    for run in _segments(plan):
+        nodes, slot = _slots(run)
+        shape = tuple(
+            (bool(n.attrs), tuple(slot[p] for p in n.parents), _inline_kind(INLINE_FORWARDS, n.op.forward))
+            for n in run
+        )
+        calls.append((_function(("f", shape), partial(_forward_source, shape)), tuple(nodes)))
+    return calls
 
 
 def _forward_source(shape: Any) -> list[str]:

@@ -9,6 +9,8 @@ graph's nodes to a new :class:`UnrolledGraph`, feeds the new values, redraws sam
 masks) exactly as a fresh build would, and re-runs every node in creation order; the recorded
 decisions (trip counts, branch choices, recursion structures) are guards, re-checked on the way.
 If one says the structure differs, the build unrolls afresh — callers never see the difference.
+A graph whose loops step through sequences is kept by its feed's shapes *without* their leading
+axis, and serves every length up to its own (see :mod:`.elastic`).
 
 What an earlier graph means afterwards: the graph object a build returned is *superseded* when a
 later build of the same key takes its nodes over (whether or not the structure turned out the
@@ -62,9 +64,14 @@ class BuildCache:
         """Remove and return the graph cached under ``key`` (the caller puts back what it returns)."""
         return self._entries.pop(key, None)
 
+    def admits(self, key: tuple[Any, ...]) -> bool:
+        """Whether :meth:`put` would keep a graph under ``key`` (its structure was built before)."""
+        return self.size > 0 and (key in self._entries or key in self._seen)
+
     def put(self, key: tuple[Any, ...], cg: UnrolledGraph, replayed: bool = False) -> None:
         """Keep ``cg`` under ``key`` if this structure was built before (see the class docstring);
-        ``replayed``: ``cg`` is the graph :meth:`take` gave for ``key``, re-run — keep it."""
+        ``replayed``: :meth:`take` gave a graph for this structure (re-run, or replaced by ``cg``
+        because the structure turned out different) — keep it."""
         if self.size <= 0:
             return
         if not replayed and key not in self._entries and key not in self._seen:

@@ -9,6 +9,7 @@ import gc
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, cast
 
 import numpy as np
@@ -41,6 +42,7 @@ from ..tape import ForwardTape, tapes_enabled
 from ..workspace import computing
 from .cache import SupersededGraph
 from .checkpoint import LoopRecord, Rematerializer
+from .elastic import Elastic, Trace, elastic_key
 from .graph import VirtualGraph
 from .hoist import hoist_loop
 from .nodes import _NO_LOOP_VALUE, BranchNode, LoopNode, VirtualNode
@@ -98,6 +100,8 @@ class UnrolledGraph(ComputeGraph):
         self._samples: dict[ComputeNode, tuple[Any, ComputeNode]] = {}
         # The compiled replay (vgraph.tape) of a graph without sampled leaves, made on first replay.
         self._replay_tape: ForwardTape | None = None
+        # How to resize it for other lengths of its stepped sequences (vgraph.virtual.elastic).
+        self._elastic: Elastic | None = None
 
     def _copies_of(self, v: VirtualNode) -> dict[tuple[int, ...], ComputeNode]:
         return {idx: env[v] for (scope, idx), env in self._envs.items() if scope is v.scope and v in env}
@@ -361,6 +365,9 @@ class _Builder:
         self.chosen: dict[tuple[BranchNode, tuple[int, ...]], int] = {}  # for multi-output branches
         self._seed = [graph.seed, graph._builds if builds is None else builds]
         self._rng: np.random.Generator | None = None
+        # Records of top-level loops for resizing a cached graph (vgraph.virtual.elastic); None:
+        # do not record (a build that is not cached, an input of a batched build).
+        self.traces: list[Trace] | None = None
 
     @property
     def rng(self) -> np.random.Generator:
@@ -476,7 +483,9 @@ class _Builder:
         state = [frame.owner(c.inputs[0]).env[c.inputs[0]] for c in loop.carries]
         seqs, length = _stepped_sequences(loop, frame)
         if seqs:
-            cg.guard(seqs, _length_check(loop, idx, cast(int, length)), NodeKey("LengthCheck", loop.id, idx))
+            guard = cg.guard(
+                seqs, _length_check(loop, idx, cast(int, length)), NodeKey("LengthCheck", loop.id, idx)
+            )
         kids = None  # a recursion's children array: row t lists node t's children
         if loop.structure is not None:
             node = frame.owner(loop.structure).env[loop.structure]
@@ -505,6 +514,19 @@ class _Builder:
         collected: list[list[ComputeNode]] = [[] for _ in stacked]
         names = [c.name for c in loop.carries]
         ckpt = self.checkpointing(loop, idx, length, kids)  # None unless checkpoint= was given
+        trace = None
+        if (
+            self.traces is not None
+            and seqs
+            and not idx
+            and kids is None
+            and ckpt is None
+            and loop.times is None
+            and loop.cond is None
+            and loop.until is None
+        ):  # maybe elastic (vgraph.virtual.elastic)
+            check = partial(_length_check, loop, idx)
+            trace = Trace(loop, cg, guard, check, list(groups.values()), seqs)
         c: Any  # a carry, or in a recursion a child's index
         t = 0
         while True:
@@ -549,6 +571,9 @@ class _Builder:
                         "its shape and dtype (to collect values of growing size, use loop.stack)"
                     )
             state = new_state
+            if trace is not None:
+                trace.ends.append(len(cg._nodes))
+                trace.envs.append(ienv)
             if kids is not None:
                 history.append(new_state)
             for bucket, s in zip(collected, stacked):
@@ -577,6 +602,12 @@ class _Builder:
             env[s] = cg._add_op(_STACK, tuple(bucket), {"axis": 0}, NodeKey("Stack", s.id, idx), s.name)
             if ckpt is not None:
                 ckpt.share_stack(env[s], bucket)
+        if (
+            self.traces is not None
+            and trace is not None
+            and trace.close(cg, [env[s] for s in stacked if s in env])
+        ):
+            self.traces.append(trace)
 
     def checkpointing(
         self, loop: LoopNode, idx: tuple[int, ...], length: int | None, kids: Any
@@ -909,24 +940,29 @@ def build_compute_graph(
     # while both are alive. A weak reference restores it if this build fails (and it still exists).
     previous = weakref.ref(graph.latest_build) if graph.latest_build is not None else None
     graph.latest_build = None
-    key = (*outs, len(graph.nodes), graph.training, is_grad_enabled(), hoist,
-           *((n, a.shape, a.dtype.str) for n, a in values.items()))  # fmt: skip
-    cached = graph._cache.take(key) if cache else None
+    base = (*outs, len(graph.nodes), graph.training, is_grad_enabled(), hoist)
+    key = (*base, *((n, a.shape, a.dtype.str) for n, a in values.items()))
+    ekey = elastic_key(base, values)  # the key of a graph that resizes (vgraph.virtual.elastic)
+    cached = (graph._cache.take(key) or graph._cache.take(ekey)) if cache else None
     if cached is not None:
         cg: UnrolledGraph | None
         cg = cached._succeed()
         try:
+            if cg._elastic is not None and not cg._elastic.resize(cg, values):
+                raise StructureChangedError("a longer sequence than the cached graph's")
             with _anomaly_scope(detect_anomaly):
                 cg._replay(values, [graph.seed, graph._builds])
         except VGraphError:  # another structure (or an error a fresh build reports in context)
             cg = None
         if cg is not None:
-            graph._cache.put(key, cg, replayed=True)
+            graph._cache.put(ekey if cg._elastic is not None else key, cg, replayed=True)
             graph.latest_build = cg
             graph._builds += 1
             return cg
     try:
         builder = _Builder(graph, values, plan, hoist)
+        if cache:
+            builder.traces = []
         top = _Frame(None, (), {}, None)
         with (
             contextlib.nullcontext() if graph.training else no_grad(),
@@ -944,7 +980,11 @@ def build_compute_graph(
     for name, node in builder.new_params.items():  # commit only after success
         graph.params._add(name, node)
     if cache and cg._remat is None:  # a replay would read dropped values: checkpointed graphs unroll
-        graph._cache.put(key, cg)
+        if builder.traces:  # cached by the elastic key if it can resize, as soon as it is admitted
+            cg._elastic = Elastic(builder.traces, cg)
+            if (cached is not None or graph._cache.admits(ekey)) and not cg._elastic.analyse(cg):
+                cg._elastic = None
+        graph._cache.put(key if cg._elastic is None else ekey, cg, replayed=cached is not None)
     graph.latest_build = cg
     graph._builds += 1
     return cg

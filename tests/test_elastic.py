@@ -1,0 +1,292 @@
+"""Elastic structures (vgraph.virtual.elastic): a cached graph resized to another sequence length.
+
+Identity: a sequence of builds of varying lengths with the cache gives the same losses, gradients,
+decisions, node keys (in creation order), iteration look-ups and outputs as the same builds without
+it (float64, 1e-12), with tapes on and off, on hand-made models covering what resizing rewires
+(stacks, reversed steps, a loop reading another's final, a loop stepping through another's stack,
+hoisting on and off) and on random ones; a graph is resized, not unrolled again, whenever the
+length is one it has the blocks for.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import vgraph as vg
+from vgraph.tape import set_tapes
+from vgraph.virtual.elastic import Elastic
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def model(reverse=False, stack=False, second=None, out_final=False):
+    """An RNN over ``xs``; ``stack``: the loss reads every step's state against per-step targets
+    ``ys``; ``second``: a second top-level loop, ``"reads"`` (steps ``xs`` again, capturing the
+    first loop's final and starting from it) or ``"layer"`` (steps through the first's stack)."""
+    g = vg.VirtualGraph(dtype=np.float64, seed=3)
+    xs = g.input("xs", (None, 2, 3))
+    W = g.parameter("W", (3, 4))
+    U = g.parameter("U", (4, 4))
+    V = g.parameter("V", (4, 4))
+    with g.loop(name="first") as L:
+        h = L.carry(np.zeros((2, 4)), name="h")
+        x = L.step(xs, reverse=reverse)
+        h_new = vg.tanh(x @ W + h @ U)
+        L.update(h, h_new)
+    hs = L.stack(h_new) if stack or second == "layer" else None
+    final = L.final(h)
+    loss = vg.sum(final**2)
+    if stack:
+        ys = g.input("ys", (None, 2, 4))
+        loss = loss + vg.sum((hs - ys) ** 2)
+    if second == "reads":
+        with g.loop(name="second") as M:
+            c = M.carry(final, name="c")
+            x2 = M.step(xs, reverse=not reverse)
+            M.update(c, vg.tanh(x2 @ W + c @ V + final))
+        loss = loss + vg.sum(M.final(c) ** 3)
+    elif second == "layer":
+        with g.loop(name="layer2") as M:
+            c = M.carry(final, name="c")
+            M.update(c, vg.tanh(M.step(hs) @ V + c @ U))
+        loss = loss + vg.sum(M.final(c) ** 2)
+    return g, ([loss, final] if out_final else loss)
+
+
+def feed(T, rng, stack):
+    f = {"xs": rng.normal(size=(T, 2, 3))}
+    if stack:
+        f["ys"] = rng.normal(size=(T, 2, 4))
+    return f
+
+
+def run(g, outputs, f, cache, hoist=True):
+    cg = g.build(f, outputs, cache=cache, hoist=hoist)
+    steps = {str(k): np.array(n.value) for k, n in cg._nodes.items() if n.key.idx}
+    g.params.zero_grad()
+    value = cg.backward(cg.outputs[0])
+    return cg, {
+        "value": value,
+        "outputs": [np.array(o.value) for o in cg.outputs],
+        "grads": {k: np.array(p.grad) for k, p in g.params.items() if p.grad is not None},
+        "decisions": [(d.node.describe(), d.idx, d.kind, d.value) for d in cg.decisions],
+        "keys": [str(k) for k in cg._nodes],
+        "steps": steps,
+        # what cg.node(vnode, idx) finds, in the order the build made it; the hoisted groups
+        "envs": [
+            (scope and scope.describe(), idx, sorted((v.describe(), str(n.key)) for v, n in env.items() if n))
+            for (scope, idx), env in cg._envs.items()
+        ],
+        "groups": {str(g.key): [str(c.key) for c in cs] for g, cs in cg._groups.items()},
+    }
+
+
+def same(a, b):
+    assert a["decisions"] == b["decisions"]
+    assert a["keys"] == b["keys"]
+    assert a["envs"] == b["envs"]
+    assert a["groups"] == b["groups"]
+    np.testing.assert_allclose(a["value"], b["value"], rtol=1e-12)
+    for x, y in zip(a["outputs"], b["outputs"]):
+        np.testing.assert_allclose(x, y, rtol=1e-12)
+    assert a["grads"].keys() == b["grads"].keys()
+    for k in a["grads"]:
+        np.testing.assert_allclose(a["grads"][k], b["grads"][k], rtol=1e-12, atol=1e-14)
+    assert a["steps"].keys() == b["steps"].keys()
+    for k in a["steps"]:
+        np.testing.assert_allclose(a["steps"][k], b["steps"][k], rtol=1e-12, atol=1e-14)
+
+
+LENGTHS = [5, 3, 6, 2, 4, 6, 3, 5]
+CASES = {
+    "plain": {},
+    "reversed": {"reverse": True},
+    "stack": {"stack": True},
+    "reads": {"second": "reads"},
+    "reversed reads": {"second": "reads", "reverse": True, "stack": True},
+    "layer": {"second": "layer"},
+    "final output": {"out_final": True, "stack": True},
+}
+
+
+@pytest.fixture
+def resizes(monkeypatch):
+    """The lengths every successful resize of a cached graph went to."""
+    done = []
+    resize = Elastic.resize
+
+    def counted(self, cg, values):
+        before = list(self.lengths)
+        ok = resize(self, cg, values)
+        if ok and self.lengths != before:
+            done.append(list(self.lengths))
+        return ok
+
+    monkeypatch.setattr(Elastic, "resize", counted)
+    return done
+
+
+@pytest.mark.parametrize("tapes", [True, False], ids=["tapes", "no-tapes"])
+@pytest.mark.parametrize("hoist", [True, False], ids=["hoist", "plain"])
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_resized_builds_equal_fresh_builds(case, hoist, tapes, resizes):
+    kw = CASES[case]
+    results = []
+    set_tapes(tapes)
+    try:
+        for cache in (True, False):
+            g, outputs = model(**kw)
+            rng = np.random.default_rng(1)
+            results.append([run(g, outputs, feed(T, rng, kw.get("stack")), cache, hoist)[1] for T in LENGTHS])
+    finally:
+        set_tapes(True)
+    for a, b in zip(*results):
+        same(a, b)
+    # 5, 3 unroll (the second is cached), 6 unrolls (longer), then every build is a resize
+    assert [r[0] for r in resizes] == LENGTHS[3:]
+
+
+def test_a_new_length_resizes_the_cached_graph_and_only_a_longer_one_unrolls():
+    g, loss = model(stack=True)
+    rng = np.random.default_rng(0)
+    g.build(feed(5, rng, True), loss)  # first sighting: not kept
+    cg = g.build(feed(6, rng, True), loss)  # the structure (any length) seen before: kept
+    node = cg.node("Tanh:1@1")
+    for T in (3, 6, 2, 4):
+        cg = g.build(feed(T, rng, True), loss)
+        assert cg.node("Tanh:1@1") is node  # resized: the same node objects
+        assert cg.trip_count(cg.decisions[0].node) == T
+        assert len(cg.node("Stack:1").parents) == T
+        with pytest.raises(vg.VGraphError, match="no node"):
+            cg.node(f"Tanh:1@{T}")
+    longer = g.build(feed(8, rng, True), loss)  # more steps than any before: unrolled
+    assert longer.node("Tanh:1@1") is not node
+    node = longer.node("Tanh:1@1")
+    shorter = g.build(feed(4, rng, True), loss)  # and from then on resized from the longer one
+    assert shorter.node("Tanh:1@1") is node
+
+
+def test_a_node_past_the_new_length_is_not_a_node_of_the_resized_graph():
+    g, loss = model()
+    rng = np.random.default_rng(0)
+    for T in (6, 6):
+        cg = g.build(feed(T, rng, False), loss)
+    late = cg.node("Tanh:1@5")
+    cg = g.build(feed(3, rng, False), loss)
+    with pytest.raises(vg.VGraphError, match="no node <Tanh:1@5>"):
+        cg.node("Tanh:1@5")
+    with pytest.raises(vg.GraphStateError, match="not a node of this graph"):
+        cg.backward(late)
+    assert "Tanh:1@5" not in cg and "Tanh:1@2" in cg
+
+
+def test_a_loop_whose_body_branches_is_unrolled_afresh_for_a_new_length():
+    def branchy():
+        g = vg.VirtualGraph(dtype=np.float64, seed=2)
+        xs = g.input("xs", (None, 2))
+        W = g.parameter("W", (2, 2))
+        with g.loop() as L:
+            h = L.carry(np.zeros(2), name="h")
+            x = L.step(xs)
+            y = g.branch(lambda v: int(v.sum() > 0), [vg.tanh(x @ W + h), (x @ W) * h], keys=[x])
+            L.update(h, y)
+        return g, vg.sum(L.final(h) ** 2)
+
+    results = []
+    for cache in (True, False):
+        g, loss = branchy()
+        rng = np.random.default_rng(4)
+        results.append([run(g, loss, {"xs": rng.normal(size=(T, 2))}, cache) for T in LENGTHS])
+    for (cg, a), (_, b) in zip(*results):
+        same(a, b)
+        assert cg._elastic is None or cg._elastic.lengths == [cg.trip_count(cg.decisions[-1].node)]
+
+
+def test_nodes_added_to_a_built_graph_stop_it_resizing():
+    g, loss = model()
+    rng = np.random.default_rng(0)
+    for T in (6, 6):
+        cg = g.build(feed(T, rng, False), loss)
+    extra = vg.tanh(cg.outputs[0])  # an op on a built graph's node joins that graph
+    assert extra.graph is cg
+    node = cg.node("Tanh:1@1")
+    cg = g.build(feed(3, rng, False), loss)
+    assert cg.node("Tanh:1@1") is not node  # unrolled afresh
+    g2, loss2 = model()
+    fresh = g2.build(feed(3, np.random.default_rng(0), False), loss2, cache=False)
+    assert [str(k) for k in cg._nodes] == [str(k) for k in fresh._nodes]
+
+
+def test_inconsistent_lengths_fail_as_an_uncached_build_does_and_change_nothing():
+    def two_inputs():
+        g = vg.VirtualGraph(dtype=np.float64, seed=2)
+        a = g.input("a", (None, 2))
+        b = g.input("b", (None, 2))
+        ab = a + b
+        with g.loop() as L:
+            h = L.carry(np.zeros(2), name="h")
+            L.update(h, vg.tanh(L.step(ab) + h))
+        return g, vg.sum(L.final(h))
+
+    g, loss = two_inputs()
+    ok = {"a": np.ones((4, 2)), "b": np.ones((4, 2))}
+    for _ in range(2):
+        g.build(ok, loss)
+    bad = {"a": np.ones((3, 2)), "b": np.ones((4, 2))}
+    g_ref, loss_ref = two_inputs()
+    with pytest.raises(vg.VGraphError) as expected:
+        g_ref.build(bad, loss_ref, cache=False)
+    with pytest.raises(type(expected.value)):
+        g.build(bad, loss)
+    again = g.build({"a": np.full((3, 2), 0.5), "b": np.full((3, 2), 0.5)}, loss)
+    ref = g_ref.build({"a": np.full((3, 2), 0.5), "b": np.full((3, 2), 0.5)}, loss_ref, cache=False)
+    np.testing.assert_allclose(again.forward(), ref.forward(), rtol=1e-12)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    st.lists(st.integers(1, 7), min_size=2, max_size=8),
+    st.sampled_from(list(CASES)),
+    st.booleans(),
+)
+def test_random_lengths_resized_equal_fresh(lengths, case, hoist):
+    kw = CASES[case]
+    results = []
+    for cache in (True, False):
+        g, outputs = model(**kw)
+        rng = np.random.default_rng(len(lengths))
+        results.append([run(g, outputs, feed(T, rng, kw.get("stack")), cache, hoist)[1] for T in lengths])
+    for a, b in zip(*results):
+        same(a, b)
+
+
+def load(path):
+    spec = importlib.util.spec_from_file_location(f"elastic_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(spec.name, None)
+    return module
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "examples" / "models").glob("*.py")), ids=lambda p: p.stem)
+def test_model_scripts_at_varying_lengths_cached_equal_uncached(script):
+    module = load(script)
+    size = "steps" if "steps" in inspect.signature(module.build).parameters else "leaves"
+    results = []
+    for cache in (True, False):
+        g, _, outputs = module.build(seed=0)
+        feeds = [module.build(**{size: n, "seed": k})[1] for k, n in enumerate([5, 3, 6, 2, 4, 6])]
+        results.append([run(g, outputs[0], f, cache)[1] for f in feeds])
+    for a, b in zip(*results):
+        same(a, b)

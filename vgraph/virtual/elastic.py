@@ -1,0 +1,315 @@
+"""Elastic structures: a cached graph re-used for another length of the sequences its loops step.
+
+A loop that steps through a sequence unrolls one block of nodes per step, and every block of a
+plain body (no inner loop, branch, sample or checkpoint) is the same declaration applied to the
+same kind of values: the structure of a length-``T`` build is the structure of a longer build
+with the blocks after ``T`` left out. So instead of unrolling a sentence of a length it has not
+seen, a build can take the cached graph of a longer one (see :mod:`.cache`) and *resize* it: keep
+the first ``T`` blocks of each such loop, point what reads the loop's outputs (its final carries,
+its stacks) at block ``T - 1``, and replay. A training loop over sentences of many lengths then
+unrolls only when a sentence is longer than any before it.
+
+What a resized graph holds is exactly what a fresh build of the same feed would: the same nodes
+with the same keys, parents, attributes and creation order, the same environments (``cg.node``),
+decisions, hoisted groups and outputs; the replay then computes the same values (bit for bit:
+the same ops in the same order) and re-checks every guard, including each loop's length check, so a
+wrong guess of a loop's length (read from the feed, see :attr:`Trace.predictor`) only costs a fresh
+build. The blocks left out stay with the cached graph, outside its node list, for a later longer
+feed: nodes taken from an earlier graph for steps past the new length are not part of the new
+build (using them with it raises, as for any node of another graph).
+
+Which loops are elastic: top-level loops (in no other loop's body) that step through sequences
+(``loop.step``) and have no ``times=``, ``while_``/``until``, recursion structure or
+``checkpoint=``, whose body makes no decision (no inner loop or branch), samples nothing and
+creates no leaf after its first step, and whose hoisted work does not depend on the trip count
+(no hoisted ``reshape``). A graph is resized only if every loop that steps through a sequence is
+elastic and nothing outside a loop reads a body node other than its final carries and stacks;
+otherwise it is cached by its exact input shapes, as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+
+from ..compute import ComputeNode
+from ..ops import OPS, Op
+from ..tape import BackwardTape, Call, ForwardTape, backward_calls, forward_calls, tapes_enabled
+
+if TYPE_CHECKING:
+    from .nodes import LoopNode, VirtualNode
+    from .unroll import UnrolledGraph
+
+_GETITEM = OPS["GetItem"]
+Env = dict["VirtualNode", Any]
+#: A part of the node list: its forward segments, its backward plan, its backward segments.
+_Part = tuple[list[Call], list[ComputeNode], list[Call]]
+
+
+class Trace:
+    """What a build records of one top-level loop that steps through sequences (see the module
+    docstring), for :class:`Elastic` to analyse if the graph is cached."""
+
+    __slots__ = (
+        "loop", "check", "guard", "groups", "seqs", "start", "ends", "envs", "stacks", "decision",
+        "counts", "blocks", "predictor", "finals", "copies", "reversed", "least",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        loop: LoopNode,
+        cg: UnrolledGraph,
+        guard: ComputeNode,
+        check: Callable[[int], Callable[..., int]],
+        groups: Sequence[ComputeNode],
+        seqs: Sequence[ComputeNode],
+    ) -> None:
+        """Start recording ``loop`` just before its first step.
+
+        Args:
+            guard: the loop's length check; ``check(T)`` makes the check of a length-``T`` build.
+            groups: the loop's hoisted groups.
+            seqs: the sequences it steps through, as built.
+        """
+        self.loop, self.guard, self.check, self.groups, self.seqs = loop, guard, check, groups, seqs
+        self.start = len(cg._nodes)
+        self.counts = (len(cg.decisions), len(cg._guards), len(cg._samples))
+        self.ends: list[int] = []  # where each step's block ends in the node list
+        self.envs: list[Env] = []  # each step's environment
+        self.stacks: list[tuple[ComputeNode, tuple[ComputeNode, ...], tuple[Any, ...]]] = []
+        self.decision = -1  # the index of the loop's trip count in cg.decisions
+        # Set by Elastic's analysis:
+        self.blocks: list[list[ComputeNode]] = []  # each step's nodes, in creation order
+        self.predictor: str | int = ""  # see _predictor
+        self.finals: list[ComputeNode] = []  # each carry's final node as built
+        self.copies: list[tuple[ComputeNode, list[ComputeNode]]] = []  # hoisted groups' copies
+        self.reversed: list[tuple[ComputeNode, int]] = []  # reversed steps' items (not hoisted)
+        self.least = 1  # the fewest steps a resize may leave
+
+    def close(self, cg: UnrolledGraph, stacks: Sequence[ComputeNode]) -> bool:
+        """Finish the record once the loop's decision and stacks are made; ``False`` if the body
+        made a decision, a guard or a sample of its own (the loop is then not elastic)."""
+        decisions, guards, samples = self.counts
+        if (len(cg.decisions), len(cg._guards), len(cg._samples)) != (decisions + 1, guards, samples):
+            return False
+        self.decision = decisions
+        self.stacks = [(s, s.parents, s.vjps) for s in stacks]
+        return bool(self.ends)
+
+
+class Elastic:
+    """The traces of a build's top-level loops, analysed when the graph is cached, and the resizing
+    of the graph to other lengths (see the module docstring)."""
+
+    def __init__(self, traces: list[Trace], cg: UnrolledGraph) -> None:
+        self.traces = traces
+        self.count = len(cg._nodes)  # the node count of the graph as built (and as resized last)
+        self.lengths = [len(t.ends) for t in traces]
+        self._ready: bool | None = None
+
+    def analyse(self, cg: UnrolledGraph) -> bool:
+        """Whether the graph can be resized; analysed once (see the module docstring)."""
+        if self._ready is None:
+            self._ready = self._analyse(cg)
+        return self._ready
+
+    def _analyse(self, cg: UnrolledGraph) -> bool:
+        nodes = list(cg._nodes.values())
+        if len(nodes) != self.count:  # nodes were added to the graph after the build
+            return False
+        inputs = {n: name for name, n in cg.inputs.items()}
+        stacks = {s: i for i, tr in enumerate(self.traces) for s, _, _ in tr.stacks}
+        member: dict[ComputeNode, int] = {}  # a body node -> the index of its loop's trace
+        finals: dict[ComputeNode, int] = {}  # a final carry that is a body node -> that index
+        self.regions: list[list[ComputeNode]] = []  # the nodes between loops
+        pos = 0
+        for i, tr in enumerate(self.traces):
+            bounds = [tr.start, *tr.ends]
+            tr.blocks = [nodes[a:b] for a, b in itertools.pairwise(bounds)]
+            if any(n.op is None for block in tr.blocks[1:] for n in block):
+                return False  # a leaf made after the first step (an untied parameter)
+            if any(g.key.type == "Reshape*" for g in tr.groups):
+                return False  # its attributes hold the trip count
+            predictor = _predictor(tr.seqs, len(tr.blocks), inputs, stacks)
+            if predictor is None:
+                return False
+            tr.predictor = predictor
+            self.regions.append(nodes[pos : tr.start])
+            pos = tr.ends[-1]
+            for block in tr.blocks:
+                member.update(dict.fromkeys(block, i))
+            loop = tr.loop
+            tr.finals = [tr.envs[-1][loop.updates[c]] for c in loop.carries]
+            finals.update({f: i for f in tr.finals if member.get(f) == i})
+            tr.copies = [(g, list(cg._groups.get(g, ()))) for g in tr.groups]
+            tr.reversed = [
+                (env[item], t)
+                for t, env in enumerate(tr.envs)
+                for item in loop.items
+                if item.attrs.get("reverse") and env[item].op is _GETITEM
+            ]
+            tr.least = 2 if tr.groups else 1  # a one-step loop is not hoisted
+        self.regions.append(nodes[pos:])
+        # What reads a body node from outside its loop: a final carry's readers are re-pointed
+        # when resizing, a stack is re-made; anything else and the graph is not elastic.
+        self.readers: dict[ComputeNode, tuple[ComputeNode, ...]] = {}
+        for n in nodes:
+            own, stack = member.get(n), stacks.get(n)
+            reads = False
+            for p in n.parents:
+                j = member.get(p)
+                if j is None or j in (own, stack):
+                    continue
+                if finals.get(p) != j:
+                    return False
+                reads = True
+            if reads and stack is None:  # a stack's parents are re-made whole
+                self.readers[n] = n.parents
+        # Environments outside a loop that hold its final carries (the top level's, a later
+        # loop's captures), in the order a build makes them.
+        self.envs = list(cg._envs.items())
+        self.env_finals = [
+            (env, v, node)
+            for (scope, _), env in self.envs
+            for v, node in env.items()
+            if node in finals and scope is not self.traces[finals[node]].loop
+        ]
+        self.outputs = list(cg.outputs)
+        # Nodes whose parents a resize changes; the compiled segments of a part without any are
+        # kept by (region, k) or (loop k, step t).
+        self.volatile = {*self.readers, *stacks}
+        self._parts: dict[tuple[Any, ...], _Part] = {}
+        return True
+
+    def resize(self, cg: UnrolledGraph, values: Mapping[str, np.ndarray]) -> bool:
+        """Make ``cg`` the graph of a build of ``values`` (before its replay); ``False`` (and
+        ``cg`` unchanged) if it cannot be: a loop's length out of the recorded range, or nodes
+        added to the graph since."""
+        if not self.analyse(cg) or len(cg._nodes) != self.count:
+            return False
+        lengths: list[int] = []
+        for tr in self.traces:
+            if isinstance(tr.predictor, int):  # it steps through an earlier loop's stack
+                n = lengths[tr.predictor]
+            else:
+                fed = values.get(tr.predictor)
+                n = fed.shape[0] if fed is not None and fed.ndim else 0
+            if not tr.least <= n <= min(len(tr.blocks), tr.loop.max_iters):
+                return False
+            lengths.append(n)
+        if lengths == self.lengths:
+            return True
+        # Nothing below can fail: the graph is changed only once the new lengths are known good.
+        subst: dict[ComputeNode, ComputeNode] = {}  # a final carry as built -> as resized
+        changed: set[ComputeNode] = set()
+        dormant: set[tuple[LoopNode, tuple[int, ...]]] = set()
+        for tr, n in zip(self.traces, lengths):
+            loop, env = tr.loop, tr.envs[n - 1]
+            for orig, c in zip(tr.finals, loop.carries):
+                x: ComputeNode = env[loop.updates[c]]
+                subst[orig] = subst.get(x, x)
+            for s, bucket, vjps in tr.stacks:
+                s.parents = tuple([subst.get(p, p) for p in bucket[:n]])
+                s.vjps = vjps[:n] if len(vjps) == len(bucket) else vjps  # variadic: one per input
+                changed.add(s)
+            tr.guard.op = _length_op(tr, n)
+            changed.add(tr.guard)
+            for node, t in tr.reversed:
+                if t < n:
+                    node.attrs["index"] = n - 1 - t
+                    changed.add(node)
+            for g, copies in tr.copies:
+                cg._groups[g] = copies[:n]
+            cg.decisions[tr.decision] = dataclasses.replace(cg.decisions[tr.decision], value=n)
+            dormant.update((loop, (t,)) for t in range(n, len(tr.blocks)))
+        for node, parents in self.readers.items():
+            node.parents = tuple([subst.get(p, p) for p in parents])
+            changed.add(node)
+        for node in changed:
+            node.version = 0  # recomputed by the replay whatever its parents' versions
+        for env, v, orig in self.env_finals:
+            env[v] = subst.get(orig, orig)
+        cg.outputs[:] = [subst.get(o, o) for o in self.outputs]
+        cg._envs = {k: env for k, env in self.envs if k not in dormant}
+        order: list[ComputeNode] = []
+        for region, tr, n in zip(self.regions, self.traces, lengths):
+            order += region
+            for block in tr.blocks[:n]:
+                order += block
+        order += self.regions[-1]
+        cg._nodes = {node.key: node for node in order}
+        self.count, self.lengths = len(order), lengths
+        # Plans and tapes were made for the old node list.
+        cg._forward_plans.clear()
+        cg._forward_tapes.clear()
+        cg._backward_plans.clear()
+        cg._backward_tape = cg._replay_tape = None
+        if tapes_enabled():
+            self._retape(cg, lengths, len(order))
+        return True
+
+    def _retape(self, cg: UnrolledGraph, lengths: list[int], count: int) -> None:
+        """Give ``cg`` its replay tape and backward plan and tape at once, made of each part's
+        compiled segments (a part: the nodes between loops, or one step's block). A part none of
+        whose nodes is re-pointed by resizing keeps its segments from one resize to the next, so
+        a resize compiles only what it re-pointed and the blocks no earlier length had."""
+        parts: list[_Part] = []
+        for k, region in enumerate(self.regions):
+            parts.append(self._part(("region", k), region))
+            if k < len(self.traces):
+                tr = self.traces[k]
+                parts += [self._part((k, t), block) for t, block in enumerate(tr.blocks[: lengths[k]])]
+        forward = [c for part in parts for c in part[0]]
+        plan = [n for part in reversed(parts) for n in part[1]]
+        backward = [c for part in reversed(parts) for c in part[2]]
+        cg._replay_tape = ForwardTape((), forward)
+        cg._backward_plans = {count: plan}
+        cg._backward_tape = (plan, BackwardTape(plan, backward))
+
+    def _part(self, key: tuple[Any, ...], nodes: list[ComputeNode]) -> _Part:
+        part = self._parts.get(key)
+        if part is None:
+            ops = [n for n in nodes if n.op is not None]
+            grads = [n for n in reversed(nodes) if n.requires_grad]
+            part = (forward_calls(ops), grads, backward_calls(grads))
+            if self.volatile.isdisjoint(nodes):
+                self._parts[key] = part
+        return part
+
+
+def _length_op(tr: Trace, n: int) -> Op:
+    """The op of ``tr``'s length check for a length-``n`` build."""
+    return dataclasses.replace(cast(Op, tr.guard.op), forward=tr.check(n))
+
+
+def _predictor(
+    seqs: Sequence[ComputeNode], length: int, inputs: dict[ComputeNode, str], stacks: dict[ComputeNode, int]
+) -> str | int | None:
+    """What gives the loop's length: the name of the input whose leading axis it is, or the index
+    of the earlier loop whose stack it steps through (a layer of a stacked RNN). Found by walking
+    up from the stepped sequences through values of that leading length: a guess, which the
+    loop's length check verifies when the resized graph is replayed."""
+    seen: set[ComputeNode] = set()
+    todo = list(seqs)
+    while todo and len(seen) < 64:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        name = inputs.get(n)
+        if name is not None:
+            return name
+        if n in stacks:
+            return stacks[n]
+        todo += [p for p in n.parents if np.ndim(p._value) and np.shape(p._value)[0] == length]
+    return None
+
+
+def elastic_key(key: tuple[Any, ...], values: Mapping[str, np.ndarray]) -> tuple[Any, ...]:
+    """The cache key of a build's structure with the leading axis of every input left out (what an
+    elastic graph is cached by)."""
+    return (*key, "elastic", *((n, a.shape[1:], a.ndim, a.dtype.str) for n, a in values.items()))
