@@ -56,7 +56,8 @@ class Trace:
 
     __slots__ = (
         "loop", "check", "guard", "groups", "seqs", "start", "ends", "envs", "stacks", "decision",
-        "counts", "blocks", "predictor", "finals", "copies", "reversed", "least",
+        "counts", "blocks", "predictor", "finals", "copies", "reversed", "least", "keyed", "env_at",
+        "parts",
     )  # fmt: skip
 
     def __init__(
@@ -89,6 +90,9 @@ class Trace:
         self.copies: list[tuple[ComputeNode, list[ComputeNode]]] = []  # hoisted groups' copies
         self.reversed: list[tuple[ComputeNode, int]] = []  # reversed steps' items (not hoisted)
         self.least = 1  # the fewest steps a resize may leave
+        self.keyed: list[dict[Any, ComputeNode]] = []  # each block's nodes by key
+        self.env_at = 0  # where the environment of its first step is in the build's
+        self.parts: list[_Part | None] = []  # each block's compiled segments, once made
 
     def close(self, cg: UnrolledGraph, stacks: Sequence[ComputeNode]) -> bool:
         """Finish the record once the loop's decision and stacks are made; ``False`` if the body
@@ -172,6 +176,15 @@ class Elastic:
         # Environments outside a loop that hold its final carries (the top level's, a later
         # loop's captures), in the order a build makes them.
         self.envs = list(cg._envs.items())
+        where = {k: i for i, (k, _) in enumerate(self.envs)}
+        for tr in self.traces:  # a loop's steps' environments follow one another
+            tr.env_at = where[(tr.loop, (0,))]
+            if [k for k, _ in self.envs[tr.env_at : tr.env_at + len(tr.blocks)]] != [
+                (tr.loop, (t,)) for t in range(len(tr.blocks))
+            ]:
+                return False
+            tr.keyed = [{n.key: n for n in block} for block in tr.blocks]
+        self.keyed = [{n.key: n for n in region} for region in self.regions]
         self.env_finals = [
             (env, v, node)
             for (scope, _), env in self.envs
@@ -182,7 +195,9 @@ class Elastic:
         # Nodes whose parents a resize changes; the compiled segments of a part without any are
         # kept by (region, k) or (loop k, step t).
         self.volatile = {*self.readers, *stacks}
-        self._parts: dict[tuple[Any, ...], _Part] = {}
+        self.region_parts: list[_Part | None] = [None] * len(self.regions)
+        for tr in self.traces:
+            tr.parts = [None] * len(tr.blocks)
         return True
 
     def resize(self, cg: UnrolledGraph, values: Mapping[str, np.ndarray]) -> bool:
@@ -206,7 +221,6 @@ class Elastic:
         # Nothing below can fail: the graph is changed only once the new lengths are known good.
         subst: dict[ComputeNode, ComputeNode] = {}  # a final carry as built -> as resized
         changed: set[ComputeNode] = set()
-        dormant: set[tuple[LoopNode, tuple[int, ...]]] = set()
         for tr, n in zip(self.traces, lengths):
             loop, env = tr.loop, tr.envs[n - 1]
             for orig, c in zip(tr.finals, loop.carries):
@@ -225,7 +239,6 @@ class Elastic:
             for g, copies in tr.copies:
                 cg._groups[g] = copies[:n]
             cg.decisions[tr.decision] = dataclasses.replace(cg.decisions[tr.decision], value=n)
-            dormant.update((loop, (t,)) for t in range(n, len(tr.blocks)))
         for node, parents in self.readers.items():
             node.parents = tuple([subst.get(p, p) for p in parents])
             changed.add(node)
@@ -234,22 +247,29 @@ class Elastic:
         for env, v, orig in self.env_finals:
             env[v] = subst.get(orig, orig)
         cg.outputs[:] = [subst.get(o, o) for o in self.outputs]
-        cg._envs = {k: env for k, env in self.envs if k not in dormant}
-        order: list[ComputeNode] = []
-        for region, tr, n in zip(self.regions, self.traces, lengths):
-            order += region
-            for block in tr.blocks[:n]:
-                order += block
-        order += self.regions[-1]
-        cg._nodes = {node.key: node for node in order}
-        self.count, self.lengths = len(order), lengths
+        # The node list and environments of the new length, in the order a build makes them,
+        # from dictionaries and lists made once (dict.update copies at C speed).
+        envs: list[tuple[Any, Env]] = []
+        nodes: dict[Any, ComputeNode] = {}
+        start = 0
+        for region, tr, n in zip(self.keyed, self.traces, lengths):
+            envs += self.envs[start : tr.env_at + n]
+            start = tr.env_at + len(tr.blocks)
+            nodes.update(region)
+            for block in tr.keyed[:n]:
+                nodes.update(block)
+        envs += self.envs[start:]
+        nodes.update(self.keyed[-1])
+        cg._envs = dict(envs)
+        cg._nodes = nodes
+        self.count, self.lengths = len(nodes), lengths
         # Plans and tapes were made for the old node list.
         cg._forward_plans.clear()
         cg._forward_tapes.clear()
         cg._backward_plans.clear()
         cg._backward_tape = cg._replay_tape = None
         if tapes_enabled():
-            self._retape(cg, lengths, len(order))
+            self._retape(cg, lengths, len(nodes))
         return True
 
     def _retape(self, cg: UnrolledGraph, lengths: list[int], count: int) -> None:
@@ -259,25 +279,33 @@ class Elastic:
         a resize compiles only what it re-pointed and the blocks no earlier length had."""
         parts: list[_Part] = []
         for k, region in enumerate(self.regions):
-            parts.append(self._part(("region", k), region))
+            parts.append(self._part(self.region_parts, k, region))
             if k < len(self.traces):
                 tr = self.traces[k]
-                parts += [self._part((k, t), block) for t, block in enumerate(tr.blocks[: lengths[k]])]
-        forward = [c for part in parts for c in part[0]]
-        plan = [n for part in reversed(parts) for n in part[1]]
-        backward = [c for part in reversed(parts) for c in part[2]]
+                for t in range(lengths[k]):
+                    parts.append(tr.parts[t] or self._part(tr.parts, t, tr.blocks[t]))
+        forward: list[Call] = []
+        plan: list[ComputeNode] = []
+        backward: list[Call] = []
+        for part in parts:
+            forward += part[0]
+        for part in reversed(parts):
+            plan += part[1]
+            backward += part[2]
         cg._replay_tape = ForwardTape((), forward)
         cg._backward_plans = {count: plan}
         cg._backward_tape = (plan, BackwardTape(plan, backward))
 
-    def _part(self, key: tuple[Any, ...], nodes: list[ComputeNode]) -> _Part:
-        part = self._parts.get(key)
+    def _part(self, cache: list[_Part | None], i: int, nodes: list[ComputeNode]) -> _Part:
+        """Part ``i``'s segments, from ``cache`` or made (and kept there if no resize re-points
+        any of its nodes)."""
+        part = cache[i]
         if part is None:
             ops = [n for n in nodes if n.op is not None]
             grads = [n for n in reversed(nodes) if n.requires_grad]
             part = (forward_calls(ops), grads, backward_calls(grads))
             if self.volatile.isdisjoint(nodes):
-                self._parts[key] = part
+                cache[i] = part
         return part
 
 
