@@ -213,3 +213,36 @@ def test_random_sequences_of_builds_cached_equal_uncached(steps):
         np.testing.assert_allclose(v1, v2, rtol=1e-12)
         assert d1 == d2
         np.testing.assert_allclose(g1["W"], g2["W"], rtol=1e-12)
+
+
+@pytest.mark.parametrize("lengths", [[4, 4, 4, 4], [5, 5, 3, 4, 2]], ids=["same length", "resized"])
+def test_a_replayed_build_starts_without_gradients_like_a_fresh_one(lengths):
+    """Retained gradients of intermediate nodes and gradients of inputs belong to one build: a
+    replayed graph must not add the next backward onto the last one's (a fresh build has none)."""
+
+    def saliency():
+        g = vg.VirtualGraph(dtype=np.float64, seed=3)
+        xs = g.input("xs", (None, 2, 3), requires_grad=True)
+        W = g.parameter("W", (3, 4))
+        U = g.parameter("U", (4, 4))
+        with g.loop() as L:
+            h = L.carry(np.zeros((2, 4)), name="h")
+            L.update(h, vg.tanh(L.step(xs) @ W + h @ U))
+        return g, vg.sum(L.final(h) ** 2)
+
+    seen = []
+    for cache in (True, False):
+        g, loss = saliency()
+        rng = np.random.default_rng(2)
+        grads = []
+        for T in lengths:
+            cg = g.build({"xs": rng.normal(size=(T, 2, 3))}, loss, cache=cache)
+            node = cg.node("Tanh:1@1")
+            assert node.grad is None and not node.retains_grad and cg.inputs["xs"].grad is None
+            node.retain_grad()
+            cg.backward(loss)
+            grads.append((np.array(node.grad), np.array(cg.inputs["xs"].grad)))
+        seen.append(grads)
+    for (a, xa), (b, xb) in zip(*seen):
+        np.testing.assert_allclose(a, b, rtol=1e-12)
+        np.testing.assert_allclose(xa, xb, rtol=1e-12)

@@ -433,6 +433,9 @@ class ComputeNode(Operand):
     def retain_grad(self) -> ComputeNode:
         """Keep this intermediate node's gradient in ``.grad`` after backward (for inspection)."""
         self.retains_grad = True
+        graph = self.graph
+        if graph is not None:
+            graph._graded.add(self)
         return self
 
     def describe(self) -> str:
@@ -533,6 +536,10 @@ class ComputeGraph:
         self._released = False  # a backward without retain_graph ran since the last forward
         self._stale: str | None = None  # set when a structure check failed
         self._leaves: list[ComputeNode] = []
+        # This graph's own nodes (not shared leaves such as parameters) that retain their gradient
+        # or were given one by a backward: a cached structure's replay resets them (see
+        # vgraph.virtual.cache), as a fresh build starts without.
+        self._graded: set[ComputeNode] = set()
         # Nodes whose ancestors were all consistent (no parent newer than its child) when the clock
         # read the value given; ``_ALL`` stands for every node. See _check_values_fresh.
         self._fresh: dict[Any, int] = {}
@@ -1294,9 +1301,10 @@ class ComputeGraph:
         self._commit(staged)
         return found
 
-    @staticmethod
-    def _commit(staged: list[tuple[ComputeNode, Any, bool]]) -> None:
-        """Write the gradients a successful sweep staged into ``.grad``."""
+    def _commit(self, staged: list[tuple[ComputeNode, Any, bool]]) -> None:
+        """Write the gradients a successful sweep staged into ``.grad`` (noting this graph's own
+        nodes among them in ``_graded``)."""
+        mine, graded = self._weak_self, self._graded
         for n, g, own in staged:
             if n.grad is None:
                 n.grad = g if own else np.array(g)
@@ -1304,6 +1312,8 @@ class ComputeGraph:
                 n.grad += g
             else:
                 n.grad = n.grad + g
+            if n._graph is mine:
+                graded.add(n)
 
     def _backward_tape_for(self, plan: list[ComputeNode]) -> _tape.BackwardTape | None:
         """The compiled sweep of ``plan``, from its second backward on (else ``None``)."""

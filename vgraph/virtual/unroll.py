@@ -144,6 +144,10 @@ class UnrolledGraph(ComputeGraph):
         Raises:
             StructureChangedError: the new values lead to another structure.
         """
+        for n in self._graded:  # a fresh build's nodes have no gradient and retain none
+            n.grad = None
+            n.retains_grad = False
+        self._graded.clear()
         for name, arr in values.items():
             self.inputs[name].set_value(arr)
         try:
@@ -233,6 +237,7 @@ class UnrolledGraph(ComputeGraph):
                     if g.grad is not None:
                         row = cast(np.ndarray, g.grad)[c.attrs["index"]]  # an op node's: dense
                         c.grad = np.array(row) if before[c] is None else before[c] + row
+                        self._graded.add(c)
         finally:
             for g, (retains, grad) in saved.items():  # the group's own .grad as the user left it
                 if retains and g.grad is not None:
