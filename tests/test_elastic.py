@@ -290,3 +290,40 @@ def test_model_scripts_at_varying_lengths_cached_equal_uncached(script):
         results.append([run(g, outputs[0], f, cache)[1] for f in feeds])
     for a, b in zip(*results):
         same(a, b)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_a_language_model_over_sentences_of_many_lengths_cached_equal_uncached(fused, resizes):
+    """The dynamic benchmark's LSTM language model, small: an embedded token sequence stepped
+    through (the length guessed from the tokens), per-step targets after the loop flattened with
+    reshape(-1, H), cross-entropy with per-word weights."""
+    V, E, H, B = 11, 3, 4, 2
+
+    def lm():
+        g = vg.VirtualGraph(dtype=np.float64, seed=5)
+        tokens = g.input("tokens", (None, None))
+        targets = g.input("targets", (None,))
+        emb = vg.nn.Embedding(g, V, E, "emb")
+        cell = vg.nn.LSTMCell(g, E, H, "lstm", fused=fused)
+        out = vg.nn.Linear(g, H, V, "out")
+        embedded = emb(tokens)
+        with g.loop(name="time") as L:
+            h, c = L.carry(np.zeros((B, H)), name="h"), L.carry(np.zeros((B, H)), name="c")
+            h_new, c_new = cell(L.step(embedded), (h, c))
+            L.update(h, h_new)
+            L.update(c, c_new)
+        hs = L.stack(h_new).reshape(-1, H)
+        return g, vg.losses.cross_entropy(out(hs), targets)
+
+    results = []
+    for cache in (True, False):
+        g, loss = lm()
+        rng = np.random.default_rng(9)
+        feeds = [
+            {"tokens": rng.integers(0, V, size=(T, B)), "targets": rng.integers(0, V, size=T * B)}
+            for T in LENGTHS
+        ]
+        results.append([run(g, loss, f, cache)[1] for f in feeds])
+    for a, b in zip(*results):
+        same(a, b)
+    assert [r[0] for r in resizes] == LENGTHS[3:]
