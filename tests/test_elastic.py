@@ -327,3 +327,16 @@ def test_a_language_model_over_sentences_of_many_lengths_cached_equal_uncached(f
     for a, b in zip(*results):
         same(a, b)
     assert [r[0] for r in resizes] == LENGTHS[3:]
+
+
+def test_a_resized_graph_renders_as_a_fresh_build_of_its_length():
+    from vgraph.render import to_dot
+
+    g, loss = model(stack=True, second="reads")
+    rng = np.random.default_rng(0)
+    for T in (6, 6, 3):
+        cg = g.build(feed(T, rng, True), loss)
+    g_ref, loss_ref = model(stack=True, second="reads")
+    fresh = g_ref.build(feed(3, rng, True), loss_ref, cache=False)
+    assert cg.trip_count(cg.decisions[0].node) == 3
+    assert to_dot(cg) == to_dot(fresh)
