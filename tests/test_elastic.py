@@ -340,3 +340,17 @@ def test_a_resized_graph_renders_as_a_fresh_build_of_its_length():
     fresh = g_ref.build(feed(3, rng, True), loss_ref, cache=False)
     assert cg.trip_count(cg.decisions[0].node) == 3
     assert to_dot(cg) == to_dot(fresh)
+
+
+def test_loops_inside_a_loop_of_fixed_trip_count_are_resized(resizes):
+    """The example stacked RNN: a ``times=2`` loop over layers, each stepping through the previous
+    layer's stack (the first through the input); both inner loops are resized together."""
+    module = load(ROOT / "examples" / "models" / "stacked_rnn.py")
+    results = []
+    for cache in (True, False):
+        g, _, outputs = module.build(seed=0)
+        feeds = [module.build(steps=n, seed=k)[1] for k, n in enumerate(LENGTHS)]
+        results.append([run(g, outputs[0], f, cache)[1] for f in feeds])
+    for a, b in zip(*results):
+        same(a, b)
+    assert resizes == [[n, n] for n in LENGTHS[3:]]

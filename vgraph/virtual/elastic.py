@@ -18,12 +18,13 @@ build. The blocks left out stay with the cached graph, outside its node list, fo
 feed: nodes taken from an earlier graph for steps past the new length are not part of the new
 build (using them with it raises, as for any node of another graph).
 
-Which loops are elastic: top-level loops (in no other loop's body) that step through sequences
-(``loop.step``) and have no ``times=``, ``while_``/``until``, recursion structure or
-``checkpoint=``, whose body makes no decision (no inner loop or branch), samples nothing and
-creates no leaf after its first step, and whose hoisted work does not depend on the trip count
-(no hoisted ``reshape``). A graph is resized only if every loop that steps through a sequence is
-elastic and nothing outside a loop reads a body node other than its final carries and stacks;
+Which loops are elastic: loops that step through sequences (``loop.step``) and have no
+``times=``, ``while_``/``until``, recursion structure or ``checkpoint=``, whose body makes no
+decision (no inner loop or branch), samples nothing and creates no leaf after its first step, and
+whose hoisted work does not depend on the trip count (no hoisted ``reshape``). They may sit inside
+other loops (the layers of a stacked RNN): each instance is resized, and the enclosing loops'
+own decisions are re-checked by their guards like any other. A graph is resized only if nothing
+outside an elastic loop reads one of its body nodes other than its final carries and stacks;
 otherwise it is cached by its exact input shapes, as before.
 """
 
@@ -51,11 +52,11 @@ _Part = tuple[list[Call], list[ComputeNode], list[Call]]
 
 
 class Trace:
-    """What a build records of one top-level loop that steps through sequences (see the module
-    docstring), for :class:`Elastic` to analyse if the graph is cached."""
+    """What a build records of one instance of a loop that steps through sequences (see the
+    module docstring), for :class:`Elastic` to analyse if the graph is cached."""
 
     __slots__ = (
-        "loop", "check", "guard", "groups", "seqs", "start", "ends", "envs", "stacks", "decision",
+        "loop", "idx", "check", "guard", "groups", "seqs", "start", "ends", "envs", "stacks", "decision",
         "counts", "blocks", "predictor", "finals", "copies", "reversed", "least", "keyed", "env_at",
         "parts",
     )  # fmt: skip
@@ -77,6 +78,7 @@ class Trace:
             seqs: the sequences it steps through, as built.
         """
         self.loop, self.guard, self.check, self.groups, self.seqs = loop, guard, check, groups, seqs
+        self.idx = guard.key.idx  # the loop's iteration path (inside a loop of fixed trip count)
         self.start = len(cg._nodes)
         self.counts = (len(cg.decisions), len(cg._guards), len(cg._samples))
         self.ends: list[int] = []  # where each step's block ends in the node list
@@ -106,7 +108,7 @@ class Trace:
 
 
 class Elastic:
-    """The traces of a build's top-level loops, analysed when the graph is cached, and the resizing
+    """The traces of a build's stepping loops, analysed when the graph is cached, and the resizing
     of the graph to other lengths (see the module docstring)."""
 
     def __init__(self, traces: list[Trace], cg: UnrolledGraph) -> None:
@@ -132,6 +134,8 @@ class Elastic:
         self.regions: list[list[ComputeNode]] = []  # the nodes between loops
         pos = 0
         for i, tr in enumerate(self.traces):
+            if tr.start < pos:
+                return False  # (loops recorded in creation order, none inside another)
             bounds = [tr.start, *tr.ends]
             tr.blocks = [nodes[a:b] for a, b in itertools.pairwise(bounds)]
             if any(n.op is None for block in tr.blocks[1:] for n in block):
@@ -178,9 +182,9 @@ class Elastic:
         self.envs = list(cg._envs.items())
         where = {k: i for i, (k, _) in enumerate(self.envs)}
         for tr in self.traces:  # a loop's steps' environments follow one another
-            tr.env_at = where[(tr.loop, (0,))]
+            tr.env_at = where[(tr.loop, (*tr.idx, 0))]
             if [k for k, _ in self.envs[tr.env_at : tr.env_at + len(tr.blocks)]] != [
-                (tr.loop, (t,)) for t in range(len(tr.blocks))
+                (tr.loop, (*tr.idx, t)) for t in range(len(tr.blocks))
             ]:
                 return False
             tr.keyed = [{n.key: n for n in block} for block in tr.blocks]

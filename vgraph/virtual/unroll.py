@@ -370,7 +370,7 @@ class _Builder:
         self.chosen: dict[tuple[BranchNode, tuple[int, ...]], int] = {}  # for multi-output branches
         self._seed = [graph.seed, graph._builds if builds is None else builds]
         self._rng: np.random.Generator | None = None
-        # Records of top-level loops for resizing a cached graph (vgraph.virtual.elastic); None:
+        # Records of stepping loops for resizing a cached graph (vgraph.virtual.elastic); None:
         # do not record (a build that is not cached, an input of a batched build).
         self.traces: list[Trace] | None = None
 
@@ -523,7 +523,6 @@ class _Builder:
         if (
             self.traces is not None
             and seqs
-            and not idx
             and kids is None
             and ckpt is None
             and loop.times is None
