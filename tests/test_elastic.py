@@ -53,6 +53,12 @@ def model(reverse=False, stack=False, second=None, out_final=False):
             x2 = M.step(xs, reverse=not reverse)
             M.update(c, vg.tanh(x2 @ W + c @ V + final))
         loss = loss + vg.sum(M.final(c) ** 3)
+    elif second == "other":  # another sequence, of its own length
+        zs = g.input("zs", (None, 2, 3))
+        with g.loop(name="other") as M:
+            c = M.carry(np.zeros((2, 4)), name="c")
+            M.update(c, vg.tanh(M.step(zs) @ W + c @ V))
+        loss = loss + vg.sum(M.final(c) * final)
     elif second == "layer":
         with g.loop(name="layer2") as M:
             c = M.carry(final, name="c")
@@ -61,8 +67,11 @@ def model(reverse=False, stack=False, second=None, out_final=False):
     return g, ([loss, final] if out_final else loss)
 
 
-def feed(T, rng, stack):
+def feed(T, rng, stack, other=None):
+    """A feed of length ``T`` (and ``other`` for the second sequence of ``second="other"``)."""
     f = {"xs": rng.normal(size=(T, 2, 3))}
+    if other is not None:
+        f["zs"] = rng.normal(size=(other, 2, 3))
     if stack:
         f["ys"] = rng.normal(size=(T, 2, 4))
     return f
@@ -354,3 +363,17 @@ def test_loops_inside_a_loop_of_fixed_trip_count_are_resized(resizes):
     for a, b in zip(*results):
         same(a, b)
     assert resizes == [[n, n] for n in LENGTHS[3:]]
+
+
+def test_loops_of_independent_lengths_resize_each_way(resizes):
+    """Two loops over two sequences: from one build to the next the first gets longer while the
+    second gets shorter, and the other way round (the node list is changed in place)."""
+    pairs = [(6, 6), (6, 6), (3, 5), (5, 2), (2, 6), (6, 2), (4, 4), (2, 3)]
+    results = []
+    for cache in (True, False):
+        g, loss = model(second="other", stack=True)
+        rng = np.random.default_rng(3)
+        results.append([run(g, loss, feed(a, rng, True, b), cache)[1] for a, b in pairs])
+    for a, b in zip(*results):
+        same(a, b)
+    assert resizes == [list(p) for p in pairs[2:]]

@@ -251,21 +251,37 @@ class Elastic:
         for env, v, orig in self.env_finals:
             env[v] = subst.get(orig, orig)
         cg.outputs[:] = [subst.get(o, o) for o in self.outputs]
-        # The node list and environments of the new length, in the order a build makes them,
-        # from dictionaries and lists made once (dict.update copies at C speed).
+        # The environments of the new length, in the order a build makes them (slices of one list
+        # made once), and its node list, changed in place where the old one had the new one's
+        # order: blocks left out are deleted; from the first loop that gets longer on, the nodes
+        # are taken off and added again in order (dict.update copies at C speed).
         envs: list[tuple[Any, Env]] = []
-        nodes: dict[Any, ComputeNode] = {}
         start = 0
-        for region, tr, n in zip(self.keyed, self.traces, lengths):
+        for tr, n in zip(self.traces, lengths):
             envs += self.envs[start : tr.env_at + n]
             start = tr.env_at + len(tr.blocks)
-            nodes.update(region)
-            for block in tr.keyed[:n]:
-                nodes.update(block)
         envs += self.envs[start:]
-        nodes.update(self.keyed[-1])
         cg._envs = dict(envs)
-        cg._nodes = nodes
+        nodes, old = cg._nodes, self.lengths
+        first = next((k for k, (n, o) in enumerate(zip(lengths, old)) if n > o), len(lengths))
+        for tr, n, o in zip(self.traces[:first], lengths, old):  # before the first that grows
+            for block in tr.keyed[n:o]:
+                for key in block:
+                    del nodes[key]
+        if first < len(lengths):  # what follows its old blocks: taken off, added back in order
+            tail = [self.keyed[first + 1]]
+            for k in range(first + 1, len(lengths)):
+                tail += [*self.traces[k].keyed[: old[k]], self.keyed[k + 1]]
+            for part in tail:
+                for key in part:
+                    del nodes[key]
+            for block in self.traces[first].keyed[old[first] : lengths[first]]:
+                nodes.update(block)
+            for k in range(first + 1, len(lengths)):
+                nodes.update(self.keyed[k])
+                for block in self.traces[k].keyed[: lengths[k]]:
+                    nodes.update(block)
+            nodes.update(self.keyed[-1])
         self.count, self.lengths = len(nodes), lengths
         # Plans and tapes were made for the old node list.
         cg._forward_plans.clear()
