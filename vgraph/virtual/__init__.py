@@ -9,7 +9,8 @@ while unrolling so that loop conditions and branch selectors see real data.
 The whole package builds ComputeGraphs through the public API of :mod:`vgraph.compute` only.
 It is split by concern: :mod:`.nodes` and :mod:`.graph` declare, :mod:`.store` keeps
 parameters, :mod:`.plan` holds the static facts of a declared structure, :mod:`.unroll` builds
-compute graphs.
+compute graphs (with :mod:`.hoist` and :mod:`.checkpoint`), :mod:`.cache` and :mod:`.elastic`
+re-use earlier builds, :mod:`.batch` builds many inputs at once.
 """
 
 from __future__ import annotations

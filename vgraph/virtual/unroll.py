@@ -918,7 +918,9 @@ def build_compute_graph(
         feed: a value for each input the outputs need, by input name.
         outputs: top-level virtual nodes to build.
         cache: re-run the graph of an earlier build of the same structure instead of unrolling
-            again (see :mod:`vgraph.virtual.cache`: the earlier graph object is then superseded);
+            again (see :mod:`vgraph.virtual.cache`: the earlier graph object is then superseded),
+            or of a build whose stepped sequences were longer, cut to this feed's lengths (see
+            :mod:`vgraph.virtual.elastic`);
             ``False`` always unrolls and leaves the cache alone. A graph with checkpointed loops
             (``checkpoint=``) is never cached: a replay would need the values it dropped.
         hoist: compute loop-body nodes that depend on no carried state for all iterations at
