@@ -377,3 +377,20 @@ def test_loops_of_independent_lengths_resize_each_way(resizes):
     for a, b in zip(*results):
         same(a, b)
     assert resizes == [list(p) for p in pairs[2:]]
+
+
+def test_a_stepping_loop_that_cannot_resize_is_cached_from_its_second_build_as_before():
+    """Its length comes from no input (it steps through a parameter): the analysis says no, and
+    the graph is kept by its exact shapes from the second build on."""
+    g = vg.VirtualGraph(dtype=np.float64, seed=1)
+    x = g.input("x", (2, 3))
+    P = g.parameter("P", (4, 2, 3))
+    with g.loop() as L:
+        h = L.carry(np.zeros((2, 3)), name="h")
+        L.update(h, vg.tanh(L.step(P) + h * x))
+    loss = vg.sum(L.final(h))
+    first = g.build({"x": np.ones((2, 3))}, loss)
+    second = g.build({"x": np.ones((2, 3))}, loss)
+    assert second._elastic is None and first.node("Tanh:1@2") is not second.node("Tanh:1@2")
+    node = second.node("Tanh:1@2")
+    assert g.build({"x": np.zeros((2, 3))}, loss).node("Tanh:1@2") is node  # replayed

@@ -606,12 +606,8 @@ class _Builder:
             env[s] = cg._add_op(_STACK, tuple(bucket), {"axis": 0}, NodeKey("Stack", s.id, idx), s.name)
             if ckpt is not None:
                 ckpt.share_stack(env[s], bucket)
-        if (
-            self.traces is not None
-            and trace is not None
-            and trace.close(cg, [env[s] for s in stacked if s in env])
-        ):
-            self.traces.append(trace)
+        if trace is not None and trace.close(cg, [env[s] for s in stacked if s in env]):
+            cast("list[Trace]", self.traces).append(trace)  # (a trace is made only when recording)
 
     def checkpointing(
         self, loop: LoopNode, idx: tuple[int, ...], length: int | None, kids: Any
@@ -986,11 +982,14 @@ def build_compute_graph(
     for name, node in builder.new_params.items():  # commit only after success
         graph.params._add(name, node)
     if cache and cg._remat is None:  # a replay would read dropped values: checkpointed graphs unroll
-        if builder.traces:  # cached by the elastic key if it can resize, as soon as it is admitted
+        known = cached is not None  # this structure was built before: keep the graph
+        if builder.traces:  # kept by the elastic key if it can resize (analysed once it is kept)
             cg._elastic = Elastic(builder.traces, cg)
-            if (cached is not None or graph._cache.admits(ekey)) and not cg._elastic.analyse(cg):
-                cg._elastic = None
-        graph._cache.put(key if cg._elastic is None else ekey, cg, replayed=cached is not None)
+            if known or graph._cache.admits(ekey):
+                known = True
+                if not cg._elastic.analyse(cg):
+                    cg._elastic = None
+        graph._cache.put(key if cg._elastic is None else ekey, cg, replayed=known)
     graph.latest_build = cg
     graph._builds += 1
     return cg
