@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_hoist import loop_bodies, loop_body_model
 
 import vgraph as vg
 from vgraph.tape import set_tapes
@@ -394,3 +395,25 @@ def test_a_stepping_loop_that_cannot_resize_is_cached_from_its_second_build_as_b
     assert second._elastic is None and first.node("Tanh:1@2") is not second.node("Tanh:1@2")
     node = second.node("Tanh:1@2")
     assert g.build({"x": np.zeros((2, 3))}, loss).node("Tanh:1@2") is node  # replayed
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(loop_bodies(), st.lists(st.integers(1, 7), min_size=4, max_size=8), st.booleans())
+def test_random_loop_bodies_at_random_lengths_cached_equal_uncached(body, lengths, hoist):
+    """test_hoist's random loop bodies (stepped input, carry, captured weights, random unary and
+    binary ops, a stack and a final; sometimes ``times=``, which is not elastic) built at a random
+    sequence of lengths with the cache and without."""
+    previous = vg.get_default_dtype()
+    vg.set_default_dtype(np.float64)
+    try:
+        results = []
+        for cache in (True, False):
+            g, loss, _ = loop_body_model(body)
+            rng = np.random.default_rng(len(lengths))
+            results.append(
+                [run(g, loss, {"xs": rng.normal(size=(T, 2, 3))}, cache, hoist)[1] for T in lengths]
+            )
+        for a, b in zip(*results):
+            same(a, b)
+    finally:
+        vg.set_default_dtype(previous)
