@@ -10,16 +10,14 @@ length is one it has the blocks for.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_hoist import loop_bodies, loop_body_model
+from test_hoist import load, loop_bodies, loop_body_model
 
 import vgraph as vg
 from vgraph.tape import set_tapes
@@ -276,17 +274,6 @@ def test_random_lengths_resized_equal_fresh(lengths, case, hoist):
         results.append([run(g, outputs, feed(T, rng, kw.get("stack")), cache, hoist)[1] for T in lengths])
     for a, b in zip(*results):
         same(a, b)
-
-
-def load(path):
-    spec = importlib.util.spec_from_file_location(f"elastic_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.modules.pop(spec.name, None)
-    return module
 
 
 @pytest.mark.parametrize("script", sorted((ROOT / "examples" / "models").glob("*.py")), ids=lambda p: p.stem)
