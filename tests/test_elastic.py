@@ -21,6 +21,7 @@ from test_hoist import load, loop_bodies, loop_body_model
 
 import vgraph as vg
 from vgraph.tape import set_tapes
+from vgraph.virtual import UnrolledGraph
 from vgraph.virtual.elastic import Elastic
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,18 +128,27 @@ CASES = {
 
 @pytest.fixture
 def resizes(monkeypatch):
-    """The lengths every successful resize of a cached graph went to."""
-    done = []
-    resize = Elastic.resize
+    """The lengths every resize of a cached graph went to whose replay then succeeded (a resize
+    followed by a failed replay falls back to a fresh build, which the identity tests alone would
+    not notice)."""
+    done, pending = [], []
+    resize, replay = Elastic.resize, UnrolledGraph._replay
 
     def counted(self, cg, values):
         before = list(self.lengths)
         ok = resize(self, cg, values)
         if ok and self.lengths != before:
-            done.append(list(self.lengths))
+            pending.append(list(self.lengths))
         return ok
 
+    def replayed(self, values, seed):
+        lengths = list(pending)
+        pending.clear()
+        replay(self, values, seed)  # if it raises, the resize does not count
+        done.extend(lengths)
+
     monkeypatch.setattr(Elastic, "resize", counted)
+    monkeypatch.setattr(UnrolledGraph, "_replay", replayed)
     return done
 
 
@@ -405,3 +415,50 @@ def test_random_loop_bodies_at_random_lengths_cached_equal_uncached(body, length
             same(a, b)
     finally:
         vg.set_default_dtype(previous)
+
+
+def test_blocks_left_out_keep_no_values():
+    """A resized graph holds the values of its own length, not of the longest feed seen: the blocks
+    left out drop theirs (and with them any view of an old hoisted group's value); taken back by
+    a longer feed, they are computed again (the identity tests above check the values)."""
+    g, loss = model(stack=True)
+    rng = np.random.default_rng(0)
+    for T in (40, 40, 5):
+        cg = g.build(feed(T, rng, True), loss)
+    blocks = cg._elastic.traces[0].blocks
+    assert all(n._value is None for block in blocks[5:] for n in block)
+    assert all(n._value is not None for block in blocks[:5] for n in block)
+    again = g.build(feed(7, rng, True), loss)
+    g_ref, loss_ref = model(stack=True)
+    ref = g_ref.build(feed(7, np.random.default_rng(99), True), loss_ref, cache=False)
+    assert [str(k) for k in again._nodes] == [str(k) for k in ref._nodes]
+    assert all(n.value is not None for n in again._nodes.values())
+
+
+def test_a_block_taken_back_is_computed_again_even_where_its_inputs_did_not_change():
+    """A body node that reads only a parameter (``hoist=False`` keeps it in the loop) has no input
+    newer than its old value when its block is taken back: it must be computed all the same."""
+
+    def scaled():
+        g = vg.VirtualGraph(dtype=np.float64, seed=4)
+        xs = g.input("xs", (None, 2))
+        W = g.parameter("W", (2,))
+        with g.loop() as L:
+            h = L.carry(np.zeros(2), name="h")
+            L.update(h, vg.tanh(L.step(xs) + h * (W * 2.0)))
+        return g, vg.sum(L.final(h) ** 2)
+
+    results, kept = [], []
+    for cache in (True, False):
+        g, loss = scaled()
+        rng = np.random.default_rng(6)
+        seen, nodes = [], []
+        for T in (6, 6, 3, 6):
+            cg, result = run(g, loss, {"xs": rng.normal(size=(T, 2))}, cache, False)
+            seen.append(result)
+            nodes.append(cg.node("Mul:1@1"))
+        results.append(seen)
+        kept.append(nodes)
+    for a, b in zip(*results):
+        same(a, b)
+    assert kept[0][1] is kept[0][2] is kept[0][3]  # resized and replayed, not unrolled afresh

@@ -14,9 +14,11 @@ with the same keys, parents, attributes and creation order, the same environment
 decisions, hoisted groups and outputs; the replay then computes the same values (bit for bit:
 the same ops in the same order) and re-checks every guard, including each loop's length check, so a
 wrong guess of a loop's length (read from the feed, see :attr:`Trace.predictor`) only costs a fresh
-build. The blocks left out stay with the cached graph, outside its node list, for a later longer
-feed: nodes taken from an earlier graph for steps past the new length are not part of the new
-build (using them with it raises, as for any node of another graph).
+build. The blocks left out stay with the cached graph, outside its node list and without their
+values (memory is that of the current length's graph, not of the longest seen), for a later
+longer feed, which computes them again: nodes taken from an earlier graph for steps past the new
+length are not part of the new build (using them with it raises, as for any node of another
+graph).
 
 Which loops are elastic: loops that step through sequences (``loop.step``) and have no
 ``times=``, ``while_``/``until``, recursion structure or ``checkpoint=``, whose body makes no
@@ -246,6 +248,13 @@ class Elastic:
         for node, parents in self.readers.items():
             node.parents = tuple([subst.get(p, p) for p in parents])
             changed.add(node)
+        old = self.lengths
+        for tr, n, o in zip(self.traces, lengths, old):
+            for left in tr.blocks[n:o]:  # left out: keep no values (and no views of old groups)
+                for dropped in left:
+                    if dropped.parents:  # (an op of no inputs is never computed again)
+                        dropped._value = None
+                        dropped.version = 0  # recomputed if a longer feed takes its block back
         for node in changed:
             node.version = 0  # recomputed by the replay whatever its parents' versions
         for env, v, orig in self.env_finals:
@@ -262,7 +271,7 @@ class Elastic:
             start = tr.env_at + len(tr.blocks)
         envs += self.envs[start:]
         cg._envs = dict(envs)
-        nodes, old = cg._nodes, self.lengths
+        nodes = cg._nodes
         first = next((k for k, (n, o) in enumerate(zip(lengths, old)) if n > o), len(lengths))
         for tr, n, o in zip(self.traces[:first], lengths, old):  # before the first that grows
             for block in tr.keyed[n:o]:
