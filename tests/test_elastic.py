@@ -462,3 +462,33 @@ def test_a_block_taken_back_is_computed_again_even_where_its_inputs_did_not_chan
     for a, b in zip(*results):
         same(a, b)
     assert kept[0][1] is kept[0][2] is kept[0][3]  # resized and replayed, not unrolled afresh
+
+
+def test_a_layer_starting_from_the_previous_layers_final_state_resizes(resizes):
+    """Stacked layers where each starts from the previous layer's final state: the environments of
+    one instance of the inner loop hold another instance's final carry (re-pointed too)."""
+
+    def layered():
+        g = vg.VirtualGraph(dtype=np.float64, seed=8)
+        xs = g.input("xs", (None, 2, 3))
+        W = g.parameter("W", (3, 3))
+        U = g.parameter("U", (3, 3))
+        with g.loop(times=2, name="layers") as layers:
+            seq = layers.carry(xs, name="seq")
+            start = layers.carry(np.zeros((2, 3)), name="start")
+            with g.loop(name="time") as time:
+                h = time.carry(start, name="h")
+                h_new = vg.tanh(time.step(seq) @ W + h @ U)
+                time.update(h, h_new)
+            layers.update(seq, time.stack(h_new))
+            layers.update(start, time.final(h))
+        return g, vg.sum(layers.final(seq) ** 2) + vg.sum(layers.final(start))
+
+    results = []
+    for cache in (True, False):
+        g, loss = layered()
+        rng = np.random.default_rng(2)
+        results.append([run(g, loss, {"xs": rng.normal(size=(T, 2, 3))}, cache)[1] for T in LENGTHS])
+    for a, b in zip(*results):
+        same(a, b)
+    assert resizes == [[n, n] for n in LENGTHS[3:]]

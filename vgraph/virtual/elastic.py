@@ -98,6 +98,10 @@ class Trace:
         self.env_at = 0  # where the environment of its first step is in the build's
         self.parts: list[_Part | None] = []  # each block's compiled segments, once made
 
+    def owns(self, scope: Any, idx: tuple[int, ...]) -> bool:
+        """Whether ``(scope, idx)`` names a step of this instance of the loop."""
+        return scope is self.loop and idx[:-1] == self.idx
+
     def close(self, cg: UnrolledGraph, stacks: Sequence[ComputeNode]) -> bool:
         """Finish the record once the loop's decision and stacks are made; ``False`` if the body
         made a decision, a guard or a sample of its own (the loop is then not elastic)."""
@@ -193,9 +197,9 @@ class Elastic:
         self.keyed = [{n.key: n for n in region} for region in self.regions]
         self.env_finals = [
             (env, v, node)
-            for (scope, _), env in self.envs
+            for (scope, idx), env in self.envs
             for v, node in env.items()
-            if node in finals and scope is not self.traces[finals[node]].loop
+            if node in finals and not self.traces[finals[node]].owns(scope, idx)
         ]
         self.outputs = list(cg.outputs)
         # Nodes whose parents a resize changes; the compiled segments of a part without any are
