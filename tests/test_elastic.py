@@ -4,8 +4,10 @@ Identity: a sequence of builds of varying lengths with the cache gives the same 
 decisions, node keys (in creation order), iteration look-ups and outputs as the same builds without
 it (float64, 1e-12), with tapes on and off, on hand-made models covering what resizing rewires
 (stacks, reversed steps, a loop reading another's final, a loop stepping through another's stack,
-hoisting on and off) and on random ones; a graph is resized, not unrolled again, whenever the
-length is one it has the blocks for.
+loops of independent lengths, loops nested in a loop of fixed trip count, hoisting on and off), on
+the example models and the dynamic benchmark's language model, and on random ones (hypothesis); a
+graph is resized, not unrolled again, whenever the length is one it has the blocks for, and a
+resized graph renders as a fresh build does.
 """
 
 from __future__ import annotations
