@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Reversible, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from operator import attrgetter
@@ -850,9 +850,25 @@ class ComputeGraph:
         """
         plan = self._backward_plans.get(len(self._nodes))
         if plan is None:
-            plan = [n for n in reversed(self._nodes.values()) if n.requires_grad]
+            plan = backward_order(self._nodes.values())
             self._backward_plans = {len(self._nodes): plan}
         return plan
+
+    def _use_backward_plan(self, plan: list[ComputeNode], tape: _tape.BackwardTape | None) -> None:
+        """Make ``plan`` the backward plan of the current node list, with its compiled sweep
+        ``tape`` from the first backward on (a caller that built both from parts it keeps:
+        vgraph.virtual.elastic)."""
+        self._backward_plans = {len(self._nodes): plan}
+        self._backward_tape = (plan, tape)
+
+    def _forget_plans(self) -> None:
+        """Drop every plan and compiled sweep made so far. Plans are keyed by the targets and the
+        node count, which nodes being added keeps apart; a node list changed any other way
+        (vgraph.virtual.elastic) must call this."""
+        self._forward_plans.clear()
+        self._forward_tapes.clear()
+        self._backward_plans.clear()
+        self._backward_tape = None
 
     # -- arguments
     _NODE_ARG = "a ComputeNode of this graph"
@@ -1364,6 +1380,12 @@ class ComputeGraph:
         """Clear ``.grad`` of every node of this graph (sets it to ``None``)."""
         for n in self._nodes.values():
             n.grad = None
+
+
+def backward_order(nodes: Reversible[ComputeNode]) -> list[ComputeNode]:
+    """The nodes of ``nodes`` (in creation order) that require a gradient, in the order a backward
+    sweep visits them: the reverse of creation order, a reverse topological order."""
+    return [n for n in reversed(nodes) if n.requires_grad]
 
 
 _by_serial = attrgetter("serial")

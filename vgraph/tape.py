@@ -160,10 +160,16 @@ class BackwardTape:
 
     __slots__ = ("_calls",)
 
-    def __init__(self, plan: Sequence[Any], calls: list[Call] | None = None) -> None:
-        """The tape of ``plan``; or, given ``calls``, the tape that makes them in turn (the calls of
-        consecutive parts of a plan, from :func:`backward_calls`)."""
-        self._calls = backward_calls(plan) if calls is None else calls
+    def __init__(self, plan: Sequence[Any]) -> None:
+        self._calls = backward_calls(plan)
+
+    @classmethod
+    def joined(cls, calls: list[Call]) -> BackwardTape:
+        """The tape that makes ``calls`` in turn: the calls of consecutive parts of a plan, each
+        from :func:`backward_calls`, sweep the whole plan as its own tape does."""
+        tape = cls.__new__(cls)
+        tape._calls = calls
+        return tape
 
     def __call__(self, staged: list[Any]) -> None:
         for fn, nodes in self._calls:
@@ -299,10 +305,16 @@ class ForwardTape:
 
     __slots__ = ("_calls",)
 
-    def __init__(self, plan: Sequence[Any], calls: list[Call] | None = None) -> None:
-        """The tape of ``plan``; or, given ``calls``, the tape that makes them in turn (the calls of
-        consecutive parts of a plan, from :func:`forward_calls`)."""
-        self._calls = forward_calls(plan) if calls is None else calls
+    def __init__(self, plan: Sequence[Any]) -> None:
+        self._calls = forward_calls(plan)
+
+    @classmethod
+    def joined(cls, calls: list[Call]) -> ForwardTape:
+        """The tape that makes ``calls`` in turn: the calls of consecutive parts of a plan, each
+        from :func:`forward_calls`, sweep the whole plan as its own tape does."""
+        tape = cls.__new__(cls)
+        tape._calls = calls
+        return tape
 
     def __call__(self, clock: Callable[[], int]) -> int:
         count = 0

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from ..compute import ComputeNode
+from ..compute import ComputeNode, backward_order
 from ..ops import OPS, Op
 from ..tape import BackwardTape, Call, ForwardTape, backward_calls, forward_calls, tapes_enabled
 
@@ -130,9 +130,7 @@ class Elastic:
         return self._ready
 
     def _analyse(self, cg: UnrolledGraph) -> bool:
-        nodes = list(cg._nodes.values())
-        if len(nodes) != self.count:  # nodes were added to the graph after the build
-            return False
+        nodes = list(cg._nodes.values())  # as built: analysed when the build is cached
         inputs = {n: name for name, n in cg.inputs.items()}
         stacks = {s: i for i, tr in enumerate(self.traces) for s, _, _ in tr.stacks}
         member: dict[ComputeNode, int] = {}  # a body node -> the index of its loop's trace
@@ -214,7 +212,7 @@ class Elastic:
         """Make ``cg`` the graph of a build of ``values`` (before its replay); ``False`` (and
         ``cg`` unchanged) if it cannot be: a loop's length out of the recorded range, or nodes
         added to the graph since."""
-        if not self.analyse(cg) or len(cg._nodes) != self.count:
+        if len(cg._nodes) != self.count or not self.analyse(cg):  # (nodes added since the build)
             return False
         lengths: list[int] = []
         for tr in self.traces:
@@ -236,9 +234,9 @@ class Elastic:
             for orig, c in zip(tr.finals, loop.carries):
                 x: ComputeNode = env[loop.updates[c]]
                 subst[orig] = subst.get(x, x)
-            for s, bucket, vjps in tr.stacks:
+            for s, bucket, vjps in tr.stacks:  # (Stack is variadic: one VJP per input)
                 s.parents = tuple([subst.get(p, p) for p in bucket[:n]])
-                s.vjps = vjps[:n] if len(vjps) == len(bucket) else vjps  # variadic: one per input
+                s.vjps = vjps[:n]
                 changed.add(s)
             tr.guard.op = _length_op(tr, n)
             changed.add(tr.guard)
@@ -296,16 +294,12 @@ class Elastic:
                     nodes.update(block)
             nodes.update(self.keyed[-1])
         self.count, self.lengths = len(nodes), lengths
-        # Plans and tapes were made for the old node list.
-        cg._forward_plans.clear()
-        cg._forward_tapes.clear()
-        cg._backward_plans.clear()
-        cg._backward_tape = cg._replay_tape = None
+        cg._forget_plans()  # made for the old node list
         if tapes_enabled():
-            self._retape(cg, lengths, len(nodes))
+            self._retape(cg, lengths)
         return True
 
-    def _retape(self, cg: UnrolledGraph, lengths: list[int], count: int) -> None:
+    def _retape(self, cg: UnrolledGraph, lengths: list[int]) -> None:
         """Give ``cg`` its replay tape and backward plan and tape at once, made of each part's
         compiled segments (a part: the nodes between loops, or one step's block). A part none of
         whose nodes is re-pointed by resizing keeps its segments from one resize to the next, so
@@ -325,18 +319,16 @@ class Elastic:
         for part in reversed(parts):
             plan += part[1]
             backward += part[2]
-        cg._replay_tape = ForwardTape((), forward)
-        cg._backward_plans = {count: plan}
-        cg._backward_tape = (plan, BackwardTape(plan, backward))
+        cg._replay_tape = ForwardTape.joined(forward)
+        cg._use_backward_plan(plan, BackwardTape.joined(backward))
 
     def _part(self, cache: list[_Part | None], i: int, nodes: list[ComputeNode]) -> _Part:
         """Part ``i``'s segments, from ``cache`` or made (and kept there if no resize re-points
         any of its nodes)."""
         part = cache[i]
         if part is None:
-            ops = [n for n in nodes if n.op is not None]
-            grads = [n for n in reversed(nodes) if n.requires_grad]
-            part = (forward_calls(ops), grads, backward_calls(grads))
+            grads = backward_order(nodes)  # this part of ComputeGraph._backward_plan
+            part = (forward_calls([n for n in nodes if n.op is not None]), grads, backward_calls(grads))
             if self.volatile.isdisjoint(nodes):
                 cache[i] = part
         return part

@@ -160,6 +160,11 @@ class UnrolledGraph(ComputeGraph):
         self._stale = self._failed_forward = None
         self._mark_fresh([_ALL])
 
+    def _forget_plans(self) -> None:
+        """:meth:`ComputeGraph._forget_plans`, and the compiled replay."""
+        super()._forget_plans()
+        self._replay_tape = None
+
     def _replayed_by_tape(self) -> bool:
         """Replay with the compiled sweep (vgraph.tape) where one applies (``False`` where not)."""
         if self._samples or not tapes_enabled() or is_anomaly_enabled():
