@@ -227,7 +227,7 @@ def test_a_loop_whose_body_branches_is_unrolled_afresh_for_a_new_length():
         results.append([run(g, loss, {"xs": rng.normal(size=(T, 2))}, cache) for T in LENGTHS])
     for (cg, a), (_, b) in zip(*results):
         same(a, b)
-        assert cg._elastic is None or cg._elastic.lengths == [cg.trip_count(cg.decisions[-1].node)]
+        assert cg._elastic is None  # its body decides: cached by exact shapes only
 
 
 def test_nodes_added_to_a_built_graph_stop_it_resizing():
@@ -304,8 +304,8 @@ def test_model_scripts_at_varying_lengths_cached_equal_uncached(script):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 def test_a_language_model_over_sentences_of_many_lengths_cached_equal_uncached(fused, resizes):
     """The dynamic benchmark's LSTM language model, small: an embedded token sequence stepped
-    through (the length guessed from the tokens), per-step targets after the loop flattened with
-    reshape(-1, H), cross-entropy with per-word weights."""
+    through (the length guessed from the tokens), per-step targets of length T·B, the stack
+    flattened with reshape(-1, H) after the loop, cross-entropy."""
     V, E, H, B = 11, 3, 4, 2
 
     def lm():
