@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -148,28 +148,39 @@ def _slots(run: list[Any]) -> tuple[list[Any], dict[Any, int]]:
 Call = tuple[Callable[..., Any], tuple[Any, ...]]
 
 
+class _Tape:
+    """A plan's compiled segments, called in turn (see :class:`BackwardTape`, :class:`ForwardTape`)."""
+
+    __slots__ = ("_calls",)
+    _calls: list[Call]
+
+    @classmethod
+    def joined(cls: type[_T], calls: list[Call]) -> _T:
+        """The tape that makes ``calls`` in turn: the calls of consecutive parts of a plan, each
+        made by :func:`backward_calls` or :func:`forward_calls`, sweep the whole plan as the
+        plan's own tape does."""
+        tape = cls.__new__(cls)
+        tape._calls = calls
+        return tape
+
+
+_T = TypeVar("_T", bound=_Tape)
+
+
 # ---------------------------------------------------------------------------- backward
 
 
-class BackwardTape:
+class BackwardTape(_Tape):
     """The compiled reverse sweep of one backward plan (see the module docstring).
 
     Call it with the list the sweep stages ``.grad`` commits into; roots' gradients must already be
     in their ``_g`` (as for the interpreted sweep).
     """
 
-    __slots__ = ("_calls",)
+    __slots__ = ()
 
     def __init__(self, plan: Sequence[Any]) -> None:
         self._calls = backward_calls(plan)
-
-    @classmethod
-    def joined(cls, calls: list[Call]) -> BackwardTape:
-        """The tape that makes ``calls`` in turn: the calls of consecutive parts of a plan, each
-        from :func:`backward_calls`, sweep the whole plan as its own tape does."""
-        tape = cls.__new__(cls)
-        tape._calls = calls
-        return tape
 
     def __call__(self, staged: list[Any]) -> None:
         for fn, nodes in self._calls:
@@ -296,25 +307,17 @@ def _backward_source(shape: Any) -> list[str]:
 # ---------------------------------------------------------------------------- forward
 
 
-class ForwardTape:
+class ForwardTape(_Tape):
     """The compiled dirty-checked forward over one plan (op nodes in topological order): each node
     whose parents changed since it was computed is computed again and stamped with a new version.
 
     Calling it returns how many nodes were recomputed.
     """
 
-    __slots__ = ("_calls",)
+    __slots__ = ()
 
     def __init__(self, plan: Sequence[Any]) -> None:
         self._calls = forward_calls(plan)
-
-    @classmethod
-    def joined(cls, calls: list[Call]) -> ForwardTape:
-        """The tape that makes ``calls`` in turn: the calls of consecutive parts of a plan, each
-        from :func:`forward_calls`, sweep the whole plan as its own tape does."""
-        tape = cls.__new__(cls)
-        tape._calls = calls
-        return tape
 
     def __call__(self, clock: Callable[[], int]) -> int:
         count = 0
