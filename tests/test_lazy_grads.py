@@ -172,3 +172,69 @@ def test_the_rows_of_a_hoisted_group_gradient(order):
     for t in index:
         expected_into[t] += rows[t]
     np.testing.assert_allclose(into, expected_into, rtol=1e-12)  # sums in another order
+
+
+# ---------------------------------------------------------------------------- transposed weights
+# In a backward sweep, the gradient product g @ W.T of a weight used again and again (W_h in every
+# iteration) multiplies by a C-contiguous copy of W.T made once (BLAS is markedly slower with a
+# transposed operand at a recurrent step's sizes); ops._transposed keeps it for one sweep only.
+
+
+def test_a_weights_transpose_is_copied_once_from_its_second_use_in_a_sweep():
+    W = np.arange(12.0).reshape(3, 4).copy()
+    assert ops._transposed(W).base is W  # outside a sweep: the plain view
+    with ops.sweep_transposes():
+        first = ops._transposed(W)
+        second = ops._transposed(W)
+        third = ops._transposed(W)
+        assert first.base is W and not first.flags.c_contiguous  # used once: no copy
+        assert second.base is None and second.flags.c_contiguous  # a copy ...
+        assert third is second  # ... made once
+        np.testing.assert_array_equal(second, W.T)
+        with ops.sweep_transposes():  # a nested sweep shares the outer one's copies
+            assert ops._transposed(W) is second
+        assert ops._sweep_transposes.cache is not None
+    assert ops._sweep_transposes.cache is None  # dropped with the sweep: W may change before the next
+
+
+def tied_weight_reference(Wh, Wx, xs):
+    """Hand-written BPTT of sum(h_T ** 2), h_t = tanh(x_t Wx + h_{t-1} Wh), h_0 = 0 (float64)."""
+    T, B, _ = xs.shape
+    hs = [np.zeros((B, Wh.shape[0]))]
+    for t in range(T):
+        hs.append(np.tanh(xs[t] @ Wx + hs[-1] @ Wh))
+    gh = 2 * hs[-1]
+    gWh, gWx = np.zeros_like(Wh), np.zeros_like(Wx)
+    for t in range(T - 1, -1, -1):
+        ga = gh * (1 - hs[t + 1] ** 2)
+        gWh += hs[t].T @ ga
+        gWx += xs[t].T @ ga
+        gh = ga @ Wh.T
+    return gWh, gWx
+
+
+@pytest.mark.parametrize("tapes", [False, True])
+def test_gradients_through_transposed_weights_follow_each_new_value(tapes):
+    # Three backward sweeps of one graph (the second and third compiled when tapes are on), W_h
+    # given a new value before each: every sweep must multiply by the transpose of the value it
+    # sees, and leave no copy behind, also when a sweep fails.
+    g, loss, feed = stepped_rnn(6, project_outside=False)
+    cg = g.build(feed, loss)
+    rng = np.random.default_rng(3)
+    previous = vg.tape.tapes_enabled()
+    vg.tape.set_tapes(tapes)
+    try:
+        for _ in range(3):
+            g.params["Wh"].value = rng.normal(size=(4, 4)) * 0.5
+            cg.forward(cg.outputs[0])
+            g.params.zero_grad()
+            cg.backward(cg.outputs[0])
+            want_h, want_x = tied_weight_reference(g.params.value("Wh"), g.params.value("Wx"), feed["xs"])
+            np.testing.assert_allclose(g.params["Wh"].grad, want_h, rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(g.params["Wx"].grad, want_x, rtol=1e-12, atol=1e-12)
+            assert ops._sweep_transposes.cache is None
+        with pytest.raises(vg.GraphStateError):
+            cg.backward(cg.outputs[0])  # released by the last backward
+        assert ops._sweep_transposes.cache is None
+    finally:
+        vg.tape.set_tapes(previous)

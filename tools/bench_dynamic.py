@@ -474,7 +474,7 @@ class NumpyLM:
         np.matmul(H2.T, D, out=G["out.W"])
         np.sum(D, axis=0, out=G["out.b"])
         np.matmul(D, Wo.T, out=DH.reshape(N, H))
-        WhT = Wh.T
+        WhT = np.ascontiguousarray(Wh.T)  # BLAS is slower with a transposed operand (docs/performance.md)
         dc[...] = 0
         for t in range(T - 1, -1, -1):
             z, dz, tc = Z[t], DZ[t], TC[t]

@@ -197,8 +197,10 @@ def numpy_grads(
     The input projections ``x_t W_x + b`` of all steps are one ``(T*B, I) @ (I, H)`` product written
     straight into the preallocated state buffer; the recurrence then only adds ``h_{t-1} W_h``
     (``np.matmul(..., out=)``, ``+=``, ``np.tanh(..., out=)``: no temporaries); the backward sweep
-    only computes ``dloss/da_t`` into a preallocated ``(T, B, H)`` buffer, and the gradients of
-    ``W_x``, ``W_h`` and ``b`` are each one ``(T*B)``-row product or sum after the sweep.
+    only computes ``dloss/da_t`` into a preallocated ``(T, B, H)`` buffer (multiplying by a
+    C-contiguous copy of ``W_h^T``, made once per step: BLAS is slower with a transposed operand),
+    and the gradients of ``W_x``, ``W_h`` and ``b`` are each one ``(T*B)``-row product or sum after
+    the sweep.
     """
     Wx, Wh, b, Wo = P["Wx"], P["Wh"], P["b"], P["Wo"]
     T, B, I = x.shape
@@ -221,7 +223,7 @@ def numpy_grads(
     diff *= 2.0 / diff.size  # dloss/dout
     gWo = hT.T @ diff
     np.matmul(diff, Wo.T, out=gh)
-    WhT = Wh.T
+    WhT = np.ascontiguousarray(Wh.T)  # BLAS is slower with a transposed operand (docs/performance.md)
     for t in range(T - 1, -1, -1):
         ga = gas[t]
         ht = hs[t + 1]
