@@ -246,3 +246,29 @@ def test_a_replayed_build_starts_without_gradients_like_a_fresh_one(lengths):
     for (a, xa), (b, xb) in zip(*seen):
         np.testing.assert_allclose(a, b, rtol=1e-12)
         np.testing.assert_allclose(xa, xb, rtol=1e-12)
+
+
+@pytest.mark.parametrize("how", ["replayed build", "resized build", "feed"])
+def test_a_fed_array_changed_by_the_caller_afterwards_does_not_reach_the_graph(how):
+    # The feed is copied once when it is checked, and that copy is the input's value (not copied
+    # again): the caller's array stays the caller's, on every path a value enters a cached graph.
+    g, loss = rnn()
+    rng = np.random.default_rng(5)
+    for _ in range(2):  # the second build is kept: the next one replays (or resizes) it
+        cg = g.build({"xs": rng.normal(size=(6, 2, 3))}, loss)
+    xs = rng.normal(size=(4 if how == "resized build" else 6, 2, 3))
+    if how == "feed":
+        cg.feed({"xs": xs})
+        cg.forward(cg.outputs[0])
+    else:
+        kept = cg.node("Tanh:1@0")
+        cg = g.build({"xs": xs}, loss)
+        assert cg.node("Tanh:1@0") is kept  # the cached graph, not a fresh unroll
+        assert ("Tanh:1@5" in cg) == (how != "resized build")
+    want = np.array(cg.outputs[0].value)
+    fed = cg.inputs["xs"]
+    assert not np.shares_memory(fed.value, xs)
+    xs[...] = 0.0  # the caller re-uses its buffer
+    assert np.all(fed.value != 0.0)
+    cg.inputs["xs"].set_value(np.array(fed.value))  # a forward that must recompute from the graph's copy
+    np.testing.assert_allclose(cg.forward(cg.outputs[0]), want, rtol=1e-15)

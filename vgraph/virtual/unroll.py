@@ -148,8 +148,8 @@ class UnrolledGraph(ComputeGraph):
             n.grad = None
             n.retains_grad = False
         self._graded.clear()
-        for name, arr in values.items():
-            self.inputs[name].set_value(arr)
+        for name, arr in values.items():  # checked copies (_checked_feed): adopted, not copied again
+            self.inputs[name]._set(arr, copy=False)
         try:
             if not self._replayed_by_tape():
                 self._replay_interpreted(np.random.default_rng(seed) if self._samples else None)
@@ -283,8 +283,8 @@ class UnrolledGraph(ComputeGraph):
             if decl is None or name not in self.inputs:
                 raise FeedError(f"this graph has no input {name!r}; its inputs: {', '.join(self.inputs)}")
             staged[name] = _check_feed_value(decl, value, self.dtype)
-        for name, arr in staged.items():
-            self.inputs[name].set_value(arr)
+        for name, arr in staged.items():  # the checked copies: adopted, not copied again
+            self.inputs[name]._set(arr, copy=False)
 
     def __repr__(self) -> str:
         """Node count, outputs, and the data-dependent decisions (trip counts, branch choices)."""
