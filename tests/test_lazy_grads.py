@@ -183,6 +183,7 @@ def test_the_rows_of_a_hoisted_group_gradient(order):
 def test_a_weights_transpose_is_copied_once_from_its_second_use_in_a_sweep():
     W = np.arange(12.0).reshape(3, 4).copy()
     assert ops._transposed(W).base is W  # outside a sweep: the plain view
+    assert ops.TRANSPOSED_MIN_WORK > 16 * 32 * 32  # small products keep the plain view: no look-up
     with ops.sweep_transposes():
         first = ops._transposed(W)
         second = ops._transposed(W)
@@ -214,10 +215,20 @@ def tied_weight_reference(Wh, Wx, xs):
 
 
 @pytest.mark.parametrize("tapes", [False, True])
-def test_gradients_through_transposed_weights_follow_each_new_value(tapes):
+def test_gradients_through_transposed_weights_follow_each_new_value(tapes, monkeypatch):
     # Three backward sweeps of one graph (the second and third compiled when tapes are on), W_h
     # given a new value before each: every sweep must multiply by the transpose of the value it
     # sees, and leave no copy behind, also when a sweep fails.
+    monkeypatch.setattr(ops, "TRANSPOSED_MIN_WORK", 0)  # this model's products are tiny
+    copies = []
+    transposed = ops._transposed
+
+    def spy(b):
+        t = transposed(b)
+        copies.append(t.base is None)
+        return t
+
+    monkeypatch.setattr(ops, "_transposed", spy)
     g, loss, feed = stepped_rnn(6, project_outside=False)
     cg = g.build(feed, loss)
     rng = np.random.default_rng(3)
@@ -233,6 +244,9 @@ def test_gradients_through_transposed_weights_follow_each_new_value(tapes):
             np.testing.assert_allclose(g.params["Wh"].grad, want_h, rtol=1e-12, atol=1e-12)
             np.testing.assert_allclose(g.params["Wx"].grad, want_x, rtol=1e-12, atol=1e-12)
             assert ops._sweep_transposes.cache is None
+            # g @ W_h.T in iterations 5..1 (h_0 is a constant): the first plain, the copy made once
+            assert copies == [False, True, True, True, True]
+            copies.clear()
         with pytest.raises(vg.GraphStateError):
             cg.backward(cg.outputs[0])  # released by the last backward
         assert ops._sweep_transposes.cache is None
