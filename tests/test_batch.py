@@ -444,6 +444,7 @@ def test_whole_sentences_of_different_lengths_run_as_one_op(lengths, seed):
         # one group, whatever the lengths (cross_entropy is one fused op)
         assert sizes.get("SoftmaxCrossEntropy:1") == len(feeds), batch.groups
         assert sizes.get("Take:1") == len(feeds), batch.groups
+        assert sizes.get("Linear:1") == len(feeds), batch.groups  # nn.Linear's fused node, too
         assert sizes.get("Reshape:1") == len(feeds), batch.groups  # (T, 1, 4) -> (T, 4): rows stay rows
         if len(set(lengths)) == len(lengths):  # a reduction over each sentence: per sentence
             assert [n for k, n in batch.groups if k == "Mean:2"] == [1] * len(feeds), batch.groups

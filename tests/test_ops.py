@@ -139,6 +139,22 @@ for sa, sb in MATMUL_SHAPES:
     case(shape_id(sa, sb), "MatMul", lambda a, b: a @ b, np.matmul, normal(*sa), normal(*sb))
 case("fn", "MatMul", vgraph.matmul, np.matmul, normal(2, 3), normal(3, 2))
 
+# Linear: x @ w + b, the bias the shape of the product's last axes.
+LINEAR_SHAPES = [
+    ((3, 4), (4, 5), (5,)),
+    ((4,), (4, 5), (5,)),
+    ((2, 3, 4), (4, 5), (5,)),
+    ((2, 3, 4), (2, 4, 5), (5,)),
+    ((2, 3, 4), (2, 4, 5), (3, 5)),
+    ((2, 3, 4), (4, 5), (2, 3, 5)),  # a bias as large as the product
+    ((4,), (4,), ()),  # a scalar product
+]
+for sx, sw, sb in LINEAR_SHAPES:
+    case(
+        shape_id(sx, sw, sb), "Linear", vgraph.functions.linear, lambda x, w, b: x @ w + b,
+        normal(*sx), normal(*sw), normal(*sb),
+    )  # fmt: skip
+
 # Sum and Mean: axis None / int / negative int / tuple, keepdims both ways.
 for axis in [None, 0, 1, -1, (0, 2), (-1, 0), (0, 1, 2)]:
     for keepdims in [False, True]:

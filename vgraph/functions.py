@@ -129,6 +129,28 @@ def matmul(a: Any, b: Any) -> Any:
     return _dispatch("MatMul", (a, b))
 
 
+def linear(x: Any, w: Any, b: Any) -> Any:
+    """``x @ w + b`` as one ``Linear`` node (what :class:`vgraph.nn.Linear` declares).
+
+    The bias is added into the product's own array, so the node keeps one value the size of the
+    result where ``x @ w + b`` keeps two (the product and the sum); values and gradients are the
+    same to the last bit. Loops hoist it and ``build_batch`` groups it as it does ``x @ w``.
+
+    Args:
+        x: the input, shape ``(..., in)`` (numpy's matmul rules).
+        w: the weight, shape ``(in, out)``.
+        b: the bias, the shape of the last axes of ``x @ w`` (``(out,)`` for a 2-D weight).
+
+    Returns:
+        A node of the shape of ``x @ w``.
+
+    Raises:
+        ShapeError: (when computed) the operands do not multiply, or the bias does not have the
+            shape of the product's last axes; it names the node.
+    """
+    return _dispatch("Linear", (x, w, b))
+
+
 def exp(x: Any) -> Any:
     """Elementwise ``e ** x``."""
     return _dispatch("Exp", (x,))

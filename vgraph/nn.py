@@ -225,6 +225,10 @@ class Linear(Module):
         bias: add ``b`` (default True).
         init: the weight's initialiser (default ``xavier_uniform``).
         bias_init: the bias's initialiser (default zeros).
+        fused: with a bias, one ``Linear`` node per call (default;
+            :func:`vgraph.functions.linear`: the bias added into the product's own array, one
+            value fewer the size of the output), or ``False``: a ``MatMul`` and an ``Add`` node.
+            The same values and gradients either way.
     """
 
     def __init__(
@@ -237,19 +241,24 @@ class Linear(Module):
         init: Any = None,
         bias_init: Any = None,
         share: bool | None = None,
+        fused: bool = True,
     ) -> None:
         super().__init__(graph, name, share)
         self.in_features, self.out_features = (
             _size(in_features, "in_features"),
             _size(out_features, "out_features"),
         )
+        self.fused = bool(fused)
         self.W = self._param("W", (self.in_features, self.out_features), init)
         self.b = self._param("b", (self.out_features,), bias_init) if bias else None
 
     def __call__(self, x: Any) -> Any:
         """``x @ W + b`` for x of shape ``(..., in_features)``."""
-        y = x @ self.W
-        return y + self.b if self.b is not None else y
+        if self.b is None:
+            return x @ self.W
+        if self.fused:
+            return F.linear(x, self.W, self.b)
+        return x @ self.W + self.b
 
 
 class RNNCell(Module):

@@ -636,6 +636,29 @@ def _matmul_vjp_a(g: np.ndarray, ans: np.ndarray, a: np.ndarray, b: np.ndarray) 
     return _matmul_vjp(g, a, b, 0)
 
 
+def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``x @ w + b`` with the bias added into the product's own array: one array the size of the
+    result instead of two (a language model's ``(T*B, vocabulary)`` logits), and the same
+    operations as ``MatMul`` then ``Add``, so the same values to the last bit."""
+    out = _matmul(x, w)
+    shape, bs = np.shape(out), np.shape(b)
+    if len(bs) > len(shape) or shape[len(shape) - len(bs) :] != bs:
+        raise ValueError(f"the bias has shape {bs}; Linear needs the last axes of x @ w, shape {shape}")
+    if type(out) is np.ndarray and np.result_type(out, b) == out.dtype:
+        np.add(out, b, out=out)
+        return out
+    result: np.ndarray = out + b  # a scalar product (1-D @ 1-D), or a bias that promotes the dtype
+    return result
+
+
+def _linear_vjp_x(g: np.ndarray, ans: np.ndarray, x: np.ndarray, w: np.ndarray, b: np.ndarray) -> Any:
+    return _matmul_vjp_a(g, ans, x, w)
+
+
+def _linear_vjp_w(g: np.ndarray, ans: np.ndarray, x: np.ndarray, w: np.ndarray, b: np.ndarray) -> Any:
+    return _matmul_vjp_b(g, ans, x, w)
+
+
 #: The smallest gradient product ``g @ b.T`` (rows x size of ``b``, multiply-adds) for which a
 #: backward sweep multiplies by a contiguous copy of ``b.T`` (see :func:`_transposed`): below it,
 #: looking the copy up costs more than the transposed operand (on the benchmark machine: a
@@ -764,6 +787,7 @@ def _matmul_vjp_summed(
 
 
 defop("MatMul", _matmul, _matmul_vjp_a, _matmul_vjp_b)
+defop("Linear", _linear, _linear_vjp_x, _linear_vjp_w, pass_through)
 
 
 # ---------------------------------------------------------------------------- reductions

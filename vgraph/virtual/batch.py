@@ -284,7 +284,7 @@ def _same_signature(requests: list[_Request]) -> tuple[list[_Request], list[bool
 # the inputs concatenated along axis 0, and each copy's value is its rows of the result.
 _RAGGED = frozenset(
     ["Add", "Sub", "Mul", "Div", "Neg", "Pow", "Exp", "Log", "Tanh", "Sigmoid", "Relu", "Softplus", "Abs",
-     "MatMul", "Take", "Softmax", "LogSoftmax", "Concat", "TakeAlongAxis", "Reshape", "GetItem",
+     "MatMul", "Linear", "Take", "Softmax", "LogSoftmax", "Concat", "TakeAlongAxis", "Reshape", "GetItem",
      "SoftmaxCrossEntropy"]
 )  # fmt: skip
 
@@ -338,6 +338,9 @@ def _ragged(requests: list[_Request]) -> list[bool] | None:
             if ragged == [True, False] and cast(int, ndim) >= 2 and first.parents[1]._value.ndim == 2
             else None
         )
+    if name == "Linear":  # (T, …, K) @ (K, M) + (M,): rows of the input one by one
+        ok = ragged == [True, False, False] and cast(int, ndim) >= 2 and first.parents[1]._value.ndim == 2
+        return ragged if ok else None
     for p, rg in zip(first.parents, ragged):
         if not rg and np.ndim(p._value) >= cast(int, ndim):
             return None  # a shared input would meet axis 0

@@ -56,7 +56,15 @@ _ELEMENTWISE = frozenset(
 )
 # Ops a loop body may hoist (see plan._hoistable): those batched_attrs can group whatever the
 # shapes turn out to be, given the rules it checks at build time.
-HOISTABLE_OPS = _ELEMENTWISE | {"MatMul", "Softmax", "LogSoftmax", "SoftmaxCrossEntropy", "Take", "GetItem"}
+HOISTABLE_OPS = _ELEMENTWISE | {
+    "MatMul",
+    "Linear",
+    "Softmax",
+    "LogSoftmax",
+    "SoftmaxCrossEntropy",
+    "Take",
+    "GetItem",
+}
 _REDUCTIONS = ("Sum", "Mean", "Max")
 
 
@@ -80,6 +88,9 @@ def batched_attrs(
         if sb:  # batched right operand: both must be matrices (a may be shared)
             return attrs if len(b) >= 2 and (len(a) >= 2 or not sa) else None
         return attrs if len(b) == 2 and len(a) >= 1 else None  # (T, ..., I) @ (I, H)
+    if op == "Linear":  # (T, ..., I) @ (I, H) + (H,): rows of the input, the weight and bias shared
+        (x, w, _), (sx, sw, sb) = shapes, stacked
+        return attrs if sx and not sw and not sb and len(w) == 2 and len(x) >= 1 else None
     if op == "Take":  # a shared table looked up with stepped indices
         return attrs if not stacked[0] and stacked[1] else None
     if op == "SoftmaxCrossEntropy":  # rows of (..., V) logits with their (...) labels: both stacked
