@@ -33,17 +33,22 @@ def stepped_rnn(T, project_outside):
 @pytest.fixture
 def counts(monkeypatch):
     seen = {"indexed_full": 0, "rows_products": []}
-    dense, rows_dense = ops.IndexedGrad.dense, ops.RowsProductGrad.dense
+    dense, steps_dense, rows_dense = ops.IndexedGrad.dense, ops.StepRowsGrad.dense, ops.RowsProductGrad.dense
 
     def counting_dense(self):  # every full-size array an IndexedGrad makes (merge uses it too)
         seen["indexed_full"] += 1
         return dense(self)
+
+    def counting_steps(self):  # ... or the rows of several steps, collected (StepRowsGrad)
+        seen["indexed_full"] += 1
+        return steps_dense(self)
 
     def counting_rows(self):
         seen["rows_products"].append(len(self.a))
         return rows_dense(self)
 
     monkeypatch.setattr(ops.IndexedGrad, "dense", counting_dense)
+    monkeypatch.setattr(ops.StepRowsGrad, "dense", counting_steps)
     monkeypatch.setattr(ops.RowsProductGrad, "dense", counting_rows)
     return seen
 
@@ -250,5 +255,83 @@ def test_gradients_through_transposed_weights_follow_each_new_value(tapes, monke
         with pytest.raises(vg.GraphStateError):
             cg.backward(cg.outputs[0])  # released by the last backward
         assert ops._sweep_transposes.cache is None
+    finally:
+        vg.tape.set_tapes(previous)
+
+
+# ---------------------------------------------------------------------------- rows of steps
+# The gradient of a hoisted group or of a stepped sequence arrives one whole row per iteration,
+# last first: the rows are collected (ops.StepRowsGrad) and laid into one array at the end, equal
+# to adding each into a zero-filled buffer.
+
+
+def zero_buffer(shape, parts, start=0.0):
+    out = np.full(shape, start)
+    for r, g in parts:
+        out[r] += g
+    return out
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [[4, 3, 2, 1, 0], [0, 1, 2, 3, 4], [4, 2, 0], [3, 3, 1, 0, 2, 4], [-1, 3, 2, 1, 0], [4, 3, 2, 1, 0, 0]],
+    ids=["last-first", "first-last", "some-missing", "one-twice", "negative", "all-and-one-again"],
+)
+def test_rows_of_steps_equal_a_zero_filled_buffer(rows):
+    rng = np.random.default_rng(len(rows))
+    shape = (5, 2, 3)
+    parts = [(r, rng.normal(size=shape[1:])) for r in rows]
+    merged = ops.IndexedGrad(shape, np.float64, parts[0][0], parts[0][1], True)
+    for r, g in parts[1:]:
+        merged = ops.add_grads(merged, ops.IndexedGrad(shape, np.float64, r, g, True))
+    assert type(merged) is ops.StepRowsGrad  # whole rows: collected, not added up yet
+    np.testing.assert_array_equal(merged.dense(), zero_buffer(shape, parts))
+    acc = np.ones(shape)
+    merged.add_into(acc)
+    np.testing.assert_array_equal(acc, zero_buffer(shape, parts, start=1.0))
+
+
+def test_anything_but_a_whole_row_of_the_same_dtype_is_added_up_as_before():
+    shape = (3, 2)
+    row = ops.IndexedGrad(shape, np.float64, 0, np.ones(2), True)
+    for other in [
+        ops.IndexedGrad(shape, np.float64, (1, 0), np.float64(2.0), True),  # one element
+        ops.IndexedGrad(shape, np.float64, slice(1, 3), np.ones((2, 2)), True),  # two rows
+        ops.IndexedGrad(shape, np.float32, 1, np.ones(2, np.float32), True),  # another dtype
+    ]:
+        got = ops.add_grads(row, other)
+        assert type(got) is np.ndarray
+        want = np.zeros(shape)
+        row.add_into(want)
+        other.add_into(want)
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("tapes", [False, True])
+def test_a_stepped_sequences_gradient_is_collected_row_by_row(tapes, monkeypatch):
+    collected = []
+    dense = ops.StepRowsGrad.dense
+
+    def spy(self):
+        collected.append(len(self.rows))
+        return dense(self)
+
+    monkeypatch.setattr(ops.StepRowsGrad, "dense", spy)
+    previous = vg.tape.tapes_enabled()
+    vg.tape.set_tapes(tapes)
+    try:
+        for project_outside in (True, False):  # loop.step(x @ W_x) / a hoisted x_t @ W_x
+            g, loss, feed = stepped_rnn(9, project_outside)
+            cg = g.build(feed, loss, cache=False)
+            for _ in range(2):  # the second sweep compiled when tapes are on
+                cg.feed(feed)
+                cg.forward(cg.outputs[0])
+                g.params.zero_grad()
+                cg.backward(cg.outputs[0])
+            assert collected == [9, 9]
+            collected.clear()
+            want_h, want_x = tied_weight_reference(g.params.value("Wh"), g.params.value("Wx"), feed["xs"])
+            np.testing.assert_allclose(g.params["Wh"].grad, want_h, rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(g.params["Wx"].grad, want_x, rtol=1e-12, atol=1e-12)
     finally:
         vg.tape.set_tapes(previous)

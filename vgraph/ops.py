@@ -216,6 +216,56 @@ class IndexedGrad(LazyGrad):
         else:
             np.add.at(acc, self.index, self.g)  # integer arrays may repeat rows: accumulate
 
+    def merge(self, other: LazyGrad) -> LazyGrad | np.ndarray:
+        if (
+            _whole_row(self)
+            and type(other) is IndexedGrad
+            and _whole_row(other)
+            and other.dtype == self.dtype
+        ):
+            return StepRowsGrad(self.shape, self.dtype, [self.index, other.index], [self.g, other.g])
+        return super().merge(other)
+
+
+def _whole_row(g: IndexedGrad) -> bool:
+    """Whether ``g`` is one whole row of its input (``g`` at an integer index of axis 0)."""
+    return type(g.index) is int and type(g.g) is np.ndarray and g.g.shape == g.shape[1:]
+
+
+class StepRowsGrad(LazyGrad):
+    """Whole rows of an input, one gradient per row, as they come: the iterations of a hoisted
+    group or of a stepped sequence, last iteration first. They are laid into one array when the
+    input's turn comes — a copy of each row, where adding each into a zero-filled buffer would
+    fill it first and read every row back. A row not given is zero; a row given twice is summed
+    (in the order given, as the buffer would). Compiled sweeps append to :attr:`rows` and
+    :attr:`gs` directly (vgraph.tape)."""
+
+    __slots__ = ("gs", "rows")
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any, rows: list[int], gs: list[np.ndarray]) -> None:
+        super().__init__(shape, dtype)
+        self.rows = rows
+        self.gs = gs
+
+    def dense(self) -> np.ndarray:
+        rows, n = self.rows, self.shape[0]
+        if len(rows) == n and rows == list(range(n - 1, -1, -1)):  # every row once, last first
+            out = workspace.empty(self.shape, self.dtype)
+            np.stack(self.gs, out=out[::-1])
+            return out
+        return super().dense()  # zeros, and every row added in
+
+    def add_into(self, acc: np.ndarray) -> None:
+        for r, g in zip(self.rows, self.gs):
+            acc[r] += g
+
+    def merge(self, other: LazyGrad) -> LazyGrad | np.ndarray:
+        if type(other) is IndexedGrad and _whole_row(other) and other.dtype == self.dtype:
+            self.rows.append(other.index)
+            self.gs.append(other.g)
+            return self
+        return super().merge(other)
+
 
 class RowSparseGrad(LazyGrad):
     """The gradient of a table (e.g. an embedding matrix) that is non-zero only in some rows.

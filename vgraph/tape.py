@@ -49,6 +49,7 @@ from .ops import (
     LazyGrad,
     LeadingSumGrad,
     RowsProductGrad,
+    StepRowsGrad,
     add_grads,
     add_grads_sparse,
     as_row_sparse,
@@ -93,6 +94,7 @@ _NAMESPACE: dict[str, Any] = {
     "LazyGrad": LazyGrad,
     "LeadingSumGrad": LeadingSumGrad,
     "RowsProductGrad": RowsProductGrad,
+    "StepRowsGrad": StepRowsGrad,
     "add_grads": add_grads,
     "add_grads_sparse": add_grads_sparse,
     "as_row_sparse": as_row_sparse,
@@ -279,11 +281,15 @@ def _backward_source(shape: Any) -> list[str]:
                 f"    n{p}._gown = True",
             ]
             indent = "        "
-            if inline == "row":  # into the buffer the sweep owns, as IndexedGrad.add_into would
+            if inline == "row":  # as IndexedGrad.add_into / StepRowsGrad.merge would
                 out += [
                     f"        acc = n{p}._g",
                     f"        if n{p}._gown and type(acc) is ndarray:",
                     f"            acc[{n}.attrs['index']] += g",
+                    "        elif type(acc) is StepRowsGrad and type(g) is ndarray and g.dtype == acc.dtype and "
+                    "g.shape == acc.shape[1:]:",
+                    f"            acc.rows.append({n}.attrs['index'])",
+                    "            acc.gs.append(g)",
                     "        else:",
                 ]
                 indent += "    "
