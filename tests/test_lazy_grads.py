@@ -335,3 +335,28 @@ def test_a_stepped_sequences_gradient_is_collected_row_by_row(tapes, monkeypatch
             np.testing.assert_allclose(g.params["Wx"].grad, want_x, rtol=1e-12, atol=1e-12)
     finally:
         vg.tape.set_tapes(previous)
+
+
+@pytest.mark.parametrize(
+    "index, distinct",
+    [
+        (np.array([2, 0, 3]), True),
+        (np.array([2, 0, 2]), False),
+        (np.array([3, 0, -1]), False),  # -1 is row 3 of 4
+        (np.array([-4, 1]), True),
+        ((1, np.array([0, 2])), True),  # slab 1, rows 0 and 2 (a fused cell's rows)
+        ((1, np.array([2, -1])), False),  # -1 is row 2 of 3 along axis 1
+        (np.array([1]), True),
+    ],
+    ids=["distinct", "repeated", "negative-repeat", "negative", "slab", "slab-repeat", "one"],
+)
+def test_an_integer_array_index_without_repeats_is_added_in_one_indexed_addition(index, distinct):
+    shape = (4, 3, 2) if type(index) is not tuple else (6, 3, 2)
+    assert ops._distinct_rows(index, shape) is distinct
+    x = np.random.default_rng(0).normal(size=shape)
+    g = np.random.default_rng(1).normal(size=x[index].shape)
+    lazy = ops.OPS["GetItem"].vjps[0](g, x[index], x, index=index)
+    assert lazy.basic is distinct
+    want = np.zeros(shape)
+    np.add.at(want, index, g)  # every repeat accumulates
+    np.testing.assert_array_equal(lazy.dense(), want)

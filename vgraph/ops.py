@@ -208,7 +208,8 @@ class IndexedGrad(LazyGrad):
         super().__init__(shape, dtype)
         self.index = index
         self.g = g
-        self.basic = basic  # a basic index selects each element at most once
+        self.basic = basic  # the index selects each element at most once (a basic index, or
+        # an integer array without repeats): one indexed addition adds it in
 
     def add_into(self, acc: np.ndarray) -> None:
         if self.basic:
@@ -937,10 +938,26 @@ def _is_basic_index(index: Any) -> bool:
     return all(isinstance(i, (int, np.integer, slice)) or i is None or i is Ellipsis for i in items)
 
 
+def _distinct_rows(index: Any, shape: tuple[int, ...]) -> bool:
+    """Whether ``index`` is an integer array along one axis — ``rows`` or ``(k, rows)``, what a
+    batched build's views of other groups' rows use — that picks no element twice: then the
+    gradient is added in with one indexed ``+=`` instead of ``np.add.at`` (about 5x slower), the
+    same additions."""
+    axis = 0
+    if type(index) is tuple and len(index) == 2 and type(index[0]) is int:
+        index, axis = index[1], 1
+    if type(index) is not np.ndarray or index.ndim != 1 or index.dtype.kind not in "iu" or len(shape) <= axis:
+        return False
+    if index.size < 2:
+        return True
+    rows = np.where(index < 0, index + shape[axis], index) if index.dtype.kind == "i" else index
+    return bool(np.unique(rows).size == index.size)
+
+
 def _getitem_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray, index: Any) -> IndexedGrad:
     # Lazy: stepping through a (T, B, H) sequence gives T of these, which the engine adds into one
     # buffer (O(T) in all) instead of zero-filling a (T, B, H) array per step (O(T^2)).
-    return IndexedGrad(x.shape, g.dtype, index, g, _is_basic_index(index))
+    return IndexedGrad(x.shape, g.dtype, index, g, _is_basic_index(index) or _distinct_rows(index, x.shape))
 
 
 defop("GetItem", lambda x, index: x[index], _getitem_vjp)
