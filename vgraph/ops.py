@@ -687,29 +687,6 @@ def _matmul_vjp_a(g: np.ndarray, ans: np.ndarray, a: np.ndarray, b: np.ndarray) 
     return _matmul_vjp(g, a, b, 0)
 
 
-def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``x @ w + b`` with the bias added into the product's own array: one array the size of the
-    result instead of two (a language model's ``(T*B, vocabulary)`` logits), and the same
-    operations as ``MatMul`` then ``Add``, so the same values to the last bit."""
-    out = _matmul(x, w)
-    shape, bs = np.shape(out), np.shape(b)
-    if len(bs) > len(shape) or shape[len(shape) - len(bs) :] != bs:
-        raise ValueError(f"the bias has shape {bs}; Linear needs the last axes of x @ w, shape {shape}")
-    if type(out) is np.ndarray and np.result_type(out, b) == out.dtype:
-        np.add(out, b, out=out)
-        return out
-    result: np.ndarray = out + b  # a scalar product (1-D @ 1-D), or a bias that promotes the dtype
-    return result
-
-
-def _linear_vjp_x(g: np.ndarray, ans: np.ndarray, x: np.ndarray, w: np.ndarray, b: np.ndarray) -> Any:
-    return _matmul_vjp_a(g, ans, x, w)
-
-
-def _linear_vjp_w(g: np.ndarray, ans: np.ndarray, x: np.ndarray, w: np.ndarray, b: np.ndarray) -> Any:
-    return _matmul_vjp_b(g, ans, x, w)
-
-
 #: The smallest gradient product ``g @ b.T`` (rows x size of ``b``, multiply-adds) for which a
 #: backward sweep multiplies by a contiguous copy of ``b.T`` (see :func:`_transposed`): below it,
 #: looking the copy up costs more than the transposed operand (on the benchmark machine: a
@@ -750,10 +727,10 @@ def _transposed(b: np.ndarray) -> np.ndarray:
     sweep on (a weight used in every iteration of a loop), a C-contiguous copy made once.
 
     BLAS multiplies by a transposed (Fortran-ordered) operand markedly slower at the sizes of a
-    recurrent step — OpenBLAS on this project's benchmark machine: ``(32, 128) @ (128, 128).T``
-    14.8 µs against 10.2 µs with the transpose contiguous, ``(64, 256) @ (256, 256).T`` 71 against
-    59 — while the copy costs about one such product (docs/performance.md, "Wave 7"). A matrix
-    used once keeps the plain ``b.T``: no copy.
+    recurrent step — single-threaded OpenBLAS on this project's benchmark machine: ``(32, 128) @
+    (128, 128).T`` 17.2 µs against 10.2 µs with the transpose contiguous, ``(64, 256) @ (256,
+    256).T`` 89 against 70 — while the copy costs about one such product (docs/performance.md,
+    "Wave 7"). A matrix used once keeps the plain ``b.T``: no copy.
     """
     plain: np.ndarray = b.T
     cache = _sweep_transposes.cache
@@ -838,6 +815,31 @@ def _matmul_vjp_summed(
 
 
 defop("MatMul", _matmul, _matmul_vjp_a, _matmul_vjp_b)
+
+
+def _linear(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``x @ w + b`` with the bias added into the product's own array: one array the size of the
+    result instead of two (a language model's ``(T*B, vocabulary)`` logits), and the same
+    operations as ``MatMul`` then ``Add``, so the same values to the last bit."""
+    out = _matmul(x, w)
+    shape, bs = np.shape(out), np.shape(b)
+    if len(bs) > len(shape) or shape[len(shape) - len(bs) :] != bs:
+        raise ValueError(f"the bias has shape {bs}; Linear needs the last axes of x @ w, shape {shape}")
+    if type(out) is np.ndarray and np.result_type(out, b) == out.dtype:
+        np.add(out, b, out=out)
+        return out
+    result: np.ndarray = out + b  # a scalar product (1-D @ 1-D), or a bias that promotes the dtype
+    return result
+
+
+def _linear_vjp_x(g: np.ndarray, ans: np.ndarray, x: np.ndarray, w: np.ndarray, b: np.ndarray) -> Any:
+    return _matmul_vjp_a(g, ans, x, w)
+
+
+def _linear_vjp_w(g: np.ndarray, ans: np.ndarray, x: np.ndarray, w: np.ndarray, b: np.ndarray) -> Any:
+    return _matmul_vjp_b(g, ans, x, w)
+
+
 defop("Linear", _linear, _linear_vjp_x, _linear_vjp_w, pass_through)
 
 
@@ -1095,7 +1097,7 @@ defop("Hoisted", _hoisted, _hoisted_vjp)
 #: Forwards and VJPs whose effect compiled sweeps (vgraph.tape) write out inline instead of calling
 #: them, by kind. Forward "row": ``x[attrs["index"]]``. VJP "pass": ``g`` itself; "row": ``g`` at
 #: basic index ``attrs["index"]`` of the input (an IndexedGrad), which the sweep adds straight into
-#: a buffer it owns.
+#: a buffer it owns or appends to the rows it collects (StepRowsGrad).
 INLINE_FORWARDS: dict[Any, str] = {_hoisted: "row"}
 INLINE_VJPS: dict[Any, str] = {pass_through: "pass", _hoisted_vjp: "row"}
 
