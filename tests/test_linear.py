@@ -112,3 +112,35 @@ def test_a_bias_of_another_shape_is_a_shape_error_that_names_the_node():
     with pytest.raises(vg.ShapeError, match=r"Linear:1.*bias has shape \(3,\)"):
         vg.functions.linear(x, w, b)
     assert len(cg) == 3  # the failed op added nothing
+
+
+def test_a_loop_with_a_layer_resizes_and_checkpoints_as_the_plain_unroll():
+    # A layer in the loop body (hoisted): cached builds at new lengths (elastic resizes) and a
+    # checkpointed loop (values dropped and recomputed) give the plain unroll's results.
+    rng = np.random.default_rng(5)
+    feeds = [{"xs": rng.normal(size=(T, 2, 3))} for T in (6, 6, 4, 7, 3, 6)]
+
+    def results(**build):
+        g, loss = loop_model(fused=True)
+        out = []
+        for f in feeds:
+            cg = g.build(f, loss, **build)
+            out.append(run(cg, g))
+        return out
+
+    reference = results(cache=False, hoist=False)
+    g_ck = vg.VirtualGraph(seed=2)
+    xs = g_ck.input("xs", (None, 2, 3))
+    lin = nn.Linear(g_ck, 3, 4, "lin")
+    U = g_ck.parameter("U", (4, 4))
+    with g_ck.loop(checkpoint=2) as L:
+        x = L.step(xs)
+        h = L.carry(np.zeros((2, 4)), name="h")
+        L.update(h, vg.tanh(lin(x) + h @ U))
+    loss_ck = vg.sum(L.final(h) ** 2)
+    checkpointed = [run(g_ck.build(f, loss_ck), g_ck) for f in feeds]
+    for got in (results(), checkpointed):
+        for (v1, g1), (v2, g2) in zip(got, reference):
+            np.testing.assert_allclose(v1, v2, rtol=1e-12)
+            for k in g2:
+                np.testing.assert_allclose(g1[k], g2[k], rtol=1e-12, atol=1e-14, err_msg=k)
