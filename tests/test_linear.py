@@ -144,3 +144,35 @@ def test_a_loop_with_a_layer_resizes_and_checkpoints_as_the_plain_unroll():
             np.testing.assert_allclose(v1, v2, rtol=1e-12)
             for k in g2:
                 np.testing.assert_allclose(g1[k], g2[k], rtol=1e-12, atol=1e-14, err_msg=k)
+
+
+@pytest.mark.parametrize(
+    "shapes, stacked",
+    [
+        ([(2, 3), (3, 4), (4,)], [True, False, False]),  # rows of the input (hoisting x_t @ W + b)
+        ([(3,), (3, 4), (4,)], [True, False, False]),
+        ([(2, 3), (3, 4), (4,)], [False, True, False]),  # a weight per copy, the input shared
+        ([(2, 3), (3, 4), (2, 4)], [True, True, False]),
+        ([(2, 3), (3, 4), (4,)], [True, False, True]),  # a bias per copy: not grouped
+    ],
+    ids=["rows", "vector-rows", "weights", "both", "bias-per-copy"],
+)
+def test_grouped_layers_give_each_copys_value_exactly(shapes, stacked):
+    # hoist.batched_attrs groups Linear as it groups the product, the bias shared: the grouped op's
+    # value along the new axis is every copy's own value (to rounding: one product over the rows
+    # may run another BLAS kernel than each copy's, as for MatMul).
+    from vgraph.ops import OPS
+    from vgraph.virtual.hoist import batched_attrs
+
+    count = 3
+    attrs = batched_attrs("Linear", {}, shapes, stacked, count)
+    assert (attrs is None) == stacked[2]
+    if attrs is None:
+        return
+    rng = np.random.default_rng(0)
+    copies = [[rng.normal(size=s) for s in shapes] for _ in range(count)]
+    grouped = [np.stack([c[k] for c in copies]) if st else copies[0][k] for k, st in enumerate(stacked)]
+    value = OPS["Linear"].forward(*grouped, **attrs)
+    for i, c in enumerate(copies):
+        own = [c[k] if st else copies[0][k] for k, st in enumerate(stacked)]
+        np.testing.assert_allclose(value[i], own[0] @ own[1] + own[2], rtol=1e-12, atol=1e-15)

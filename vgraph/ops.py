@@ -218,13 +218,8 @@ class IndexedGrad(LazyGrad):
             np.add.at(acc, self.index, self.g)  # integer arrays may repeat rows: accumulate
 
     def merge(self, other: LazyGrad) -> LazyGrad | np.ndarray:
-        if (
-            _whole_row(self)
-            and type(other) is IndexedGrad
-            and _whole_row(other)
-            and other.dtype == self.dtype
-        ):
-            return StepRowsGrad(self.shape, self.dtype, [self.index, other.index], [self.g, other.g])
+        if _whole_row(self):  # the first of an iteration's rows: collect the rows (StepRowsGrad)
+            return StepRowsGrad(self.shape, self.dtype, [self.index], [self.g]).merge(other)
         return super().merge(other)
 
 

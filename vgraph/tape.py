@@ -284,12 +284,12 @@ def _backward_source(shape: Any) -> list[str]:
             if inline == "row":  # as IndexedGrad.add_into / StepRowsGrad.merge would
                 out += [
                     f"        acc = n{p}._g",
-                    f"        if n{p}._gown and type(acc) is ndarray:",
-                    f"            acc[{n}.attrs['index']] += g",
-                    "        elif type(acc) is StepRowsGrad and type(g) is ndarray and g.dtype == acc.dtype and "
-                    "g.shape == acc.shape[1:]:",
+                    "        if type(acc) is StepRowsGrad and type(g) is ndarray and g.dtype == acc.dtype and "
+                    "g.shape == acc.shape[1:]:",  # the common case first: StepRowsGrad.merge, written out
                     f"            acc.rows.append({n}.attrs['index'])",
                     "            acc.gs.append(g)",
+                    f"        elif n{p}._gown and type(acc) is ndarray:",
+                    f"            acc[{n}.attrs['index']] += g",
                     "        else:",
                 ]
                 indent += "    "

@@ -332,14 +332,8 @@ def _ragged(requests: list[_Request]) -> list[bool] | None:
         logits, labels = first.parents
         ok = ragged == [True, True] and labels._value.ndim == logits._value.ndim - 1 >= 1
         return ragged if ok else None
-    if name == "MatMul":  # (T, …, K) @ (K, M): rows of the left operand one by one
-        return (
-            ragged
-            if ragged == [True, False] and cast(int, ndim) >= 2 and first.parents[1]._value.ndim == 2
-            else None
-        )
-    if name == "Linear":  # (T, …, K) @ (K, M) + (M,): rows of the input one by one
-        ok = ragged == [True, False, False] and cast(int, ndim) >= 2 and first.parents[1]._value.ndim == 2
+    if name in ("MatMul", "Linear"):  # (T, …, K) @ (K, M) [+ (M,)]: rows of the left operand one by one
+        ok = ragged[0] and not any(ragged[1:]) and cast(int, ndim) >= 2 and first.parents[1]._value.ndim == 2
         return ragged if ok else None
     for p, rg in zip(first.parents, ragged):
         if not rg and np.ndim(p._value) >= cast(int, ndim):

@@ -88,9 +88,8 @@ def batched_attrs(
         if sb:  # batched right operand: both must be matrices (a may be shared)
             return attrs if len(b) >= 2 and (len(a) >= 2 or not sa) else None
         return attrs if len(b) == 2 and len(a) >= 1 else None  # (T, ..., I) @ (I, H)
-    if op == "Linear":  # (T, ..., I) @ (I, H) + (H,): rows of the input, the weight and bias shared
-        (x, w, _), (sx, sw, sb) = shapes, stacked
-        return attrs if sx and not sw and not sb and len(w) == 2 and len(x) >= 1 else None
+    if op == "Linear":  # x @ w + b: as the product, with the bias (the product's last axes) shared
+        return None if stacked[2] else batched_attrs("MatMul", attrs, shapes[:2], stacked[:2], count)
     if op == "Take":  # a shared table looked up with stepped indices
         return attrs if not stacked[0] and stacked[1] else None
     if op == "SoftmaxCrossEntropy":  # rows of (..., V) logits with their (...) labels: both stacked
