@@ -189,7 +189,7 @@ def test_a_weights_transpose_is_copied_once_from_its_second_use_in_a_sweep():
     W = np.arange(12.0).reshape(3, 4).copy()
     assert ops._transposed(W).base is W  # outside a sweep: the plain view
     assert ops.TRANSPOSED_MIN_WORK > 16 * 32 * 32  # small products keep the plain view: no look-up
-    with ops.sweep_transposes():
+    with ops.sweep_scope():
         first = ops._transposed(W)
         second = ops._transposed(W)
         third = ops._transposed(W)
@@ -197,10 +197,10 @@ def test_a_weights_transpose_is_copied_once_from_its_second_use_in_a_sweep():
         assert second.base is None and second.flags.c_contiguous  # a copy ...
         assert third is second  # ... made once
         np.testing.assert_array_equal(second, W.T)
-        with ops.sweep_transposes():  # a nested sweep shares the outer one's copies
+        with ops.sweep_scope():  # a nested sweep shares the outer one's copies
             assert ops._transposed(W) is second
-        assert ops._sweep_transposes.cache is not None
-    assert ops._sweep_transposes.cache is None  # dropped with the sweep: W may change before the next
+        assert ops._sweep.transposes is not None
+    assert ops._sweep.transposes is None  # dropped with the sweep: W may change before the next
 
 
 def tied_weight_reference(Wh, Wx, xs):
@@ -248,13 +248,13 @@ def test_gradients_through_transposed_weights_follow_each_new_value(tapes, monke
             want_h, want_x = tied_weight_reference(g.params.value("Wh"), g.params.value("Wx"), feed["xs"])
             np.testing.assert_allclose(g.params["Wh"].grad, want_h, rtol=1e-12, atol=1e-12)
             np.testing.assert_allclose(g.params["Wx"].grad, want_x, rtol=1e-12, atol=1e-12)
-            assert ops._sweep_transposes.cache is None
+            assert ops._sweep.transposes is None
             # g @ W_h.T in iterations 5..1 (h_0 is a constant): the first plain, the copy made once
             assert copies == [False, True, True, True, True]
             copies.clear()
         with pytest.raises(vg.GraphStateError):
             cg.backward(cg.outputs[0])  # released by the last backward
-        assert ops._sweep_transposes.cache is None
+        assert ops._sweep.transposes is None
     finally:
         vg.tape.set_tapes(previous)
 
@@ -360,3 +360,162 @@ def test_an_integer_array_index_without_repeats_is_added_in_one_indexed_addition
     want = np.zeros(shape)
     np.add.at(want, index, g)  # every repeat accumulates
     np.testing.assert_array_equal(lazy.dense(), want)
+
+
+# A loop's gradient rows reach several collectors (a hoisted group or a stepped sequence, a tied
+# weight, a bias); within one sweep the first to stack them makes the stack and the others read it
+# (ops._rows_stack), as the floor computes all three weight gradients from one buffer.
+
+
+def test_a_stack_of_gradient_rows_is_made_once_per_sweep_and_handed_out_once():
+    rng = np.random.default_rng(5)
+    parts = [rng.normal(size=(2, 3)) for _ in range(4)]
+    outside = ops._rows_stack(list(parts), np.float64, own=False)
+    assert ops._stack_entry(parts) is None  # outside a sweep nothing is kept
+    with ops.sweep_scope():
+        first = ops._rows_stack(list(parts), np.float64, own=False)
+        assert ops._rows_stack(list(parts), np.float64, own=False) is first  # read again: shared
+        assert ops._rows_stack(list(parts), np.float64, own=True) is first  # handed out once ...
+        again = ops._rows_stack(list(parts), np.float64, own=True)
+        assert again is not first  # ... a second owner gets its own
+        # the same values in other arrays, another order, another dtype: not the same stack
+        assert ops._rows_stack([*parts[:3], parts[3].copy()], np.float64, own=False) is not first
+        assert ops._rows_stack([parts[0], parts[2], parts[1], parts[3]], np.float64, own=False) is not first
+        single = ops._rows_stack(list(parts), np.float32, own=False)
+        assert single is not first and single.dtype == np.float32
+        with ops.sweep_scope():  # a nested sweep keeps its own stacks, and the outer's stay
+            assert ops._stack_entry(parts) is None
+            assert ops._rows_stack(list(parts), np.float64, own=False) is not first
+        assert ops._stack_entry(parts)[1] is first
+    assert ops._sweep.stacks is None and ops._sweep.transposes is None
+    for s in (outside, first, again):
+        np.testing.assert_array_equal(s, np.stack(parts))
+    np.testing.assert_allclose(single, np.stack(parts), rtol=1e-6)
+
+
+@pytest.mark.parametrize("block_rows", [1, 4, 6, 10_000])
+def test_a_tied_weights_product_reads_the_shared_stack_of_its_gradient_rows(monkeypatch, block_rows):
+    """The rows stacked first to last by another collector (StepRowsGrad), read by a weight whose
+    uses were collected last to first, in blocks of any size: the same sum (independent reference)."""
+    monkeypatch.setattr(ops.RowsProductGrad, "BLOCK_ROWS", block_rows)
+    rng = np.random.default_rng(6)
+    T = 7
+    a = [rng.normal(size=(2, 3)) for _ in range(T)]
+    g = [rng.normal(size=(2, 4)) for _ in range(T)]
+    with ops.sweep_scope():
+        rows = ops.StepRowsGrad((T, 2, 4), np.float64, [T - 1], [g[T - 1]])
+        product = ops.RowsProductGrad(a[T - 1], g[T - 1])
+        for t in range(T - 2, -1, -1):  # a backward sweep's order
+            rows = rows.merge(ops.IndexedGrad((T, 2, 4), np.float64, t, g[t], True))
+            product = product.merge(ops.RowsProductGrad(a[t], g[t]))
+        stacked = rows.dense()
+        made = []
+        rows_stack = ops._rows_stack
+
+        def spy(parts, dtype, *, own):
+            made.append((own, ops._stack_entry(parts) is not None))
+            return rows_stack(parts, dtype, own=own)
+
+        monkeypatch.setattr(ops, "_rows_stack", spy)
+        got = product.dense()
+    np.testing.assert_array_equal(stacked, np.stack(g))
+    np.testing.assert_allclose(got, sum(x.T @ y for x, y in zip(a, g)), rtol=1e-12)
+    assert made == [(False, True)]  # read from the stack, however many blocks: none made
+
+
+def test_a_bias_gradient_keeps_bounded_memory(monkeypatch):
+    """Past HELD_BYTES of contributions, a bias gradient adds them up into one array of its own
+    (in the order they came, as one addition per use would); none is written into."""
+    rng = np.random.default_rng(7)
+    parts = [rng.normal(size=(3, 4)) for _ in range(10)]
+    originals = [p.copy() for p in parts]
+    monkeypatch.setattr(ops.LeadingSumGrad, "HELD_BYTES", 3 * parts[0].nbytes)
+    acc = ops.reduce_grad(parts[0], (4,), leaf=True)
+    for p in parts[1:]:
+        assert acc.absorb(p)
+        assert len(acc.parts) <= 3
+    total = parts[0].copy()
+    for p in parts[1:]:
+        total += p
+    np.testing.assert_allclose(acc.dense(), total.sum(0), rtol=1e-12)
+    acc.compact()
+    np.testing.assert_array_equal(acc.parts[0], total)  # the same additions, in the same order
+    for p, o in zip(parts, originals):
+        np.testing.assert_array_equal(p, o)
+
+
+def elman(T, stepped_parameter):
+    """sum(h_T ** 2), h_t = tanh(x_t W_x + h_{t-1} W_h + b) (the benchmark's cell, float64); with
+    ``stepped_parameter``, x_t W_x is a parameter stepped through (its gradient is a leaf's)."""
+    g = vg.VirtualGraph(dtype=np.float64, seed=0)
+    xs = g.input("xs", (None, 2, 3))
+    # declared first, so its turn in a backward sweep comes after W_h's and b's
+    ps = g.parameter("ps", (T, 2, 4), init="normal") if stepped_parameter else None
+    Wx = g.parameter("Wx", (3, 4))
+    Wh = g.parameter("Wh", (4, 4))
+    b = g.parameter("b", (4,), init="normal")
+    with g.loop() as L:
+        h = L.carry(np.zeros((2, 4)), name="h")
+        x = L.step(ps) if stepped_parameter else L.step(xs) @ Wx
+        L.update(h, vg.tanh(x + h @ Wh + b))
+    loss = vg.sum(L.final(h) ** 2)
+    return g, loss, {} if stepped_parameter else {"xs": np.random.default_rng(T).normal(size=(T, 2, 3))}
+
+
+def elman_reference(P, xs, stepped_parameter):
+    """Hand-written BPTT of :func:`elman`: the gradients of its parameters."""
+    pre = P["ps"] if stepped_parameter else xs @ P["Wx"]
+    T = pre.shape[0]
+    hs = [np.zeros((2, 4))]
+    for t in range(T):
+        hs.append(np.tanh(pre[t] + hs[-1] @ P["Wh"] + P["b"]))
+    gh, gas = 2 * hs[-1], np.zeros((T, 2, 4))
+    for t in range(T - 1, -1, -1):
+        gas[t] = gh * (1 - hs[t + 1] ** 2)
+        gh = gas[t] @ P["Wh"].T
+    grads = {"Wh": sum(hs[t].T @ gas[t] for t in range(T)), "b": gas.sum((0, 1))}
+    if stepped_parameter:
+        grads["ps"] = gas
+    else:
+        grads["Wx"] = xs.reshape(-1, 3).T @ gas.reshape(-1, 4)
+    return grads
+
+
+@pytest.mark.parametrize("stepped_parameter", [False, True])
+@pytest.mark.parametrize("tapes", [False, True])
+def test_a_loops_weight_bias_and_sequence_gradients_share_one_stack(tapes, stepped_parameter, monkeypatch):
+    """The gradient rows of x_t + h W_h + b are stacked once per sweep for all who need them —
+    the hoisted group of x_t W_x (or a stepped parameter: a leaf, whose .grad then *is* the stack),
+    W_h and b — and the gradients equal a hand-written BPTT; a second backward accumulates into
+    the stack a leaf adopted (after the sweep that shared it), changing no other gradient."""
+    made = []
+    rows_stack = ops._rows_stack
+
+    def spy(parts, dtype, *, own):
+        made.append((own, ops._stack_entry(parts) is not None))
+        return rows_stack(parts, dtype, own=own)
+
+    monkeypatch.setattr(ops, "_rows_stack", spy)
+    previous = vg.tape.tapes_enabled()
+    vg.tape.set_tapes(tapes)
+    try:
+        g, loss, feed = elman(8, stepped_parameter)
+        cg = g.build(feed, loss)
+        for sweep in range(3):  # the second and third compiled when tapes are on
+            if feed:
+                cg.feed(feed)
+            cg.forward(cg.outputs[0])
+            if sweep < 2:
+                g.params.zero_grad()
+            cg.backward(cg.outputs[0])
+            # one stack made (by the hoisted group's gradient, or by b's, then handed to the
+            # stepped parameter's), read by the others
+            want = [(True, False), (False, True), (False, True)]
+            assert made == ([(False, False), (False, True), (True, True)] if stepped_parameter else want)
+            made.clear()
+            P = {name: g.params.value(name) for name in g.params}
+            scale = 2 if sweep == 2 else 1  # the third sweep adds to the second's gradients
+            for name, grad in elman_reference(P, feed.get("xs"), stepped_parameter).items():
+                np.testing.assert_allclose(g.params[name].grad, scale * grad, rtol=1e-12, atol=1e-12)
+    finally:
+        vg.tape.set_tapes(previous)

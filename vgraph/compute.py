@@ -50,7 +50,7 @@ from .ops import (
     add_grads_sparse,
     as_row_sparse,
     reduce_grad,
-    sweep_transposes,
+    sweep_scope,
 )
 from .workspace import computing
 
@@ -1107,7 +1107,7 @@ class ComputeGraph:
         self._check_can_backward(loss)
         g = self._seed(loss, seed)
         self._check_values_fresh((loss,), "backward")
-        with _anomaly_scope(detect_anomaly), sweep_transposes():
+        with _anomaly_scope(detect_anomaly), sweep_scope():
             self._backprop(self._backward_plan(), [(loss, g)], accumulate=True)
         self._released = not retain_graph
         value = loss._value if loss._value is not None else loss.value  # checkpointed: recomputed
@@ -1176,7 +1176,7 @@ class ComputeGraph:
             if n not in reach and any(p in reach for p in n.parents):
                 reach.add(n)
         plan = [n for n in plan if n in reach]
-        with _anomaly_scope(detect_anomaly), sweep_transposes():
+        with _anomaly_scope(detect_anomaly), sweep_scope():
             found = self._backprop(
                 plan, [r for r in roots if r[0] in reach], accumulate=False, wanted=wanted, reach=reach
             )

@@ -163,6 +163,47 @@ def defop(
     return op
 
 
+# ---------------------------------------------------------------------------- one backward sweep
+# What the work of one backward sweep shares, because no value changes during a sweep: the
+# contiguous transposes of weights (_transposed) and the stacks of gradient rows that several
+# collectors of the same rows need (_rows_stack).
+
+
+class _Sweep(threading.local):
+    """Per thread: what the backward sweep running in it shares (``None``: no sweep runs).
+
+    ``transposes``: by ``id`` of a matrix, ``[matrix, its C-contiguous transpose or None]``.
+    ``stacks``: by ``(count, id of the first part, id of the last)``, ``[parts, np.stack(parts),
+    given]`` (``given``: the stack was handed out as a collector's result, which its caller owns).
+    Each entry holds what its key's ``id`` s name, so they name the same arrays for the whole sweep.
+    """
+
+    transposes: dict[int, list[Any]] | None = None
+    stacks: dict[tuple[int, int, int], list[Any]] | None = None
+
+
+_sweep = _Sweep()
+
+
+class sweep_scope:
+    """``with sweep_scope():`` around one backward sweep: inside it, :func:`_transposed` keeps the
+    contiguous transposes it makes and :func:`_rows_stack` the stacks of gradient rows it makes,
+    for the sweep's other uses; both are dropped when the scope exits (values may change between
+    sweeps). A nested sweep (a VJP that runs one) shares the outer sweep's transposes — the same
+    values — but not its stacks, which hold gradients of the outer sweep only."""
+
+    __slots__ = ("_outer",)
+
+    def __enter__(self) -> None:
+        self._outer = (_sweep.transposes, _sweep.stacks)
+        if _sweep.transposes is None:
+            _sweep.transposes = {}
+        _sweep.stacks = {}
+
+    def __exit__(self, *exc: object) -> None:
+        _sweep.transposes, _sweep.stacks = self._outer
+
+
 class LazyGrad:
     """A gradient contribution kept in a cheaper form than a dense array until it is needed.
 
@@ -246,9 +287,7 @@ class StepRowsGrad(LazyGrad):
     def dense(self) -> np.ndarray:
         rows, n = self.rows, self.shape[0]
         if len(rows) == n and rows == list(range(n - 1, -1, -1)):  # every row once, last first
-            out = workspace.empty(self.shape, self.dtype)
-            np.stack(self.gs, out=out[::-1])
-            return out
+            return _rows_stack(self.gs[::-1], self.dtype, own=True)
         return super().dense()  # zeros, and every row added in
 
     def add_into(self, acc: np.ndarray) -> None:
@@ -503,18 +542,43 @@ class RowsProductGrad(LazyGrad):
         # The annotated locals here and below: numpy's stubs type arithmetic on arrays of unknown
         # dtype as Any.
         out: np.ndarray
-        a, g = self.a, self.g
-        if len(a) == 1:
-            out = a[0].T @ g[0]
+        if len(self.a) == 1:
+            out = self.a[0].T @ self.g[0]
             return out
+        # Uses first to last (a loop's iterations in order): the order in which the other
+        # collectors of the same gradient rows stack them (StepRowsGrad, LeadingSumGrad).
+        a, g = self.a[::-1], self.g[::-1]
         per = max(1, self.BLOCK_ROWS // max(1, a[0].shape[0]))
-        out = _stacked(a[:per]).T @ _stacked(g[:per])
-        for i in range(per, len(a), per):
-            out += _stacked(a[i : i + per]).T @ _stacked(g[i : i + per])
+        whole = None  # the rows of g as one (n, rows, H) stack, when it is made once for the sweep
+        shape, dtype = g[0].shape, g[0].dtype
+        stackable = all(x.shape == shape and x.dtype == dtype for x in g)
+        if stackable and (len(g) <= per or _stack_entry(g) is not None):
+            whole = _rows_stack(g, dtype, own=False)
+            whole = whole.reshape(-1, whole.shape[-1])
+        row = 0
+        for i in range(0, len(a), per):
+            rows_a = _stacked(a[i : i + per])
+            if whole is None:
+                rows_g = _stacked(g[i : i + per])
+            else:
+                rows_g = whole[row : row + rows_a.shape[0]]
+                row += rows_a.shape[0]
+            if i == 0:
+                out = rows_a.T @ rows_g
+            else:
+                out += rows_a.T @ rows_g
         return out
 
     def add_into(self, acc: np.ndarray) -> None:
         acc += self.dense()
+
+    def compact(self) -> None:
+        """Compute the products collected so far now, as one (the same sum), and keep only it:
+        the inputs of every use so far are let go."""
+        if len(self.a) > 1:
+            total = self.dense()
+            self.a[:] = [np.eye(total.shape[0], dtype=total.dtype)]
+            self.g[:] = [total]
 
     def merge(self, other: LazyGrad) -> LazyGrad | np.ndarray:
         if isinstance(other, RowsProductGrad):  # self is one node's pending gradient: extend it
@@ -535,6 +599,46 @@ def _stacked(parts: list[np.ndarray]) -> np.ndarray:
             dtype = np.result_type(dtype, p.dtype)
     out = workspace.empty((rows, parts[0].shape[1]), dtype)
     return np.concatenate(parts, out=out)
+
+
+def _stack_entry(parts: list[np.ndarray]) -> list[Any] | None:
+    """The entry of this backward sweep's stacks made of exactly ``parts`` (the same arrays, in
+    order), or None."""
+    stacks = _sweep.stacks
+    entry = None if stacks is None else stacks.get((len(parts), id(parts[0]), id(parts[-1])))
+    if entry is None:
+        return None
+    for x, y in zip(entry[0], parts):
+        if x is not y:
+            return None
+    return entry
+
+
+def _rows_stack(parts: list[np.ndarray], dtype: Any, *, own: bool) -> np.ndarray:
+    """``np.stack(parts)`` as ``dtype`` — made once per backward sweep for the same parts.
+
+    A loop's gradient rows (the gradient of ``x_t @ W_x + h @ W_h + b`` in every iteration) reach
+    several collectors: the hoisted group of ``x_t @ W_x`` (:class:`StepRowsGrad`), the tied
+    weight ``W_h`` (:class:`RowsProductGrad`), the bias (:class:`LeadingSumGrad`). Each needs them
+    as one stack, which the first makes and the others read, within one sweep (see
+    :class:`sweep_scope`): the floor's single gradient buffer, with no copy per collector.
+
+    ``parts`` (same shape, kept by the sweep: the caller must not change the list) are matched by
+    identity. ``own``: the caller returns the stack as its result, which its caller then owns and
+    may write into once the sweep is over; a stack is handed out so at most once (a second owner
+    gets a new one), and readers (``own=False``) must not write into it.
+    """
+    entry = _stack_entry(parts)
+    if entry is not None and entry[1].dtype == dtype and not (own and entry[2]):
+        entry[2] = entry[2] or own
+        out: np.ndarray = entry[1]
+        return out
+    out = workspace.empty((len(parts), *parts[0].shape), dtype)
+    np.stack(parts, out=out)
+    stacks = _sweep.stacks
+    if stacks is not None and entry is None:
+        stacks.setdefault((len(parts), id(parts[0]), id(parts[-1])), [parts, out, own])
+    return out
 
 
 def as_array(g: Any) -> np.ndarray:
@@ -560,38 +664,61 @@ def add_grads(acc: Any, g: Any) -> Any:
 
 class LeadingSumGrad(LazyGrad):
     """A gradient for a leaf of ``shape`` that reached it broadcast over leading axes (a bias added
-    to every row of a batch, in every iteration of a loop): the contributions are added at their
-    full shape, in place into one buffer, and reduced to ``shape`` once when the leaf's turn
-    comes — one addition per use instead of a reduction and an addition."""
+    to every row of a batch, in every iteration of a loop): the contributions are kept as they come
+    and reduced to ``shape`` once, when the leaf's turn comes — one reduction over their stack
+    instead of one addition per use, and the stack is the one another collector of the same rows
+    made in this sweep when there is one (see :func:`_rows_stack`: a loop's bias and its tied
+    weight sum the same rows). Nothing is written into a contribution (it may be another node's
+    gradient too). Once the contributions kept exceed :attr:`HELD_BYTES`, they are added up into
+    one array (:meth:`compact`), so the memory held stays bounded however long the loop."""
 
-    __slots__ = ("full", "owned")
+    __slots__ = ("own", "parts")
+
+    #: The most bytes of contributions kept as they came (beyond it, they are added up into one).
+    HELD_BYTES = 1 << 23
 
     def __init__(self, shape: tuple[int, ...], full: np.ndarray) -> None:
         self.shape = shape
         self.dtype = full.dtype
-        self.full = full
-        self.owned = False  # full may be another node's gradient too: copied before adding into it
+        self.parts = [full]
+        self.own = False  # parts[0] is an array this gradient made (and may add into)
 
     def dense(self) -> np.ndarray:
-        return unbroadcast(self.full, self.shape)
+        parts = self.parts
+        if len(parts) == 1:
+            return unbroadcast(parts[0], self.shape)
+        # first use first (see RowsProductGrad.dense)
+        return unbroadcast(_rows_stack(parts[::-1], self.dtype, own=False), self.shape)
 
     def add_into(self, acc: np.ndarray) -> None:
         acc += self.dense()
 
     def absorb(self, full: Any) -> bool:
-        """Add ``full``, another use's gradient at the same full shape and dtype, into this one's
-        buffer and return True; False (nothing done) for anything else."""
-        mine = self.full
-        if type(full) is not np.ndarray or full.shape != mine.shape or full.dtype != self.dtype:
+        """Add ``full``, another use's gradient at the same full shape and dtype, to this one and
+        return True; False (nothing done) for anything else."""
+        parts = self.parts
+        if type(full) is not np.ndarray or full.shape != parts[0].shape or full.dtype != self.dtype:
             return False
-        if not self.owned:
-            mine = self.full = mine.copy()
-            self.owned = True
-        np.add(mine, full, out=mine)
+        parts.append(full)
+        if len(parts) * full.nbytes > self.HELD_BYTES:
+            self.compact()
         return True
 
+    def compact(self) -> None:
+        """Add the contributions kept so far up into one array (at their full shape), in the
+        order they came."""
+        parts = self.parts
+        if len(parts) > 1:
+            total = parts[0] if self.own else parts[0].copy()
+            for p in parts[1:]:
+                np.add(total, p, out=total)
+            self.parts = [total]
+            self.own = True
+
     def merge(self, other: LazyGrad) -> LazyGrad | np.ndarray:
-        if type(other) is LeadingSumGrad and self.absorb(other.full):
+        if type(other) is LeadingSumGrad and self.absorb(other.parts[0]):
+            for p in other.parts[1:]:
+                self.absorb(p)
             return self
         return super().merge(other)
 
@@ -689,34 +816,6 @@ def _matmul_vjp_a(g: np.ndarray, ans: np.ndarray, a: np.ndarray, b: np.ndarray) 
 TRANSPOSED_MIN_WORK = 1 << 16
 
 
-class _SweepTransposes(threading.local):
-    """Per thread: the transposed matrices of the backward sweep running in it (``None``: none
-    runs), by ``id`` of the matrix, each ``[matrix, its C-contiguous transpose or None]`` (the
-    entry keeps the matrix alive, so its ``id`` names it for the sweep's whole length)."""
-
-    cache: dict[int, list[Any]] | None = None
-
-
-_sweep_transposes = _SweepTransposes()
-
-
-class sweep_transposes:
-    """``with sweep_transposes():`` around one backward sweep: inside it, :func:`_transposed`
-    keeps the contiguous transposes of the matrices it is asked for, and they are dropped when the
-    outermost such scope exits (a value cannot change during a sweep; it can between sweeps)."""
-
-    __slots__ = ("_outer",)
-
-    def __enter__(self) -> None:
-        self._outer = _sweep_transposes.cache
-        if self._outer is None:
-            _sweep_transposes.cache = {}
-
-    def __exit__(self, *exc: object) -> None:
-        if self._outer is None:
-            _sweep_transposes.cache = None
-
-
 def _transposed(b: np.ndarray) -> np.ndarray:
     """``b.T`` for the gradient product ``g @ b.T``: from ``b``'s second use in one backward
     sweep on (a weight used in every iteration of a loop), a C-contiguous copy made once.
@@ -728,7 +827,7 @@ def _transposed(b: np.ndarray) -> np.ndarray:
     "Wave 7"). A matrix used once keeps the plain ``b.T``: no copy.
     """
     plain: np.ndarray = b.T
-    cache = _sweep_transposes.cache
+    cache = _sweep.transposes
     if cache is None:
         return plain
     entry = cache.get(id(b))

@@ -55,7 +55,7 @@ import numpy as np
 
 from ..compute import ComputeNode, _as_value
 from ..errors import GraphStateError
-from ..ops import RowsProductGrad
+from ..ops import LeadingSumGrad, RowsProductGrad
 
 if TYPE_CHECKING:
     from .unroll import UnrolledGraph
@@ -607,16 +607,15 @@ class Rematerializer:
         raise GraphStateError(f"{node.describe()}: could not recompute the values its VJP reads")
 
     def _compact(self) -> None:
-        """Sum the weight-gradient products collected so far (the engine stacks a tied
-        weight's per-iteration products into one, see ``ops.RowsProductGrad``, which keeps every
-        iteration's inputs alive until the sweep ends): unit by unit here, so that memory stays
-        bounded. Same sum, grouped per unit."""
+        """Sum the weight and bias gradients collected so far (the engine collects a tied
+        weight's per-iteration products to compute them as one, ``ops.RowsProductGrad``, and a
+        bias's per-iteration contributions to reduce them at once, ``ops.LeadingSumGrad``, which
+        keeps them alive until the sweep ends): unit by unit here, so that memory stays bounded.
+        Same sum, grouped per unit."""
         for leaf in self._grad_leaves or ():
             g = leaf._g
-            if type(g) is RowsProductGrad and len(g.a) > 1:
-                total = g.dense()
-                g.a[:] = [np.eye(total.shape[0], dtype=total.dtype)]
-                g.g[:] = [total]
+            if type(g) is RowsProductGrad or type(g) is LeadingSumGrad:
+                g.compact()
 
     def end_backward(self) -> None:
         """The sweep is over (or failed): drop every unit it brought back."""
