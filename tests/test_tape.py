@@ -21,7 +21,7 @@ from test_sparse import feed as sparse_feed
 from test_sparse import tagger as sparse_tagger
 
 import vgraph as vg
-from vgraph import tape
+from vgraph import ops, tape
 from vgraph.compute import ComputeGraph
 from vgraph.errors import BackwardError, ShapeError
 
@@ -398,3 +398,51 @@ def test_anomaly_mode_after_tapes_were_made_still_names_the_node():
         x.value = np.array([1.0, -1.0, 2.0])
         with pytest.raises(vg.NonFiniteError, match=r"<Log:1>: log of a negative input"):
             cg.forward(out, detect_anomaly=True)
+
+
+def two_carries(T):
+    """A loop with a tied weight times a matrix (h @ V) and one times an N-D carry (c @ U)."""
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 2, 5, 3))
+    W, U, V = g.parameter("W", (3, 4)), g.parameter("U", (4, 4)), g.parameter("V", (4, 4))
+    with g.loop() as L:
+        c = L.carry(np.zeros((2, 5, 4)), name="c")
+        h = L.carry(np.zeros((2, 4)), name="h")
+        c_new = vg.tanh(L.step(xs) @ W + c @ U)
+        L.update(c, c_new)
+        L.update(h, vg.tanh(h @ V + vg.sum(c_new, axis=1)))
+    loss = vg.sum(L.final(h)) + vg.sum(L.final(c) ** 2)
+    rng = np.random.default_rng(T)
+    return g, loss, {"xs": rng.standard_normal((T, 2, 5, 3))}
+
+
+def test_a_tied_weights_uses_are_appended_to_its_product_in_compiled_code(monkeypatch):
+    """Compiled sweeps write out the weight-gradient VJP of a matrix times a tied weight: each
+    iteration's ``(a, g)`` is appended to the weight's pending RowsProductGrad — no object made,
+    no call — with bitwise the interpreted sweep's gradients; an N-D operand takes the call."""
+    T = 6
+    made = []
+    init = ops.RowsProductGrad.__init__
+
+    def counting(self, a, g):
+        made.append(a.shape)
+        init(self, a, g)
+
+    monkeypatch.setattr(ops.RowsProductGrad, "__init__", counting)
+    with tapes(True):
+        g, loss, feed = two_carries(T)
+        cg = g.build(feed, loss, cache=False)
+        counts = []
+        for _ in range(3):  # interpreted, then compiled twice
+            cg.forward()
+            cg.backward(loss)
+            counts.append(len(made))
+            made.clear()
+    # interpreted: one per use (T of V, T of U, the hoisted group's W); compiled: V's first use only
+    assert counts == [2 * T + 1, T + 2, T + 2]
+
+    def run():
+        g, loss, feed = two_carries(T)
+        return train(g, feeds_like(feed, STEPS), loss)
+
+    assert_same(run)

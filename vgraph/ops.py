@@ -1191,9 +1191,11 @@ defop("Hoisted", _hoisted, _hoisted_vjp)
 #: Forwards and VJPs whose effect compiled sweeps (vgraph.tape) write out inline instead of calling
 #: them, by kind. Forward "row": ``x[attrs["index"]]``. VJP "pass": ``g`` itself; "row": ``g`` at
 #: basic index ``attrs["index"]`` of the input (an IndexedGrad), which the sweep adds straight into
-#: a buffer it owns or appends to the rows it collects (StepRowsGrad).
+#: a buffer it owns or appends to the rows it collects (StepRowsGrad); "rows product": a matrix
+#: times a weight matrix, whose use ``(a, g)`` the sweep appends to the weight's pending
+#: RowsProductGrad (what making one and merging it would do).
 INLINE_FORWARDS: dict[Any, str] = {_hoisted: "row"}
-INLINE_VJPS: dict[Any, str] = {pass_through: "pass", _hoisted_vjp: "row"}
+INLINE_VJPS: dict[Any, str] = {pass_through: "pass", _hoisted_vjp: "row", _matmul_vjp_b: "rows product"}
 
 
 # ---------------------------------------------------------------------------- fused recurrent cells

@@ -293,6 +293,15 @@ def _backward_source(shape: Any) -> list[str]:
                     "        else:",
                 ]
                 indent += "    "
+            elif inline == "rows product" and leaf and not sparse:  # a weight's next use in a loop:
+                out += [  # _matmul_vjp_b's hot path and RowsProductGrad.merge, written out
+                    f"        acc = n{p}._g",
+                    "        if type(acc) is RowsProductGrad and x0.ndim == 2 and x1.ndim == 2:",
+                    "            acc.a.append(x0)",
+                    "            acc.g.append(g)",
+                    "        else:",
+                ]
+                indent += "    "
             out += [
                 f"{indent}c = {call}",
                 f"{indent}s = x{j}.shape",
