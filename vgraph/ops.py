@@ -557,16 +557,15 @@ class RowsProductGrad(LazyGrad):
             whole = whole.reshape(-1, whole.shape[-1])
         row = 0
         for i in range(0, len(a), per):
-            rows_a = _stacked(a[i : i + per])
-            if whole is None:
-                rows_g = _stacked(g[i : i + per])
-            else:
-                rows_g = whole[row : row + rows_a.shape[0]]
-                row += rows_a.shape[0]
+            rows = _stacked(a[i : i + per])
+            n = rows.shape[0]
+            product = rows.T @ (_stacked(g[i : i + per]) if whole is None else whole[row : row + n])
+            del rows  # a temporary: the workspace gives its buffer to the next block
+            row += n
             if i == 0:
-                out = rows_a.T @ rows_g
+                out = product
             else:
-                out += rows_a.T @ rows_g
+                out += product
         return out
 
     def add_into(self, acc: np.ndarray) -> None:
@@ -624,9 +623,10 @@ def _rows_stack(parts: list[np.ndarray], dtype: Any, *, own: bool) -> np.ndarray
     :class:`sweep_scope`): the floor's single gradient buffer, with no copy per collector.
 
     ``parts`` (same shape, kept by the sweep: the caller must not change the list) are matched by
-    identity. ``own``: the caller returns the stack as its result, which its caller then owns and
-    may write into once the sweep is over; a stack is handed out so at most once (a second owner
-    gets a new one), and readers (``own=False``) must not write into it.
+    identity; stacks over :data:`SHARED_STACK_BYTES` are not kept. ``own``: the caller returns the
+    stack as its result, which its caller then owns and may write into once the sweep is over; a
+    stack is handed out so at most once (a second owner gets a new one), and readers
+    (``own=False``) must not write into it.
     """
     entry = _stack_entry(parts)
     if entry is not None and entry[1].dtype == dtype and not (own and entry[2]):
@@ -636,9 +636,15 @@ def _rows_stack(parts: list[np.ndarray], dtype: Any, *, own: bool) -> np.ndarray
     out = workspace.empty((len(parts), *parts[0].shape), dtype)
     np.stack(parts, out=out)
     stacks = _sweep.stacks
-    if stacks is not None and entry is None:
+    if stacks is not None and entry is None and out.nbytes <= SHARED_STACK_BYTES:
         stacks.setdefault((len(parts), id(parts[0]), id(parts[-1])), [parts, out, own])
     return out
+
+
+#: The largest stack of gradient rows :func:`_rows_stack` keeps for the rest of its sweep. Keeping
+#: one alive until the sweep's last reader costs one more gradient-sized array at the end of the
+#: sweep; beyond this size (a long loop's rows), the copies it saves are not worth that memory.
+SHARED_STACK_BYTES = 1 << 23
 
 
 def as_array(g: Any) -> np.ndarray:
@@ -665,17 +671,19 @@ def add_grads(acc: Any, g: Any) -> Any:
 class LeadingSumGrad(LazyGrad):
     """A gradient for a leaf of ``shape`` that reached it broadcast over leading axes (a bias added
     to every row of a batch, in every iteration of a loop): the contributions are kept as they come
-    and reduced to ``shape`` once, when the leaf's turn comes — one reduction over their stack
-    instead of one addition per use, and the stack is the one another collector of the same rows
-    made in this sweep when there is one (see :func:`_rows_stack`: a loop's bias and its tied
-    weight sum the same rows). Nothing is written into a contribution (it may be another node's
-    gradient too). Once the contributions kept exceed :attr:`HELD_BYTES`, they are added up into
-    one array (:meth:`compact`), so the memory held stays bounded however long the loop."""
+    and reduced to ``shape`` once, when the leaf's turn comes. If another collector of the same
+    rows made their stack in this sweep (see :func:`_rows_stack`: a loop's hoisted input, its bias
+    and its tied weight get the same rows), that is one reduction of the stack instead of one
+    addition per use; otherwise the contributions are added up then, in the order they came, as
+    each use would have added its own. Nothing is written into a contribution (it may be another
+    node's gradient too). Past :attr:`HELD_BYTES` of contributions — more than a stack is kept
+    for — they are added up into one array (:meth:`compact`), so the memory held stays bounded
+    however long the loop."""
 
     __slots__ = ("own", "parts")
 
     #: The most bytes of contributions kept as they came (beyond it, they are added up into one).
-    HELD_BYTES = 1 << 23
+    HELD_BYTES = SHARED_STACK_BYTES
 
     def __init__(self, shape: tuple[int, ...], full: np.ndarray) -> None:
         self.shape = shape
@@ -684,11 +692,12 @@ class LeadingSumGrad(LazyGrad):
         self.own = False  # parts[0] is an array this gradient made (and may add into)
 
     def dense(self) -> np.ndarray:
-        parts = self.parts
-        if len(parts) == 1:
-            return unbroadcast(parts[0], self.shape)
-        # first use first (see RowsProductGrad.dense)
-        return unbroadcast(_rows_stack(parts[::-1], self.dtype, own=False), self.shape)
+        if len(self.parts) > 1:
+            entry = _stack_entry(self.parts[::-1])  # first use first (see RowsProductGrad.dense)
+            if entry is not None and entry[1].dtype == self.dtype:
+                return unbroadcast(entry[1], self.shape)
+            self.compact()  # no stack of these rows: add them up (no copy of them all)
+        return unbroadcast(self.parts[0], self.shape)
 
     def add_into(self, acc: np.ndarray) -> None:
         acc += self.dense()
