@@ -494,3 +494,34 @@ def test_a_layer_starting_from_the_previous_layers_final_state_resizes(resizes):
     for a, b in zip(*results):
         same(a, b)
     assert resizes == [[n, n] for n in LENGTHS[3:]]
+
+
+@pytest.mark.parametrize("kept", [32, 2])
+def test_lengths_resized_to_again_reuse_their_tapes(monkeypatch, resizes, kept):
+    """A resize to a length seen before takes that length's joined tapes (and its length check and
+    decision) as made then, instead of joining them again; only the last ``RETAPED`` lengths are
+    kept (least recently used dropped first), and a length dropped is joined again. Every build
+    equals an uncached one."""
+    monkeypatch.setattr(Elastic, "RETAPED", kept)
+    lengths = [5, 3, 6, 3, 5, 3, 2, 5, 3, 4, 3]  # 5, 3 and 6 unroll; every later build resizes
+    results, tapes = [], []
+    for cache in (True, False):
+        g, outputs = model(second="reads", stack=True)
+        rng = np.random.default_rng(4)
+        results.append([])
+        for T in lengths:
+            cg, res = run(g, outputs, feed(T, rng, True), cache)
+            results[-1].append(res)
+            if cache and len(resizes) > len(tapes):
+                tapes.append((T, cg._replay_tape))
+                assert cg.decisions[cg._elastic.traces[0].decision].value == T
+    for a, b in zip(*results):
+        same(a, b)
+    assert [T for T, _ in tapes] == lengths[3:]
+    # which resizes found their length's tapes: least recently used dropped beyond ``kept``
+    recent: list[int] = []
+    last: dict[int, object] = {}
+    for T, tape in tapes:
+        assert (tape is last.get(T)) == (T in recent), (T, recent)
+        recent = [*(t for t in recent if t != T), T][-kept:]
+        last[T] = tape
