@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import vgraph
-from vgraph import ComputeGraph
+from vgraph import ComputeGraph, ops
 from vgraph.check import gradcheck
 from vgraph.ops import OPS, as_array, unbroadcast
 
@@ -579,6 +579,33 @@ def test_unbroadcast_known_values():
     np.testing.assert_array_equal(unbroadcast(g, (3, 1)), [[3.0], [7.0], [11.0]])
     assert unbroadcast(g, ()) == 21.0
     np.testing.assert_array_equal(unbroadcast(g, (3, 2)), g)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64])
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "empty"])
+def test_unbroadcast_over_leading_axes_by_a_product_with_ones(dtype, layout, monkeypatch):
+    """A float32/float64 C-contiguous gradient is summed over its leading axes as ``ones @ g``
+    (one BLAS call, see ops._sum_leading), anything else by numpy's reduction: the same sums as an
+    element-by-element reference, a new array each time (writing into one changes no later one)."""
+    rng = np.random.default_rng(11)
+    g = (rng.normal(size=(7, 5, 6)) * 10).astype(dtype)
+    if layout == "strided":
+        g = g[:, :, ::2]
+    elif layout == "empty":
+        g = g[:0]
+    used = []
+    ones = ops._ones
+    monkeypatch.setattr(ops, "_ones", lambda n, dt: used.append(n) or ones(n, dt))
+    for shape in [g.shape[1:], g.shape[2:], (1, g.shape[2]), ()]:
+        want = _explicit_sum(g.astype(np.float64), shape)
+        got = unbroadcast(g, shape)
+        assert got.shape == shape and got.dtype == g.dtype
+        np.testing.assert_allclose(got, want, rtol=1e-6 if dtype == np.float32 else 1e-12, atol=1e-9)
+        if isinstance(got, np.ndarray) and got.size:  # (numpy's reduction to () gives a scalar)
+            got[...] = 0  # the caller's own array: the next sum is unchanged
+            np.testing.assert_allclose(unbroadcast(g, shape), want, rtol=1e-6, atol=1e-9)
+    assert bool(used) == (layout == "contiguous" and dtype != np.int64)
+    assert not ops._ones(3, np.dtype(np.float64)).flags.writeable
 
 
 # ---------------------------------------------------------------------------- allocations of VJPs
