@@ -550,10 +550,13 @@ class RowsProductGrad(LazyGrad):
         # collectors of the same gradient rows stack them (StepRowsGrad, LeadingSumGrad).
         a, g = self.a[::-1], self.g[::-1]
         per = max(1, self.BLOCK_ROWS // max(1, a[0].shape[0]))
-        whole = None  # the rows of g as one (n, rows, H) stack, when it is made once for the sweep
+        # The rows of g as one (n, rows, H) stack: the one another collector made in this sweep,
+        # or made here (and kept for the sweep's later collectors) if it is one block.
+        whole = None
         shape, dtype = g[0].shape, g[0].dtype
-        stackable = all(x.shape == shape and x.dtype == dtype for x in g)
-        if stackable and (len(g) <= per or _stack_entry(g) is not None):
+        if _stack_entry(g) is not None or (
+            len(g) <= per and all(x.shape == shape and x.dtype == dtype for x in g)
+        ):
             whole = _rows_stack(g, dtype, own=False)
             whole = whole.reshape(-1, whole.shape[-1])
         row = 0
