@@ -367,6 +367,20 @@ def test_an_integer_array_index_without_repeats_is_added_in_one_indexed_addition
 # (ops._rows_stack), as the floor computes all three weight gradients from one buffer.
 
 
+@pytest.fixture
+def stacks_made(monkeypatch):
+    """Every call of ops._rows_stack, as ``(own, whether the stack existed)``."""
+    made = []
+    rows_stack = ops._rows_stack
+
+    def spy(parts, dtype, *, own):
+        made.append((own, ops._stack_entry(parts) is not None))
+        return rows_stack(parts, dtype, own=own)
+
+    monkeypatch.setattr(ops, "_rows_stack", spy)
+    return made
+
+
 def test_a_stack_of_gradient_rows_is_made_once_per_sweep_and_handed_out_once():
     rng = np.random.default_rng(5)
     parts = [rng.normal(size=(2, 3)) for _ in range(4)]
@@ -398,7 +412,9 @@ def test_a_stack_of_gradient_rows_is_made_once_per_sweep_and_handed_out_once():
 
 
 @pytest.mark.parametrize("block_rows", [1, 4, 6, 10_000])
-def test_a_tied_weights_product_reads_the_shared_stack_of_its_gradient_rows(monkeypatch, block_rows):
+def test_a_tied_weights_product_reads_the_shared_stack_of_its_gradient_rows(
+    monkeypatch, stacks_made, block_rows
+):
     """The rows stacked first to last by another collector (StepRowsGrad), read by a weight whose
     uses were collected last to first, in blocks of any size: the same sum (independent reference)."""
     monkeypatch.setattr(ops.RowsProductGrad, "BLOCK_ROWS", block_rows)
@@ -413,18 +429,11 @@ def test_a_tied_weights_product_reads_the_shared_stack_of_its_gradient_rows(monk
             rows = rows.merge(ops.IndexedGrad((T, 2, 4), np.float64, t, g[t], True))
             product = product.merge(ops.RowsProductGrad(a[t], g[t]))
         stacked = rows.dense()
-        made = []
-        rows_stack = ops._rows_stack
-
-        def spy(parts, dtype, *, own):
-            made.append((own, ops._stack_entry(parts) is not None))
-            return rows_stack(parts, dtype, own=own)
-
-        monkeypatch.setattr(ops, "_rows_stack", spy)
+        stacks_made.clear()
         got = product.dense()
     np.testing.assert_array_equal(stacked, np.stack(g))
     np.testing.assert_allclose(got, sum(x.T @ y for x, y in zip(a, g)), rtol=1e-12)
-    assert made == [(False, True)]  # read from the stack, however many blocks: none made
+    assert stacks_made == [(False, True)]  # read from the stack, however many blocks: none made
 
 
 def test_a_bias_gradient_keeps_bounded_memory(monkeypatch):
@@ -487,20 +496,15 @@ def elman_reference(P, xs, stepped_parameter):
 
 @pytest.mark.parametrize("stepped_parameter", [False, True])
 @pytest.mark.parametrize("tapes", [False, True])
-def test_a_loops_weight_bias_and_sequence_gradients_share_one_stack(tapes, stepped_parameter, monkeypatch):
+def test_a_loops_weight_bias_and_sequence_gradients_share_one_stack(
+    tapes, stepped_parameter, monkeypatch, stacks_made
+):
     """The gradient rows of x_t + h W_h + b are stacked once per sweep for all who need them —
     the hoisted group of x_t W_x (or a stepped parameter: a leaf, whose .grad then *is* the stack),
     W_h and b when it comes after the stack was made — and the gradients equal a hand-written
     BPTT; a second backward accumulates into the stack a leaf adopted (after the sweep that shared
     it), changing no other gradient."""
-    made = []
-    rows_stack = ops._rows_stack
-
-    def spy(parts, dtype, *, own):
-        made.append((own, ops._stack_entry(parts) is not None))
-        return rows_stack(parts, dtype, own=own)
-
-    monkeypatch.setattr(ops, "_rows_stack", spy)
+    made = stacks_made
     compact = ops.LeadingSumGrad.compact
 
     def adding_up(self):  # the bias found no stack of its rows: it adds them up

@@ -176,7 +176,7 @@ class _Sweep(threading.local):
     ``transposes``: by ``id`` of a matrix, ``[matrix, its C-contiguous transpose or None]``.
     ``stacks``: by ``(count, id of the first part, id of the last)``, ``[parts, np.stack(parts),
     given]`` (``given``: the stack was handed out as a collector's result, which its caller owns).
-    Each entry holds what its key's ``id`` s name, so they name the same arrays for the whole sweep.
+    Each entry holds the arrays its key's ids are of, so the ids name them for the whole sweep.
     """
 
     transposes: dict[int, list[Any]] | None = None
