@@ -4,8 +4,12 @@ gradient arrays the backward sweep creates, not by timing."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import vgraph as vg
 from vgraph import ops
@@ -563,3 +567,53 @@ def test_a_long_stack_of_weight_gradient_products_reuses_its_block_buffers(monke
     np.testing.assert_allclose(rows.dense(), sum(a.T @ g for a, g in parts), rtol=1e-12)
     assert len(bases) == 2 * 4  # four blocks of two uses, a and g stacked in each
     assert len(set(bases)) == 2  # ... into the same two buffers
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    st.integers(1, 6),  # iterations
+    st.permutations(["rows", "rows again", "product", "bias", "bias 3-D"]),  # whose turn comes first
+    st.booleans(),  # inside a sweep's scope
+)
+def test_collectors_of_the_same_rows_agree_in_any_order(T, order, in_sweep):
+    """The collectors of one loop's gradient rows — a hoisted group's (twice: a second owner), a
+    tied weight's product, a bias over the batch, a bias over a 3-D batch — made dense in any
+    order, inside a sweep (sharing one stack) or outside: each equals its own reference, and no
+    two results handed to callers share memory."""
+    rng = np.random.default_rng(T)
+    g = [rng.normal(size=(2, 3)) for _ in range(T)]
+    a = [rng.normal(size=(2, 4)) for _ in range(T)]
+    originals = [x.copy() for x in g]
+
+    def collectors():
+        rows = [ops.StepRowsGrad((T, 2, 3), np.float64, [T - 1], [g[T - 1]]) for _ in range(2)]
+        product = ops.RowsProductGrad(a[T - 1], g[T - 1])
+        bias = ops.reduce_grad(g[T - 1], (3,), leaf=True)
+        bias3 = ops.reduce_grad(g[T - 1][None], (3,), leaf=True)
+        for t in range(T - 2, -1, -1):  # a backward sweep's order
+            rows = [r.merge(ops.IndexedGrad((T, 2, 3), np.float64, t, g[t], True)) for r in rows]
+            product = product.merge(ops.RowsProductGrad(a[t], g[t]))
+            bias = ops.add_grads(bias, ops.reduce_grad(g[t], (3,), leaf=True))
+            bias3 = ops.add_grads(bias3, ops.reduce_grad(g[t][None], (3,), leaf=True))
+        return {"rows": rows[0], "rows again": rows[1], "product": product, "bias": bias, "bias 3-D": bias3}
+
+    want = {
+        "rows": np.stack(g),
+        "rows again": np.stack(g),
+        "product": sum(x.T @ y for x, y in zip(a, g)),
+        "bias": sum(x.sum(0) for x in g),
+        "bias 3-D": sum(x.sum(0) for x in g),
+    }
+    made = collectors()
+    got = {}
+    with ops.sweep_scope() if in_sweep else contextlib.nullcontext():
+        for name in order:
+            c = made[name]
+            got[name] = c.dense() if isinstance(c, ops.LazyGrad) else c
+    for name in order:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-12, atol=1e-12)
+    for i, x in enumerate(order):
+        for y in order[i + 1 :]:
+            assert not np.shares_memory(got[x], got[y]), (x, y)
+    for x, o in zip(g, originals):
+        np.testing.assert_array_equal(x, o)  # no contribution written into
