@@ -326,6 +326,11 @@ class ForwardTape(_Tape):
     """The compiled dirty-checked forward over one plan (op nodes in topological order): each node
     whose parents changed since it was computed is computed again and stamped with a new version.
 
+    One reading of the clock stamps every node the sweep recomputes: a node is out of date when a
+    parent's version is *newer* than its own, so a parent and a child recomputed in one sweep are
+    consistent with the same version, and any later change reads the clock anew (as the
+    interpreted sweep's reading per node would, with one call instead of one per node).
+
     Calling it returns how many nodes were recomputed.
     """
 
@@ -336,8 +341,9 @@ class ForwardTape(_Tape):
 
     def __call__(self, clock: Callable[[], int]) -> int:
         count = 0
+        stamp = clock()
         for fn, nodes in self._calls:
-            count += fn(nodes, clock)
+            count += fn(nodes, stamp)
         return count
 
 
@@ -358,7 +364,7 @@ def forward_calls(plan: Sequence[Any]) -> list[Call]:
 def _forward_source(shape: Any) -> list[str]:
     width = max(len(shape), 1 + max((max(ps, default=0) for _, ps, _ in shape), default=0))
     out = [
-        "def segment(N, clock):",
+        "def segment(N, stamp):",
         f"    {', '.join(f'n{i}' for i in range(width))}, = N",
         "    count = 0",
     ]
@@ -376,7 +382,7 @@ def _forward_source(shape: Any) -> list[str]:
         out += [
             f"    if {changed}:",
             f"        {n}._value = {value}",
-            f"        {n}.version = clock()",
+            f"        {n}.version = stamp",
             "        count += 1",
         ]
     out.append("    return count")
