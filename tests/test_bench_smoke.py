@@ -271,3 +271,24 @@ def test_dynamic_quick_json_run(tmp_path):
         # the build is split from the forward (by the extra pass) where the forward can be re-run
         split = r["task"] != "adaptive_loop"
         assert (r["columns"]["vgraph"]["phase_ms_per_batch"]["forward"] > 0) == split, r["task"]
+
+
+def test_the_paired_ab_tool_runs_both_versions_in_their_own_processes(tmp_path):
+    """tools/bench_ab.py with two directories (here both this checkout): each side's worker imports
+    vgraph from its own directory, one row per size and mode comes out with a ratio and the JSON
+    report; a spec that is neither a directory nor a revision is refused before anything runs."""
+    report = tmp_path / "ab.json"
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_ab.py"), str(ROOT), str(ROOT), "--sizes", "4,8,2,3",
+         "--modes", "rebuild-new", "--rounds", "1", "--steps", "2", "--repeats", "1", "--json", str(report)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(report.read_text())["rows"]
+    assert [(r["size"], r["mode"]) for r in rows] == [("4,8,2,3", "rebuild-new")]
+    assert rows[0]["ratio_median"] > 0 and len(rows[0]["old_ms"]) == len(rows[0]["new_ms"]) == 1
+    bad = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_ab.py"), "no-such-revision-or-directory"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "neither a directory nor a git revision" in bad.stderr
