@@ -608,6 +608,18 @@ def test_unbroadcast_over_leading_axes_by_a_product_with_ones(dtype, layout, mon
     assert not ops._ones(3, np.dtype(np.float64)).flags.writeable
 
 
+def test_the_vector_of_ones_for_sums_stays_bounded(monkeypatch):
+    """More rows than ONES_MAX_ROWS are summed by numpy's reduction, so the kept vector of ones
+    never grows past the bound (the same sums either way)."""
+    monkeypatch.setattr(ops, "ONES_MAX_ROWS", 5000)
+    monkeypatch.setattr(ops._ones_cache, "vectors", {})
+    g = np.random.default_rng(12).normal(size=(6000, 3))
+    np.testing.assert_allclose(unbroadcast(g, (3,)), g.sum(axis=0), rtol=1e-12)
+    assert ops._ones_cache.vectors == {}  # numpy's reduction: no vector made
+    np.testing.assert_allclose(unbroadcast(g[:4000], (3,)), g[:4000].sum(axis=0), rtol=1e-12)
+    assert ops._ones_cache.vectors[np.dtype(np.float64)].shape[0] <= 5000
+
+
 # ---------------------------------------------------------------------------- allocations of VJPs
 # A VJP must not allocate more than its result needs (issue 10 §2): a trap that grows with the
 # length of a sequence turns training on long sequences quadratic. Peak allocations are measured

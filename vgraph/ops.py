@@ -773,13 +773,18 @@ def _sum_leading(g: np.ndarray, extra: int) -> np.ndarray:
     """
     if g.dtype in _BLAS_FLOATS and g.size and g.flags.c_contiguous:
         rows = g.size // max(1, math.prod(g.shape[extra:]))
-        out: np.ndarray = (_ones(rows, g.dtype) @ g.reshape(rows, -1)).reshape(g.shape[extra:])
-        return out
+        if rows <= ONES_MAX_ROWS:
+            out: np.ndarray = (_ones(rows, g.dtype) @ g.reshape(rows, -1)).reshape(g.shape[extra:])
+            return out
     summed: np.ndarray = _add_reduce(g, axis=0 if extra == 1 else tuple(range(extra)))
     return summed
 
 
 _BLAS_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+#: The most rows :func:`_sum_leading` sums by a product with ones: the vector of ones is kept (per
+#: thread and dtype) at the longest length asked for, so it is bounded (8 MiB in float64); past it
+#: the reduction is memory-bound either way.
+ONES_MAX_ROWS = 1 << 20
 
 
 class _Ones(threading.local):
