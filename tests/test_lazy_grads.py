@@ -373,15 +373,22 @@ def test_an_integer_array_index_without_repeats_is_added_in_one_indexed_addition
 
 @pytest.fixture
 def stacks_made(monkeypatch):
-    """Every call of ops._rows_stack, as ``(own, whether the stack existed)``."""
+    """Every look for a shared stack (``("read", found)``) and every stack asked to be made
+    (``("own" or "make", found)``: for a collector's result, or to read), in order."""
     made = []
-    rows_stack = ops._rows_stack
+    shared_stack, rows_stack = ops._shared_stack, ops._rows_stack
 
-    def spy(parts, dtype, *, own):
-        made.append((own, ops._stack_entry(parts) is not None))
+    def reading(parts, dtype):
+        found = shared_stack(parts, dtype)
+        made.append(("read", found is not None))
+        return found
+
+    def making(parts, dtype, *, own):
+        made.append(("own" if own else "make", ops._stack_entry(parts) is not None))
         return rows_stack(parts, dtype, own=own)
 
-    monkeypatch.setattr(ops, "_rows_stack", spy)
+    monkeypatch.setattr(ops, "_shared_stack", reading)
+    monkeypatch.setattr(ops, "_rows_stack", making)
     return made
 
 
@@ -401,6 +408,9 @@ def test_a_stack_of_gradient_rows_is_made_once_per_sweep_and_handed_out_once():
         assert ops._rows_stack([parts[0], parts[2], parts[1], parts[3]], np.float64, own=False) is not first
         single = ops._rows_stack(list(parts), np.float32, own=False)
         assert single is not first and single.dtype == np.float32
+        assert ops._shared_stack(list(parts), np.float64) is first  # what readers read
+        assert ops._shared_stack(list(parts), np.float32) is None  # not one of another dtype
+        assert ops._shared_stack([*parts[:3], parts[3].copy()], np.float64) is None
         with ops.sweep_scope():  # a nested sweep keeps its own stacks, and the outer's stay
             assert ops._stack_entry(parts) is None
             assert ops._rows_stack(list(parts), np.float64, own=False) is not first
@@ -437,7 +447,7 @@ def test_a_tied_weights_product_reads_the_shared_stack_of_its_gradient_rows(
         got = product.dense()
     np.testing.assert_array_equal(stacked, np.stack(g))
     np.testing.assert_allclose(got, sum(x.T @ y for x, y in zip(a, g)), rtol=1e-12)
-    assert stacks_made == [(False, True)]  # read from the stack, however many blocks: none made
+    assert stacks_made == [("read", True)]  # read from the stack, however many blocks: none made
 
 
 def test_a_bias_gradient_keeps_bounded_memory(monkeypatch):
@@ -531,8 +541,9 @@ def test_a_loops_weight_bias_and_sequence_gradients_share_one_stack(
             # one stack made, read by the others: by the hoisted group's gradient, read by b and
             # W_h; or (a stepped parameter's turn comes last) made by W_h after b added its rows
             # up, then handed to the parameter as its gradient
-            want = [(True, False), (False, True)]
-            assert made == (["b added up", (False, False), (True, True)] if stepped_parameter else want)
+            shared = [("own", False), ("read", True), ("read", True)]
+            late = [("read", False), "b added up", ("read", False), ("make", False), ("own", True)]
+            assert made == (late if stepped_parameter else shared)
             made.clear()
             P = {name: g.params.value(name) for name in g.params}
             scale = 2 if sweep == 2 else 1  # the third sweep adds to the second's gradients

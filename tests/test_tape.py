@@ -400,26 +400,31 @@ def test_anomaly_mode_after_tapes_were_made_still_names_the_node():
             cg.forward(out, detect_anomaly=True)
 
 
-def two_carries(T):
-    """A loop with a tied weight times a matrix (h @ V) and one times an N-D carry (c @ U)."""
+def two_carries(T, layer=False):
+    """A loop with a tied weight times a matrix (h @ V, or with ``layer`` a fused ``Linear``
+    h @ V + v) and one times an N-D carry (c @ U)."""
     g = vg.VirtualGraph(seed=0)
     xs = g.input("xs", (None, 2, 5, 3))
     W, U, V = g.parameter("W", (3, 4)), g.parameter("U", (4, 4)), g.parameter("V", (4, 4))
+    v = g.parameter("v", (4,), init="normal")
     with g.loop() as L:
         c = L.carry(np.zeros((2, 5, 4)), name="c")
         h = L.carry(np.zeros((2, 4)), name="h")
         c_new = vg.tanh(L.step(xs) @ W + c @ U)
         L.update(c, c_new)
-        L.update(h, vg.tanh(h @ V + vg.sum(c_new, axis=1)))
+        hv = vg.functions.linear(h, V, v) if layer else h @ V + v
+        L.update(h, vg.tanh(hv + vg.sum(c_new, axis=1)))
     loss = vg.sum(L.final(h)) + vg.sum(L.final(c) ** 2)
     rng = np.random.default_rng(T)
     return g, loss, {"xs": rng.standard_normal((T, 2, 5, 3))}
 
 
-def test_a_tied_weights_uses_are_appended_to_its_product_in_compiled_code(monkeypatch):
-    """Compiled sweeps write out the weight-gradient VJP of a matrix times a tied weight: each
-    iteration's ``(a, g)`` is appended to the weight's pending RowsProductGrad — no object made,
-    no call — with bitwise the interpreted sweep's gradients; an N-D operand takes the call."""
+@pytest.mark.parametrize("layer", [False, True], ids=["product", "layer"])
+def test_a_tied_weights_uses_are_appended_to_its_product_in_compiled_code(monkeypatch, layer):
+    """Compiled sweeps write out the weight-gradient VJP of a matrix times a tied weight (a
+    product, or a fused layer's weight): each iteration's ``(a, g)`` is appended to the weight's
+    pending RowsProductGrad — no object made, no call — with bitwise the interpreted sweep's
+    gradients; an N-D operand takes the call."""
     T = 6
     made = []
     init = ops.RowsProductGrad.__init__
@@ -430,7 +435,7 @@ def test_a_tied_weights_uses_are_appended_to_its_product_in_compiled_code(monkey
 
     monkeypatch.setattr(ops.RowsProductGrad, "__init__", counting)
     with tapes(True):
-        g, loss, feed = two_carries(T)
+        g, loss, feed = two_carries(T, layer)
         cg = g.build(feed, loss, cache=False)
         counts = []
         for _ in range(3):  # interpreted, then compiled twice
@@ -442,7 +447,7 @@ def test_a_tied_weights_uses_are_appended_to_its_product_in_compiled_code(monkey
     assert counts == [2 * T + 1, T + 2, T + 2]
 
     def run():
-        g, loss, feed = two_carries(T)
+        g, loss, feed = two_carries(T, layer)
         return train(g, feeds_like(feed, STEPS), loss)
 
     assert_same(run)
@@ -471,6 +476,7 @@ def test_a_compiled_forward_recomputes_exactly_what_changed(taped):
         for _ in range(2):  # the second forward compiles when tapes are on
             a.value = rng.normal(size=(2, 3))
             recomputed()
+        assert any(isinstance(t, tape.ForwardTape) for t in cg._forward_tapes.values()) == taped
         counts = []
         for changed in ("a", "none", "b", "both", "none"):
             if changed in ("a", "both"):
@@ -479,8 +485,10 @@ def test_a_compiled_forward_recomputes_exactly_what_changed(taped):
                 b.value = rng.normal(size=(2, 3))
             before = {n: n.version for n in (left, right, both)}
             counts.append(recomputed())
-            if changed != "none":
-                assert all(n.version > before[n] for n in [both] + ([left] if changed != "b" else []))
+            newer = {n for n in before if n.version > before[n]}
+            want_newer = {"a": {left, both}, "b": {right, both}, "both": {left, right, both}, "none": set()}
+            assert newer == want_newer[changed], changed  # stamped exactly when recomputed
+            assert all(n.version == before[n] for n in before if n not in newer)
             av, bv = a.value, b.value
             want = np.sum((np.tanh(av * 2.0) + np.exp(bv - 1.0)) ** 2)
             assert float(out.value) == pytest.approx(want, rel=1e-12)

@@ -240,6 +240,10 @@ class LazyGrad:
         other.add_into(out)
         return out
 
+    def compact(self) -> None:
+        """Keep what was collected so far in bounded memory, the same sum (a checkpointed loop
+        calls this after each unit of iterations); by default there is nothing to do."""
+
 
 class IndexedGrad(LazyGrad):
     """``g`` placed at ``index`` of a zero array of ``shape`` (the VJP of an indexing op)."""
@@ -552,12 +556,11 @@ class RowsProductGrad(LazyGrad):
         per = max(1, self.BLOCK_ROWS // max(1, a[0].shape[0]))
         # The rows of g as one (n, rows, H) stack: the one another collector made in this sweep,
         # or made here (and kept for the sweep's later collectors) if it is one block.
-        whole = None
         shape, dtype = g[0].shape, g[0].dtype
-        if _stack_entry(g) is not None or (
-            len(g) <= per and all(x.shape == shape and x.dtype == dtype for x in g)
-        ):
+        whole = _shared_stack(g, dtype)
+        if whole is None and len(g) <= per and all(x.shape == shape and x.dtype == dtype for x in g):
             whole = _rows_stack(g, dtype, own=False)
+        if whole is not None:
             whole = whole.reshape(-1, whole.shape[-1])
         row = 0
         for i in range(0, len(a), per):
@@ -617,6 +620,16 @@ def _stack_entry(parts: list[np.ndarray]) -> list[Any] | None:
     return entry
 
 
+def _shared_stack(parts: list[np.ndarray], dtype: Any) -> np.ndarray | None:
+    """The stack of exactly ``parts`` as ``dtype`` that a collector made earlier in this backward
+    sweep (see :func:`_rows_stack`), to read and not to write into; or None."""
+    entry = _stack_entry(parts)
+    if entry is None or entry[1].dtype != dtype:
+        return None
+    out: np.ndarray = entry[1]
+    return out
+
+
 def _rows_stack(parts: list[np.ndarray], dtype: Any, *, own: bool) -> np.ndarray:
     """``np.stack(parts)`` as ``dtype`` — made once per backward sweep for the same parts.
 
@@ -634,7 +647,8 @@ def _rows_stack(parts: list[np.ndarray], dtype: Any, *, own: bool) -> np.ndarray
     """
     entry = _stack_entry(parts)
     if entry is not None and entry[1].dtype == dtype and not (own and entry[2]):
-        entry[2] = entry[2] or own
+        if own:
+            entry[2] = True  # handed out: no other owner gets it
         out: np.ndarray = entry[1]
         return out
     out = workspace.empty((len(parts), *parts[0].shape), dtype)
@@ -697,9 +711,9 @@ class LeadingSumGrad(LazyGrad):
 
     def dense(self) -> np.ndarray:
         if len(self.parts) > 1:
-            entry = _stack_entry(self.parts[::-1])  # first use first (see RowsProductGrad.dense)
-            if entry is not None and entry[1].dtype == self.dtype:
-                return unbroadcast(entry[1], self.shape)
+            stack = _shared_stack(self.parts[::-1], self.dtype)  # first use first (RowsProductGrad.dense)
+            if stack is not None:
+                return unbroadcast(stack, self.shape)
             self.compact()  # no stack of these rows: add them up (no copy of them all)
         return unbroadcast(self.parts[0], self.shape)
 
@@ -1249,11 +1263,17 @@ defop("Hoisted", _hoisted, _hoisted_vjp)
 #: Forwards and VJPs whose effect compiled sweeps (vgraph.tape) write out inline instead of calling
 #: them, by kind. Forward "row": ``x[attrs["index"]]``. VJP "pass": ``g`` itself; "row": ``g`` at
 #: basic index ``attrs["index"]`` of the input (an IndexedGrad), which the sweep adds straight into
-#: a buffer it owns or appends to the rows it collects (StepRowsGrad); "rows product": a matrix
-#: times a weight matrix, whose use ``(a, g)`` the sweep appends to the weight's pending
-#: RowsProductGrad (what making one and merging it would do).
+#: a buffer it owns or appends to the rows it collects (StepRowsGrad); "rows product": the weight
+#: gradient of a matrix times a weight matrix (``MatMul``, or ``Linear``'s weight), whose use
+#: ``(a, g)`` the sweep appends to the weight's pending RowsProductGrad (what making one and
+#: merging it would do).
 INLINE_FORWARDS: dict[Any, str] = {_hoisted: "row"}
-INLINE_VJPS: dict[Any, str] = {pass_through: "pass", _hoisted_vjp: "row", _matmul_vjp_b: "rows product"}
+INLINE_VJPS: dict[Any, str] = {
+    pass_through: "pass",
+    _hoisted_vjp: "row",
+    _matmul_vjp_b: "rows product",
+    _linear_vjp_w: "rows product",  # a layer's weight: the product's VJP (x0 @ x1 + bias)
+}
 
 
 # ---------------------------------------------------------------------------- fused recurrent cells

@@ -55,7 +55,7 @@ import numpy as np
 
 from ..compute import ComputeNode, _as_value
 from ..errors import GraphStateError
-from ..ops import LeadingSumGrad, RowsProductGrad
+from ..ops import LazyGrad
 
 if TYPE_CHECKING:
     from .unroll import UnrolledGraph
@@ -614,7 +614,7 @@ class Rematerializer:
         Same sum, grouped per unit."""
         for leaf in self._grad_leaves or ():
             g = leaf._g
-            if type(g) is RowsProductGrad or type(g) is LeadingSumGrad:
+            if isinstance(g, LazyGrad):
                 g.compact()
 
     def end_backward(self) -> None:

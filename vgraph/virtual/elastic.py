@@ -119,6 +119,9 @@ class Elastic:
     """The traces of a build's stepping loops, analysed when the graph is cached, and the resizing
     of the graph to other lengths (see the module docstring)."""
 
+    #: How many lengths' joined tapes :meth:`_retape` keeps (least recently used dropped first).
+    RETAPED = 32
+
     def __init__(self, traces: list[Trace], cg: UnrolledGraph) -> None:
         self.traces = traces
         self.count = len(cg._nodes)  # the node count of the graph as built (and as resized last)
@@ -326,9 +329,6 @@ class Elastic:
                 self.retaped.popitem(last=False)
         cg._replay_tape = joined[0]
         cg._use_backward_plan(joined[1], joined[2])
-
-    #: How many lengths' tapes :meth:`_retape` keeps.
-    RETAPED = 32
 
     def _joined(self, lengths: list[int]) -> tuple[ForwardTape, list[ComputeNode], BackwardTape]:
         """The replay tape, backward plan and backward tape of a graph resized to ``lengths``."""
