@@ -369,3 +369,61 @@ def test_a_per_step_cross_entropy_of_stepped_logits_is_hoisted_and_batched():
     np.testing.assert_allclose(total, alone, **TOL)
     for k, p in g.params.items():
         np.testing.assert_allclose(grads[k], p.grad, **TOL, err_msg=k)
+
+
+# ---------------------------------------------------------------------------- computed when read
+
+
+def two_hoisted_steps():
+    """h_t = tanh(tanh(x_t @ W) + h_{t-1} @ U): x_t @ W is read only by hoisted work (tanh's group)."""
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 2, 3))
+    W = g.parameter("W", (3, 4))
+    U = g.parameter("U", (4, 4))
+    with g.loop() as L:
+        h = L.carry(np.zeros((2, 4)), name="h")
+        u = L.step(xs) @ W
+        L.update(h, vg.tanh(vg.tanh(u) + h @ U))
+    return g, vg.sum(L.final(h) ** 2), u
+
+
+def test_copies_only_hoisted_work_reads_stay_current_after_a_feed():
+    """A copy of a hoisted node that no unrolled node reads is on no forward's plan: kept as a view
+    of an old group value it went stale after feed + forward (a silently wrong .value). Computed
+    when read, it is row t of the group's current value."""
+    g, loss, u = two_hoisted_steps()
+    rng = np.random.default_rng(0)
+    cg = g.build({"xs": rng.normal(size=(3, 2, 3))}, loss)
+    copy = cg.node(u, (1,))
+    assert cg.computed_when_read(copy) and copy._value is None
+    new = rng.normal(size=(3, 2, 3))
+    cg.feed({"xs": new})
+    cg.forward()
+    W = g.params["W"].value
+    np.testing.assert_allclose(copy.value, new[1] @ W, **TOL)  # by hand, not by the graph
+    np.testing.assert_allclose(cg.node("Item:1@2").value, new[2], **TOL)  # the stepped item's copy too
+    assert copy.shape == (2, 4) and copy._value is None  # read, not kept
+    plain, hoisted = assert_identical(g, {"xs": new}, [loss], loss)
+    assert hoisted.computed_when_read(hoisted.node(u, (0,))) and not plain.computed_when_read(
+        plain.node(u, (0,))
+    )
+    # grad() with respect to such copies: their groups are on the path (they have no reader)
+    plain.forward(), hoisted.forward()  # (assert_identical ran a backward: released)
+    ref = plain.grad(loss, [plain.node(u, (t,)) for t in range(3)])
+    for got, want in zip(hoisted.grad(loss, [hoisted.node(u, (t,)) for t in range(3)]), ref):
+        np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_a_node_computed_when_read_becomes_computed_when_a_node_reads_it():
+    g, loss, u = two_hoisted_steps()
+    rng = np.random.default_rng(1)
+    cg = g.build({"xs": rng.normal(size=(3, 2, 3))}, loss)
+    copy = cg.node(u, (2,))
+    doubled = cg.apply("Mul", [copy, 2.0])
+    assert not cg.computed_when_read(copy)
+    new = rng.normal(size=(3, 2, 3))
+    cg.feed({"xs": new})
+    np.testing.assert_allclose(cg.forward(doubled), 2 * new[2] @ g.params["W"].value, **TOL)
+    np.testing.assert_allclose(copy._value, new[2] @ g.params["W"].value, **TOL)  # kept and current
+    with pytest.raises(vg.GraphStateError, match="not a node of this graph"):
+        cg.computed_when_read(g.build({"xs": new}, loss, cache=False).node(u, (0,)))

@@ -356,13 +356,14 @@ class ComputeNode(Operand):
         In a checkpointed loop (``g.loop(..., checkpoint=...)``) a value that was not kept is
         recomputed on demand: its unit of iterations is recomputed from the stored state before
         it (about ``k`` iterations' work for ``checkpoint=k``) and stays until another unit is
-        read.
+        read. A node *computed when read* (see :meth:`ComputeGraph.computed_when_read`) computes
+        its value from its parents' at every read and keeps none.
 
         Raises:
             GraphStateError: the value was dropped and the node's graph is gone.
         """
         v = self._value
-        if v is None:  # dropped by a checkpointed loop (an op node, or a sampled mask)
+        if v is None:  # computed when read, or dropped by a checkpointed loop
             v = self._rematerialize()
         return cast(np.ndarray, _readonly(v))  # an op may also give a numpy scalar or a decision
 
@@ -372,6 +373,8 @@ class ComputeNode(Operand):
 
     def _rematerialize(self) -> Any:
         graph = self.graph
+        if graph is not None and self in graph._deferred:
+            return graph._read_deferred(self)
         remat = graph._remat if graph is not None else None
         if remat is None:
             raise GraphStateError(
@@ -549,6 +552,10 @@ class ComputeGraph:
         # Checkpointed loops' book-keeping (vgraph.virtual.checkpoint.Rematerializer), if any:
         # op nodes of dropped iterations have the value None until it recomputes them.
         self._remat: Rematerializer | None = None
+        # Op nodes computed when read (see computed_when_read): no sweep computes them and their
+        # value is None. Each with the node whose gradient is its own, or None (a hoisted copy's
+        # is a row of its group's, see vgraph.virtual.unroll).
+        self._deferred: dict[ComputeNode, ComputeNode | None] = {}
 
     def __repr__(self) -> str:
         leaves = len(self._leaves)
@@ -669,6 +676,7 @@ class ComputeGraph:
             raise GraphStateError(f"the graph already has a node <{key}>")
         parents = []
         added = []  # constants made from operands, and shared leaves seen for the first time
+        computed = []  # nodes computed when read, computed from now on (a node reads them)
         try:
             for x in inputs:
                 if not isinstance(x, ComputeNode):
@@ -679,9 +687,19 @@ class ComputeGraph:
                         added.append(self.add_leaf(x))
                 elif x._graph is not self._weak_self:
                     raise GraphStateError(f"{x.describe()} belongs to another ComputeGraph")
+                elif x in self._deferred:
+                    computed.append(x)
                 parents.append(x)
+            for x in computed:
+                x._value = self._read_deferred(x)
+                x.version = next(_clock)
+                del self._deferred[x]
+            if computed:
+                self._forget_plans()
             return self._add_op(op, tuple(parents), attrs, key, name)
         except Exception:
+            for x in computed:
+                self._defer(x)
             for x in added:  # leave the graph as it was
                 del self._nodes[x.key]
                 self._leaves.remove(x)
@@ -726,6 +744,39 @@ class ComputeGraph:
             except Exception as e:
                 self._raise_op_error(node, e)
         return self._register(node, check_unique=False)
+
+    def _defer(self, node: ComputeNode) -> None:
+        """Make op node ``node``, which nothing in the graph reads, computed when read."""
+        node._value = None
+        self._deferred[node] = None
+
+    def _read_deferred(self, node: ComputeNode) -> Any:
+        """The value of a node computed when read: from its parents' values (computed when read in
+        turn if they are so), kept nowhere."""
+        op = cast(Op, node.op)  # only op nodes are computed when read
+        try:
+            return op.forward(*[p.value for p in node.parents], **node.attrs)
+        except Exception as e:
+            self._raise_op_error(node, e)
+
+    def computed_when_read(self, node: ComputeNode) -> bool:
+        """Whether ``node`` is *computed when read*: it keeps no value, ``.value`` computes it from
+        its parents' values at every read, and no forward computes it.
+
+        A build makes such nodes where nothing in the graph reads an unrolled node (see
+        :mod:`vgraph.virtual.hoist`): the copy ``<MatMul:1@t>`` of a loop's hoisted ``x_t @ W_x``
+        when only hoisted work reads it (row ``t`` of the group ``<MatMul*:1>``, which every
+        forward keeps up to date). Each keeps its key and parents; a forward *to* it computes its
+        parents; its gradient (``retain_grad``, :meth:`grad`) is what the plain unroll gives it
+        (its group's row), and a backward from it works as from any node. A node that
+        :meth:`apply` reads becomes an ordinary node. ``build(..., hoist=False)`` makes none.
+
+        Raises:
+            GraphStateError: ``node`` is not a node of this graph.
+        """
+        if self._nodes.get(node.key) is not node:
+            raise GraphStateError(f"{node.describe()} is not a node of this graph")
+        return node in self._deferred
 
     def guard(
         self,
@@ -827,7 +878,12 @@ class ComputeGraph:
         cache_key = (*targets, len(self._guards))
         plan = self._forward_plans.get(cache_key)
         if plan is None:
-            plan = [n for n in self._ancestors((*targets, *self._guards)) if n.op is not None]
+            deferred = self._deferred  # computed when read, by no sweep
+            plan = [
+                n
+                for n in self._ancestors((*targets, *self._guards))
+                if n.op is not None and n not in deferred
+            ]
             self._forward_plans[cache_key] = plan
         return plan
 
@@ -1107,7 +1163,7 @@ class ComputeGraph:
         self._check_can_backward(loss)
         g = self._seed(loss, seed)
         self._check_values_fresh((loss,), "backward")
-        with _anomaly_scope(detect_anomaly), sweep_scope():
+        with _anomaly_scope(detect_anomaly), sweep_scope(), self._values_for_sweep([loss]):
             self._backprop(self._backward_plan(), [(loss, g)], accumulate=True)
         self._released = not retain_graph
         value = loss._value if loss._value is not None else loss.value  # checkpointed: recomputed
@@ -1170,13 +1226,13 @@ class ComputeGraph:
             self._check_values_fresh([o for o, _ in roots], "grad")
         wanted = set(ins)
         plan = self._backward_plan() if roots else []
-        # Prune to the nodes on a path to a wanted input.
-        reach = set(wanted)
+        # Prune to the nodes on a path to a wanted input, or to a node a wanted gradient is taken from.
+        reach = wanted | self._gradient_sources(wanted).keys()
         for n in reversed(plan):
             if n not in reach and any(p in reach for p in n.parents):
                 reach.add(n)
         plan = [n for n in plan if n in reach]
-        with _anomaly_scope(detect_anomaly), sweep_scope():
+        with _anomaly_scope(detect_anomaly), sweep_scope(), self._values_for_sweep(outs):
             found = self._backprop(
                 plan, [r for r in roots if r[0] in reach], accumulate=False, wanted=wanted, reach=reach
             )
@@ -1189,6 +1245,32 @@ class ComputeGraph:
             )
         self._released = not retain_graph
         return [found.get(x) for x in ins]
+
+    @contextlib.contextmanager
+    def _values_for_sweep(self, roots: Sequence[ComputeNode]) -> Iterator[None]:
+        """While a backward sweep runs from nodes computed when read, they and the nodes computed
+        when read that they read hold their values (VJPs and the sweep read values and shapes)."""
+        deferred = self._deferred
+        given: list[ComputeNode] = []
+        stack = [r for r in roots if r in deferred] if deferred else []
+        while stack:
+            n = stack.pop()
+            if n._value is None and n in deferred:
+                n._value = self._read_deferred(n)
+                given.append(n)
+                stack.extend(n.parents)
+        try:
+            yield
+        finally:
+            for n in given:
+                n._value = None
+
+    def _gradient_sources(
+        self, nodes: Iterable[ComputeNode]
+    ) -> dict[ComputeNode, list[tuple[ComputeNode, int | None]]]:
+        """The nodes whose gradients give those of some of ``nodes``, which the sweep does not
+        compute (see vgraph.virtual.unroll): none in a graph that was not built from a virtual one."""
+        return {}
 
     def _check_can_backward(self, loss: ComputeNode) -> None:
         self._check_fresh()
@@ -1207,18 +1289,17 @@ class ComputeGraph:
         )
 
     def _seed(self, out: ComputeNode, seed: Any) -> np.ndarray:
-        if out._value is None:  # dropped by a checkpointed loop
-            out.value  # noqa: B018 (recomputes it)
-        shape = np.shape(out._value)
+        value = out._value if out._value is not None else out.value  # computed when read, or dropped
+        shape = np.shape(value)
         if seed is None:
-            if np.size(out._value) != 1:
+            if np.size(value) != 1:
                 raise ShapeError(
                     f"{out.describe()} has shape {shape}, not a scalar: pass seed= (the gradient "
                     "with respect to it, same shape), or reduce it with sum()/mean() first"
                 )
-            return np.ones(shape, dtype=np.asarray(out._value).dtype)
+            return np.ones(shape, dtype=np.asarray(value).dtype)
         try:
-            g = np.asarray(seed, dtype=np.asarray(out._value).dtype)
+            g = np.asarray(seed, dtype=np.asarray(value).dtype)
         except (TypeError, ValueError) as e:
             raise TypeError(f"seed for {out.describe()} is not a numeric array: {e}") from None
         if g.shape != shape:
@@ -1435,6 +1516,6 @@ def _backward_anomaly(
         f"gave a non-finite gradient for its input {parent.describe()} from a finite incoming gradient",
         f"  incoming gradient: {_summary(g)}",
         *(f"  input {p.describe()}: {_summary(v)}" for p, v in zip(node.parents, values)),
-        f"  output: {_summary(node._value)}",
+        f"  output: {_summary(node._value if node._value is not None else node.value)}",
     ]
     return NonFiniteError("\n".join(lines))

@@ -340,12 +340,16 @@ class _UnrolledView(_Frames):
         if k in self.choice and n.op is not None:
             lines.append(("", f"option {self.choice[k]}"))
         small: list[tuple[str, str]] = []
+        deferred = self.cg._deferred
         if n.op is not None and n.op.name == "Hoisted":  # row t of a group (vgraph.virtual.hoist)
             small.append(("sg", f"hoisted: row {n.attrs['index']} of <{n.parents[0].key}>"))
         elif k.type.endswith("*") and n.op is not None:
             small.append(("sg", f"{n.op.name} for every iteration (hoisted)"))
         elif n.op is not None and n.op.name not in (k.type, "GetItem"):
             small.append(("sg", n.op.name))
+        if n in deferred:  # (ComputeGraph.computed_when_read)
+            proxy = deferred[n]
+            small.append(("sg", "computed when read" + (f", in <{proxy.key}>" if proxy is not None else "")))
         if n.op is not None and "gates" in n.attrs:  # a fused cell
             small.append(("sg", "gates " + " ".join(n.attrs["gates"])))
         if k.type == "Parameter" and k.idx:
@@ -356,6 +360,8 @@ class _UnrolledView(_Frames):
             small.append(("s", _shape_text(n.shape)))
         kind = k.type if k.type in _KIND_STYLE else "op"
         attrs = _kind_style(kind)
+        if n in deferred:  # a dashed outline: no value kept
+            attrs["style"] = attrs.get("style", "filled") + ",dashed"
         if self.gradients:
             norm = self.norms.get(n)
             if norm is None:
@@ -381,7 +387,12 @@ class _UnrolledView(_Frames):
         for n in self.nodes:
             if n.grad is not None:
                 has_child_grad.update(n.parents)
-        roots = [n for n in self.nodes if n.grad is not None and n.op is not None and n not in has_child_grad]
+        deferred = self.cg._deferred  # computed when read: no node reads them, none is the root
+        roots = [
+            n
+            for n in self.nodes
+            if n.grad is not None and n.op is not None and n not in has_child_grad and n not in deferred
+        ]
         return roots[0] if len(roots) == 1 else None
 
     def _legend(self) -> None:

@@ -126,6 +126,7 @@ class Elastic:
         self.traces = traces
         self.count = len(cg._nodes)  # the node count of the graph as built (and as resized last)
         self.lengths = [len(t.ends) for t in traces]
+        self.deferred = cg._deferred  # nodes computed when read: in no forward part
         self._ready: bool | None = None
 
     def analyse(self, cg: UnrolledGraph) -> bool:
@@ -355,7 +356,8 @@ class Elastic:
         part = cache[i]
         if part is None:
             grads = backward_order(nodes)  # this part of ComputeGraph._backward_plan
-            part = (forward_calls([n for n in nodes if n.op is not None]), grads, backward_calls(grads))
+            computed = [n for n in nodes if n.op is not None and n not in self.deferred]
+            part = (forward_calls(computed), grads, backward_calls(grads))
             if self.volatile.isdisjoint(nodes):
                 cache[i] = part
         return part

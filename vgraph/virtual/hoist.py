@@ -7,6 +7,11 @@ node keyed ``<MatMul*:1@idx>`` (``*``: every iteration of ``<MatMul:1>``). Each 
 its own ``<MatMul:1@idx.t>``: a ``Hoisted`` node whose value is a view of row ``t`` of the group's
 value and whose gradient lands in the group's gradient buffer in place. Keys, values, retained
 gradients, dirty checking and guards are those of the plain unroll; only the arithmetic is grouped.
+
+A copy that no unrolled node reads (where only other groups read ``x_t @ W_x``) is *computed when
+read* (:meth:`~vgraph.compute.ComputeGraph.computed_when_read`): no forward to the build's outputs
+would recompute it, so its value is row ``t`` of its group's current value at every read, never
+kept, never stale. Only in a plain build's own graph, not in a batched build's inputs.
 """
 
 from __future__ import annotations
@@ -183,3 +188,28 @@ def hoist_loop(
                 op = cast("Op", v.op)  # plan._hoistable lists only op nodes
                 groups[v] = cg._add_op(op, tuple(inputs), attrs, NodeKey(v.type + "*", v.id, idx), v.name)
     return groups
+
+
+def defer_unread(cg: Any, loop: LoopNode, groups: dict[VirtualNode, ComputeNode], made: int) -> None:
+    """Make every copy of a hoisted node that nothing built reads computed when read (see
+    :meth:`~vgraph.compute.ComputeGraph.computed_when_read`).
+
+    Where only hoisted work reads ``x_t @ W_x`` (its group ``<MatMul*:1>``), no forward to the build's outputs would recompute the copies ``<MatMul:1@t>``: their
+    values, views of an earlier group value, would go stale. Computed when read, each is row ``t``
+    of the group's current value. ``made``: how many nodes the loop added after its groups (its
+    iterations and stacks, the last nodes of ``cg``); a carry's update is read by the loop's final
+    state whatever its readers.
+    """
+    deferred = cg._deferred
+    read: set[ComputeNode] = set()
+    nodes = reversed(cg._nodes.values())
+    for _ in range(made):
+        n = next(nodes)
+        if n not in deferred:  # (a node computed when read reads its parents only then)
+            read.update(n.parents)
+    updates = set(loop.updates.values())
+    for v, group in groups.items():
+        if v not in updates:
+            for copy in cg._groups.get(group, ()):
+                if copy not in read:
+                    cg._defer(copy)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, cast
@@ -44,7 +44,7 @@ from .cache import SupersededGraph
 from .checkpoint import LoopRecord, Rematerializer
 from .elastic import Elastic, Trace, elastic_key
 from .graph import VirtualGraph
-from .hoist import hoist_loop
+from .hoist import defer_unread, hoist_loop
 from .nodes import _NO_LOOP_VALUE, BranchNode, LoopNode, VirtualNode
 from .plan import _Plan
 from .store import _store_name
@@ -170,21 +170,28 @@ class UnrolledGraph(ComputeGraph):
         if self._samples or not tapes_enabled() or is_anomaly_enabled():
             return False
         if self._replay_tape is None:
-            self._replay_tape = ForwardTape([n for n in self._nodes.values() if n.op is not None])
+            self._replay_tape = ForwardTape(self._computed())
         try:
             self._replay_tape(next_version)
         except Exception as e:
-            self._raise_tape_error([n for n in self._nodes.values() if n.op is not None], e)
+            self._raise_tape_error(self._computed(), e)
         return True
 
+    def _computed(self) -> list[ComputeNode]:
+        """The op nodes a replay computes: all but those computed when read (``computed_when_read``)."""
+        deferred = self._deferred
+        return [n for n in self._nodes.values() if n.op is not None and n not in deferred]
+
     def _replay_interpreted(self, rng: np.random.Generator | None) -> None:
-        samples, training = self._samples, self.virtual.training
+        samples, training, deferred = self._samples, self.virtual.training, self._deferred
         run = self._run
         for n in sorted(self._nodes.values(), key=_by_serial) if samples else self._nodes.values():
             if n.op is None:
                 sample = samples.get(n)
                 if sample is not None:
                     n.set_value(sample[0](rng, sample[1]._value, training))
+                continue
+            if n in deferred:
                 continue
             version = n.version
             for p in n.parents:
@@ -197,6 +204,18 @@ class UnrolledGraph(ComputeGraph):
         self._groups.setdefault(group, []).append(copy)
         return copy
 
+    def _gradient_sources(
+        self, nodes: Iterable[ComputeNode]
+    ) -> dict[ComputeNode, list[tuple[ComputeNode, int | None]]]:
+        """Each node the gradients of some of ``nodes`` are taken from (see :meth:`_backprop`), with
+        those nodes and how: row ``t`` of a hoisted group's gradient for its copy ``t``."""
+        groups = self._groups
+        found: dict[ComputeNode, list[tuple[ComputeNode, int | None]]] = {}
+        for n in nodes:
+            if n.op is _HOISTED and n.parents[0] in groups:
+                found.setdefault(n.parents[0], []).append((n, n.attrs["index"]))
+        return found
+
     def _backprop(
         self,
         plan: list[ComputeNode],
@@ -208,40 +227,38 @@ class UnrolledGraph(ComputeGraph):
         """:meth:`ComputeGraph._backprop`, plus the gradients of hoisted copies.
 
         Hoisted groups read each other directly, so a copy's own gradient lacks what hoisted
-        readers contributed; the plain unroll's gradient of copy ``t`` is row ``t`` of its group's
-        gradient (a group's only readers are its copies and other groups). Copies that retain
-        their gradient (``backward``) or are asked for (``grad``) get that row.
+        readers contributed (a copy computed when read has no reader at all); the plain unroll's
+        gradient of copy ``t`` is row ``t`` of its group's gradient (a group's only readers are its
+        copies and other groups). Copies that retain their gradient (``backward``) or are asked
+        for (``grad``) get that row.
         """
-        if not self._groups:
-            return super()._backprop(plan, roots, accumulate, wanted, reach)
-        if accumulate:
-            watched = {g: [c for c in cs if c.retains_grad] for g, cs in self._groups.items()}
-        else:
-            wanted = cast("set[ComputeNode]", wanted)  # grad() (accumulate=False) passes the set
-            watched = {g: [c for c in cs if c in wanted] for g, cs in self._groups.items()}
-        watched = {g: cs for g, cs in watched.items() if cs}
+        if accumulate:  # the nodes that retain their gradient are among those _graded holds
+            watched = self._gradient_sources([n for n in self._graded if n.retains_grad])
+        else:  # grad() (accumulate=False) passes the set
+            watched = self._gradient_sources(cast("set[ComputeNode]", wanted))
         if not watched:
             return super()._backprop(plan, roots, accumulate, wanted, reach)
         if not accumulate:
             found = super()._backprop(
                 plan, roots, accumulate, {*cast("set[ComputeNode]", wanted), *watched}, reach
             )
-            for g, copies in watched.items():
-                for c in copies:
+            for g, taken in watched.items():
+                for c, row in taken:
                     if g in found:
-                        found[c] = np.array(found[g][c.attrs["index"]])
+                        found[c] = np.array(found[g] if row is None else found[g][row])
             return found
         saved = {g: (g.retains_grad, g.grad) for g in watched}
-        before = {c: c.grad for cs in watched.values() for c in cs}
+        before = {c: c.grad for taken in watched.values() for c, _ in taken}
         for g in watched:
             g.retains_grad, g.grad = True, None
         try:
             found = super()._backprop(plan, roots, accumulate, wanted, reach)
-            for g, copies in watched.items():
-                for c in copies:
+            for g, taken in watched.items():
+                for c, row in taken:
                     if g.grad is not None:
-                        row = cast(np.ndarray, g.grad)[c.attrs["index"]]  # an op node's: dense
-                        c.grad = np.array(row) if before[c] is None else before[c] + row
+                        part = cast(np.ndarray, g.grad)  # an op node's: dense
+                        part = part if row is None else part[row]
+                        c.grad = np.array(part) if before[c] is None else before[c] + part
                         self._graded.add(c)
         finally:
             for g, (retains, grad) in saved.items():  # the group's own .grad as the user left it
@@ -368,6 +385,10 @@ class _Builder:
         batched build in :mod:`.batch`); ``builds``: the build counter seeding sampled nodes."""
         self.graph = graph
         self.hoist = hoist
+        # Whether the build may change how its own graph computes hoisted loops (see .hoist:
+        # copies computed when read): not an input's view of a batched build, whose ops the
+        # scheduler groups as declared.
+        self.rewrite = hoist and cg is None
         self.feed = feed
         self.plan = plan
         self.cg = UnrolledGraph(graph) if cg is None else cg
@@ -509,6 +530,7 @@ class _Builder:
             reads = [(read, loop.carries.index(read.inputs[0]), read.attrs["slot"]) for read in loop.children]
         captured = {c: frame.owner(c).env[c] for c in self.plan.captures[loop]}
         groups: dict[VirtualNode, ComputeNode] = {}
+        trips = 0
         if (
             self.hoist
             and loop.cond is None
@@ -538,6 +560,7 @@ class _Builder:
             trace = Trace(loop, cg, guard, check, list(groups.values()), seqs)
         c: Any  # a carry, or in a recursion a child's index
         t = 0
+        start = len(cg._nodes) if groups and self.rewrite else 0  # (defer_unread below)
         while True:
             if loop.times is not None and t >= loop.times:
                 break
@@ -611,6 +634,8 @@ class _Builder:
             env[s] = cg._add_op(_STACK, tuple(bucket), {"axis": 0}, NodeKey("Stack", s.id, idx), s.name)
             if ckpt is not None:
                 ckpt.share_stack(env[s], bucket)
+        if groups and self.rewrite:
+            defer_unread(cg, loop, groups, len(cg._nodes) - start)
         if trace is not None and trace.close(cg, [env[s] for s in stacked if s in env]):
             cast("list[Trace]", self.traces).append(trace)  # (a trace is made only when recording)
 
