@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import example as explicit_example
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -262,8 +263,17 @@ def loop_bodies(draw):
     times = draw(st.one_of(st.none(), st.integers(0, steps)))
     program = []
     for _ in range(draw(st.integers(1, 7))):
-        if draw(st.booleans()):
+        kind = draw(st.sampled_from(["unary", "binary", "invariant"]))
+        if kind == "unary":
             program.append(("unary", draw(st.sampled_from(UNARY)), draw(st.integers(0, 100))))
+        elif kind == "invariant":  # (p_i + p_j) + b, or b + (...): a sum a build may reassociate
+            # (often b * x_t and h: hoisted work plus carried state, the case it reassociates)
+            i, j = draw(
+                st.one_of(
+                    st.sampled_from([(2, 1), (1, 2)]), st.tuples(st.integers(0, 100), st.integers(0, 100))
+                )
+            )
+            program.append(("invariant", draw(st.booleans()), i, j))
         else:
             program.append(
                 (
@@ -292,6 +302,9 @@ def loop_body_model(body):
         for instr in program:
             if instr[0] == "unary":
                 pool.append(apply_unary(instr[1], pool[instr[2] % len(pool)]))
+            elif instr[0] == "invariant":
+                part = pool[instr[2] % len(pool)] + pool[instr[3] % len(pool)]
+                pool.append(part + b if instr[1] else b + part)
             else:
                 a, c = pool[instr[2] % len(pool)], pool[instr[3] % len(pool)]
                 pool.append(
@@ -307,6 +320,10 @@ def loop_body_model(body):
 
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(loop_bodies())
+@explicit_example((4, None, [("invariant", True, 2, 1)], 3, 3))  # (b x_t + h) + b: reassociated
+@explicit_example(
+    (3, None, [("binary", "matmul", 2, 0), ("invariant", False, 1, 3), ("unary", "tanh", 4)], 5, 4)
+)
 def test_random_loop_bodies_hoisted_equal_plain(body):
     previous = vg.get_default_dtype()
     vg.set_default_dtype(np.float64)
@@ -317,7 +334,10 @@ def test_random_loop_bodies_hoisted_equal_plain(body):
         for k in plain[2]:
             np.testing.assert_allclose(hoisted[2][k], plain[2][k], **TOL)
         for key, p in plain[0]._nodes.items():
-            np.testing.assert_allclose(hoisted[0].node(key).value, p.value, **TOL)
+            h = hoisted[0].node(key)
+            np.testing.assert_allclose(h.value, p.value, **TOL)
+            if p.grad is not None and p.op is not None:  # retained gradients (run retains all)
+                np.testing.assert_allclose(h.grad, p.grad, **TOL, err_msg=str(key))
     finally:
         vg.set_default_dtype(previous)
 
@@ -427,3 +447,185 @@ def test_a_node_computed_when_read_becomes_computed_when_a_node_reads_it():
     np.testing.assert_allclose(copy._value, new[2] @ g.params["W"].value, **TOL)  # kept and current
     with pytest.raises(vg.GraphStateError, match="not a node of this graph"):
         cg.computed_when_read(g.build({"xs": new}, loss, cache=False).node(u, (0,)))
+
+
+# ---------------------------------------------------------------------------- reassociated sums
+
+
+def rnn(order="x W + h U + b", T=5, bias=(4,)):
+    """A loop whose update sums x_t @ W (hoistable), h @ U (carried) and a bias, in ``order``."""
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 2, 3))
+    W = g.parameter("W", (3, 4))
+    U = g.parameter("U", (4, 4))
+    b = g.parameter("b", bias, init="normal") if bias != "tied" else None
+    with g.loop() as L:
+        h = L.carry(np.zeros((2, 4)), name="h")
+        xw, hu = L.step(xs) @ W, h @ U
+        if bias == "tied":  # a tied parameter declared in the body, after the partial sum
+            part = xw + hu
+            b = g.parameter("b", (4,), init="normal", share=True)
+            total = part + b
+        else:
+            part, total = {
+                "x W + h U + b": lambda: (p := xw + hu, p + b),
+                "h U + x W + b": lambda: (p := hu + xw, p + b),
+                "b + (x W + h U)": lambda: (p := xw + hu, b + p),
+            }[order]()
+        h_new = vg.tanh(total)
+        L.update(h, h_new)
+    loss = vg.sum(L.stack(h_new) ** 2)
+    feed = {"xs": np.random.default_rng(T).normal(size=(T, 2, 3))}
+    return g, loss, feed, part, total
+
+
+def per_iteration_sums(cg):
+    """The Add nodes a forward to the outputs computes in each iteration."""
+    plan = cg._forward_plan(tuple(cg.outputs))
+    iterations = {n.key.idx for n in plan if len(n.key.idx) == 1}
+    return sorted({sum(1 for n in plan if n.op.name == "Add" and n.key.idx == t) for t in iterations})
+
+
+@pytest.mark.parametrize("order", ["x W + h U + b", "h U + x W + b", "b + (x W + h U)"])
+def test_a_sum_with_a_loop_invariant_addend_is_reassociated(order):
+    """(x_t W + h U) + b is computed as (x_t W + b) + h U: the bias added once for every iteration
+    in a hoisted group, one addition per iteration; the partial sum keeps its key, and its value
+    and gradient are the plain unroll's."""
+    g, loss, feed, part, total = rnn(order)
+    plain, hoisted = assert_identical(g, feed, [loss], loss)
+    assert per_iteration_sums(plain) == [2] and per_iteration_sums(hoisted) == [1]
+    group = hoisted.node(f"Add*:{total.id}")
+    assert group.shape == (5, 2, 4) and g.params["b"] in group.parents
+    for t in range(5):
+        d, p = hoisted.node(part, (t,)), hoisted.node(total, (t,))
+        assert hoisted.computed_when_read(d) and not hoisted.computed_when_read(p)
+        assert hoisted.node(f"Add*:{total.id}@{t}") in p.parents  # row t of the group
+    # by hand: the partial sum's value
+    P = {k: g.params[k].value for k in ("W", "U", "b")}
+    np.testing.assert_allclose(hoisted.node(part, (0,)).value, feed["xs"][0] @ P["W"], **TOL)
+
+
+def test_a_tied_parameter_declared_in_the_body_is_an_invariant_addend():
+    g, loss, feed, part, total = rnn(bias="tied")
+    plain, hoisted = assert_identical(g, feed, [loss], loss)
+    assert per_iteration_sums(hoisted) == [1] and hoisted.computed_when_read(hoisted.node(part, (2,)))
+
+
+def test_a_sum_whose_partial_gradient_would_differ_is_built_as_declared():
+    """Reassociated, the partial sum's gradient is the whole sum's; so an addend that broadcasts the
+    partial sum to a larger shape keeps the declared order. (A dtype it would promote keeps it too;
+    a graph's parameters and constants all have its dtype.)"""
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 3))
+    W, U = g.parameter("W", (3, 4)), g.parameter("U", (4, 4))
+    k = g.parameter("k", (2, 4), init="normal")  # (4,) + (2, 4): a larger sum
+    with g.loop() as L:
+        h = L.carry(np.zeros(4), name="h")
+        part = L.step(xs) @ W + h @ U
+        L.update(h, vg.sum(vg.tanh(part + k), axis=0))
+    loss = vg.sum(L.final(h) ** 2)
+    plain, hoisted = assert_identical(g, {"xs": np.random.default_rng(0).normal(size=(4, 3))}, [loss], loss)
+    assert not any(p is not None for p in hoisted._deferred.values())
+    assert per_iteration_sums(hoisted) == [2]
+
+
+def test_a_partial_sum_read_elsewhere_is_not_reassociated():
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 2, 3))
+    W, U, b = g.parameter("W", (3, 4)), g.parameter("U", (4, 4)), g.parameter("b", (4,))
+    with g.loop() as L:
+        h = L.carry(np.zeros((2, 4)), name="h")
+        part = L.step(xs) @ W + h @ U
+        L.update(h, vg.tanh(part + b))
+    loss = vg.sum(L.final(h) ** 2) + vg.sum(L.stack(part))
+    plain, hoisted = assert_identical(g, {"xs": np.ones((4, 2, 3))}, [loss], loss)
+    assert per_iteration_sums(plain) == per_iteration_sums(hoisted) == [2]
+    assert not any(p is not None for p in hoisted._deferred.values())
+
+
+def test_gradients_values_and_forward_of_a_partial_sum_equal_the_plain_unroll():
+    """retain_grad, grad() with respect to it, backward from it and forward to it: as in the plain
+    unroll, though no sweep computes it; apply() refuses to read it and changes nothing."""
+    g, loss, feed, part, total = rnn()
+    results = []
+    for hoist in (False, True):
+        cg = g.build(feed, loss, hoist=hoist, cache=False)
+        d = cg.node(part, (2,))
+        d.retain_grad()
+        g.params.zero_grad()
+        cg.backward(loss)
+        retained = np.array(d.grad)
+        cg.forward()
+        (wrt_d,) = cg.grad(loss, [d])
+        cg.forward()
+        g.params.zero_grad()
+        cg.backward(d, seed=np.ones((2, 4)))  # a backward from it, as from any node
+        from_d_grads = {k: np.array(p.grad) for k, p in g.params.items() if p.grad is not None}
+        new = np.random.default_rng(9).normal(size=(5, 2, 3))
+        cg.feed({"xs": new})
+        forwarded = np.array(cg.forward(d))
+        results.append((retained, wrt_d, from_d_grads, forwarded))
+        if hoist:
+            assert cg.computed_when_read(d) and d._value is None
+            count = len(cg)
+            with pytest.raises(vg.GraphStateError, match=r"<Add:\d+@2> is computed when read.*hoist=False"):
+                cg.apply("Mul", [d, 2.0])
+            assert len(cg) == count and cg.computed_when_read(d)
+    (r0, w0, g0, f0), (r1, w1, g1, f1) = results
+    np.testing.assert_allclose(r1, r0, **TOL)
+    np.testing.assert_allclose(w1, w0, **TOL)
+    np.testing.assert_allclose(f1, f0, **TOL)
+    assert g1.keys() == g0.keys() and {"W", "U"} <= g0.keys()
+    for k in g0:
+        np.testing.assert_allclose(g1[k], g0[k], **TOL, err_msg=k)
+
+
+def test_the_renderer_marks_nodes_computed_when_read():
+    g, loss, feed, part, total = rnn()
+    cg = g.build(feed, loss)
+    dot = vg.render.to_dot(cg, fold=None)
+    assert dot.count("computed when read, in &lt;Add:") == 5  # each partial sum, naming its sum
+    assert "the hoisted part of &lt;Add:" in dot
+    partial = next(line for line in dot.splitlines() if line.lstrip().startswith(f'"Add:{part.id}@2"'))
+    assert "dashed" in partial  # drawn with a dashed outline: no value kept
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    st.integers(2, 6),
+    st.sampled_from(["x W", "tanh(x W)", "x W / 2"]),
+    st.sampled_from(["h U", "h", "tanh(h) * h"]),
+    st.sampled_from(["parameter", "tied", "constant"]),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+)
+def test_random_reassociated_sums_equal_plain(T, hoisted, carried, addend, a_first, k_last, stack_sum):
+    """(a + c) + k in every operand order, with a hoisted work of several forms, c carried state,
+    k a captured parameter, a tied parameter declared in the body or a constant, the sum stacked
+    or not: reassociated, and every key's value and retained gradient equal the plain unroll's."""
+    g = vg.VirtualGraph(seed=3)
+    xs = g.input("xs", (None, 2, 3))
+    W, U = g.parameter("W", (3, 4)), g.parameter("U", (4, 4), init="orthogonal")
+    k = {
+        "parameter": lambda: g.parameter("k", (4,), init="normal"),
+        "constant": lambda: g.constant(np.linspace(-1, 1, 4)),
+        "tied": lambda: None,
+    }[addend]()  # captured from outside the loop, or (tied) declared in its body below
+    with g.loop() as L:
+        h = L.carry(np.zeros((2, 4)), name="h")
+        x = L.step(xs)
+        a = {"x W": lambda: x @ W, "tanh(x W)": lambda: vg.tanh(x @ W), "x W / 2": lambda: x @ W * 0.5}[
+            hoisted
+        ]()
+        c = {"h U": lambda: h @ U, "h": lambda: h, "tanh(h) * h": lambda: vg.tanh(h) * h}[carried]()
+        part = a + c if a_first else c + a
+        kk = g.parameter("k", (4,), init="normal", share=True) if addend == "tied" else k
+        total = part + kk if k_last else kk + part
+        h_new = vg.tanh(total)
+        L.update(h, h_new)
+    loss = vg.sum(L.final(h) ** 2) + (vg.sum(L.stack(total)) if stack_sum else 0.0)
+    feed = {"xs": np.random.default_rng(T).normal(size=(T, 2, 3))}
+    plain, hoisted_cg = assert_identical(g, feed, [loss], loss)
+    assert hoisted_cg.computed_when_read(hoisted_cg.node(part, (T - 1,)))
+    assert per_iteration_sums(plain) == [2] and per_iteration_sums(hoisted_cg) == [1]

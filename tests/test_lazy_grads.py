@@ -471,9 +471,11 @@ def test_a_bias_gradient_keeps_bounded_memory(monkeypatch):
         np.testing.assert_array_equal(p, o)
 
 
-def elman(T, stepped_parameter):
+def elman(T, stepped_parameter, bias_last=True):
     """sum(h_T ** 2), h_t = tanh(x_t W_x + h_{t-1} W_h + b) (the benchmark's cell, float64); with
-    ``stepped_parameter``, x_t W_x is a parameter stepped through (its gradient is a leaf's)."""
+    ``stepped_parameter``, x_t W_x is a parameter stepped through (its gradient is a leaf's);
+    ``bias_last=False`` writes the sum x_t W_x + (h_{t-1} W_h + b), which a build does not
+    reassociate (b's gradient is then collected row by row)."""
     g = vg.VirtualGraph(dtype=np.float64, seed=0)
     xs = g.input("xs", (None, 2, 3))
     # declared first, so its turn in a backward sweep comes after W_h's and b's
@@ -484,7 +486,7 @@ def elman(T, stepped_parameter):
     with g.loop() as L:
         h = L.carry(np.zeros((2, 4)), name="h")
         x = L.step(ps) if stepped_parameter else L.step(xs) @ Wx
-        L.update(h, vg.tanh(x + h @ Wh + b))
+        L.update(h, vg.tanh(x + h @ Wh + b if bias_last else x + (h @ Wh + b)))
     loss = vg.sum(L.final(h) ** 2)
     return g, loss, {} if stepped_parameter else {"xs": np.random.default_rng(T).normal(size=(T, 2, 3))}
 
@@ -508,14 +510,14 @@ def elman_reference(P, xs, stepped_parameter):
     return grads
 
 
-@pytest.mark.parametrize("stepped_parameter", [False, True])
+@pytest.mark.parametrize("stepped_parameter, bias_last", [(False, True), (False, False), (True, True)])
 @pytest.mark.parametrize("tapes", [False, True])
 def test_a_loops_weight_bias_and_sequence_gradients_share_one_stack(
-    tapes, stepped_parameter, monkeypatch, stacks_made
+    tapes, stepped_parameter, bias_last, monkeypatch, stacks_made
 ):
     """The gradient rows of x_t + h W_h + b are stacked once per sweep for all who need them —
-    the hoisted group of x_t W_x (or a stepped parameter: a leaf, whose .grad then *is* the stack),
-    W_h and b when it comes after the stack was made — and the gradients equal a hand-written
+    the hoisted group of x_t W_x + b (or a stepped parameter: a leaf, whose .grad then *is* the
+    stack), W_h, and b when it comes after the stack was made — and the gradients equal a hand-written
     BPTT; a second backward accumulates into the stack a leaf adopted (after the sweep that shared
     it), changing no other gradient."""
     made = stacks_made
@@ -529,7 +531,7 @@ def test_a_loops_weight_bias_and_sequence_gradients_share_one_stack(
     previous = vg.tape.tapes_enabled()
     vg.tape.set_tapes(tapes)
     try:
-        g, loss, feed = elman(8, stepped_parameter)
+        g, loss, feed = elman(8, stepped_parameter, bias_last)
         cg = g.build(feed, loss)
         for sweep in range(3):  # the second and third compiled when tapes are on
             if feed:
@@ -539,9 +541,15 @@ def test_a_loops_weight_bias_and_sequence_gradients_share_one_stack(
                 g.params.zero_grad()
             cg.backward(cg.outputs[0])
             # one stack made, read by the others: by the hoisted group's gradient, read by b and
-            # W_h; or (a stepped parameter's turn comes last) made by W_h after b added its rows
-            # up, then handed to the parameter as its gradient
-            shared = [("own", False), ("read", True), ("read", True)]
+            # W_h (with b last the sum is reassociated: b's gradient is that of the hoisted group
+            # of x_t W_x + b, summed, and only W_h reads the stack); or (a stepped parameter's
+            # turn comes last, and it is no hoisted work to reassociate with) made by W_h after b
+            # added its rows up, then handed to the parameter as its gradient
+            shared = (
+                [("own", False), ("read", True)]
+                if bias_last
+                else [("own", False), ("read", True), ("read", True)]
+            )
             late = [("read", False), "b added up", ("read", False), ("make", False), ("own", True)]
             assert made == (late if stepped_parameter else shared)
             made.clear()

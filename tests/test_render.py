@@ -239,11 +239,13 @@ def test_fold_50_steps_to_3_plus_3():
     assert not any(k.startswith(("Tanh:1@3", "Tanh:1@46", "Tanh:1@10")) for k in d.nodes)
     pairs = [(a, b) for a, b, _ in d.edges]
     assert len(pairs) == len(set(pairs))  # deduplicated
-    for param in ("Parameter:2", "Parameter:3"):
-        assert pairs.count((param, fold)) == 1  # one edge for 44 uses
-    # x_t @ Wx is hoisted: Wx and the sequence feed the one op computed for every iteration
+    assert pairs.count(("Parameter:2", fold)) == 1  # one edge for 44 uses
+    # x_t @ Wx is hoisted: Wx and the sequence feed the one op computed for every iteration, and
+    # so does b (the sum is reassociated: x_t @ Wx + b for every iteration, then + h @ Wh)
     assert ("Parameter:1", "MatMul*:1") in pairs and ("Input:1", "Item*:1") in pairs
-    assert ("MatMul*:1", fold) in pairs
+    assert ("MatMul*:1", "Add*:2") in pairs and ("Parameter:3", "Add*:2") in pairs
+    assert not any(a == "Parameter:3" and b != "Add*:2" for a, b in pairs)
+    assert ("MatMul*:1", fold) in pairs and ("Add*:2", fold) in pairs
     assert ("Tanh:1@2", fold) in pairs and (fold, "MatMul:2@47") in pairs
     assert all(a != b for a, b in pairs)
     assert all(a in d.nodes and b in d.nodes for a, b in pairs)

@@ -688,6 +688,13 @@ class ComputeGraph:
                 elif x._graph is not self._weak_self:
                     raise GraphStateError(f"{x.describe()} belongs to another ComputeGraph")
                 elif x in self._deferred:
+                    proxy = self._deferred[x]
+                    if proxy is not None:
+                        raise GraphStateError(
+                            f"{x.describe()} is computed when read: the build computes {proxy.describe()} "
+                            "without it (see ComputeGraph.computed_when_read); compute from "
+                            f"{x.describe()}.value, or build with hoist=False"
+                        )
                     computed.append(x)
                 parents.append(x)
             for x in computed:
@@ -745,6 +752,24 @@ class ComputeGraph:
                 self._raise_op_error(node, e)
         return self._register(node, check_unique=False)
 
+    def _add_deferred(
+        self,
+        op: Op,
+        parents: tuple[ComputeNode, ...],
+        attrs: dict[str, Any] | None,
+        key: NodeKey,
+        name: str | None,
+        proxy: ComputeNode,
+    ) -> ComputeNode:
+        """Add an op node that is computed when read (see :meth:`computed_when_read`): its only
+        consumer was built to compute ``proxy`` without it, and its gradient is ``proxy``'s (a
+        sum whose other addend ``proxy`` adds another way, of the same shape and dtype)."""
+        vjps = cast("tuple[VJP | None, ...]", op.vjps)  # (Add and Hoisted: one VJP per input)
+        grads = _GradMode.enabled and any(f is not None and p.requires_grad for p, f in zip(parents, vjps))
+        node = ComputeNode(key, None, op, parents, attrs, grads, name, self)
+        self._deferred[node] = proxy
+        return self._register(node, check_unique=False)
+
     def _defer(self, node: ComputeNode) -> None:
         """Make op node ``node``, which nothing in the graph reads, computed when read."""
         node._value = None
@@ -766,10 +791,13 @@ class ComputeGraph:
         A build makes such nodes where nothing in the graph reads an unrolled node (see
         :mod:`vgraph.virtual.hoist`): the copy ``<MatMul:1@t>`` of a loop's hoisted ``x_t @ W_x``
         when only hoisted work reads it (row ``t`` of the group ``<MatMul*:1>``, which every
-        forward keeps up to date). Each keeps its key and parents; a forward *to* it computes its
-        parents; its gradient (``retain_grad``, :meth:`grad`) is what the plain unroll gives it
-        (its group's row), and a backward from it works as from any node. A node that
-        :meth:`apply` reads becomes an ordinary node. ``build(..., hoist=False)`` makes none.
+        forward keeps up to date), and the partial sum ``x_t @ W_x + h @ W_h`` of ``x_t @ W_x + h
+        @ W_h + b``, which the build computes as ``(x_t @ W_x + b) + h @ W_h``, the bias added once
+        for all steps. Each keeps its key and parents; a forward *to* it computes its parents; its
+        gradient (``retain_grad``, :meth:`grad`) is what the plain unroll gives it (its group's
+        row; the whole sum's gradient), and a backward from it works as from any node. A node that
+        :meth:`apply` reads becomes an ordinary node, except a partial sum (it raises).
+        ``build(..., hoist=False)`` makes none.
 
         Raises:
             GraphStateError: ``node`` is not a node of this graph.

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..compute import ComputeGraph, ComputeNode
-from ..virtual import LoopNode
+from ..virtual import LoopNode, UnrolledGraph
 from .frames import _Frame, _Frames
 from .gradients import INF_COLOR, NAN_COLOR, ZERO_COLOR, GradientScale, _luminance, gradient_color
 from .scene import (
@@ -344,7 +344,13 @@ class _UnrolledView(_Frames):
         if n.op is not None and n.op.name == "Hoisted":  # row t of a group (vgraph.virtual.hoist)
             small.append(("sg", f"hoisted: row {n.attrs['index']} of <{n.parents[0].key}>"))
         elif k.type.endswith("*") and n.op is not None:
-            small.append(("sg", f"{n.op.name} for every iteration (hoisted)"))
+            rows = self.cg._groups.get(n, ()) if isinstance(self.cg, UnrolledGraph) else ()
+            if rows and rows[0].key.type == k.type:  # a reassociated sum's hoisted part (.hoist.Reassociated)
+                small.append(
+                    ("sg", f"{n.op.name} for every iteration: the hoisted part of <{k.type[:-1]}:{k.id}@t>")
+                )
+            else:
+                small.append(("sg", f"{n.op.name} for every iteration (hoisted)"))
         elif n.op is not None and n.op.name not in (k.type, "GetItem"):
             small.append(("sg", n.op.name))
         if n in deferred:  # (ComputeGraph.computed_when_read)

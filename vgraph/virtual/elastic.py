@@ -163,7 +163,8 @@ class Elastic:
             loop = tr.loop
             tr.finals = [tr.envs[-1][loop.updates[c]] for c in loop.carries]
             finals.update({f: i for f in tr.finals if member.get(f) == i})
-            tr.copies = [(g, list(cg._groups.get(g, ()))) for g in tr.groups]
+            # (a reassociated sum's group has no copies if every iteration built the sum as declared)
+            tr.copies = [(g, list(cg._groups[g])) for g in tr.groups if g in cg._groups]
             tr.reversed = [
                 (env[item], t)
                 for t, env in enumerate(tr.envs)

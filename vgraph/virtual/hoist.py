@@ -8,10 +8,18 @@ its own ``<MatMul:1@idx.t>``: a ``Hoisted`` node whose value is a view of row ``
 value and whose gradient lands in the group's gradient buffer in place. Keys, values, retained
 gradients, dirty checking and guards are those of the plain unroll; only the arithmetic is grouped.
 
-A copy that no unrolled node reads (where only other groups read ``x_t @ W_x``) is *computed when
-read* (:meth:`~vgraph.compute.ComputeGraph.computed_when_read`): no forward to the build's outputs
-would recompute it, so its value is row ``t`` of its group's current value at every read, never
-kept, never stale. Only in a plain build's own graph, not in a batched build's inputs.
+Two more rewrites follow from the groups (a plain build's own graph only, not a batched build's):
+
+- A sum ``(a + c) + k`` of hoisted work ``a``, carried state ``c`` and a loop-invariant ``k``
+  (``x_t @ W_x + h @ W_h + b``) is computed as ``(a + k) + c`` (:class:`Reassociated`): ``a + k``
+  is one more group (``<Add*:s>``, the bias added once for all steps), and each iteration makes one
+  addition instead of two. Values differ from the plain unroll's in the last bits (floating-point
+  addition is not associative), as grouped products' already do.
+- A copy that no unrolled node reads (only groups read ``x_t @ W_x`` above), and the partial sum
+  ``a + c`` of a reassociated sum, are *computed when read*
+  (:meth:`~vgraph.compute.ComputeGraph.computed_when_read`): no forward to the build's outputs
+  would recompute them, so their values are computed from their parents' at every read, never
+  kept, never stale.
 """
 
 from __future__ import annotations
@@ -190,11 +198,92 @@ def hoist_loop(
     return groups
 
 
+class Reassociated:
+    """A loop body's sum ``s = (a + c) + k`` computed as ``(a + k) + c`` (see
+    :func:`.plan._reassociable`): ``a + k`` for every iteration is one hoisted group; iteration
+    ``t`` adds its row to ``c``. Stands in a body's build order where ``s`` was.
+
+    Each iteration keeps the plain unroll's nodes and keys: ``<Add:s@t>`` (the whole sum, computed
+    from row ``t`` of the group, ``<Add*:s@t>``, and ``c``) and ``<Add:a+c@t>``, which no sweep
+    computes: its value is computed when read and its gradient is ``<Add:s@t>``'s (see
+    :meth:`~vgraph.compute.ComputeGraph.computed_when_read`). An iteration whose shapes would make
+    the partial sum's gradient differ from the whole's (``k`` broadcasting ``a + c`` to a larger
+    shape, or promoting its dtype) is built as declared.
+    """
+
+    op = None  # (read by _Builder.run_scope: not an op of the body)
+    kind = "reassociated"
+
+    def __init__(
+        self, total: VirtualNode, part: VirtualNode, a: VirtualNode, c: VirtualNode, group: ComputeNode
+    ) -> None:
+        self.total, self.part, self.a, self.c, self.group = total, part, a, c, group
+
+    def build(self, cg: Any, env: dict[Any, Any], idx: tuple[int, ...]) -> None:
+        """Add iteration ``idx``'s nodes of the sum to ``cg`` and ``env``."""
+        total, part = self.total, self.part
+        c = env[self.c]
+        parents = tuple([env[u] for u in part.inputs])
+        a_shape, c_shape, rows = parents[part.inputs.index(self.a)].shape, c.shape, self.group._value
+        if np.broadcast_shapes(a_shape, c_shape) != np.broadcast_shapes(rows.shape[1:], c_shape) or (
+            np.result_type(*[p._value for p in parents]) != np.result_type(rows, c._value)
+        ):
+            env[part] = cg._add_op(part.op, parents, part.attrs, NodeKey(part.type, part.id, idx), part.name)
+            env[total] = cg._add_op(
+                total.op,
+                tuple([env[u] for u in total.inputs]),
+                total.attrs,
+                NodeKey(total.type, total.id, idx),
+                total.name,
+            )
+            return
+        key = NodeKey(self.group.key.type, total.id, idx)
+        row = cg._add_copy(self.group, cg._add_op(_HOISTED, (self.group,), {"index": idx[-1]}, key, None))
+        env[total] = node = cg._add_op(
+            total.op, (row, c), total.attrs, NodeKey(total.type, total.id, idx), total.name
+        )
+        env[part] = cg._add_deferred(
+            part.op, parents, part.attrs, NodeKey(part.type, part.id, idx), part.name, node
+        )
+
+
+def reassociate(
+    builder: _Builder,
+    loop: LoopNode,
+    frame: _Frame,
+    captured: dict[VirtualNode, ComputeNode],
+    groups: dict[VirtualNode, ComputeNode],
+    trips: int,
+) -> dict[VirtualNode, Reassociated]:
+    """Build the hoisted group ``a + k`` of every sum of ``loop`` that the plan may reassociate
+    (:func:`.plan._reassociable`) and whose ``a`` is grouped; returns what stands in each sum's
+    place in the body's build order, by sum."""
+    cg, idx = builder.cg, frame.idx
+    made: dict[VirtualNode, Reassociated] = {}
+    for total, (part, a, c, k) in builder.plan.reassociable[loop].items():
+        group = groups.get(a)
+        if group is None:
+            continue
+        if k.kind == "parameter" and k.scope is loop:  # a tied parameter declared in the body
+            invariant = cg.add_leaf(builder.parameter(k, idx))
+        else:
+            invariant = captured[k]
+        pair = (group, invariant) if total.inputs[0] is part else (invariant, group)
+        shapes = [p._value.shape[1:] if p is group else p._value.shape for p in pair]
+        attrs = batched_attrs("Add", total.attrs, shapes, [p is group for p in pair], trips)
+        if attrs is None:
+            continue
+        node = cg._add_op(cast("Op", total.op), pair, attrs, NodeKey("Add*", total.id, idx), None)
+        made[total] = Reassociated(total, part, a, c, node)
+    return made
+
+
 def defer_unread(cg: Any, loop: LoopNode, groups: dict[VirtualNode, ComputeNode], made: int) -> None:
     """Make every copy of a hoisted node that nothing built reads computed when read (see
     :meth:`~vgraph.compute.ComputeGraph.computed_when_read`).
 
-    Where only hoisted work reads ``x_t @ W_x`` (its group ``<MatMul*:1>``), no forward to the build's outputs would recompute the copies ``<MatMul:1@t>``: their
+    Where only hoisted work reads ``x_t @ W_x`` (its group ``<MatMul*:1>``, or a reassociated
+    sum), no forward to the build's outputs would recompute the copies ``<MatMul:1@t>``: their
     values, views of an earlier group value, would go stale. Computed when read, each is row ``t``
     of the group's current value. ``made``: how many nodes the loop added after its groups (its
     iterations and stacks, the last nodes of ``cg``); a carry's update is read by the loop's final
@@ -205,7 +294,7 @@ def defer_unread(cg: Any, loop: LoopNode, groups: dict[VirtualNode, ComputeNode]
     nodes = reversed(cg._nodes.values())
     for _ in range(made):
         n = next(nodes)
-        if n not in deferred:  # (a node computed when read reads its parents only then)
+        if n not in deferred:  # (a partial sum computed when read reads its parents only then)
             read.update(n.parents)
     updates = set(loop.updates.values())
     for v, group in groups.items():

@@ -60,15 +60,73 @@ def _hoistable(loop: LoopNode, eager: Sequence[VirtualNode]) -> list[VirtualNode
     for v in eager:
         if v.kind != "op" or v.type not in HOISTABLE_OPS:
             continue
-        if all(
-            u in found
-            or (u.kind == "item" and u.scope is loop)
-            or not _inside(u.scope, loop)
-            or (u.kind == "parameter" and u.scope is loop and u.attrs["share"])
-            for u in v.inputs
-        ):
+        if all(u in found or (u.kind == "item" and u.scope is loop) or _invariant(u, loop) for u in v.inputs):
             found[v] = None
     return list(found)
+
+
+def _invariant(u: VirtualNode, loop: LoopNode) -> bool:
+    """Whether ``u`` has the same value in every iteration of ``loop``: declared outside its body,
+    or a tied parameter declared in it."""
+    return not _inside(u.scope, loop) or (u.kind == "parameter" and u.scope is loop and u.attrs["share"])
+
+
+def _uses(graph: VirtualGraph, outputs: Sequence[VirtualNode]) -> dict[VirtualNode, int]:
+    """How many times each node is read: as an input, a loop's update, sequence or structure, a
+    branch's key or option, or an output of the build."""
+    uses: dict[VirtualNode, int] = {}
+    for v in graph.nodes:
+        read: list[VirtualNode] = list(v.inputs)
+        if isinstance(v, LoopNode):
+            read += [*v.updates.values(), *v.sequences]
+            if v.structure is not None:
+                read.append(v.structure)
+        elif isinstance(v, BranchNode):
+            read += [*v.keys, *v.options]
+        for u in read:
+            uses[u] = uses.get(u, 0) + 1
+    for u in outputs:
+        uses[u] = uses.get(u, 0) + 1
+    return uses
+
+
+def _reassociable(
+    loop: LoopNode,
+    eager: Sequence[VirtualNode],
+    hoistable: Sequence[VirtualNode],
+    uses: dict[VirtualNode, int],
+) -> dict[VirtualNode, tuple[VirtualNode, VirtualNode, VirtualNode, VirtualNode]]:
+    """The sums of ``loop``'s body a build may compute in another order: ``s = (a + c) + k`` with
+    ``a`` hoistable, ``c`` not, ``k`` the same in every iteration and ``a + c`` read by ``s``
+    only (``x_t @ W_x + h @ W_h + b``) is ``(a + k) + c``, ``a + k`` hoisted with ``a``: one
+    addition per iteration instead of two. Keyed by ``s``: ``(a + c, a, c, k)``; in either
+    operand order of both sums. Whether the shapes allow it is checked by the build
+    (:func:`.hoist.reassociate`).
+    """
+    grouped = set(hoistable)
+    body = set(eager)
+    found: dict[VirtualNode, tuple[VirtualNode, VirtualNode, VirtualNode, VirtualNode]] = {}
+    taken: set[VirtualNode] = set()
+    for s in eager:
+        if s.type != "Add" or s.kind != "op" or s in grouped:
+            continue
+        for part, k in (s.inputs, s.inputs[::-1]):
+            if (
+                part in body
+                and part not in taken
+                and part.type == "Add"
+                and part.kind == "op"
+                and part not in grouped
+                and uses.get(part) == 1
+                and _invariant(k, loop)
+            ):
+                x, y = part.inputs
+                if (x in grouped) != (y in grouped):
+                    a, c = (x, y) if x in grouped else (y, x)
+                    found[s] = (part, a, c, k)
+                    taken.add(part)
+                    break
+    return found
 
 
 class _Plan:
@@ -120,6 +178,11 @@ class _Plan:
             if v in eager and v.kind not in _SET_PER_ITERATION:
                 self.eager.setdefault(v.scope, []).append(v)
         self.hoistable = {loop: _hoistable(loop, self.eager.get(loop, ())) for loop in self.captures}
+        uses = _uses(graph, outputs)
+        self.reassociable = {
+            loop: _reassociable(loop, self.eager.get(loop, ()), self.hoistable[loop], uses)
+            for loop in self.captures
+        }
 
     def deps(self, v: VirtualNode) -> Sequence[VirtualNode]:
         """What must be built before ``v`` (branch options excluded: they are built on demand)."""

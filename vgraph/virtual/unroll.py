@@ -44,7 +44,7 @@ from .cache import SupersededGraph
 from .checkpoint import LoopRecord, Rematerializer
 from .elastic import Elastic, Trace, elastic_key
 from .graph import VirtualGraph
-from .hoist import defer_unread, hoist_loop
+from .hoist import Reassociated, defer_unread, hoist_loop, reassociate
 from .nodes import _NO_LOOP_VALUE, BranchNode, LoopNode, VirtualNode
 from .plan import _Plan
 from .store import _store_name
@@ -208,11 +208,15 @@ class UnrolledGraph(ComputeGraph):
         self, nodes: Iterable[ComputeNode]
     ) -> dict[ComputeNode, list[tuple[ComputeNode, int | None]]]:
         """Each node the gradients of some of ``nodes`` are taken from (see :meth:`_backprop`), with
-        those nodes and how: row ``t`` of a hoisted group's gradient for its copy ``t``."""
-        groups = self._groups
+        those nodes and how: row ``t`` of a hoisted group's gradient for its copy ``t``, the whole
+        gradient (``None``) of a sum for its partial sum computed when read."""
+        groups, deferred = self._groups, self._deferred
         found: dict[ComputeNode, list[tuple[ComputeNode, int | None]]] = {}
         for n in nodes:
-            if n.op is _HOISTED and n.parents[0] in groups:
+            proxy = deferred.get(n)
+            if proxy is not None:
+                found.setdefault(proxy, []).append((n, None))
+            elif n.op is _HOISTED and n.parents[0] in groups:
                 found.setdefault(n.parents[0], []).append((n, n.attrs["index"]))
         return found
 
@@ -224,13 +228,15 @@ class UnrolledGraph(ComputeGraph):
         wanted: set[ComputeNode] | None = None,
         reach: set[ComputeNode] | None = None,
     ) -> dict[ComputeNode, np.ndarray]:
-        """:meth:`ComputeGraph._backprop`, plus the gradients of hoisted copies.
+        """:meth:`ComputeGraph._backprop`, plus the gradients of hoisted copies and of nodes
+        computed when read.
 
         Hoisted groups read each other directly, so a copy's own gradient lacks what hoisted
-        readers contributed (a copy computed when read has no reader at all); the plain unroll's
-        gradient of copy ``t`` is row ``t`` of its group's gradient (a group's only readers are its
-        copies and other groups). Copies that retain their gradient (``backward``) or are asked
-        for (``grad``) get that row.
+        readers contributed; the plain unroll's gradient of copy ``t`` is row ``t`` of its group's
+        gradient (a group's only readers are its copies and other groups). A partial sum computed
+        when read has no reader: its gradient is that of the sum that computes it another way
+        (see ``computed_when_read``). Such nodes that retain their gradient (``backward``) or are
+        asked for (``grad``) get that row, or that gradient.
         """
         if accumulate:  # the nodes that retain their gradient are among those _graded holds
             watched = self._gradient_sources([n for n in self._graded if n.retains_grad])
@@ -386,8 +392,8 @@ class _Builder:
         self.graph = graph
         self.hoist = hoist
         # Whether the build may change how its own graph computes hoisted loops (see .hoist:
-        # copies computed when read): not an input's view of a batched build, whose ops the
-        # scheduler groups as declared.
+        # reassociated sums, copies computed when read): not an input's view of a batched build,
+        # whose ops the scheduler groups as declared.
         self.rewrite = hoist and cg is None
         self.feed = feed
         self.plan = plan
@@ -439,6 +445,8 @@ class _Builder:
         elif kind == "loop":
             assert isinstance(v, LoopNode)
             self.run_loop(v, frame)
+        elif kind == "reassociated":  # a sum of a loop body, built in another order (see .hoist)
+            cast(Reassociated, v).build(cg, env, frame.idx)
         elif kind == "branch":
             self.demand(v, frame)
         elif kind == "stacked":  # a loop sets its outputs when it runs, a stack only if it iterated
@@ -492,10 +500,11 @@ class _Builder:
             stack.pop()
         return cast(ComputeNode, frame.owner(target).env[target])  # not a loop: it has a value
 
-    def run_scope(self, frame: _Frame, order: list[VirtualNode] | None = None) -> None:
+    def run_scope(self, frame: _Frame, order: Sequence[Any] | None = None) -> None:
         # Declaration order is topological (see LoopNode.__exit__), and a body's env starts with
         # its captures, so every dependency is built by the time a node's turn comes. ``order``
-        # replaces the plan's eager list when some of it is hoisted (already in the env).
+        # replaces the plan's eager list when some of it is hoisted (already in the env) or
+        # reassociated (a .hoist.Reassociated stands where the sum was).
         env, idx, add_op = frame.env, frame.idx, self.cg._add_op
         for v in self.plan.eager.get(frame.scope, ()) if order is None else order:
             op = v.op
@@ -541,7 +550,13 @@ class _Builder:
             trips = min(n for n in (loop.times, length) if n is not None)  # known before it starts
             if 1 < trips <= loop.max_iters:
                 groups = hoist_loop(self, loop, frame, captured, seqs, trips)
-        order = [v for v in self.plan.eager.get(loop, ()) if v not in groups] if groups else None
+        sums = reassociate(self, loop, frame, captured, groups, trips) if groups and self.rewrite else {}
+        order: list[Any] | None = None
+        if groups:  # hoisted nodes are in the environment already; a reassociated sum is built whole
+            parts = {r.part for r in sums.values()}
+            order = [
+                sums.get(v, v) for v in self.plan.eager.get(loop, ()) if v not in groups and v not in parts
+            ]
         stacked = self.plan.stacked.get(loop, [])
         collected: list[list[ComputeNode]] = [[] for _ in stacked]
         names = [c.name for c in loop.carries]
@@ -557,7 +572,7 @@ class _Builder:
             and loop.until is None
         ):  # maybe elastic (vgraph.virtual.elastic)
             check = partial(_length_check, loop, idx)
-            trace = Trace(loop, cg, guard, check, list(groups.values()), seqs)
+            trace = Trace(loop, cg, guard, check, [*groups.values(), *(r.group for r in sums.values())], seqs)
         c: Any  # a carry, or in a recursion a child's index
         t = 0
         start = len(cg._nodes) if groups and self.rewrite else 0  # (defer_unread below)
