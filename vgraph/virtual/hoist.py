@@ -218,16 +218,15 @@ class Reassociated:
         self, total: VirtualNode, part: VirtualNode, a: VirtualNode, c: VirtualNode, group: ComputeNode
     ) -> None:
         self.total, self.part, self.a, self.c, self.group = total, part, a, c, group
+        self.declared = False  # whether some iteration built the sum as declared (see build)
 
     def build(self, cg: Any, env: dict[Any, Any], idx: tuple[int, ...]) -> None:
         """Add iteration ``idx``'s nodes of the sum to ``cg`` and ``env``."""
         total, part = self.total, self.part
         c = env[self.c]
         parents = tuple([env[u] for u in part.inputs])
-        a_shape, c_shape, rows = parents[part.inputs.index(self.a)].shape, c.shape, self.group._value
-        if np.broadcast_shapes(a_shape, c_shape) != np.broadcast_shapes(rows.shape[1:], c_shape) or (
-            np.result_type(*[p._value for p in parents]) != np.result_type(rows, c._value)
-        ):
+        if not _same_sum(env[self.a]._value, c._value, self.group._value):
+            self.declared = True
             env[part] = cg._add_op(part.op, parents, part.attrs, NodeKey(part.type, part.id, idx), part.name)
             env[total] = cg._add_op(
                 total.op,
@@ -245,6 +244,18 @@ class Reassociated:
         env[part] = cg._add_deferred(
             part.op, parents, part.attrs, NodeKey(part.type, part.id, idx), part.name, node
         )
+
+
+def _same_sum(a: Any, c: Any, rows: np.ndarray) -> bool:
+    """Whether ``a + c`` and ``rows[t] + c`` (``rows[t]``: ``a + k``) have one shape and dtype, so
+    that the gradient of ``a + c`` is that of the whole sum."""
+    a, c = np.asarray(a), np.asarray(c)
+    if a.shape == c.shape == rows.shape[1:] and a.dtype == c.dtype == rows.dtype:
+        return True  # the common case, decided without numpy's broadcasting rules
+    return bool(
+        np.broadcast_shapes(a.shape, c.shape) == np.broadcast_shapes(rows.shape[1:], c.shape)
+        and np.result_type(a, c) == np.result_type(rows, c)
+    )
 
 
 def reassociate(
@@ -278,27 +289,52 @@ def reassociate(
     return made
 
 
-def defer_unread(cg: Any, loop: LoopNode, groups: dict[VirtualNode, ComputeNode], made: int) -> None:
+def defer_unread(
+    builder: _Builder,
+    loop: LoopNode,
+    groups: dict[VirtualNode, ComputeNode],
+    sums: dict[VirtualNode, Reassociated],
+    made: int,
+) -> None:
     """Make every copy of a hoisted node that nothing built reads computed when read (see
     :meth:`~vgraph.compute.ComputeGraph.computed_when_read`).
 
     Where only hoisted work reads ``x_t @ W_x`` (its group ``<MatMul*:1>``, or a reassociated
     sum), no forward to the build's outputs would recompute the copies ``<MatMul:1@t>``: their
     values, views of an earlier group value, would go stale. Computed when read, each is row ``t``
-    of the group's current value. ``made``: how many nodes the loop added after its groups (its
-    iterations and stacks, the last nodes of ``cg``); a carry's update is read by the loop's final
-    state whatever its readers.
+    of the group's current value. Decided from the plan where it can be: copies whose readers are
+    all groups or reassociated sums are read by no node, copies that an ungrouped op of the body,
+    a stack or the loop's update reads are read in every iteration; only for readers that may not
+    be built in every iteration (a branch option, an inner loop, an output) are the loop's nodes
+    looked at. ``made``: how many nodes the loop added after its groups (its iterations and stacks,
+    the last nodes of the graph).
     """
-    deferred = cg._deferred
-    read: set[ComputeNode] = set()
-    nodes = reversed(cg._nodes.values())
-    for _ in range(made):
-        n = next(nodes)
-        if n not in deferred:  # (a partial sum computed when read reads its parents only then)
-            read.update(n.parents)
+    cg, readers = builder.cg, builder.plan.readers
+    body = set(builder.plan.eager.get(loop, ()))
+    parts = {r.part: r for r in sums.values()}
     updates = set(loop.updates.values())
+    unsure: list[ComputeNode] = []
     for v, group in groups.items():
-        if v not in updates:
+        if v in updates:  # read by the loop's final state
+            continue
+        read = readers.get(v, ())
+        if all(r is not None and (r in groups or (r in parts and not parts[r].declared)) for r in read):
             for copy in cg._groups.get(group, ()):
-                if copy not in read:
+                cg._defer(copy)
+        elif not any(
+            r is not None and (r.kind == "stacked" or (r in body and r.kind == "op" and r not in groups))
+            for r in read
+        ):
+            unsure.append(group)
+    if unsure:
+        deferred = cg._deferred
+        seen: set[ComputeNode] = set()
+        nodes = reversed(cg._nodes.values())
+        for _ in range(made):
+            n = next(nodes)
+            if n not in deferred:  # (a node computed when read reads its parents only then)
+                seen.update(n.parents)
+        for group in unsure:
+            for copy in cg._groups.get(group, ()):
+                if copy not in seen:
                     cg._defer(copy)

@@ -71,10 +71,11 @@ def _invariant(u: VirtualNode, loop: LoopNode) -> bool:
     return not _inside(u.scope, loop) or (u.kind == "parameter" and u.scope is loop and u.attrs["share"])
 
 
-def _uses(graph: VirtualGraph, outputs: Sequence[VirtualNode]) -> dict[VirtualNode, int]:
-    """How many times each node is read: as an input, a loop's update, sequence or structure, a
-    branch's key or option, or an output of the build."""
-    uses: dict[VirtualNode, int] = {}
+def _readers(graph: VirtualGraph, outputs: Sequence[VirtualNode]) -> dict[VirtualNode, list[VirtualNode | None]]:
+    """Who reads each node, once per read: a node of which it is an input, a loop of which it is
+    an update, sequence or structure, a branch of which it is a key or option; ``None`` for an
+    output of the build."""
+    readers: dict[VirtualNode, list[VirtualNode | None]] = {}
     for v in graph.nodes:
         read: list[VirtualNode] = list(v.inputs)
         if isinstance(v, LoopNode):
@@ -84,17 +85,17 @@ def _uses(graph: VirtualGraph, outputs: Sequence[VirtualNode]) -> dict[VirtualNo
         elif isinstance(v, BranchNode):
             read += [*v.keys, *v.options]
         for u in read:
-            uses[u] = uses.get(u, 0) + 1
+            readers.setdefault(u, []).append(v)
     for u in outputs:
-        uses[u] = uses.get(u, 0) + 1
-    return uses
+        readers.setdefault(u, []).append(None)
+    return readers
 
 
 def _reassociable(
     loop: LoopNode,
     eager: Sequence[VirtualNode],
     hoistable: Sequence[VirtualNode],
-    uses: dict[VirtualNode, int],
+    readers: dict[VirtualNode, list[VirtualNode | None]],
 ) -> dict[VirtualNode, tuple[VirtualNode, VirtualNode, VirtualNode, VirtualNode]]:
     """The sums of ``loop``'s body a build may compute in another order: ``s = (a + c) + k`` with
     ``a`` hoistable, ``c`` not, ``k`` the same in every iteration and ``a + c`` read by ``s``
@@ -117,7 +118,7 @@ def _reassociable(
                 and part.type == "Add"
                 and part.kind == "op"
                 and part not in grouped
-                and uses.get(part) == 1
+                and len(readers.get(part, ())) == 1
                 and _invariant(k, loop)
             ):
                 x, y = part.inputs
@@ -178,9 +179,9 @@ class _Plan:
             if v in eager and v.kind not in _SET_PER_ITERATION:
                 self.eager.setdefault(v.scope, []).append(v)
         self.hoistable = {loop: _hoistable(loop, self.eager.get(loop, ())) for loop in self.captures}
-        uses = _uses(graph, outputs)
+        self.readers = _readers(graph, outputs)
         self.reassociable = {
-            loop: _reassociable(loop, self.eager.get(loop, ()), self.hoistable[loop], uses)
+            loop: _reassociable(loop, self.eager.get(loop, ()), self.hoistable[loop], self.readers)
             for loop in self.captures
         }
 

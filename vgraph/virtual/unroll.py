@@ -650,7 +650,7 @@ class _Builder:
             if ckpt is not None:
                 ckpt.share_stack(env[s], bucket)
         if groups and self.rewrite:
-            defer_unread(cg, loop, groups, len(cg._nodes) - start)
+            defer_unread(self, loop, groups, sums, len(cg._nodes) - start)
         if trace is not None and trace.close(cg, [env[s] for s in stacked if s in env]):
             cast("list[Trace]", self.traces).append(trace)  # (a trace is made only when recording)
 
