@@ -619,9 +619,11 @@ def bench_incremental(n_paths: int = 100, repeats: int = 50, B: int = 16, D: int
 def _graph_value_bytes(cg: Any, extra: list[Any]) -> int:
     """Bytes of the distinct memory blocks behind the nodes' values: a view (``x[t]`` of an
     input, a read-only view handed out by ``.value``, an identity op's result) counts once, as the
-    array that owns the memory."""
+    array that owns the memory. Nodes computed when read keep no value: they count nothing."""
     roots: dict[int, np.ndarray] = {}
     for n in [*cg.nodes(), *extra]:
+        if n.graph is cg and cg.computed_when_read(n):
+            continue
         a = np.asarray(n.value)
         while isinstance(a.base, np.ndarray):
             a = a.base
