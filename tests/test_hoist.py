@@ -500,9 +500,12 @@ def test_a_sum_with_a_loop_invariant_addend_is_reassociated(order):
         d, p = hoisted.node(part, (t,)), hoisted.node(total, (t,))
         assert hoisted.computed_when_read(d) and not hoisted.computed_when_read(p)
         assert hoisted.node(f"Add*:{total.id}@{t}") in p.parents  # row t of the group
-    # by hand: the partial sum's value
+    # by hand: the partial sums' values, x_t W + h_{t-1} U
     P = {k: g.params[k].value for k in ("W", "U", "b")}
-    np.testing.assert_allclose(hoisted.node(part, (0,)).value, feed["xs"][0] @ P["W"], **TOL)
+    h = np.zeros((2, 4))
+    for t, x in enumerate(feed["xs"]):
+        np.testing.assert_allclose(hoisted.node(part, (t,)).value, x @ P["W"] + h @ P["U"], **TOL)
+        h = np.tanh(x @ P["W"] + h @ P["U"] + P["b"])
 
 
 def test_a_tied_parameter_declared_in_the_body_is_an_invariant_addend():

@@ -71,7 +71,9 @@ def _invariant(u: VirtualNode, loop: LoopNode) -> bool:
     return not _inside(u.scope, loop) or (u.kind == "parameter" and u.scope is loop and u.attrs["share"])
 
 
-def _readers(graph: VirtualGraph, outputs: Sequence[VirtualNode]) -> dict[VirtualNode, list[VirtualNode | None]]:
+def _readers(
+    graph: VirtualGraph, outputs: Sequence[VirtualNode]
+) -> dict[VirtualNode, list[VirtualNode | None]]:
     """Who reads each node, once per read: a node of which it is an input, a loop of which it is
     an update, sequence or structure, a branch of which it is a key or option; ``None`` for an
     output of the build."""
