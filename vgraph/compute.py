@@ -752,28 +752,12 @@ class ComputeGraph:
                 self._raise_op_error(node, e)
         return self._register(node, check_unique=False)
 
-    def _add_deferred(
-        self,
-        op: Op,
-        parents: tuple[ComputeNode, ...],
-        attrs: dict[str, Any] | None,
-        key: NodeKey,
-        name: str | None,
-        proxy: ComputeNode,
-    ) -> ComputeNode:
-        """Add an op node that is computed when read (see :meth:`computed_when_read`): its only
-        consumer was built to compute ``proxy`` without it, and its gradient is ``proxy``'s (a
-        sum whose other addend ``proxy`` adds another way, of the same shape and dtype)."""
-        vjps = cast("tuple[VJP | None, ...]", op.vjps)  # (Add and Hoisted: one VJP per input)
-        grads = _GradMode.enabled and any(f is not None and p.requires_grad for p, f in zip(parents, vjps))
-        node = ComputeNode(key, None, op, parents, attrs, grads, name, self)
-        self._deferred[node] = proxy
-        return self._register(node, check_unique=False)
-
-    def _defer(self, node: ComputeNode) -> None:
-        """Make op node ``node``, which nothing in the graph reads, computed when read."""
+    def _defer(self, node: ComputeNode, proxy: ComputeNode | None = None) -> None:
+        """Make op node ``node``, which nothing in the graph reads, computed when read (see
+        :meth:`computed_when_read`). ``proxy``: a sum that a build computes without ``node``, its
+        partial sum; ``node``'s gradient is then ``proxy``'s (same shape and dtype)."""
         node._value = None
-        self._deferred[node] = None
+        self._deferred[node] = proxy
 
     def _read_deferred(self, node: ComputeNode) -> Any:
         """The value of a node computed when read: from its parents' values (computed when read in

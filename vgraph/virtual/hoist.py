@@ -224,26 +224,24 @@ class Reassociated:
         """Add iteration ``idx``'s nodes of the sum to ``cg`` and ``env``."""
         total, part = self.total, self.part
         c = env[self.c]
-        parents = tuple([env[u] for u in part.inputs])
+        partial = env[part] = cg._add_op(
+            part.op,
+            tuple([env[u] for u in part.inputs]),
+            part.attrs,
+            NodeKey(part.type, part.id, idx),
+            part.name,
+        )
+        key = NodeKey(total.type, total.id, idx)
         if not _same_sum(env[self.a]._value, c._value, self.group._value):
             self.declared = True
-            env[part] = cg._add_op(part.op, parents, part.attrs, NodeKey(part.type, part.id, idx), part.name)
             env[total] = cg._add_op(
-                total.op,
-                tuple([env[u] for u in total.inputs]),
-                total.attrs,
-                NodeKey(total.type, total.id, idx),
-                total.name,
+                total.op, tuple([env[u] for u in total.inputs]), total.attrs, key, total.name
             )
             return
-        key = NodeKey(self.group.key.type, total.id, idx)
-        row = cg._add_copy(self.group, cg._add_op(_HOISTED, (self.group,), {"index": idx[-1]}, key, None))
-        env[total] = node = cg._add_op(
-            total.op, (row, c), total.attrs, NodeKey(total.type, total.id, idx), total.name
-        )
-        env[part] = cg._add_deferred(
-            part.op, parents, part.attrs, NodeKey(part.type, part.id, idx), part.name, node
-        )
+        row_key = NodeKey(self.group.key.type, total.id, idx)
+        row = cg._add_copy(self.group, cg._add_op(_HOISTED, (self.group,), {"index": idx[-1]}, row_key, None))
+        env[total] = node = cg._add_op(total.op, (row, c), total.attrs, key, total.name)
+        cg._defer(partial, node)  # (computed once above: no forward computes it again)
 
 
 def _same_sum(a: Any, c: Any, rows: np.ndarray) -> bool:
