@@ -238,6 +238,15 @@ case(
 )  # fmt: skip
 # Hoisted: one iteration's row of a hoisted loop-body node (GetItem with an int index).
 case("row", "Hoisted", lambda x: x.graph.apply("Hoisted", [x], {"index": 2}), lambda x: x[2], normal(4, 3, 5))
+# AddRow: a reassociated loop sum, row t of a hoisted group plus a per-iteration term.
+case(
+    "row_plus",
+    "AddRow",
+    lambda rows, x: rows.graph.apply("AddRow", [rows, x], {"index": 1}),
+    lambda rows, x: rows[1] + x,
+    normal(4, 3, 5),
+    normal(3, 5),
+)
 
 # Concat and Stack: several inputs, different axes.
 for shapes, axis in [

@@ -1260,6 +1260,20 @@ def _hoisted(x: np.ndarray, index: int) -> np.ndarray:
 
 defop("Hoisted", _hoisted, _hoisted_vjp)
 
+
+def _add_row(rows: np.ndarray, x: np.ndarray, index: int) -> np.ndarray:
+    out: np.ndarray = rows[index] + x
+    return out
+
+
+def _add_row_vjp(g: np.ndarray, ans: np.ndarray, rows: np.ndarray, x: np.ndarray, index: int) -> IndexedGrad:
+    return IndexedGrad(rows.shape, g.dtype, index, g, True)  # rows[index] has g's shape (see below)
+
+
+# ``rows[index] + x``: a loop's sum whose hoisted part is row ``index`` of a group (see
+# vgraph.virtual.hoist.Reassociated), for a row, ``x`` and sum all of one shape and dtype.
+defop("AddRow", _add_row, _add_row_vjp, pass_through)
+
 #: Forwards and VJPs whose effect compiled sweeps (vgraph.tape) write out inline instead of calling
 #: them, by kind. Forward "row": ``x[attrs["index"]]``. VJP "pass": ``g`` itself; "row": ``g`` at
 #: basic index ``attrs["index"]`` of the input (an IndexedGrad), which the sweep adds straight into
@@ -1271,6 +1285,7 @@ INLINE_FORWARDS: dict[Any, str] = {_hoisted: "row"}
 INLINE_VJPS: dict[Any, str] = {
     pass_through: "pass",
     _hoisted_vjp: "row",
+    _add_row_vjp: "row",  # (the row of ``rows[index] + x``: shaped as ``x`` and the sum)
     _matmul_vjp_b: "rows product",
     _linear_vjp_w: "rows product",  # a layer's weight: the product's VJP (x0 @ x1 + bias)
 }

@@ -343,9 +343,13 @@ class _UnrolledView(_Frames):
         deferred = self.cg._deferred
         if n.op is not None and n.op.name == "Hoisted":  # row t of a group (vgraph.virtual.hoist)
             small.append(("sg", f"hoisted: row {n.attrs['index']} of <{n.parents[0].key}>"))
+        elif n.op is not None and n.op.name == "AddRow":  # a reassociated sum (vgraph.virtual.hoist)
+            small.append(("sg", f"row {n.attrs['index']} of <{n.parents[0].key}> + <{n.parents[1].key}>"))
         elif k.type.endswith("*") and n.op is not None:
             rows = self.cg._groups.get(n, ()) if isinstance(self.cg, UnrolledGraph) else ()
-            if rows and rows[0].key.type == k.type:  # a reassociated sum's hoisted part (.hoist.Reassociated)
+            if (
+                rows and rows[0].op is not None and rows[0].op.name == "AddRow"
+            ):  # a reassociated sum's hoisted part
                 small.append(
                     ("sg", f"{n.op.name} for every iteration: the hoisted part of <{k.type[:-1]}:{k.id}@t>")
                 )

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from .nodes import LoopNode, VirtualNode
     from .unroll import _Builder, _Frame
 
-_HOISTED, _GETITEM = OPS["Hoisted"], OPS["GetItem"]
+_HOISTED, _GETITEM, _ADD_ROW = OPS["Hoisted"], OPS["GetItem"], OPS["AddRow"]
 _SOFTMAXES = ("Softmax", "LogSoftmax")
 
 
@@ -200,15 +200,16 @@ def hoist_loop(
 
 class Reassociated:
     """A loop body's sum ``s = (a + c) + k`` computed as ``(a + k) + c`` (see
-    :func:`.plan._reassociable`): ``a + k`` for every iteration is one hoisted group; iteration
-    ``t`` adds its row to ``c``. Stands in a body's build order where ``s`` was.
+    :func:`.plan._reassociable`): ``a + k`` for every iteration is one hoisted group ``<Add*:s>``;
+    iteration ``t`` adds its row to ``c``. Stands in a body's build order where ``s`` was.
 
-    Each iteration keeps the plain unroll's nodes and keys: ``<Add:s@t>`` (the whole sum, computed
-    from row ``t`` of the group, ``<Add*:s@t>``, and ``c``) and ``<Add:a+c@t>``, which no sweep
-    computes: its value is computed when read and its gradient is ``<Add:s@t>``'s (see
-    :meth:`~vgraph.compute.ComputeGraph.computed_when_read`). An iteration whose shapes would make
-    the partial sum's gradient differ from the whole's (``k`` broadcasting ``a + c`` to a larger
-    shape, or promoting its dtype) is built as declared.
+    Each iteration keeps the plain unroll's nodes and keys: ``<Add:s@t>``, the whole sum, an
+    ``AddRow`` node (``rows[t] + c``, reading the group directly: one node for what a ``Hoisted``
+    row and an ``Add`` would do), and ``<Add:a+c@t>``, which no sweep computes: its value is
+    computed when read and its gradient is ``<Add:s@t>``'s (see
+    :meth:`~vgraph.compute.ComputeGraph.computed_when_read`). That needs ``a``, ``c`` and the sum
+    of one shape and dtype (``k`` neither broadcasts nor promotes the partial sum, and the sum
+    broadcasts neither term): an iteration where they are not is built as declared.
     """
 
     op = None  # (read by _Builder.run_scope: not an op of the body)
@@ -223,7 +224,7 @@ class Reassociated:
     def build(self, cg: Any, env: dict[Any, Any], idx: tuple[int, ...]) -> None:
         """Add iteration ``idx``'s nodes of the sum to ``cg`` and ``env``."""
         total, part = self.total, self.part
-        c = env[self.c]
+        a, c, rows = env[self.a]._value, env[self.c]._value, self.group._value
         partial = env[part] = cg._add_op(
             part.op,
             tuple([env[u] for u in part.inputs]),
@@ -232,28 +233,17 @@ class Reassociated:
             part.name,
         )
         key = NodeKey(total.type, total.id, idx)
-        if not _same_sum(env[self.a]._value, c._value, self.group._value):
+        if not (a.shape == c.shape == rows.shape[1:] and a.dtype == c.dtype == rows.dtype):
+            # the partial sum's gradient would not be the whole sum's (k broadcasts or promotes it),
+            # or the sum broadcasts its terms: built as declared
             self.declared = True
             env[total] = cg._add_op(
                 total.op, tuple([env[u] for u in total.inputs]), total.attrs, key, total.name
             )
             return
-        row_key = NodeKey(self.group.key.type, total.id, idx)
-        row = cg._add_copy(self.group, cg._add_op(_HOISTED, (self.group,), {"index": idx[-1]}, row_key, None))
-        env[total] = node = cg._add_op(total.op, (row, c), total.attrs, key, total.name)
+        node = cg._add_op(_ADD_ROW, (self.group, env[self.c]), {"index": idx[-1]}, key, total.name)
+        env[total] = cg._add_copy(self.group, node)  # (a node that reads one row of the group)
         cg._defer(partial, node)  # (computed once above: no forward computes it again)
-
-
-def _same_sum(a: Any, c: Any, rows: np.ndarray) -> bool:
-    """Whether ``a + c`` and ``rows[t] + c`` (``rows[t]``: ``a + k``) have one shape and dtype, so
-    that the gradient of ``a + c`` is that of the whole sum."""
-    a, c = np.asarray(a), np.asarray(c)
-    if a.shape == c.shape == rows.shape[1:] and a.dtype == c.dtype == rows.dtype:
-        return True  # the common case, decided without numpy's broadcasting rules
-    return bool(
-        np.broadcast_shapes(a.shape, c.shape) == np.broadcast_shapes(rows.shape[1:], c.shape)
-        and np.result_type(a, c) == np.result_type(rows, c)
-    )
 
 
 def reassociate(

@@ -94,7 +94,8 @@ class UnrolledGraph(ComputeGraph):
         self.decisions: list[Decision] = []
         self.inputs: dict[str, ComputeNode] = {}
         self._envs: dict[tuple[LoopNode | None, tuple[int, ...]], dict[VirtualNode, ComputeNode]] = {}
-        # Hoisted groups and their per-iteration copies (row t of the group is copy t).
+        # Hoisted groups and the nodes that read one row of them per iteration: their copies (row t
+        # of the group is copy t, a Hoisted node) and a reassociated sum's AddRow nodes (.hoist).
         self._groups: dict[ComputeNode, list[ComputeNode]] = {}
         # Sampled leaves (dropout masks): how to draw them again when the graph is replayed.
         self._samples: dict[ComputeNode, tuple[Any, ComputeNode]] = {}
