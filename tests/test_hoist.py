@@ -635,3 +635,32 @@ def test_random_reassociated_sums_equal_plain(T, hoisted, carried, addend, a_fir
     plain, hoisted_cg = assert_identical(g, feed, [loss], loss)
     assert hoisted_cg.computed_when_read(hoisted_cg.node(part, (T - 1,)))
     assert per_iteration_sums(plain) == [2] and per_iteration_sums(hoisted_cg) == [1]
+
+
+def test_a_recursion_over_a_tree_reassociates_its_sum():
+    """In a recursion, x_t W + (left U_l + right U_r) + b: the same rewrite over tree nodes (row t of
+    the group is tree node t), against the plain unroll at every key, and by hand."""
+    g = vg.VirtualGraph(dtype=np.float64, seed=0)
+    children = g.input("children", (None, 2))
+    words = g.input("words", (None, 3))
+    W, U_l, U_r = g.parameter("W", (3, 4)), g.parameter("U_l", (4, 4)), g.parameter("U_r", (4, 4))
+    b = g.parameter("b", (4,), init="normal")
+    with g.recurse(children, name="tree") as r:
+        x = r.step(words)
+        h = r.state(np.zeros(4), name="h")
+        part = x @ W + (r.child(h, 0) @ U_l + r.child(h, 1) @ U_r)
+        h_new = vg.tanh(part + b)
+        r.update(h, h_new)
+    score = vg.sum(r.final(h) ** 2)
+    kids = np.array([[-1, -1], [-1, -1], [0, 1], [-1, -1], [2, 3]])
+    feed = {"children": kids, "words": np.random.default_rng(1).normal(size=(5, 3))}
+    plain, hoisted = assert_identical(g, feed, [score], score)
+    assert all(hoisted.computed_when_read(hoisted.node(part, (t,))) for t in range(5))
+    P = {k: g.params[k].value for k in ("W", "U_l", "U_r", "b")}
+    value = []
+    for t, (left, right) in enumerate(kids):
+        kid = [value[j] if j >= 0 else np.zeros(4) for j in (left, right)]
+        s = feed["words"][t] @ P["W"] + (kid[0] @ P["U_l"] + kid[1] @ P["U_r"])
+        np.testing.assert_allclose(hoisted.node(part, (t,)).value, s, **TOL)
+        value.append(np.tanh(s + P["b"]))
+    np.testing.assert_allclose(hoisted.forward(), np.sum(value[-1] ** 2), **TOL)
