@@ -109,14 +109,12 @@ def _reassociable(
     grouped = set(hoistable)
     body = set(eager)
     found: dict[VirtualNode, tuple[VirtualNode, VirtualNode, VirtualNode, VirtualNode]] = {}
-    taken: set[VirtualNode] = set()
     for s in eager:
         if s.type != "Add" or s.kind != "op" or s in grouped:
             continue
         for part, k in (s.inputs, s.inputs[::-1]):
             if (
                 part in body
-                and part not in taken
                 and part.type == "Add"
                 and part.kind == "op"
                 and part not in grouped
@@ -126,8 +124,7 @@ def _reassociable(
                 x, y = part.inputs
                 if (x in grouped) != (y in grouped):
                     a, c = (x, y) if x in grouped else (y, x)
-                    found[s] = (part, a, c, k)
-                    taken.add(part)
+                    found[s] = (part, a, c, k)  # (part has one reader, s: no other sum takes it)
                     break
     return found
 
