@@ -439,6 +439,10 @@ def test_a_node_computed_when_read_becomes_computed_when_a_node_reads_it():
     rng = np.random.default_rng(1)
     cg = g.build({"xs": rng.normal(size=(3, 2, 3))}, loss)
     copy = cg.node(u, (2,))
+    count = len(cg)
+    with pytest.raises(vg.ShapeError):  # a failed apply changes nothing
+        cg.apply("MatMul", [copy, np.ones((3, 3))])
+    assert len(cg) == count and cg.computed_when_read(copy) and copy._value is None
     doubled = cg.apply("Mul", [copy, 2.0])
     assert not cg.computed_when_read(copy)
     new = rng.normal(size=(3, 2, 3))
