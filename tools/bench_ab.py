@@ -34,12 +34,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchcommon import BLAS_VARS  # (tools/, this script's directory, is on sys.path)
+
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = ["8,32,16,50", "32,128,32,50", "64,256,64,100", "8,32,1,1000"]
 MODES = ("reuse", "rebuild", "rebuild-new")
 #: Steps per repeat by size, so that one repeat takes some tens of milliseconds.
 STEPS = {"8,32,16,50": 100, "32,128,32,50": 30, "64,256,64,100": 3, "8,32,1,1000": 10}
-BLAS_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+BLAS_ENV = dict.fromkeys(BLAS_VARS, "1")
 
 
 def worker(root: str, size: str, mode: str, steps: int, repeats: int, interleave: bool) -> dict[str, Any]:

@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 import sys
 
+#: The environment variables that set how many threads BLAS (OpenBLAS, MKL, OpenMP) runs.
+BLAS_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
 
 def pin_blas_threads() -> None:
     """Run BLAS single-threaded unless told otherwise (``--blas-threads N`` or the usual env vars).
@@ -21,7 +24,7 @@ def pin_blas_threads() -> None:
             n = sys.argv[i + 1]
         elif a.startswith("--blas-threads="):
             n = a.split("=", 1)[1]
-    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    for var in BLAS_VARS:
         if n is not None:
             os.environ[var] = n
         else:

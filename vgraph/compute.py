@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Reversible, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Reversible, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from operator import attrgetter
@@ -890,12 +890,7 @@ class ComputeGraph:
         cache_key = (*targets, len(self._guards))
         plan = self._forward_plans.get(cache_key)
         if plan is None:
-            deferred = self._deferred  # computed when read, by no sweep
-            plan = [
-                n
-                for n in self._ancestors((*targets, *self._guards))
-                if n.op is not None and n not in deferred
-            ]
+            plan = computed_ops(self._ancestors((*targets, *self._guards)), self._deferred)
             self._forward_plans[cache_key] = plan
         return plan
 
@@ -1483,6 +1478,14 @@ def backward_order(nodes: Reversible[ComputeNode]) -> list[ComputeNode]:
 
 
 _by_serial = attrgetter("serial")
+
+
+def computed_ops(nodes: Iterable[ComputeNode], deferred: Mapping[ComputeNode, Any]) -> list[ComputeNode]:
+    """The op nodes among ``nodes`` that a forward or replay computes: all but those computed when
+    read (``deferred``: a graph's ``_deferred``, see :meth:`ComputeGraph.computed_when_read`)."""
+    return [n for n in nodes if n.op is not None and n not in deferred]
+
+
 _get_value = attrgetter("_value")
 _ALL = "*"  # key of ComputeGraph._fresh meaning every node of the graph
 

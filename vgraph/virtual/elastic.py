@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from ..compute import ComputeNode, backward_order
+from ..compute import ComputeNode, backward_order, computed_ops
 from ..ops import OPS, Op
 from ..tape import BackwardTape, Call, ForwardTape, backward_calls, forward_calls, tapes_enabled
 
@@ -357,8 +357,7 @@ class Elastic:
         part = cache[i]
         if part is None:
             grads = backward_order(nodes)  # this part of ComputeGraph._backward_plan
-            computed = [n for n in nodes if n.op is not None and n not in self.deferred]
-            part = (forward_calls(computed), grads, backward_calls(grads))
+            part = (forward_calls(computed_ops(nodes, self.deferred)), grads, backward_calls(grads))
             if self.volatile.isdisjoint(nodes):
                 cache[i] = part
         return part

@@ -22,6 +22,7 @@ from ..compute import (
     _anomaly_scope,
     _as_value,
     _by_serial,
+    computed_ops,
     is_anomaly_enabled,
     is_grad_enabled,
     next_version,
@@ -171,17 +172,12 @@ class UnrolledGraph(ComputeGraph):
         if self._samples or not tapes_enabled() or is_anomaly_enabled():
             return False
         if self._replay_tape is None:
-            self._replay_tape = ForwardTape(self._computed())
+            self._replay_tape = ForwardTape(computed_ops(self._nodes.values(), self._deferred))
         try:
             self._replay_tape(next_version)
         except Exception as e:
-            self._raise_tape_error(self._computed(), e)
+            self._raise_tape_error(computed_ops(self._nodes.values(), self._deferred), e)
         return True
-
-    def _computed(self) -> list[ComputeNode]:
-        """The op nodes a replay computes: all but those computed when read (``computed_when_read``)."""
-        deferred = self._deferred
-        return [n for n in self._nodes.values() if n.op is not None and n not in deferred]
 
     def _replay_interpreted(self, rng: np.random.Generator | None) -> None:
         samples, training, deferred = self._samples, self.virtual.training, self._deferred
