@@ -636,3 +636,32 @@ def test_collectors_of_the_same_rows_agree_in_any_order(T, order, in_sweep):
             assert not np.shares_memory(got[x], got[y]), (x, y)
     for x, o in zip(g, originals):
         np.testing.assert_array_equal(x, o)  # no contribution written into
+
+
+def test_a_weights_products_compacted_unit_by_unit_keep_the_same_sum():
+    """RowsProductGrad.compact (a checkpointed loop calls it after each unit): the products so far
+    become a kept total and their inputs are let go; later uses add to it; the gradient equals
+    the sum of every use's product, computed by hand. Compacting makes no stack for the sweep's
+    other collectors (a unit's rows are no one else's), and a result handed out after the last
+    compaction is the caller's own array."""
+    rng = np.random.default_rng(3)
+    uses = [(rng.normal(size=(4, 3)), rng.normal(size=(4, 5))) for _ in range(7)]
+    want = sum(a.T @ g for a, g in uses)
+    with ops.sweep_scope():
+        grad = ops.RowsProductGrad(*uses[0])
+        for k, (a, g) in enumerate(uses[1:], start=1):
+            grad.merge(ops.RowsProductGrad(a, g))
+            if k in (2, 3, 6):  # units of 3, 1 and 3 uses: the last leaves nothing pending
+                grad.compact()
+                assert grad.a == [] and grad.g == []
+        assert ops._sweep.stacks == {}
+        got = grad.dense()
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+        got[...] = 0
+        np.testing.assert_allclose(grad.dense(), want, rtol=1e-12)
+    # merged after compaction: the totals add
+    first, second = ops.RowsProductGrad(*uses[0]), ops.RowsProductGrad(*uses[1])
+    first.compact()
+    second.merge(ops.RowsProductGrad(*uses[2]))
+    second.compact()
+    np.testing.assert_allclose(first.merge(second).dense(), sum(a.T @ g for a, g in uses[:3]), rtol=1e-12)

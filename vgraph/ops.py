@@ -531,25 +531,44 @@ class RowsProductGrad(LazyGrad):
     computed as one stacked product when all uses are in — one ``(I, T*rows) @ (T*rows, H)`` call
     instead of T small products and T additions."""
 
-    __slots__ = ("a", "g")
+    __slots__ = ("a", "g", "total")
 
     def __init__(self, a: np.ndarray, g: np.ndarray) -> None:
         self.shape = (a.shape[1], g.shape[1])  # LazyGrad's fields, set here on the hot path
         self.dtype = a.dtype if a.dtype == g.dtype else np.result_type(a, g)
         self.a = [a]
         self.g = [g]
+        self.total: np.ndarray | None = None  # the products of uses let go by compact(), summed
 
     #: Rows stacked for one product: longer stacks are summed in blocks of about this many rows,
     #: so the copies the stacking makes stay small (a few MiB) however long the loop was.
     BLOCK_ROWS = 8192
 
     def dense(self) -> np.ndarray:
+        return self._sum(share=True)
+
+    def _sum(self, share: bool) -> np.ndarray:
+        """The gradient: the products of the uses collected, plus the total of those compacted.
+        ``share``: the rows of ``g`` may be stacked for (and read from) the sweep's other
+        collectors of the same rows (see :func:`_rows_stack`) — not for a part of them."""
         # The annotated locals here and below: numpy's stubs type arithmetic on arrays of unknown
         # dtype as Any.
         out: np.ndarray
+        total = self.total
+        if not self.a and total is not None:  # every use compacted
+            out = total.copy()
+            return out
         if len(self.a) == 1:
             out = self.a[0].T @ self.g[0]
-            return out
+        else:
+            out = self._products(share)
+        if total is not None:
+            out += total
+        return out
+
+    def _products(self, share: bool) -> np.ndarray:
+        """The sum of the products of two or more uses, stacked in blocks."""
+        out: np.ndarray
         # Uses first to last (a loop's iterations in order): the order in which the other
         # collectors of the same gradient rows stack them (StepRowsGrad, LeadingSumGrad).
         a, g = self.a[::-1], self.g[::-1]
@@ -557,8 +576,13 @@ class RowsProductGrad(LazyGrad):
         # The rows of g as one (n, rows, H) stack: the one another collector made in this sweep,
         # or made here (and kept for the sweep's later collectors) if it is one block.
         shape, dtype = g[0].shape, g[0].dtype
-        whole = _shared_stack(g, dtype)
-        if whole is None and len(g) <= per and all(x.shape == shape and x.dtype == dtype for x in g):
+        whole = _shared_stack(g, dtype) if share else None
+        if (
+            share
+            and whole is None
+            and len(g) <= per
+            and all(x.shape == shape and x.dtype == dtype for x in g)
+        ):
             whole = _rows_stack(g, dtype, own=False)
         if whole is not None:
             whole = whole.reshape(-1, whole.shape[-1])
@@ -579,17 +603,19 @@ class RowsProductGrad(LazyGrad):
         acc += self.dense()
 
     def compact(self) -> None:
-        """Compute the products collected so far now, as one (the same sum), and keep only it:
-        the inputs of every use so far are let go."""
-        if len(self.a) > 1:
-            total = self.dense()
-            self.a[:] = [np.eye(total.shape[0], dtype=total.dtype)]
-            self.g[:] = [total]
+        """Compute the products collected so far now, add them to the total kept, and let the
+        inputs of every use so far go (the same sum, grouped by when this was called)."""
+        if self.a:
+            self.total = self._sum(share=False)  # (a unit's rows: no other collector stacks these)
+            self.a.clear()
+            self.g.clear()
 
     def merge(self, other: LazyGrad) -> LazyGrad | np.ndarray:
         if isinstance(other, RowsProductGrad):  # self is one node's pending gradient: extend it
             self.a.extend(other.a)
             self.g.extend(other.g)
+            if other.total is not None:
+                self.total = other.total if self.total is None else self.total + other.total
             return self
         return super().merge(other)
 
@@ -1267,7 +1293,7 @@ def _add_row(rows: np.ndarray, x: np.ndarray, index: int) -> np.ndarray:
 
 
 def _add_row_vjp(g: np.ndarray, ans: np.ndarray, rows: np.ndarray, x: np.ndarray, index: int) -> IndexedGrad:
-    return IndexedGrad(rows.shape, g.dtype, index, g, True)  # rows[index] has g's shape (see below)
+    return _hoisted_vjp(g, ans, rows, index)  # the row's gradient: rows[index] has g's shape (below)
 
 
 # ``rows[index] + x``: a loop's sum whose hoisted part is row ``index`` of a group (see
