@@ -590,6 +590,44 @@ def test_gradients_values_and_forward_of_a_partial_sum_equal_the_plain_unroll():
         np.testing.assert_allclose(g1[k], g0[k], **TOL, err_msg=k)
 
 
+def test_a_partial_sum_never_mixes_old_and_new_values():
+    """A partial sum computed when read is computed from what the last forward left: if that is
+    what its sum used, its value is the plain unroll's; if a forward to the outputs left part of it
+    out of date (a carry the loss does not read) while it recomputed the rest, reading it raises
+    instead of adding a new term to an old one, and a forward to it gives the plain unroll's."""
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 2, 3))
+    W, U, b = g.parameter("W", (3, 4)), g.parameter("U", (4, 4)), g.parameter("b", (4,), init="normal")
+    with g.loop() as L:
+        h, k = L.carry(np.zeros((2, 4)), name="h"), L.carry(np.full((2, 4), 0.5), name="k")
+        xw = L.step(xs) @ W
+        L.update(h, vg.tanh(xw + h @ U))
+        part = xw + vg.tanh(k) * k
+        L.update(k, vg.tanh(part + b))  # (the loss reads h only: forward() leaves k's chain alone)
+    loss = vg.sum(L.final(h) ** 2)
+    rng = np.random.default_rng(5)
+    feed, new = ({"xs": rng.normal(size=(4, 2, 3))} for _ in range(2))
+    cg, plain = g.build(feed, loss, cache=False), g.build(feed, loss, hoist=False, cache=False)
+    d, d_plain = cg.node(part, (2,)), plain.node(part, (2,))
+    assert cg.computed_when_read(d)
+    np.testing.assert_allclose(d.value, d_plain.value, **TOL)
+    for graph in (cg, plain):  # a parameter changed: the values d is computed from did not
+        graph.backward(loss)
+    g.params["W"].value = g.params["W"].value + 1.0
+    np.testing.assert_allclose(d.value, d_plain.value, **TOL)  # both: as the last forward left it
+    for graph in (cg, plain):
+        graph.feed(new)
+        graph.forward()
+    with pytest.raises(
+        vg.GraphStateError,
+        match=r"<Add:\d+@2> keeps no value.*mix old and new values: <\S+> is stale, <Input:1> 'xs' was fed",
+    ):
+        d.value  # noqa: B018
+    assert "computed when read: inputs changed since the last forward" in vg.render.explore(cg)
+    np.testing.assert_allclose(cg.forward(d), plain.forward(d_plain), **TOL)
+    np.testing.assert_allclose(d.value, d_plain.value, **TOL)
+
+
 def test_the_renderer_marks_nodes_computed_when_read():
     g, loss, feed, part, total = rnn()
     cg = g.build(feed, loss)

@@ -422,12 +422,22 @@ class ComputeNode(Operand):
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape of the value."""
-        return np.shape(self._value if self._value is not None else self.value)
+        return np.shape(self._described())
 
     @property
     def dtype(self) -> np.dtype:
         """The dtype of the value."""
-        return np.asarray(self._value if self._value is not None else self.value).dtype
+        return np.asarray(self._described()).dtype
+
+    def _described(self) -> Any:
+        """The value, or for a node computed when read whose work another node computes (a
+        partial sum: of its sum's shape and dtype) that node's value."""
+        v = self._value
+        if v is None:
+            graph = self.graph
+            proxy = graph._deferred.get(self) if graph is not None else None
+            return proxy._described() if proxy is not None else self.value
+        return v
 
     @property
     def is_leaf(self) -> bool:
@@ -761,12 +771,52 @@ class ComputeGraph:
 
     def _read_deferred(self, node: ComputeNode) -> Any:
         """The value of a node computed when read: from its parents' values (computed when read in
-        turn if they are so), kept nowhere."""
+        turn if they are so), kept nowhere.
+
+        A node whose work another node computes (a partial sum: its *proxy*, see :meth:`_defer`)
+        gets the value that node's last computation used, if nothing it is computed from changed
+        since; otherwise, if all that it is computed from is up to date, the value a forward would
+        compute now (after a forward *to* it, say).
+
+        Raises:
+            GraphStateError: neither: what it is computed from changed since its proxy was
+                computed and some of it is out of date (a parameter changed by an optimiser step
+                without a forward since), so its value would mix old and new values — one no
+                forward computed.
+        """
         op = cast(Op, node.op)  # only op nodes are computed when read
+        proxy = self._deferred.get(node)
+        if proxy is not None and self._changed_since(node, proxy.version):
+            self._refuse_mixed(node)
         try:
             return op.forward(*[p.value for p in node.parents], **node.attrs)
         except Exception as e:
             self._raise_op_error(node, e)
+
+    def _changed_since(self, node: ComputeNode, version: int) -> bool:
+        """Whether a value that ``node``, computed when read, is computed from (through nodes
+        computed when read) changed after clock reading ``version``."""
+        deferred, stack = self._deferred, [node]
+        while stack:
+            for p in stack.pop().parents:
+                if p in deferred:
+                    stack.append(p)
+                elif p.version > version:
+                    return True
+        return False
+
+    def _refuse_mixed(self, node: ComputeNode) -> None:
+        """Raise if some value that node computed when read is computed from is out of date (see
+        :meth:`_read_deferred`)."""
+        stale = self._first_stale([node])
+        if stale is not None:
+            raise GraphStateError(
+                f"{node.describe()} keeps no value (it is computed when read, see "
+                "ComputeGraph.computed_when_read), and computing it now would mix old and new "
+                f"values: {stale.describe()} is stale, {self._staleness(stale)} Run forward first "
+                f"(cg.forward({node.key!s}) or, for a build, cg.forward()); build with hoist=False "
+                "to keep every value as the last forward computed it"
+            )
 
     def computed_when_read(self, node: ComputeNode) -> bool:
         """Whether ``node`` is *computed when read*: it keeps no value, ``.value`` computes it from
@@ -782,6 +832,12 @@ class ComputeGraph:
         row; the whole sum's gradient), and a backward from it works as from any node. A node that
         :meth:`apply` reads becomes an ordinary node, except a partial sum (it raises).
         ``build(..., hoist=False)`` makes none.
+
+        A partial sum's value is the one its sum used, as long as what it is computed from has not
+        changed since the sum was computed; after a forward *to* it, the new one. Where a forward
+        left part of what it is computed from out of date and recomputed the rest (a forward to
+        outputs that do not read the sum), reading it raises a GraphStateError rather than mix old
+        and new values.
 
         Raises:
             GraphStateError: ``node`` is not a node of this graph.
@@ -1084,19 +1140,35 @@ class ComputeGraph:
             GraphStateError: naming the first stale node, the change that made it stale, and what
                 to do.
         """
+        stale = self._first_stale(roots)
+        if stale is not None:
+            raise self._stale_error(stale, roots[0], action)
+
+    def _first_stale(self, roots: Sequence[ComputeNode]) -> ComputeNode | None:
+        """The first out-of-date node a forward to ``roots`` would compute, or None (see
+        :meth:`_check_values_fresh`)."""
         newest = max([leaf.version for leaf in self._leaves], default=0)
         fresh = self._fresh
         known = fresh.get(_ALL, 0)
         if newest <= known or all(newest <= fresh.get(r, 0) for r in roots):
-            return
+            return None
         for n in self._forward_plan(tuple(roots)):
             version = n.version
             for p in n.parents:
                 if p.version > version:
-                    raise self._stale_error(n, roots[0], action)
+                    return n
         self._mark_fresh(roots)
+        return None
 
     def _stale_error(self, node: ComputeNode, root: ComputeNode, action: str) -> GraphStateError:
+        return GraphStateError(
+            f"{action} from {root.describe()} would read out-of-date values: {node.describe()} is "
+            f"stale, {self._staleness(node)} Run forward first (cg.forward({root.key!s}) or, for a "
+            f"build, cg.forward()), then {action}."
+        )
+
+    def _staleness(self, node: ComputeNode) -> str:
+        """Why out-of-date ``node`` is: the change that made it so (a sentence)."""
         changed = sorted(
             (a for a in self._ancestors([node]) if a.op is None and a.version > node.version),
             key=attrgetter("version"),
@@ -1116,11 +1188,7 @@ class ComputeGraph:
             if self._failed_forward
             else ""
         )
-        return GraphStateError(
-            f"{action} from {root.describe()} would read out-of-date values: {node.describe()} is "
-            f"stale, {what}.{failed} Run forward first (cg.forward({root.key!s}) or, for a build, "
-            f"cg.forward()), then {action}."
-        )
+        return f"{what}.{failed}"
 
     def _check_fresh(self) -> None:
         if self._stale is not None:

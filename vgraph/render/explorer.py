@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from ..compute import ComputeGraph
-from ..errors import RenderError, VGraphError
+from ..errors import GraphStateError, RenderError, VGraphError
 from ..virtual import LoopNode, UnrolledGraph, VirtualGraph, VirtualNode
 from .frames import _Frames
 from .gradients import _use_sites, gradient_through_time, retain_all_grads
@@ -303,15 +303,19 @@ def _unrolled_data(cg: ComputeGraph) -> dict[str, Any]:
         cols["key"].append(str(k))
         cols["name"].append(strings(n.name))
         cols["op"].append(strings(n.op.name if n.op is not None else None))
-        cols["shape"].append(strings(_shape_text(tuple(np.shape(n.value)))))
-        cols["dtype"].append(strings(str(np.asarray(n.value).dtype)))
+        cols["shape"].append(strings(_shape_text(tuple(n.shape))))
+        cols["dtype"].append(strings(str(n.dtype)))
         owner = frames_view.owner.get(n)
         cols["frame"].append(frame_index.get(owner, -1) if owner is not None else -1)
         cols["parents"].append([index[p] for p in n.parents if p in index])
-        cols["stats"].append(_stats(n.value))
+        notes = []
+        try:
+            cols["stats"].append(_stats(n.value))
+        except GraphStateError:  # computed when read, from values changed since the last forward
+            cols["stats"].append(None)
+            notes.append("computed when read: inputs changed since the last forward")
         g = norms.get(n)
         cols["grad"].append(None if g is None else _num(g))
-        notes = []
         nexts = frames_view.next_names.get(n)
         if nexts:
             notes.append("→ next " + ", ".join(nexts))
