@@ -9,6 +9,7 @@ at every node, the same parameter gradients and the same decisions (float64, 1e-
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -483,34 +484,42 @@ def rnn(order="x W + h U + b", T=5, bias=(4,)):
     return g, loss, feed, part, total
 
 
-def per_iteration_sums(cg):
-    """The additions a forward to the outputs computes in each iteration (Add or AddRow nodes)."""
+def per_iteration_sums(cg, ops=("Add", "AddRow", "MatMulAddRow")):
+    """The additions (or other ``ops``) a forward to the outputs computes in each iteration."""
     plan = cg._forward_plan(tuple(cg.outputs))
     iterations = {n.key.idx for n in plan if len(n.key.idx) == 1}
-    return sorted(
-        {sum(1 for n in plan if n.op.name in ("Add", "AddRow") and n.key.idx == t) for t in iterations}
-    )
+    return sorted({sum(1 for n in plan if n.op.name in ops and n.key.idx == t) for t in iterations})
+
+
+def carried_product(part):
+    """``h @ U`` of the partial sum ``part`` of :func:`rnn`."""
+    return next(u for u in part.inputs if u.type == "MatMul" and u.inputs[1].name == "U")
 
 
 @pytest.mark.parametrize("order", ["x W + h U + b", "h U + x W + b", "b + (x W + h U)"])
 def test_a_sum_with_a_loop_invariant_addend_is_reassociated(order):
     """(x_t W + h U) + b is computed as (x_t W + b) + h U: the bias added once for every iteration
-    in a hoisted group, one addition per iteration; the partial sum keeps its key, and its value
-    and gradient are the plain unroll's."""
+    in a hoisted group, one addition per iteration, which also computes h U (read by nothing
+    else); the partial sum and the product keep their keys, and their values and gradients are
+    the plain unroll's."""
     g, loss, feed, part, total = rnn(order)
+    hu = carried_product(part)
     plain, hoisted = assert_identical(g, feed, [loss], loss)
     assert per_iteration_sums(plain) == [2] and per_iteration_sums(hoisted) == [1]
+    assert per_iteration_sums(plain, ("MatMul",)) == [2] and per_iteration_sums(hoisted, ("MatMul",)) == [0]
     group = hoisted.node(f"Add*:{total.id}")
     assert group.shape == (5, 2, 4) and g.params["b"] in group.parents
     for t in range(5):
-        d, p = hoisted.node(part, (t,)), hoisted.node(total, (t,))
-        assert hoisted.computed_when_read(d) and not hoisted.computed_when_read(p)
-        assert p.op.name == "AddRow" and p.parents[0] is group and p.attrs["index"] == t  # row t + h U
+        d, p, m = hoisted.node(part, (t,)), hoisted.node(total, (t,)), hoisted.node(hu, (t,))
+        assert hoisted.computed_when_read(d) and hoisted.computed_when_read(m)
+        assert not hoisted.computed_when_read(p) and hoisted._deferred[m] is p
+        assert p.op.name == "MatMulAddRow" and p.parents == (*m.parents, group) and p.attrs["index"] == t
     assert len(hoisted) == len(plain) + 3  # x_t, x_t W and x_t W + b for every step: no node per step
-    # by hand: the partial sums' values, x_t W + h_{t-1} U
+    # by hand: the products h_{t-1} U and the partial sums x_t W + h_{t-1} U
     P = {k: g.params[k].value for k in ("W", "U", "b")}
     h = np.zeros((2, 4))
     for t, x in enumerate(feed["xs"]):
+        np.testing.assert_allclose(hoisted.node(hu, (t,)).value, h @ P["U"], **TOL)
         np.testing.assert_allclose(hoisted.node(part, (t,)).value, x @ P["W"] + h @ P["U"], **TOL)
         h = np.tanh(x @ P["W"] + h @ P["U"] + P["b"])
 
@@ -628,14 +637,103 @@ def test_a_partial_sum_never_mixes_old_and_new_values():
     np.testing.assert_allclose(d.value, d_plain.value, **TOL)
 
 
+def test_gradients_values_and_forward_of_a_fused_product_equal_the_plain_unroll():
+    """h U, whose work the sum reading it does (MatMulAddRow): retain_grad, grad() with respect to
+    it, backward from it and forward to it as in the plain unroll; apply() refuses to read it."""
+    g, loss, feed, part, total = rnn()
+    hu = carried_product(part)
+    results = []
+    for hoist in (False, True):
+        cg = g.build(feed, loss, hoist=hoist, cache=False)
+        m = cg.node(hu, (3,))
+        m.retain_grad()
+        g.params.zero_grad()
+        cg.backward(loss)
+        retained = np.array(m.grad)
+        cg.forward()
+        (wrt_m,) = cg.grad(loss, [m])
+        cg.forward()
+        g.params.zero_grad()
+        cg.backward(m, seed=np.ones((2, 4)))
+        from_m_grads = {k: np.array(p.grad) for k, p in g.params.items() if p.grad is not None}
+        cg.feed({"xs": np.random.default_rng(9).normal(size=(5, 2, 3))})
+        forwarded = np.array(cg.forward(m))
+        results.append((retained, wrt_m, from_m_grads, forwarded))
+        if hoist:
+            assert cg.computed_when_read(m) and m._value is None
+            count = len(cg)
+            with pytest.raises(
+                vg.GraphStateError, match=r"<MatMul:\d+@3> is computed when read.*hoist=False"
+            ):
+                cg.apply("Mul", [m, 2.0])
+            assert len(cg) == count and cg.computed_when_read(m)
+    (r0, w0, g0, f0), (r1, w1, g1, f1) = results
+    for got, want in ((r1, r0), (w1, w0), (f1, f0)):
+        np.testing.assert_allclose(got, want, **TOL)
+    assert g1.keys() == g0.keys() == {"W", "U", "b"}
+    for k in g0:
+        np.testing.assert_allclose(g1[k], g0[k], **TOL, err_msg=k)
+
+
+def test_a_value_computed_when_read_is_never_computed_from_out_of_date_values():
+    """After an optimiser step, h_2 U would be computed from the step's U and the h_2 the old U
+    gave: a value no forward computes. Reading it (or the partial sum that reads it) raises and says
+    what changed; shape and dtype stay known; after a forward the value is the new parameters'."""
+    g, loss, feed, part, total = rnn()
+    hu = carried_product(part)
+    cg = g.build(feed, loss)
+    m, d = cg.node(hu, (3,)), cg.node(part, (3,))
+    cg.backward(loss)
+    U = g.params["U"]
+    U.value = U.value - 0.1 * U.grad
+    for node in (m, d):
+        with pytest.raises(
+            vg.GraphStateError, match=r"keeps no value.*<Add:\d+@0> is stale, <Parameter:\d+> 'U' was changed"
+        ):
+            node.value  # noqa: B018
+        assert node.shape == (2, 4) and node.dtype == np.float64
+    page = vg.render.explore(cg)  # the explorer opens all the same, saying why it shows no values
+    assert "computed when read: inputs changed since the last forward" in page
+    cg.forward()
+    P = {k: g.params[k].value for k in ("W", "U", "b")}
+    h = np.zeros((2, 4))
+    for x in feed["xs"][:3]:
+        h = np.tanh(x @ P["W"] + h @ P["U"] + P["b"])
+    np.testing.assert_allclose(m.value, h @ P["U"], **TOL)
+    np.testing.assert_allclose(d.value, feed["xs"][3] @ P["W"] + h @ P["U"], **TOL)
+
+
+def test_a_product_read_elsewhere_or_not_a_product_is_not_fused():
+    """h U read by another node too keeps its value (an AddRow adds it); so does a carried term
+    that is no product."""
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 2, 3))
+    W, U, b = g.parameter("W", (3, 4)), g.parameter("U", (4, 4)), g.parameter("b", (4,))
+    with g.loop() as L:
+        h, k = L.carry(np.zeros((2, 4)), name="h"), L.carry(np.zeros((2, 4)), name="k")
+        hu = h @ U
+        L.update(h, vg.tanh(L.step(xs) @ W + hu + b))
+        L.update(k, vg.tanh(L.step(xs) @ W + vg.tanh(k) * k + b) + hu)
+    loss = vg.sum(L.final(h) ** 2) + vg.sum(L.final(k) ** 2)
+    plain, hoisted = assert_identical(g, {"xs": np.ones((4, 2, 3))}, [loss], loss)
+    assert per_iteration_sums(hoisted, ("AddRow",)) == [2] and per_iteration_sums(
+        hoisted, ("MatMulAddRow",)
+    ) == [0]
+    assert not hoisted.computed_when_read(hoisted.node(hu, (2,)))
+
+
 def test_the_renderer_marks_nodes_computed_when_read():
     g, loss, feed, part, total = rnn()
     cg = g.build(feed, loss)
     dot = vg.render.to_dot(cg, fold=None)
-    assert dot.count("computed when read, in &lt;Add:") == 5  # each partial sum, naming its sum
+    # each partial sum and each product h U, naming the sum that computes its work
+    assert dot.count(f"computed when read, in &lt;Add:{total.id}@") == 10
     assert "the hoisted part of &lt;Add:" in dot
-    partial = next(line for line in dot.splitlines() if line.lstrip().startswith(f'"Add:{part.id}@2"'))
-    assert "dashed" in partial  # drawn with a dashed outline: no value kept
+    lines = {m[1]: m[0] for m in re.finditer(r'^\s*"([^"]+)" \[.*$', dot, re.M)}  # node statements
+    for drawn in (f"Add:{part.id}@2", f"MatMul:{carried_product(part).id}@2"):
+        assert "dashed" in lines[drawn]  # drawn with a dashed outline: no value kept
+    assert f"product + row 2 of &lt;Add*:{total.id}&gt;" in lines[f"Add:{total.id}@2"]
+    assert "dashed" not in lines[f"Add:{total.id}@2"]
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)

@@ -247,6 +247,16 @@ case(
     normal(4, 3, 5),
     normal(3, 5),
 )
+# MatMulAddRow: the same sum with its per-iteration term a product, computed in one node.
+case(
+    "product_plus_row",
+    "MatMulAddRow",
+    lambda a, b, rows: a.graph.apply("MatMulAddRow", [a, b, rows], {"index": 2}),
+    lambda a, b, rows: a @ b + rows[2],
+    normal(3, 4),
+    normal(4, 5),
+    normal(4, 3, 5),
+)
 
 # Concat and Stack: several inputs, different axes.
 for shapes, axis in [

@@ -174,7 +174,10 @@ def test_shared_parameter_once_outside_iterations_untied_inside():
     assert d.text.count(f'\t"{wh.key}" [') == 1
     assert not d.in_iteration(str(wh.key))
     into = {b for a, b, _ in d.edges if a == str(wh.key)}
-    assert into == {f"MatMul:2@{t}" for t in range(3)}  # one edge into every iteration
+    # into every iteration: h @ Wh (computed when read) and the sum that computes it with the row
+    # of x @ Wx + b (vgraph.virtual.hoist.Reassociated)
+    assert into == {f"{k}@{t}" for t in range(3) for k in ("MatMul:2", "Add:2")}
+    assert [cg.node(f"Add:2@{t}").op.name for t in range(3)] == ["MatMulAddRow"] * 3
 
     u = vg.VirtualGraph(dtype=np.float64, name="layers")
     x = u.input("x", shape=(2, 3))

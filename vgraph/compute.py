@@ -431,7 +431,7 @@ class ComputeNode(Operand):
 
     def _described(self) -> Any:
         """The value, or for a node computed when read whose work another node computes (a
-        partial sum: of its sum's shape and dtype) that node's value."""
+        partial sum, a fused product: of its sum's shape and dtype) that node's value."""
         v = self._value
         if v is None:
             graph = self.graph
@@ -731,10 +731,12 @@ class ComputeGraph:
         attrs: dict[str, Any] | None,
         key: NodeKey,
         name: str | None,
+        value: Any = None,
     ) -> ComputeNode:
         """Add an op node whose parents are known to be usable here and whose key is free.
 
-        The hot path of unrolling: :meth:`apply` validates, then calls this.
+        The hot path of unrolling: :meth:`apply` validates, then calls this. ``value``: the node's
+        value, already computed by the caller exactly as ``op`` computes it (not computed again).
         """
         requires_grad = False
         if _GradMode.enabled:
@@ -749,7 +751,9 @@ class ComputeGraph:
                         requires_grad = True
                         break
         node = ComputeNode(key, None, op, parents, attrs, requires_grad, name, self)
-        if _Anomaly.enabled:
+        if value is not None:
+            node._value = value
+        elif _Anomaly.enabled:
             node._value = self._run(node)
         else:
             try:  # the op called directly (what _run does, without its checks)
@@ -764,8 +768,9 @@ class ComputeGraph:
 
     def _defer(self, node: ComputeNode, proxy: ComputeNode | None = None) -> None:
         """Make op node ``node``, which nothing in the graph reads, computed when read (see
-        :meth:`computed_when_read`). ``proxy``: a sum that a build computes without ``node``, its
-        partial sum; ``node``'s gradient is then ``proxy``'s (same shape and dtype)."""
+        :meth:`computed_when_read`). ``proxy``: a sum that a build computes without ``node`` (its
+        partial sum, or a product it computes itself); ``node``'s gradient is then ``proxy``'s
+        (same shape and dtype)."""
         node._value = None
         self._deferred[node] = proxy
 
@@ -773,10 +778,10 @@ class ComputeGraph:
         """The value of a node computed when read: from its parents' values (computed when read in
         turn if they are so), kept nowhere.
 
-        A node whose work another node computes (a partial sum: its *proxy*, see :meth:`_defer`)
-        gets the value that node's last computation used, if nothing it is computed from changed
-        since; otherwise, if all that it is computed from is up to date, the value a forward would
-        compute now (after a forward *to* it, say).
+        A node whose work another node computes (a partial sum, a fused product: its *proxy*, see
+        :meth:`_defer`) gets the value that node's last computation used, if nothing it is
+        computed from changed since; otherwise, if all that it is computed from is up to date, the
+        value a forward would compute now (after a forward *to* it, say).
 
         Raises:
             GraphStateError: neither: what it is computed from changed since its proxy was
@@ -827,17 +832,19 @@ class ComputeGraph:
         when only hoisted work reads it (row ``t`` of the group ``<MatMul*:1>``, which every
         forward keeps up to date), and the partial sum ``x_t @ W_x + h @ W_h`` of ``x_t @ W_x + h
         @ W_h + b``, which the build computes as ``(x_t @ W_x + b) + h @ W_h``, the bias added once
-        for all steps. Each keeps its key and parents; a forward *to* it computes its parents; its
+        for all steps, with ``h @ W_h`` too when nothing else reads it (then also computed when
+        read). Each keeps its key and parents; a forward *to* it computes its parents; its
         gradient (``retain_grad``, :meth:`grad`) is what the plain unroll gives it (its group's
         row; the whole sum's gradient), and a backward from it works as from any node. A node that
-        :meth:`apply` reads becomes an ordinary node, except a partial sum (it raises).
+        :meth:`apply` reads becomes an ordinary node, except a partial sum or a product (it
+        raises).
         ``build(..., hoist=False)`` makes none.
 
-        A partial sum's value is the one its sum used, as long as what it is computed from has not
-        changed since the sum was computed; after a forward *to* it, the new one. Where a forward
-        left part of what it is computed from out of date and recomputed the rest (a forward to
-        outputs that do not read the sum), reading it raises a GraphStateError rather than mix old
-        and new values.
+        A partial sum's (or product's) value is the one its sum used, as long as what it is
+        computed from has not changed since the sum was computed; after a forward *to* it, the new
+        one. Where a forward left part of what it is computed from out of date and recomputed the
+        rest (a forward to outputs that do not read the sum; a parameter changed since), reading
+        it raises a GraphStateError rather than mix old and new values.
 
         Raises:
             GraphStateError: ``node`` is not a node of this graph.

@@ -1300,20 +1300,56 @@ def _add_row_vjp(g: np.ndarray, ans: np.ndarray, rows: np.ndarray, x: np.ndarray
 # vgraph.virtual.hoist.Reassociated), for a row, ``x`` and sum all of one shape and dtype.
 defop("AddRow", _add_row, _add_row_vjp, pass_through)
 
+
+def _matmul_add_row(a: np.ndarray, b: np.ndarray, rows: np.ndarray, index: int) -> np.ndarray:
+    out: np.ndarray = rows[index] + _matmul(a, b)
+    return out
+
+
+def _matmul_add_row_vjp_a(
+    g: np.ndarray, ans: np.ndarray, a: np.ndarray, b: np.ndarray, rows: np.ndarray, index: int
+) -> Any:
+    return _matmul_vjp_a(g, ans, a, b)
+
+
+def _matmul_add_row_vjp_b(
+    g: np.ndarray, ans: np.ndarray, a: np.ndarray, b: np.ndarray, rows: np.ndarray, index: int
+) -> Any:
+    return _matmul_vjp_b(g, ans, a, b)
+
+
+def _matmul_add_row_vjp_rows(
+    g: np.ndarray, ans: np.ndarray, a: np.ndarray, b: np.ndarray, rows: np.ndarray, index: int
+) -> IndexedGrad:
+    return _hoisted_vjp(g, ans, rows, index)
+
+
+# ``rows[index] + a @ b``: a reassociated loop sum whose per-iteration term is a product (``h @
+# W_h``, see vgraph.virtual.hoist.Reassociated) that nothing else reads, in one node: ``AddRow`` of
+# the product, with the same operations (so the same values, bit for bit), one node fewer per step.
+# For a product, row and sum all of one shape and dtype.
+defop("MatMulAddRow", _matmul_add_row, _matmul_add_row_vjp_a, _matmul_add_row_vjp_b, _matmul_add_row_vjp_rows)
+
 #: Forwards and VJPs whose effect compiled sweeps (vgraph.tape) write out inline instead of calling
-#: them, by kind. Forward "row": ``x[attrs["index"]]``. VJP "pass": ``g`` itself; "row": ``g`` at
+#: them, by kind. Forward "row": ``x[attrs["index"]]``; "row + product": ``rows[attrs["index"]] +
+#: a @ b`` (``MatMulAddRow``, inputs ``a, b, rows``). VJP "pass": ``g`` itself; "row": ``g`` at
 #: basic index ``attrs["index"]`` of the input (an IndexedGrad), which the sweep adds straight into
 #: a buffer it owns or appends to the rows it collects (StepRowsGrad); "rows product": the weight
 #: gradient of a matrix times a weight matrix (``MatMul``, or ``Linear``'s weight), whose use
 #: ``(a, g)`` the sweep appends to the weight's pending RowsProductGrad (what making one and
-#: merging it would do).
-INLINE_FORWARDS: dict[Any, str] = {_hoisted: "row"}
+#: merging it would do); "product a": the gradient of ``x0`` in ``x0 @ x1`` (``_matmul_vjp_a``),
+#: called without the other arguments of the op that computes the product with more.
+INLINE_FORWARDS: dict[Any, str] = {_hoisted: "row", _matmul_add_row: "row + product"}
 INLINE_VJPS: dict[Any, str] = {
     pass_through: "pass",
     _hoisted_vjp: "row",
     _add_row_vjp: "row",  # (the row of ``rows[index] + x``: shaped as ``x`` and the sum)
+    _matmul_add_row_vjp_rows: "row",  # (the row of ``rows[index] + a @ b``: likewise)
     _matmul_vjp_b: "rows product",
     _linear_vjp_w: "rows product",  # a layer's weight: the product's VJP (x0 @ x1 + bias)
+    _matmul_add_row_vjp_b: "rows product",  # likewise (rows[index] + x0 @ x1)
+    _linear_vjp_x: "product a",
+    _matmul_add_row_vjp_a: "product a",
 }
 
 

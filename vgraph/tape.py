@@ -50,6 +50,8 @@ from .ops import (
     LeadingSumGrad,
     RowsProductGrad,
     StepRowsGrad,
+    _matmul,
+    _matmul_vjp_a,
     add_grads,
     add_grads_sparse,
     as_row_sparse,
@@ -90,6 +92,8 @@ _compiled: OrderedDict[Any, Callable[..., Any]] = OrderedDict()
 # What generated code refers to by name.
 _NAMESPACE: dict[str, Any] = {
     "ndarray": np.ndarray,
+    "matmul": _matmul,
+    "matmul_vjp_a": _matmul_vjp_a,
     "np_add": np.add,
     "LazyGrad": LazyGrad,
     "LeadingSumGrad": LeadingSumGrad,
@@ -266,6 +270,8 @@ def _backward_source(shape: Any) -> list[str]:
             call = f"{vjp}(g, ans, {', '.join(values)}{kwargs})"
             if inline == "pass":
                 call = "g"
+            elif inline == "product a":  # (without the fused op's own arguments: see ops.INLINE_VJPS)
+                call = "matmul_vjp_a(g, ans, x0, x1)"
             accumulate = [
                 "if c.shape != s:",
                 f"    c = reduce_grad(c, s, {leaf and not sparse})",
@@ -379,6 +385,9 @@ def _forward_source(shape: Any) -> list[str]:
         value = f"{n}.op.forward({args}{kwargs})"
         if inline == "row":
             value = f"n{parents[0]}._value[{n}.attrs['index']]"
+        elif inline == "row + product":
+            a, b, rows = parents
+            value = f"n{rows}._value[{n}.attrs['index']] + matmul(n{a}._value, n{b}._value)"
         out += [
             f"    if {changed}:",
             f"        {n}._value = {value}",

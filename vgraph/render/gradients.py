@@ -315,8 +315,13 @@ def gradient_through_time(
 def _use_sites(cg: ComputeGraph, P: ComputeNode) -> list[tuple[ComputeNode, ComputeNode, int | None]]:
     """The nodes that read ``P``, with where each sits: ``(use, site, row)``. A use sits where it
     is, ``row`` ``None``; a hoisted group (one op for every iteration, see
-    :mod:`vgraph.virtual.hoist`) sits in each iteration at that iteration's copy, ``row`` its row."""
-    uses = [n for n in cg.nodes() if n.op is not None and any(p is P for p in n.parents)]
+    :mod:`vgraph.virtual.hoist`) sits in each iteration at that iteration's copy, ``row`` its row.
+    Nodes computed when read are no uses: their work is done by the nodes that are (a fused
+    product's by the sum that reads ``P`` in its place)."""
+    deferred = cg._deferred
+    uses = [
+        n for n in cg.nodes() if n.op is not None and n not in deferred and any(p is P for p in n.parents)
+    ]
     groups = cg._groups if isinstance(cg, UnrolledGraph) else {}
     return [(n, c, c.attrs["index"]) for n in uses for c in groups.get(n, ())] + [
         (n, n, None) for n in uses if n not in groups

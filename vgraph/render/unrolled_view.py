@@ -345,10 +345,12 @@ class _UnrolledView(_Frames):
             small.append(("sg", f"hoisted: row {n.attrs['index']} of <{n.parents[0].key}>"))
         elif n.op is not None and n.op.name == "AddRow":  # a reassociated sum (vgraph.virtual.hoist)
             small.append(("sg", f"row {n.attrs['index']} of <{n.parents[0].key}> + <{n.parents[1].key}>"))
+        elif n.op is not None and n.op.name == "MatMulAddRow":  # the same, its product fused
+            small.append(("sg", f"product + row {n.attrs['index']} of <{n.parents[2].key}>"))
         elif k.type.endswith("*") and n.op is not None:
             rows = self.cg._groups.get(n, ()) if isinstance(self.cg, UnrolledGraph) else ()
             if (
-                rows and rows[0].op is not None and rows[0].op.name == "AddRow"
+                rows and rows[0].op is not None and rows[0].op.name in ("AddRow", "MatMulAddRow")
             ):  # a reassociated sum's hoisted part
                 small.append(
                     ("sg", f"{n.op.name} for every iteration: the hoisted part of <{k.type[:-1]}:{k.id}@t>")

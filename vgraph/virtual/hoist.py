@@ -15,8 +15,9 @@ Two more rewrites follow from the groups (a plain build's own graph only, not a 
   is one more group (``<Add*:s>``, the bias added once for all steps), and each iteration makes one
   addition instead of two. Values differ from the plain unroll's in the last bits (floating-point
   addition is not associative), as grouped products' already do.
-- A copy that no unrolled node reads (only groups read ``x_t @ W_x`` above), and the partial sum
-  ``a + c`` of a reassociated sum, are *computed when read*
+- A copy that no unrolled node reads (only groups read ``x_t @ W_x`` above), the partial sum
+  ``a + c`` of a reassociated sum, and its term ``c`` when it is a product only ``a + c`` reads
+  (``h @ W_h``, computed by the sum's node), are *computed when read*
   (:meth:`~vgraph.compute.ComputeGraph.computed_when_read`): no forward to the build's outputs
   would recompute them, so their values are computed from their parents' at every read, never
   kept, never stale.
@@ -37,7 +38,12 @@ if TYPE_CHECKING:
     from .nodes import LoopNode, VirtualNode
     from .unroll import _Builder, _Frame
 
-_HOISTED, _GETITEM, _ADD_ROW = OPS["Hoisted"], OPS["GetItem"], OPS["AddRow"]
+_HOISTED, _GETITEM, _ADD_ROW, _MATMUL_ADD_ROW = (
+    OPS["Hoisted"],
+    OPS["GetItem"],
+    OPS["AddRow"],
+    OPS["MatMulAddRow"],
+)
 _SOFTMAXES = ("Softmax", "LogSoftmax")
 
 
@@ -207,7 +213,10 @@ class Reassociated:
     ``AddRow`` node (``rows[t] + c``, reading the group directly: one node for what a ``Hoisted``
     row and an ``Add`` would do), and ``<Add:a+c@t>``, which no sweep computes: its value is
     computed when read and its gradient is ``<Add:s@t>``'s (see
-    :meth:`~vgraph.compute.ComputeGraph.computed_when_read`). That needs ``a``, ``c`` and the sum
+    :meth:`~vgraph.compute.ComputeGraph.computed_when_read`). Where ``c`` is a product that only
+    ``a + c`` reads (``h @ W_h``), the sum is a ``MatMulAddRow`` node (``rows[t] + h @ W_h``,
+    reading ``h``, ``W_h`` and the group) and ``<MatMul:c@t>`` is computed when read too, its
+    gradient also the sum's: one node and one kept array fewer per iteration. That needs ``a``, ``c`` and the sum
     of one shape and dtype (``k`` neither broadcasts nor promotes the partial sum, and the sum
     broadcasts neither term): an iteration where they are not is built as declared.
     """
@@ -216,32 +225,48 @@ class Reassociated:
     kind = "reassociated"
 
     def __init__(
-        self, total: VirtualNode, part: VirtualNode, a: VirtualNode, c: VirtualNode, group: ComputeNode
+        self,
+        total: VirtualNode,
+        part: VirtualNode,
+        a: VirtualNode,
+        c: VirtualNode,
+        group: ComputeNode,
+        fuse: bool,
     ) -> None:
         self.total, self.part, self.a, self.c, self.group = total, part, a, c, group
+        self.fuse = fuse  # c is a product only a + c reads, built here (see .plan._reassociable)
         self.declared = False  # whether some iteration built the sum as declared (see build)
 
     def build(self, cg: Any, env: dict[Any, Any], idx: tuple[int, ...]) -> None:
         """Add iteration ``idx``'s nodes of the sum to ``cg`` and ``env``."""
-        total, part = self.total, self.part
-        a, c, rows = env[self.a]._value, env[self.c]._value, self.group._value
-        partial = env[part] = cg._add_op(
-            part.op,
-            tuple([env[u] for u in part.inputs]),
-            part.attrs,
-            NodeKey(part.type, part.id, idx),
-            part.name,
-        )
-        key = NodeKey(total.type, total.id, idx)
+
+        def declared(v: VirtualNode) -> ComputeNode:  # v as the body declares it
+            node = env[v] = cg._add_op(
+                cast("Op", v.op),
+                tuple([env[u] for u in v.inputs]),
+                v.attrs,
+                NodeKey(v.type, v.id, idx),
+                v.name,
+            )
+            return node
+
+        total = self.total
+        product = declared(self.c) if self.fuse else env[self.c]  # (fused: only a + c reads it)
+        a, c, rows = env[self.a]._value, product._value, self.group._value
+        partial = declared(self.part)
         if not (a.shape == c.shape == rows.shape[1:] and a.dtype == c.dtype == rows.dtype):
             # the partial sum's gradient would not be the whole sum's (k broadcasts or promotes it),
             # or the sum broadcasts its terms: built as declared
             self.declared = True
-            env[total] = cg._add_op(
-                total.op, tuple([env[u] for u in total.inputs]), total.attrs, key, total.name
-            )
+            declared(total)
             return
-        node = cg._add_op(_ADD_ROW, (self.group, env[self.c]), {"index": idx[-1]}, key, total.name)
+        key, index = NodeKey(total.type, total.id, idx), {"index": idx[-1]}
+        if self.fuse:  # the sum computes the product too; the product's value is the one above
+            value = rows[idx[-1]] + c
+            node = cg._add_op(_MATMUL_ADD_ROW, (*product.parents, self.group), index, key, total.name, value)
+            cg._defer(product, node)
+        else:
+            node = cg._add_op(_ADD_ROW, (self.group, product), index, key, total.name)
         env[total] = cg._add_copy(self.group, node)  # (a node that reads one row of the group)
         cg._defer(partial, node)  # (computed once above: no forward computes it again)
 
@@ -259,7 +284,7 @@ def reassociate(
     place in the body's build order, by sum."""
     cg, idx = builder.cg, frame.idx
     made: dict[VirtualNode, Reassociated] = {}
-    for total, (part, a, c, k) in builder.plan.reassociable[loop].items():
+    for total, (part, a, c, k, fuse) in builder.plan.reassociable[loop].items():
         group = groups.get(a)
         if group is None:
             continue
@@ -273,7 +298,7 @@ def reassociate(
         if attrs is None:
             continue
         node = cg._add_op(cast("Op", total.op), pair, attrs, NodeKey("Add*", total.id, idx), None)
-        made[total] = Reassociated(total, part, a, c, node)
+        made[total] = Reassociated(total, part, a, c, node, fuse)
     return made
 
 

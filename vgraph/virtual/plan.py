@@ -98,17 +98,18 @@ def _reassociable(
     eager: Sequence[VirtualNode],
     hoistable: Sequence[VirtualNode],
     readers: dict[VirtualNode, list[VirtualNode | None]],
-) -> dict[VirtualNode, tuple[VirtualNode, VirtualNode, VirtualNode, VirtualNode]]:
+) -> dict[VirtualNode, tuple[VirtualNode, VirtualNode, VirtualNode, VirtualNode, bool]]:
     """The sums of ``loop``'s body a build may compute in another order: ``s = (a + c) + k`` with
     ``a`` hoistable, ``c`` not, ``k`` the same in every iteration and ``a + c`` read by ``s``
     only (``x_t @ W_x + h @ W_h + b``) is ``(a + k) + c``, ``a + k`` hoisted with ``a``: one
-    addition per iteration instead of two. Keyed by ``s``: ``(a + c, a, c, k)``; in either
-    operand order of both sums. Whether the shapes allow it is checked by the build
-    (:func:`.hoist.reassociate`).
+    addition per iteration instead of two. Keyed by ``s``: ``(a + c, a, c, k, fuse)``; in either
+    operand order of both sums. ``fuse``: ``c`` is a product of the body that only ``a + c``
+    reads (``h @ W_h``), which the build computes with the addition, in one node. Whether the
+    shapes allow it is checked by the build (:func:`.hoist.reassociate`).
     """
     grouped = set(hoistable)
     body = set(eager)
-    found: dict[VirtualNode, tuple[VirtualNode, VirtualNode, VirtualNode, VirtualNode]] = {}
+    found: dict[VirtualNode, tuple[VirtualNode, VirtualNode, VirtualNode, VirtualNode, bool]] = {}
     for s in eager:
         if s.type != "Add" or s.kind != "op" or s in grouped:
             continue
@@ -124,7 +125,10 @@ def _reassociable(
                 x, y = part.inputs
                 if (x in grouped) != (y in grouped):
                     a, c = (x, y) if x in grouped else (y, x)
-                    found[s] = (part, a, c, k)  # (part has one reader, s: no other sum takes it)
+                    fuse = (
+                        c in body and c.kind == "op" and c.type == "MatMul" and len(readers.get(c, ())) == 1
+                    )
+                    found[s] = (part, a, c, k, fuse)  # (part has one reader, s: no other sum takes it)
                     break
     return found
 

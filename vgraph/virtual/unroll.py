@@ -550,7 +550,7 @@ class _Builder:
         sums = reassociate(self, loop, frame, captured, groups, trips) if groups and self.rewrite else {}
         order: list[Any] | None = None
         if groups:  # hoisted nodes are in the environment already; a reassociated sum is built whole
-            parts = {r.part for r in sums.values()}
+            parts = {r.part for r in sums.values()} | {r.c for r in sums.values() if r.fuse}
             order = [
                 sums.get(v, v) for v in self.plan.eager.get(loop, ()) if v not in groups and v not in parts
             ]
