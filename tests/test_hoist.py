@@ -656,11 +656,15 @@ def test_gradients_values_and_forward_of_a_fused_product_equal_the_plain_unroll(
         g.params.zero_grad()
         cg.backward(m, seed=np.ones((2, 4)))
         from_m_grads = {k: np.array(p.grad) for k, p in g.params.items() if p.grad is not None}
+        cg.forward()
+        (from_m,) = cg.grad(m, [g.params["W"]], seeds=[np.ones((2, 4))])  # grad() from it too
+        from_m_grads["grad W"] = from_m
         cg.feed({"xs": np.random.default_rng(9).normal(size=(5, 2, 3))})
         forwarded = np.array(cg.forward(m))
         results.append((retained, wrt_m, from_m_grads, forwarded))
         if hoist:
             assert cg.computed_when_read(m) and m._value is None
+            assert not any(cg.computed_when_read(n) for n in cg._backward_plan())  # (no sweep reaches them)
             count = len(cg)
             with pytest.raises(
                 vg.GraphStateError, match=r"<MatMul:\d+@3> is computed when read.*hoist=False"
@@ -670,7 +674,7 @@ def test_gradients_values_and_forward_of_a_fused_product_equal_the_plain_unroll(
     (r0, w0, g0, f0), (r1, w1, g1, f1) = results
     for got, want in ((r1, r0), (w1, w0), (f1, f0)):
         np.testing.assert_allclose(got, want, **TOL)
-    assert g1.keys() == g0.keys() == {"W", "U", "b"}
+    assert g1.keys() == g0.keys() == {"W", "U", "b", "grad W"}
     for k in g0:
         np.testing.assert_allclose(g1[k], g0[k], **TOL, err_msg=k)
 

@@ -977,9 +977,17 @@ class ComputeGraph:
         """
         plan = self._backward_plans.get(len(self._nodes))
         if plan is None:
-            plan = backward_order(self._nodes.values())
+            plan = backward_order(self._nodes.values(), self._deferred)
             self._backward_plans = {len(self._nodes): plan}
         return plan
+
+    def _sweep_plan(self, roots: Iterable[ComputeNode]) -> list[ComputeNode]:
+        """The backward plan of a sweep from ``roots``: :meth:`_backward_plan`, or where a root is
+        computed when read, every node that requires a gradient (its gradient reaches nodes
+        computed when read that it reads; such a sweep is rare and runs interpreted)."""
+        if self._deferred and any(r in self._deferred for r in roots):
+            return backward_order(self._nodes.values(), {})
+        return self._backward_plan()
 
     def _use_backward_plan(self, plan: list[ComputeNode], tape: _tape.BackwardTape | None) -> None:
         """Make ``plan`` the backward plan of the current node list, with its compiled sweep
@@ -1246,7 +1254,7 @@ class ComputeGraph:
         g = self._seed(loss, seed)
         self._check_values_fresh((loss,), "backward")
         with _anomaly_scope(detect_anomaly), sweep_scope(), self._values_for_sweep([loss]):
-            self._backprop(self._backward_plan(), [(loss, g)], accumulate=True)
+            self._backprop(self._sweep_plan([loss]), [(loss, g)], accumulate=True)
         self._released = not retain_graph
         value = loss._value if loss._value is not None else loss.value  # checkpointed: recomputed
         return float(np.reshape(value, ())) if np.size(value) == 1 else None
@@ -1307,7 +1315,7 @@ class ComputeGraph:
         if roots:
             self._check_values_fresh([o for o, _ in roots], "grad")
         wanted = set(ins)
-        plan = self._backward_plan() if roots else []
+        plan = self._sweep_plan([o for o, _ in roots]) if roots else []
         # Prune to the nodes on a path to a wanted input, or to a node a wanted gradient is taken from.
         reach = wanted | self._gradient_sources(wanted).keys()
         for n in reversed(plan):
@@ -1546,10 +1554,12 @@ class ComputeGraph:
             n.grad = None
 
 
-def backward_order(nodes: Reversible[ComputeNode]) -> list[ComputeNode]:
+def backward_order(nodes: Reversible[ComputeNode], deferred: Mapping[ComputeNode, Any]) -> list[ComputeNode]:
     """The nodes of ``nodes`` (in creation order) that require a gradient, in the order a backward
-    sweep visits them: the reverse of creation order, a reverse topological order."""
-    return [n for n in reversed(nodes) if n.requires_grad]
+    sweep visits them: the reverse of creation order, a reverse topological order. Nodes computed
+    when read (``deferred``, see :func:`computed_ops`) are left out: nothing reads them, so no
+    sweep gives them a gradient unless one is a root (see :meth:`ComputeGraph._sweep_plan`)."""
+    return [n for n in reversed(nodes) if n.requires_grad and n not in deferred]
 
 
 _by_serial = attrgetter("serial")

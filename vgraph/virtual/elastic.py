@@ -356,7 +356,7 @@ class Elastic:
         any of its nodes)."""
         part = cache[i]
         if part is None:
-            grads = backward_order(nodes)  # this part of ComputeGraph._backward_plan
+            grads = backward_order(nodes, self.deferred)  # this part of ComputeGraph._backward_plan
             part = (forward_calls(computed_ops(nodes, self.deferred)), grads, backward_calls(grads))
             if self.volatile.isdisjoint(nodes):
                 cache[i] = part
