@@ -175,7 +175,7 @@ def test_shared_parameter_once_outside_iterations_untied_inside():
     assert not d.in_iteration(str(wh.key))
     into = {b for a, b, _ in d.edges if a == str(wh.key)}
     # into every iteration: h @ Wh (computed when read) and the sum that computes it with the row
-    # of x @ Wx + b (vgraph.virtual.hoist.Reassociated)
+    # of x @ Wx + b (vgraph.virtual.hoist.RowSum)
     assert into == {f"{k}@{t}" for t in range(3) for k in ("MatMul:2", "Add:2")}
     assert [cg.node(f"Add:2@{t}").op.name for t in range(3)] == ["MatMulAddRow"] * 3
 

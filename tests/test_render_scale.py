@@ -53,7 +53,7 @@ def test_shared_leaves_feed_iterations_through_references():
         if ib is not None and ia != ib:
             crossing.append((a, b))
     # (the state enters h @ Wh, computed when read, and the sum that computes it: see
-    # vgraph.virtual.hoist.Reassociated)
+    # vgraph.virtual.hoist.RowSum)
     carried = [(a, b) for a, b in crossing if a.startswith("Tanh:1@")]
     assert sorted(carried) == sorted(
         (f"Tanh:1@{t - 1}", f"{k}@{t}") for t in range(1, T) for k in ("MatMul:2", "Add:2")

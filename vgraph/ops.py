@@ -1297,7 +1297,7 @@ def _add_row_vjp(g: np.ndarray, ans: np.ndarray, rows: np.ndarray, x: np.ndarray
 
 
 # ``rows[index] + x``: a loop's sum whose hoisted part is row ``index`` of a group (see
-# vgraph.virtual.hoist.Reassociated), for a row, ``x`` and sum all of one shape and dtype.
+# vgraph.virtual.hoist.RowSum), for a row, ``x`` and sum all of one shape and dtype.
 defop("AddRow", _add_row, _add_row_vjp, pass_through)
 
 
@@ -1324,8 +1324,8 @@ def _matmul_add_row_vjp_rows(
     return _hoisted_vjp(g, ans, rows, index)
 
 
-# ``rows[index] + a @ b``: a reassociated loop sum whose per-iteration term is a product (``h @
-# W_h``, see vgraph.virtual.hoist.Reassociated) that nothing else reads, in one node: ``AddRow`` of
+# ``rows[index] + a @ b``: a loop sum whose per-iteration term is a product (``h @
+# W_h``, see vgraph.virtual.hoist.RowSum) that nothing else reads, in one node: ``AddRow`` of
 # the product, with the same operations (so the same values, bit for bit), one node fewer per step.
 # For a product, row and sum all of one shape and dtype.
 defop("MatMulAddRow", _matmul_add_row, _matmul_add_row_vjp_a, _matmul_add_row_vjp_b, _matmul_add_row_vjp_rows)

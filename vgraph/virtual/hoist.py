@@ -10,14 +10,16 @@ gradients, dirty checking and guards are those of the plain unroll; only the ari
 
 Two more rewrites follow from the groups (a plain build's own graph only, not a batched build's):
 
-- A sum ``(a + c) + k`` of hoisted work ``a``, carried state ``c`` and a loop-invariant ``k``
-  (``x_t @ W_x + h @ W_h + b``) is computed as ``(a + k) + c`` (:class:`Reassociated`): ``a + k``
-  is one more group (``<Add*:s>``, the bias added once for all steps), and each iteration makes one
-  addition instead of two. Values differ from the plain unroll's in the last bits (floating-point
-  addition is not associative), as grouped products' already do.
-- A copy that no unrolled node reads (only groups read ``x_t @ W_x`` above), the partial sum
-  ``a + c`` of a reassociated sum, and its term ``c`` when it is a product only ``a + c`` reads
-  (``h @ W_h``, computed by the sum's node), are *computed when read*
+- A sum ``a + c`` of hoisted work ``a`` and per-iteration work ``c`` reads ``a``'s rows from its
+  group (:class:`RowSum`): one node per iteration, which also computes ``c`` when ``c`` is a
+  product only the sum reads (``h @ W_h``). A sum ``(a + c) + k`` with ``k`` loop-invariant
+  (``x_t @ W_x + h @ W_h + b``) is computed as ``(a + k) + c``: ``a + k`` is one more group
+  (``<Add*:s>``, the bias added once for all steps), and each iteration makes one addition
+  instead of two. Values differ from the plain unroll's in the last bits (floating-point addition
+  is not associative), as grouped products' already do.
+- A copy that no unrolled node reads (only groups or such sums read ``x_t @ W_x`` above), the
+  partial sum ``a + c`` of a reassociated sum, and a product ``c`` a sum computes, are *computed
+  when read*
   (:meth:`~vgraph.compute.ComputeGraph.computed_when_read`): no forward to the build's outputs
   would recompute them, so their values are computed from their parents' at every read, never
   kept, never stale.
@@ -204,38 +206,48 @@ def hoist_loop(
     return groups
 
 
-class Reassociated:
-    """A loop body's sum ``s = (a + c) + k`` computed as ``(a + k) + c`` (see
-    :func:`.plan._reassociable`): ``a + k`` for every iteration is one hoisted group ``<Add*:s>``;
-    iteration ``t`` adds its row to ``c``. Stands in a body's build order where ``s`` was.
+class RowSum:
+    """A loop body's sum of hoisted work ``a`` and per-iteration work ``c``, built to read ``a``'s
+    rows straight from a group (see :func:`.plan._row_sums`). Stands in a body's build order where
+    the sum was.
 
-    Each iteration keeps the plain unroll's nodes and keys: ``<Add:s@t>``, the whole sum, an
-    ``AddRow`` node (``rows[t] + c``, reading the group directly: one node for what a ``Hoisted``
-    row and an ``Add`` would do), and ``<Add:a+c@t>``, which no sweep computes: its value is
-    computed when read and its gradient is ``<Add:s@t>``'s (see
-    :meth:`~vgraph.compute.ComputeGraph.computed_when_read`). Where ``c`` is a product that only
-    ``a + c`` reads (``h @ W_h``), the sum is a ``MatMulAddRow`` node (``rows[t] + h @ W_h``,
-    reading ``h``, ``W_h`` and the group) and ``<MatMul:c@t>`` is computed when read too, its
-    gradient also the sum's: one node and one kept array fewer per iteration. That needs ``a``, ``c`` and the sum
-    of one shape and dtype (``k`` neither broadcasts nor promotes the partial sum, and the sum
-    broadcasts neither term): an iteration where they are not is built as declared.
+    - ``s = a + c`` (``x_t @ W_x + h @ W_h``; ``nn.RNNCell``'s ``(x_t @ W_x + b) + h @ W_h``, its
+      first term hoisted whole): ``<Add:s@t>`` is an ``AddRow`` node, ``rows[t] + c``, reading the
+      group of ``a`` directly, where a ``Hoisted`` copy and an ``Add`` would be two nodes.
+    - ``s = (a + c) + k`` with ``k`` the same in every iteration (``x_t @ W_x + h @ W_h + b``) is
+      reassociated as ``(a + k) + c``: ``a + k`` for every iteration is one more hoisted group
+      ``<Add*:s>`` (``group``), whose rows ``<Add:s@t>`` adds to ``c``; the partial sum
+      ``<Add:a+c@t>`` keeps its key, computed when read, its gradient ``<Add:s@t>``'s (see
+      :meth:`~vgraph.compute.ComputeGraph.computed_when_read`).
+
+    Where ``c`` is a product that only the sum reads (``h @ W_h``: ``fuse``), the sum is a
+    ``MatMulAddRow`` node (``rows[t] + h @ W_h``, reading ``h``, ``W_h`` and the group) and
+    ``<MatMul:c@t>`` keeps its key, computed when read, its gradient the sum's: one node and one
+    kept array fewer per iteration. All of it needs ``a``, ``c`` and the sum of one shape and dtype
+    (``k`` neither broadcasts nor promotes the partial sum, and the sum broadcasts neither term):
+    an iteration where they are not is built as declared.
     """
 
     op = None  # (read by _Builder.run_scope: not an op of the body)
-    kind = "reassociated"
+    kind = "row sum"
 
     def __init__(
         self,
         total: VirtualNode,
-        part: VirtualNode,
+        part: VirtualNode | None,
         a: VirtualNode,
         c: VirtualNode,
         group: ComputeNode,
         fuse: bool,
     ) -> None:
         self.total, self.part, self.a, self.c, self.group = total, part, a, c, group
-        self.fuse = fuse  # c is a product only a + c reads, built here (see .plan._reassociable)
+        self.fuse = fuse  # c is a product only the sum reads, built here (see .plan._row_sums)
         self.declared = False  # whether some iteration built the sum as declared (see build)
+
+    @property
+    def reader(self) -> VirtualNode:
+        """The node of the body that reads ``a``: the partial sum, or the sum itself."""
+        return self.total if self.part is None else self.part
 
     def build(self, cg: Any, env: dict[Any, Any], idx: tuple[int, ...]) -> None:
         """Add iteration ``idx``'s nodes of the sum to ``cg`` and ``env``."""
@@ -251,9 +263,9 @@ class Reassociated:
             return node
 
         total = self.total
-        product = declared(self.c) if self.fuse else env[self.c]  # (fused: only a + c reads it)
+        product = declared(self.c) if self.fuse else env[self.c]  # (fused: only the sum reads it)
         a, c, rows = env[self.a]._value, product._value, self.group._value
-        partial = declared(self.part)
+        partial = declared(self.part) if self.part is not None else None
         if not (a.shape == c.shape == rows.shape[1:] and a.dtype == c.dtype == rows.dtype):
             # the partial sum's gradient would not be the whole sum's (k broadcasts or promotes it),
             # or the sum broadcasts its terms: built as declared
@@ -267,26 +279,31 @@ class Reassociated:
             cg._defer(product, node)
         else:
             node = cg._add_op(_ADD_ROW, (self.group, product), index, key, total.name)
-        env[total] = cg._add_copy(self.group, node)  # (a node that reads one row of the group)
-        cg._defer(partial, node)  # (computed once above: no forward computes it again)
+        env[total] = node
+        if partial is not None:  # the group <Add*:s> has no other row readers (copies)
+            cg._add_copy(self.group, node)
+            cg._defer(partial, node)  # (computed once above: no forward computes it again)
 
 
-def reassociate(
+def row_sums(
     builder: _Builder,
     loop: LoopNode,
     frame: _Frame,
     captured: dict[VirtualNode, ComputeNode],
     groups: dict[VirtualNode, ComputeNode],
     trips: int,
-) -> dict[VirtualNode, Reassociated]:
-    """Build the hoisted group ``a + k`` of every sum of ``loop`` that the plan may reassociate
-    (:func:`.plan._reassociable`) and whose ``a`` is grouped; returns what stands in each sum's
-    place in the body's build order, by sum."""
+) -> dict[VirtualNode, RowSum]:
+    """What stands in the body's build order for each sum of ``loop`` that the plan may build row
+    by row (:func:`.plan._row_sums`) and whose ``a`` is grouped, by sum; builds the hoisted group
+    ``a + k`` of those it reassociates."""
     cg, idx = builder.cg, frame.idx
-    made: dict[VirtualNode, Reassociated] = {}
-    for total, (part, a, c, k, fuse) in builder.plan.reassociable[loop].items():
+    made: dict[VirtualNode, RowSum] = {}
+    for total, (part, a, c, k, fuse) in builder.plan.row_sums[loop].items():
         group = groups.get(a)
         if group is None:
+            continue
+        if part is None or k is None:  # a + c: the rows of a's own group
+            made[total] = RowSum(total, None, a, c, group, fuse)
             continue
         if k.kind == "parameter" and k.scope is loop:  # a tied parameter declared in the body
             invariant = cg.add_leaf(builder.parameter(k, idx))
@@ -298,7 +315,7 @@ def reassociate(
         if attrs is None:
             continue
         node = cg._add_op(cast("Op", total.op), pair, attrs, NodeKey("Add*", total.id, idx), None)
-        made[total] = Reassociated(total, part, a, c, node, fuse)
+        made[total] = RowSum(total, part, a, c, node, fuse)
     return made
 
 
@@ -306,17 +323,17 @@ def defer_unread(
     builder: _Builder,
     loop: LoopNode,
     groups: dict[VirtualNode, ComputeNode],
-    sums: dict[VirtualNode, Reassociated],
+    sums: dict[VirtualNode, RowSum],
     made: int,
 ) -> None:
     """Make every copy of a hoisted node that nothing built reads computed when read (see
     :meth:`~vgraph.compute.ComputeGraph.computed_when_read`).
 
-    Where only hoisted work reads ``x_t @ W_x`` (its group ``<MatMul*:1>``, or a reassociated
-    sum), no forward to the build's outputs would recompute the copies ``<MatMul:1@t>``: their
+    Where only hoisted work reads ``x_t @ W_x`` (its group ``<MatMul*:1>``, or a sum built row by
+    row), no forward to the build's outputs would recompute the copies ``<MatMul:1@t>``: their
     values, views of an earlier group value, would go stale. Computed when read, each is row ``t``
     of the group's current value. Decided from the plan where it can be: copies whose readers are
-    all groups or reassociated sums are read by no node, copies that an ungrouped op of the body,
+    all groups or sums built row by row are read by no node, copies that an ungrouped op of the body,
     a stack or the loop's update reads are read in every iteration; only for readers that may not
     be built in every iteration (a branch option, an inner loop, an output) are the loop's nodes
     looked at. ``made``: how many nodes the loop added after its groups (its iterations and stacks,
@@ -324,14 +341,16 @@ def defer_unread(
     """
     cg, readers = builder.cg, builder.plan.readers
     body = set(builder.plan.eager.get(loop, ()))
-    parts = {r.part: r for r in sums.values()}
+    by_reader = {r.reader: r for r in sums.values()}
     updates = set(loop.updates.values())
     unsure: list[ComputeNode] = []
     for v, group in groups.items():
         if v in updates:  # read by the loop's final state
             continue
         read = readers.get(v, ())
-        if all(r is not None and (r in groups or (r in parts and not parts[r].declared)) for r in read):
+        if all(
+            r is not None and (r in groups or (r in by_reader and not by_reader[r].declared)) for r in read
+        ):
             for copy in cg._groups.get(group, ()):
                 cg._defer(copy)
         elif not any(

@@ -93,43 +93,60 @@ def _readers(
     return readers
 
 
-def _reassociable(
+def _row_sums(
     loop: LoopNode,
     eager: Sequence[VirtualNode],
     hoistable: Sequence[VirtualNode],
     readers: dict[VirtualNode, list[VirtualNode | None]],
-) -> dict[VirtualNode, tuple[VirtualNode, VirtualNode, VirtualNode, VirtualNode, bool]]:
-    """The sums of ``loop``'s body a build may compute in another order: ``s = (a + c) + k`` with
-    ``a`` hoistable, ``c`` not, ``k`` the same in every iteration and ``a + c`` read by ``s``
-    only (``x_t @ W_x + h @ W_h + b``) is ``(a + k) + c``, ``a + k`` hoisted with ``a``: one
-    addition per iteration instead of two. Keyed by ``s``: ``(a + c, a, c, k, fuse)``; in either
-    operand order of both sums. ``fuse``: ``c`` is a product of the body that only ``a + c``
-    reads (``h @ W_h``), which the build computes with the addition, in one node. Whether the
-    shapes allow it is checked by the build (:func:`.hoist.reassociate`).
+) -> dict[VirtualNode, tuple[VirtualNode | None, VirtualNode, VirtualNode, VirtualNode | None, bool]]:
+    """The sums of ``loop``'s body a build may compute from a hoisted group's rows (see
+    :class:`.hoist.RowSum`), keyed by the sum ``s``: ``(a + c, a, c, k, fuse)``.
+
+    - ``s = (a + c) + k`` with ``a`` hoistable, ``c`` not, ``k`` the same in every iteration and
+      ``a + c`` read by ``s`` only (``x_t @ W_x + h @ W_h + b``), in either operand order of both
+      sums: ``(a + k) + c``, ``a + k`` hoisted with ``a``, one addition per iteration instead of
+      two.
+    - Any other ``s = a + c`` with ``a`` hoistable and ``c`` not (``(x_t @ W_x + b) + h @ W_h``):
+      ``rows[t] + c``; ``a + c`` and ``k`` are then None.
+
+    ``fuse``: ``c`` is a product of the body that only ``a + c`` reads (``h @ W_h``), which the
+    build computes with the addition, in one node. Whether the shapes allow it is checked by the
+    build (:meth:`.hoist.RowSum.build`).
     """
     grouped = set(hoistable)
     body = set(eager)
-    found: dict[VirtualNode, tuple[VirtualNode, VirtualNode, VirtualNode, VirtualNode, bool]] = {}
+
+    def split(s: VirtualNode) -> tuple[VirtualNode, VirtualNode] | None:
+        """``(a, c)`` if ``s`` is a sum of the body with one hoistable input, else None."""
+        if s not in body or s.type != "Add" or s.kind != "op" or s in grouped:
+            return None
+        x, y = s.inputs
+        if (x in grouped) == (y in grouped):
+            return None
+        return (x, y) if x in grouped else (y, x)
+
+    def fuse(c: VirtualNode, s: VirtualNode) -> bool:
+        return c in body and c.kind == "op" and c.type == "MatMul" and readers.get(c, ()) == [s]
+
+    found: dict[
+        VirtualNode, tuple[VirtualNode | None, VirtualNode, VirtualNode, VirtualNode | None, bool]
+    ] = {}
+    parts: set[VirtualNode] = set()
     for s in eager:
         if s.type != "Add" or s.kind != "op" or s in grouped:
             continue
         for part, k in (s.inputs, s.inputs[::-1]):
-            if (
-                part in body
-                and part.type == "Add"
-                and part.kind == "op"
-                and part not in grouped
-                and len(readers.get(part, ())) == 1
-                and _invariant(k, loop)
-            ):
-                x, y = part.inputs
-                if (x in grouped) != (y in grouped):
-                    a, c = (x, y) if x in grouped else (y, x)
-                    fuse = (
-                        c in body and c.kind == "op" and c.type == "MatMul" and len(readers.get(c, ())) == 1
-                    )
-                    found[s] = (part, a, c, k, fuse)  # (part has one reader, s: no other sum takes it)
-                    break
+            terms = split(part)
+            if terms is not None and len(readers.get(part, ())) == 1 and _invariant(k, loop):
+                a, c = terms
+                found[s] = (part, a, c, k, fuse(c, part))  # (part has one reader, s: no other sum takes it)
+                parts.add(part)
+                break
+    for s in eager:
+        terms = split(s)
+        if terms is not None and s not in found and s not in parts:
+            a, c = terms
+            found[s] = (None, a, c, None, fuse(c, s))
     return found
 
 
@@ -183,8 +200,8 @@ class _Plan:
                 self.eager.setdefault(v.scope, []).append(v)
         self.hoistable = {loop: _hoistable(loop, self.eager.get(loop, ())) for loop in self.captures}
         self.readers = _readers(graph, outputs)
-        self.reassociable = {
-            loop: _reassociable(loop, self.eager.get(loop, ()), self.hoistable[loop], self.readers)
+        self.row_sums = {
+            loop: _row_sums(loop, self.eager.get(loop, ()), self.hoistable[loop], self.readers)
             for loop in self.captures
         }
 

@@ -45,7 +45,7 @@ from .cache import SupersededGraph
 from .checkpoint import LoopRecord, Rematerializer
 from .elastic import Elastic, Trace, elastic_key
 from .graph import VirtualGraph
-from .hoist import Reassociated, defer_unread, hoist_loop, reassociate
+from .hoist import RowSum, defer_unread, hoist_loop, row_sums
 from .nodes import _NO_LOOP_VALUE, BranchNode, LoopNode, VirtualNode
 from .plan import _Plan
 from .store import _store_name
@@ -96,7 +96,8 @@ class UnrolledGraph(ComputeGraph):
         self.inputs: dict[str, ComputeNode] = {}
         self._envs: dict[tuple[LoopNode | None, tuple[int, ...]], dict[VirtualNode, ComputeNode]] = {}
         # Hoisted groups and the nodes that read one row of them per iteration: their copies (row t
-        # of the group is copy t, a Hoisted node) and a reassociated sum's AddRow nodes (.hoist).
+        # of the group is copy t, a Hoisted node), and for a reassociated sum's group <Add*:s> the
+        # sum's nodes (.hoist.RowSum).
         self._groups: dict[ComputeNode, list[ComputeNode]] = {}
         # Sampled leaves (dropout masks): how to draw them again when the graph is replayed.
         self._samples: dict[ComputeNode, tuple[Any, ComputeNode]] = {}
@@ -389,7 +390,7 @@ class _Builder:
         self.graph = graph
         self.hoist = hoist
         # Whether the build may change how its own graph computes hoisted loops (see .hoist:
-        # reassociated sums, copies computed when read): not an input's view of a batched build,
+        # sums built row by row, copies computed when read): not an input's view of a batched build,
         # whose ops the scheduler groups as declared.
         self.rewrite = hoist and cg is None
         self.feed = feed
@@ -442,8 +443,8 @@ class _Builder:
         elif kind == "loop":
             assert isinstance(v, LoopNode)
             self.run_loop(v, frame)
-        elif kind == "reassociated":  # a sum of a loop body, built in another order (see .hoist)
-            cast(Reassociated, v).build(cg, env, frame.idx)
+        elif kind == "row sum":  # a sum of a loop body, reading a hoisted group's rows (see .hoist)
+            cast(RowSum, v).build(cg, env, frame.idx)
         elif kind == "branch":
             self.demand(v, frame)
         elif kind == "stacked":  # a loop sets its outputs when it runs, a stack only if it iterated
@@ -500,8 +501,8 @@ class _Builder:
     def run_scope(self, frame: _Frame, order: Sequence[Any] | None = None) -> None:
         # Declaration order is topological (see LoopNode.__exit__), and a body's env starts with
         # its captures, so every dependency is built by the time a node's turn comes. ``order``
-        # replaces the plan's eager list when some of it is hoisted (already in the env) or
-        # reassociated (a .hoist.Reassociated stands where the sum was).
+        # replaces the plan's eager list when some of it is hoisted (already in the env) or built
+        # row by row (a .hoist.RowSum stands where the sum was).
         env, idx, add_op = frame.env, frame.idx, self.cg._add_op
         for v in self.plan.eager.get(frame.scope, ()) if order is None else order:
             op = v.op
@@ -547,10 +548,12 @@ class _Builder:
             trips = min(n for n in (loop.times, length) if n is not None)  # known before it starts
             if 1 < trips <= loop.max_iters:
                 groups = hoist_loop(self, loop, frame, captured, seqs, trips)
-        sums = reassociate(self, loop, frame, captured, groups, trips) if groups and self.rewrite else {}
+        sums = row_sums(self, loop, frame, captured, groups, trips) if groups and self.rewrite else {}
         order: list[Any] | None = None
-        if groups:  # hoisted nodes are in the environment already; a reassociated sum is built whole
-            parts = {r.part for r in sums.values()} | {r.c for r in sums.values() if r.fuse}
+        if groups:  # hoisted nodes are in the environment already; a sum built row by row is built whole
+            parts = {r.part for r in sums.values() if r.part is not None} | {
+                r.c for r in sums.values() if r.fuse
+            }
             order = [
                 sums.get(v, v) for v in self.plan.eager.get(loop, ()) if v not in groups and v not in parts
             ]
@@ -569,7 +572,8 @@ class _Builder:
             and loop.until is None
         ):  # maybe elastic (vgraph.virtual.elastic)
             check = partial(_length_check, loop, idx)
-            trace = Trace(loop, cg, guard, check, [*groups.values(), *(r.group for r in sums.values())], seqs)
+            made = [r.group for r in sums.values() if r.part is not None]  # (the others: a's groups)
+            trace = Trace(loop, cg, guard, check, [*groups.values(), *made], seqs)
         c: Any  # a carry, or in a recursion a child's index
         t = 0
         start = len(cg._nodes) if groups and self.rewrite else 0  # (defer_unread below)
