@@ -564,43 +564,6 @@ def test_a_partial_sum_read_elsewhere_is_not_reassociated():
     assert not hoisted.computed_when_read(d) and d.op.name == "MatMulAddRow"
 
 
-def test_gradients_values_and_forward_of_a_partial_sum_equal_the_plain_unroll():
-    """retain_grad, grad() with respect to it, backward from it and forward to it: as in the plain
-    unroll, though no sweep computes it; apply() refuses to read it and changes nothing."""
-    g, loss, feed, part, total = rnn()
-    results = []
-    for hoist in (False, True):
-        cg = g.build(feed, loss, hoist=hoist, cache=False)
-        d = cg.node(part, (2,))
-        d.retain_grad()
-        g.params.zero_grad()
-        cg.backward(loss)
-        retained = np.array(d.grad)
-        cg.forward()
-        (wrt_d,) = cg.grad(loss, [d])
-        cg.forward()
-        g.params.zero_grad()
-        cg.backward(d, seed=np.ones((2, 4)))  # a backward from it, as from any node
-        from_d_grads = {k: np.array(p.grad) for k, p in g.params.items() if p.grad is not None}
-        new = np.random.default_rng(9).normal(size=(5, 2, 3))
-        cg.feed({"xs": new})
-        forwarded = np.array(cg.forward(d))
-        results.append((retained, wrt_d, from_d_grads, forwarded))
-        if hoist:
-            assert cg.computed_when_read(d) and d._value is None
-            count = len(cg)
-            with pytest.raises(vg.GraphStateError, match=r"<Add:\d+@2> is computed when read.*hoist=False"):
-                cg.apply("Mul", [d, 2.0])
-            assert len(cg) == count and cg.computed_when_read(d)
-    (r0, w0, g0, f0), (r1, w1, g1, f1) = results
-    np.testing.assert_allclose(r1, r0, **TOL)
-    np.testing.assert_allclose(w1, w0, **TOL)
-    np.testing.assert_allclose(f1, f0, **TOL)
-    assert g1.keys() == g0.keys() and {"W", "U"} <= g0.keys()
-    for k in g0:
-        np.testing.assert_allclose(g1[k], g0[k], **TOL, err_msg=k)
-
-
 def test_a_partial_sum_never_mixes_old_and_new_values():
     """A partial sum computed when read is computed from what the last forward left: if that is
     what its sum used, its value is the plain unroll's; if a forward to the outputs left part of it
@@ -639,40 +602,41 @@ def test_a_partial_sum_never_mixes_old_and_new_values():
     np.testing.assert_allclose(d.value, d_plain.value, **TOL)
 
 
-def test_gradients_values_and_forward_of_a_fused_product_equal_the_plain_unroll():
-    """h U, whose work the sum reading it does (MatMulAddRow): retain_grad, grad() with respect to
-    it, backward from it and forward to it as in the plain unroll; apply() refuses to read it."""
+@pytest.mark.parametrize("which", ["partial sum", "product"])
+def test_gradients_values_and_forward_of_a_node_computed_when_read_equal_the_plain_unroll(which):
+    """The partial sum x W + h U, and h U, whose work the sum does (MatMulAddRow): retain_grad,
+    grad() with respect to it and from it, backward from it and forward to it as in the plain
+    unroll, though no sweep computes it; apply() refuses to read it and changes nothing."""
     g, loss, feed, part, total = rnn()
-    hu = carried_product(part)
+    v = part if which == "partial sum" else carried_product(part)
     results = []
     for hoist in (False, True):
         cg = g.build(feed, loss, hoist=hoist, cache=False)
-        m = cg.node(hu, (3,))
-        m.retain_grad()
+        d = cg.node(v, (2,))
+        d.retain_grad()
         g.params.zero_grad()
         cg.backward(loss)
-        retained = np.array(m.grad)
+        retained = np.array(d.grad)
         cg.forward()
-        (wrt_m,) = cg.grad(loss, [m])
+        (wrt_d,) = cg.grad(loss, [d])
         cg.forward()
         g.params.zero_grad()
-        cg.backward(m, seed=np.ones((2, 4)))
-        from_m_grads = {k: np.array(p.grad) for k, p in g.params.items() if p.grad is not None}
+        cg.backward(d, seed=np.ones((2, 4)))  # a backward from it, as from any node
+        from_d = {k: np.array(p.grad) for k, p in g.params.items() if p.grad is not None}
         cg.forward()
-        (from_m,) = cg.grad(m, [g.params["W"]], seeds=[np.ones((2, 4))])  # grad() from it too
-        from_m_grads["grad W"] = from_m
+        (from_d["grad W"],) = cg.grad(d, [g.params["W"]], seeds=[np.ones((2, 4))])  # grad() from it
         cg.feed({"xs": np.random.default_rng(9).normal(size=(5, 2, 3))})
-        forwarded = np.array(cg.forward(m))
-        results.append((retained, wrt_m, from_m_grads, forwarded))
+        forwarded = np.array(cg.forward(d))
+        results.append((retained, wrt_d, from_d, forwarded))
         if hoist:
-            assert cg.computed_when_read(m) and m._value is None
+            assert cg.computed_when_read(d) and d._value is None
             assert not any(cg.computed_when_read(n) for n in cg._backward_plan())  # (no sweep reaches them)
             count = len(cg)
             with pytest.raises(
-                vg.GraphStateError, match=r"<MatMul:\d+@3> is computed when read.*hoist=False"
+                vg.GraphStateError, match=rf"<{v.type}:\d+@2> is computed when read.*hoist=False"
             ):
-                cg.apply("Mul", [m, 2.0])
-            assert len(cg) == count and cg.computed_when_read(m)
+                cg.apply("Mul", [d, 2.0])
+            assert len(cg) == count and cg.computed_when_read(d)
     (r0, w0, g0, f0), (r1, w1, g1, f1) = results
     for got, want in ((r1, r0), (w1, w0), (f1, f0)):
         np.testing.assert_allclose(got, want, **TOL)
