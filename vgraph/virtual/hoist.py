@@ -302,7 +302,7 @@ def row_sums(
         group = groups.get(a)
         if group is None:
             continue
-        if part is None or k is None:  # a + c: the rows of a's own group
+        if k is None:  # a + c (no partial sum): the rows of a's own group
             made[total] = RowSum(total, None, a, c, group, fuse)
             continue
         if k.kind == "parameter" and k.scope is loop:  # a tied parameter declared in the body
