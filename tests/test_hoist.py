@@ -673,6 +673,27 @@ def test_a_value_computed_when_read_is_never_computed_from_out_of_date_values():
     np.testing.assert_allclose(d.value, feed["xs"][3] @ P["W"] + h @ P["U"], **TOL)
 
 
+def test_anomaly_detection_names_the_sum_that_computes_its_product():
+    """Under detect_anomaly, a sum x_t W + h U that overflows though its terms are finite is named,
+    as the plain unroll names its addition (the build's value of the fused node is checked)."""
+    g = vg.VirtualGraph(dtype=np.float64, seed=0)
+    xs = g.input("xs", (None, 2, 3))
+    W = g.parameter("W", (3, 4), init=np.full((3, 4), 5e307))  # x_t W = 1.5e308
+    U = g.parameter("U", (4, 4), init=np.full((4, 4), 4e307))  # h U = 1.6e308 (h = 1)
+    with g.loop() as L:
+        h = L.carry(np.zeros((2, 4)), name="h")
+        total = L.step(xs) @ W + h @ U
+        L.update(h, vg.tanh(total))
+    loss = vg.sum(L.final(h))
+    for hoist in (False, True):
+        with (
+            vg.detect_anomaly(),
+            pytest.raises(vg.NonFiniteError, match=rf"Inf first appears at <Add:{total.id}@1>"),
+        ):
+            g.build({"xs": np.ones((3, 2, 3))}, loss, hoist=hoist, cache=False)
+    assert g.build({"xs": np.ones((3, 2, 3))}, loss, cache=False).node(total, (1,)).op.name == "MatMulAddRow"
+
+
 def test_a_product_read_elsewhere_or_not_a_product_is_not_fused():
     """h U read by another node too keeps its value (an AddRow adds it); so does a carried term
     that is no product."""

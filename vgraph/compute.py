@@ -736,7 +736,8 @@ class ComputeGraph:
         """Add an op node whose parents are known to be usable here and whose key is free.
 
         The hot path of unrolling: :meth:`apply` validates, then calls this. ``value``: the node's
-        value, already computed by the caller exactly as ``op`` computes it (not computed again).
+        value, already computed by the caller exactly as ``op`` computes it (not computed again,
+        except under anomaly detection, which checks what an op computes).
         """
         requires_grad = False
         if _GradMode.enabled:
@@ -751,10 +752,10 @@ class ComputeGraph:
                         requires_grad = True
                         break
         node = ComputeNode(key, None, op, parents, attrs, requires_grad, name, self)
-        if value is not None:
-            node._value = value
-        elif _Anomaly.enabled:
+        if _Anomaly.enabled:  # (computed again, and checked)
             node._value = self._run(node)
+        elif value is not None:
+            node._value = value
         else:
             try:  # the op called directly (what _run does, without its checks)
                 node._value = (
