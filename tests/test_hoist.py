@@ -673,6 +673,7 @@ def test_a_value_computed_when_read_is_never_computed_from_out_of_date_values():
     np.testing.assert_allclose(d.value, feed["xs"][3] @ P["W"] + h @ P["U"], **TOL)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # (the overflow it is about)
 def test_anomaly_detection_names_the_sum_that_computes_its_product():
     """Under detect_anomaly, a sum x_t W + h U that overflows though its terms are finite is named,
     as the plain unroll names its addition (the build's value of the fused node is checked)."""
