@@ -505,3 +505,84 @@ def test_a_compiled_forward_recomputes_exactly_what_changed(taped):
             assert float(out.value) == pytest.approx(want, rel=1e-12)
     # a's side (Mul, Tanh) or b's (Sub, Exp), then Add, Mul, Sum; all 7 for both; none for none
     assert counts == [5, 0, 5, 7, 0]
+
+
+# ---------------------------------------------------------------------------- gradient rows in one buffer
+
+
+def wide_rnn(T=6, B=16, H=64, bias=True):
+    """An RNN whose per-step values have at least ops.ROW_VJP_MIN elements (B * H = 1024)."""
+    g = vg.VirtualGraph(seed=2)
+    xs = g.input("xs", (None, B, 3))
+    W, U = g.parameter("W", (3, H)), g.parameter("U", (H, H), init="orthogonal")
+    b = g.parameter("b", (H,), init="normal")
+    with g.loop() as L:
+        h = L.carry(np.zeros((B, H)), name="h")
+        s = L.step(xs) @ W + h @ U + (b if bias else 0.0)
+        L.update(h, vg.tanh(s))
+    loss = vg.sum(L.final(h) ** 2) + vg.mean(L.stack(h))
+    return g, loss, s, {"xs": np.random.default_rng(T).standard_normal((T, B, 3))}
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["reassociated", "row sum"])
+def test_compiled_sweeps_write_a_loops_gradient_rows_into_one_buffer(monkeypatch, bias):
+    """A tanh's gradient into a sum that reads a group's row goes into that row of one buffer per
+    sweep (ops._tanh_vjp_row), which the group's gradient and W's stacked product then read with no
+    copy: the parameter gradients are bitwise those of the interpreted sweeps and of a graph
+    whose sums do not read rows (hoist=False), over several steps."""
+    written, stacks = [], []
+    into_row, rows_buffer = ops._tanh_vjp_row, ops._rows_buffer
+    monkeypatch.setattr(
+        tape, "_NAMESPACE", {**tape._NAMESPACE, "tanh_vjp_row": lambda *a: written.append(1) or into_row(*a)}
+    )
+    monkeypatch.setattr(ops, "_rows_buffer", lambda *a: stacks.append(rows_buffer(*a)) or stacks[-1])
+    tape._compiled.clear()
+    T = 6
+    runs = {}
+    for hoist, taped in [(True, True), (True, False), (False, True)]:
+        g, loss, s, feed = wide_rnn(T, bias=bias)
+        with tapes(taped):
+            cg = g.build(feed, loss, hoist=hoist, cache=False)
+            record = []
+            for step in range(3):
+                if step:
+                    cg.feed({"xs": feed["xs"] * (1 + step)})
+                    cg.forward()
+                g.params.zero_grad()
+                value = cg.backward(loss)
+                record.append(
+                    (value, {k: np.array(p.grad) for k, p in g.params.items() if p.grad is not None})
+                )
+        runs[hoist, taped] = record
+    tape._compiled.clear()
+    assert len(written) == 2 * T  # compiled sweeps 2 and 3 of the hoisted graph, one row a step
+    assert sum(x is not None for x in stacks) >= 2  # the rows were read as their buffer
+    for (v0, g0), (v1, g1), (v2, g2) in zip(runs[True, False], runs[True, True], runs[False, True]):
+        assert v1 == v0 and g1.keys() == g0.keys() == g2.keys() and {"W", "U"} <= g0.keys()
+        np.testing.assert_allclose(v1, v2, rtol=1e-12)
+        for k in g0:
+            assert np.array_equal(g1[k], g0[k]), k  # bitwise: the same operations, into a buffer
+            np.testing.assert_allclose(g1[k], g2[k], rtol=1e-12, atol=1e-14, err_msg=k)
+
+
+def test_gradients_kept_from_a_sweep_that_wrote_rows_into_a_buffer_stay_as_they_were():
+    """A group's retained gradient (the rows' buffer) and a sum's (one of its rows) are the user's:
+    later sweeps write into other memory, and one does not change the other."""
+    g, loss, s, feed = wide_rnn()
+    with tapes(True):
+        cg = g.build(feed, loss, cache=False)
+        group = next(n for k, n in cg._nodes.items() if k.type.endswith("*") and k.type.startswith("Add"))
+        row = cg.node(s, (3,))
+        group.retain_grad()
+        row.retain_grad()
+        kept = []
+        for step in range(4):
+            cg.feed({"xs": feed["xs"] * (1 + step)})
+            cg.forward()
+            g.params.zero_grad()
+            group.grad = row.grad = None
+            cg.backward(loss)
+            kept.append((group.grad, np.array(group.grad), row.grad, np.array(row.grad)))
+    for held, copy, row_held, row_copy in kept:
+        assert np.array_equal(held, copy) and np.array_equal(row_held, row_copy)
+    np.testing.assert_array_equal(kept[-1][0][3], kept[-1][2])  # the group's row 3 is the sum's gradient

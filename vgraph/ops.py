@@ -176,11 +176,15 @@ class _Sweep(threading.local):
     ``transposes``: by ``id`` of a matrix, ``[matrix, its C-contiguous transpose or None]``.
     ``stacks``: by ``(count, id of the first part, id of the last)``, ``[parts, np.stack(parts),
     given]`` (``given``: the stack was handed out as a collector's result, which its caller owns).
-    Each entry holds the arrays its key's ids are of, so the ids name them for the whole sweep.
+    ``rows`` and ``row_views``: the buffers gradient rows are written into (:func:`_tanh_vjp_row`)
+    and the rows written, each with its buffer and index. Each entry holds the arrays its key's
+    ids are of, so the ids name them for the whole sweep.
     """
 
     transposes: dict[int, list[Any]] | None = None
     stacks: dict[tuple[int, int, int], list[Any]] | None = None
+    rows: dict[Any, np.ndarray] | None = None  # by group node: its gradient rows' buffer (_row_vjp)
+    row_views: dict[int, tuple[np.ndarray, np.ndarray, int]] | None = None  # id(row): (row, buffer, t)
 
 
 _sweep = _Sweep()
@@ -196,13 +200,13 @@ class sweep_scope:
     __slots__ = ("_outer",)
 
     def __enter__(self) -> None:
-        self._outer = (_sweep.transposes, _sweep.stacks)
+        self._outer = (_sweep.transposes, _sweep.stacks, _sweep.rows, _sweep.row_views)
         if _sweep.transposes is None:
             _sweep.transposes = {}
-        _sweep.stacks = {}
+        _sweep.stacks, _sweep.rows, _sweep.row_views = {}, {}, {}
 
     def __exit__(self, *exc: object) -> None:
-        _sweep.transposes, _sweep.stacks = self._outer
+        _sweep.transposes, _sweep.stacks, _sweep.rows, _sweep.row_views = self._outer
 
 
 class LazyGrad:
@@ -677,12 +681,36 @@ def _rows_stack(parts: list[np.ndarray], dtype: Any, *, own: bool) -> np.ndarray
             entry[2] = True  # handed out: no other owner gets it
         out: np.ndarray = entry[1]
         return out
+    buffer = _rows_buffer(parts, dtype) if entry is None else None
+    stacks = _sweep.stacks
+    if buffer is not None and stacks is not None:  # the rows were written into one buffer, in order
+        stacks[(len(parts), id(parts[0]), id(parts[-1]))] = [parts, buffer, own]  # (their stack)
+        return buffer
     out = workspace.empty((len(parts), *parts[0].shape), dtype)
     np.stack(parts, out=out)
     stacks = _sweep.stacks
     if stacks is not None and entry is None and out.nbytes <= SHARED_STACK_BYTES:
         stacks.setdefault((len(parts), id(parts[0]), id(parts[-1])), [parts, out, own])
     return out
+
+
+def _rows_buffer(parts: list[np.ndarray], dtype: Any) -> np.ndarray | None:
+    """The buffer whose rows ``0, 1, ...`` are exactly ``parts`` (written by
+    :func:`_tanh_vjp_row` in this sweep), if there is one and it has ``dtype`` and no other row."""
+    views = _sweep.row_views
+    if not views:
+        return None
+    first = views.get(id(parts[0]))
+    if first is None or first[2] != 0:
+        return None
+    buffer = first[1]
+    if len(buffer) != len(parts) or buffer.dtype != dtype:
+        return None
+    for t, p in enumerate(parts):
+        seen = views.get(id(p))
+        if seen is None or seen[0] is not p or seen[1] is not buffer or seen[2] != t:
+            return None
+    return buffer
 
 
 #: The largest stack of gradient rows :func:`_rows_stack` keeps for the rest of its sweep. Keeping
@@ -865,7 +893,14 @@ defop(
 )
 defop("Exp", np.exp, lambda g, ans, x: g * ans)
 defop("Log", np.log, lambda g, ans, x: g / x)
-defop("Tanh", np.tanh, lambda g, ans, x: g * (1 - ans * ans))
+
+
+def _tanh_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray) -> np.ndarray:
+    out: np.ndarray = g * (1 - ans * ans)
+    return out
+
+
+defop("Tanh", np.tanh, _tanh_vjp)
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -1330,6 +1365,46 @@ def _matmul_add_row_vjp_rows(
 # For a product, row and sum all of one shape and dtype.
 defop("MatMulAddRow", _matmul_add_row, _matmul_add_row_vjp_a, _matmul_add_row_vjp_b, _matmul_add_row_vjp_rows)
 
+#: The sums that read row ``attrs["index"]`` of a hoisted group (vgraph.virtual.hoist.RowSum), by
+#: forward: the position of the group among their inputs.
+ROW_SUMS: dict[Any, int] = {_add_row: 0, _matmul_add_row: 2}
+#: The fewest elements of a row for which a compiled sweep writes a ``tanh``'s gradient into its
+#: row of the sweep's buffer (see :func:`_tanh_vjp_row`): on fewer, the call costs more than the
+#: copy it saves.
+ROW_VJP_MIN = 1024
+
+
+def _tanh_vjp_row(g: np.ndarray, ans: np.ndarray, row_sum: Any) -> np.ndarray | None:
+    """:func:`_tanh_vjp`'s result, written into its row of one buffer per group and sweep: the
+    gradient of ``tanh(rows[t] + c)`` with respect to the sum ``row_sum`` (an ``AddRow`` or
+    ``MatMulAddRow`` node reading row ``t`` of a group), which every collector of the loop's
+    gradient rows then reads as one stack, with no copy (:func:`_rows_stack`): the floor's
+    ``(T, B, H)`` gradient buffer. The same operations in place (the same bits). ``None`` where it
+    cannot: outside a sweep, or a gradient or group of another dtype or shape.
+
+    Compiled sweeps call it for a sum's first gradient. (A retained gradient is committed as a
+    copy, so no ``.grad`` shares the buffer's memory.)"""
+    buffers, views = _sweep.rows, _sweep.row_views
+    if buffers is None or views is None:
+        return None
+    if type(g) is not np.ndarray or g.dtype != ans.dtype or g.shape != ans.shape:
+        return None
+    group = row_sum.parents[ROW_SUMS[row_sum.op.forward]]
+    buffer = buffers.get(group)
+    if buffer is None:
+        value = group._value
+        if value is None or value.dtype != ans.dtype or value.shape[1:] != ans.shape:
+            return None
+        buffer = buffers[group] = workspace.empty(value.shape, value.dtype)
+    t = row_sum.attrs["index"]
+    out: np.ndarray = buffer[t]
+    np.multiply(ans, ans, out=out)
+    np.subtract(1, out, out=out)
+    np.multiply(out, g, out=out)
+    views[id(out)] = (out, buffer, t)
+    return out
+
+
 #: Forwards and VJPs whose effect compiled sweeps (vgraph.tape) write out inline instead of calling
 #: them, by kind. Forward "row": ``x[attrs["index"]]``; "row + product": ``rows[attrs["index"]] +
 #: a @ b`` (``MatMulAddRow``, inputs ``a, b, rows``). VJP "pass": ``g`` itself; "row": ``g`` at
@@ -1338,7 +1413,8 @@ defop("MatMulAddRow", _matmul_add_row, _matmul_add_row_vjp_a, _matmul_add_row_vj
 #: gradient of a matrix times a weight matrix (``MatMul``, or ``Linear``'s weight), whose use
 #: ``(a, g)`` the sweep appends to the weight's pending RowsProductGrad (what making one and
 #: merging it would do); "product a": the gradient of ``x0`` in ``x0 @ x1`` (``_matmul_vjp_a``),
-#: called without the other arguments of the op that computes the product with more.
+#: called without the other arguments of the op that computes the product with more; "tanh": a
+#: ``tanh``'s gradient, written into a row buffer when it goes to a sum of :data:`ROW_SUMS`.
 INLINE_FORWARDS: dict[Any, str] = {_hoisted: "row", _matmul_add_row: "row + product"}
 INLINE_VJPS: dict[Any, str] = {
     pass_through: "pass",
@@ -1350,6 +1426,7 @@ INLINE_VJPS: dict[Any, str] = {
     _matmul_add_row_vjp_b: "rows product",  # likewise (rows[index] + x0 @ x1)
     _linear_vjp_x: "product a",
     _matmul_add_row_vjp_a: "product a",
+    _tanh_vjp: "tanh",  # into a sum's row (see _tanh_vjp_row), else called
 }
 
 

@@ -46,12 +46,15 @@ import numpy as np
 from .ops import (
     INLINE_FORWARDS,
     INLINE_VJPS,
+    ROW_SUMS,
+    ROW_VJP_MIN,
     LazyGrad,
     LeadingSumGrad,
     RowsProductGrad,
     StepRowsGrad,
     _matmul,
     _matmul_vjp_a,
+    _tanh_vjp_row,
     add_grads,
     add_grads_sparse,
     as_row_sparse,
@@ -94,6 +97,7 @@ _NAMESPACE: dict[str, Any] = {
     "ndarray": np.ndarray,
     "matmul": _matmul,
     "matmul_vjp_a": _matmul_vjp_a,
+    "tanh_vjp_row": _tanh_vjp_row,
     "np_add": np.add,
     "LazyGrad": LazyGrad,
     "LeadingSumGrad": LeadingSumGrad,
@@ -214,6 +218,7 @@ def _backward_shape(n: Any, slot: dict[Any, int]) -> Any:
             bool(p.sparse_grad),
             p.op is None,
             _inline_kind(INLINE_VJPS, vjp),
+            p.op is not None and p.op.forward in ROW_SUMS,
         )
         for p, vjp in zip(n.parents, n.vjps)
     )
@@ -262,7 +267,7 @@ def _backward_source(shape: Any) -> list[str]:
         if len(edges) > 1:
             out.append(f"        vjps = {n}.vjps")
         kwargs = f", **{n}.attrs" if has_attrs else ""
-        for j, (p, active, sparse, leaf, inline) in enumerate(edges):
+        for j, (p, active, sparse, leaf, inline, row_sum) in enumerate(edges):
             if not active:
                 continue
             vjp = f"vjps[{j}]" if len(edges) > 1 else f"{n}.vjps[0]"
@@ -308,8 +313,17 @@ def _backward_source(shape: Any) -> list[str]:
                     "        else:",
                 ]
                 indent += "    "
+            if inline == "tanh" and row_sum:  # the sum's first gradient, into its row of a buffer
+                out += [
+                    f"{indent}c = None",
+                    f"{indent}if n{p}._g is None and ans.size >= {ROW_VJP_MIN}:",
+                    f"{indent}    c = tanh_vjp_row(g, ans, n{p})",
+                    f"{indent}if c is None:",
+                    f"{indent}    c = {call}",
+                ]
+            else:
+                out.append(f"{indent}c = {call}")
             out += [
-                f"{indent}c = {call}",
                 f"{indent}s = x{j}.shape",
                 f"{indent}acc = n{p}._g",
             ]
