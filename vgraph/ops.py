@@ -183,7 +183,7 @@ class _Sweep(threading.local):
 
     transposes: dict[int, list[Any]] | None = None
     stacks: dict[tuple[int, int, int], list[Any]] | None = None
-    rows: dict[Any, np.ndarray] | None = None  # by group node: its gradient rows' buffer (_row_vjp)
+    rows: dict[Any, np.ndarray] | None = None  # by (group, declared sum): a row buffer (_tanh_vjp_row)
     row_views: dict[int, tuple[np.ndarray, np.ndarray, int]] | None = None  # id(row): (row, buffer, t)
 
 
@@ -681,14 +681,13 @@ def _rows_stack(parts: list[np.ndarray], dtype: Any, *, own: bool) -> np.ndarray
             entry[2] = True  # handed out: no other owner gets it
         out: np.ndarray = entry[1]
         return out
-    buffer = _rows_buffer(parts, dtype) if entry is None else None
     stacks = _sweep.stacks
+    buffer = _rows_buffer(parts, dtype) if entry is None else None
     if buffer is not None and stacks is not None:  # the rows were written into one buffer, in order
         stacks[(len(parts), id(parts[0]), id(parts[-1]))] = [parts, buffer, own]  # (their stack)
         return buffer
     out = workspace.empty((len(parts), *parts[0].shape), dtype)
     np.stack(parts, out=out)
-    stacks = _sweep.stacks
     if stacks is not None and entry is None and out.nbytes <= SHARED_STACK_BYTES:
         stacks.setdefault((len(parts), id(parts[0]), id(parts[-1])), [parts, out, own])
     return out
@@ -1375,7 +1374,7 @@ ROW_VJP_MIN = 1024
 
 
 def _tanh_vjp_row(g: np.ndarray, ans: np.ndarray, row_sum: Any) -> np.ndarray | None:
-    """:func:`_tanh_vjp`'s result, written into its row of one buffer per group and sweep: the
+    """:func:`_tanh_vjp`'s result, written into its row of one buffer per sum and sweep: the
     gradient of ``tanh(rows[t] + c)`` with respect to the sum ``row_sum`` (an ``AddRow`` or
     ``MatMulAddRow`` node reading row ``t`` of a group), which every collector of the loop's
     gradient rows then reads as one stack, with no copy (:func:`_rows_stack`): the floor's
@@ -1390,12 +1389,13 @@ def _tanh_vjp_row(g: np.ndarray, ans: np.ndarray, row_sum: Any) -> np.ndarray | 
     if type(g) is not np.ndarray or g.dtype != ans.dtype or g.shape != ans.shape:
         return None
     group = row_sum.parents[ROW_SUMS[row_sum.op.forward]]
-    buffer = buffers.get(group)
+    which = (group, row_sum.key.type, row_sum.key.id)  # (two sums may read one group's rows)
+    buffer = buffers.get(which)
     if buffer is None:
         value = group._value
         if value is None or value.dtype != ans.dtype or value.shape[1:] != ans.shape:
             return None
-        buffer = buffers[group] = workspace.empty(value.shape, value.dtype)
+        buffer = buffers[which] = workspace.empty(value.shape, value.dtype)
     t = row_sum.attrs["index"]
     out: np.ndarray = buffer[t]
     np.multiply(ans, ans, out=out)
