@@ -769,19 +769,10 @@ def test_random_reassociated_sums_equal_plain(T, hoisted, carried, addend, a_fir
     assert per_iteration_sums(plain) == [2] and per_iteration_sums(hoisted_cg) == [1]
 
 
-@settings(max_examples=30, deadline=None, derandomize=True)
-@given(
-    st.integers(2, 6),
-    st.sampled_from(["x W", "tanh(x W)", "x W + b"]),
-    st.sampled_from(["h U", "h", "tanh(h) * h", "h U, read twice"]),
-    st.booleans(),
-    st.booleans(),
-)
-def test_random_row_sums_equal_plain(T, hoisted, carried, a_first, stack_sum):
-    """a + c with a hoisted work of several forms (nn.RNNCell's x W + b among them) and c
-    per-iteration work, in either order, the sum stacked or not: built from a's rows (one node per
-    iteration; c's product too when only the sum reads it), and every key's value and retained
-    gradient equal the plain unroll's."""
+def row_sum_model(T, hoisted, carried, a_first=True, bias_last=False, stack_sum=False):
+    """tanh(a + c), or tanh((a + c) + b): ``a`` hoisted work of the form ``hoisted`` ("x W",
+    "tanh(x W)", "x W + b"), ``c`` per-iteration work of the form ``carried`` ("h U", "h",
+    "tanh(h) * h", "h U, read twice"); returns ``(g, loss, feed, a, c, total)``."""
     g = vg.VirtualGraph(seed=4)
     xs = g.input("xs", (None, 2, 3))
     W, U = g.parameter("W", (3, 4)), g.parameter("U", (4, 4), init="orthogonal")
@@ -799,10 +790,27 @@ def test_random_row_sums_equal_plain(T, hoisted, carried, a_first, stack_sum):
             "h U, read twice": lambda: h @ U,
         }[carried]()
         total = a + c if a_first else c + a
-        h_new = vg.tanh(total) * (c if carried == "h U, read twice" else 1.0)
-        L.update(h, h_new)
+        if bias_last:
+            total = total + b
+        L.update(h, vg.tanh(total) * (c if carried == "h U, read twice" else 1.0))
     loss = vg.sum(L.final(h) ** 2) + (vg.sum(L.stack(total)) if stack_sum else 0.0)
-    feed = {"xs": np.random.default_rng(T).normal(size=(T, 2, 3))}
+    return g, loss, {"xs": np.random.default_rng(T).normal(size=(T, 2, 3))}, a, c, total
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    st.integers(2, 6),
+    st.sampled_from(["x W", "tanh(x W)", "x W + b"]),
+    st.sampled_from(["h U", "h", "tanh(h) * h", "h U, read twice"]),
+    st.booleans(),
+    st.booleans(),
+)
+def test_random_row_sums_equal_plain(T, hoisted, carried, a_first, stack_sum):
+    """a + c with a hoisted work of several forms (nn.RNNCell's x W + b among them) and c
+    per-iteration work, in either order, the sum stacked or not: built from a's rows (one node per
+    iteration; c's product too when only the sum reads it), and every key's value and retained
+    gradient equal the plain unroll's."""
+    g, loss, feed, a, c, total = row_sum_model(T, hoisted, carried, a_first, stack_sum=stack_sum)
     plain, hoisted_cg = assert_identical(g, feed, [loss], loss)
     s = hoisted_cg.node(total, (T - 1,))
     fused = carried == "h U"

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_hoist import example, load, loop_bodies, loop_body_model, rnn_bptt_case
+from test_hoist import example, load, loop_bodies, loop_body_model, rnn_bptt_case, row_sum_model
 from test_properties import build_random_graph, recipes
 from test_sparse import feed as sparse_feed
 from test_sparse import tagger as sparse_tagger
@@ -272,21 +272,8 @@ def test_random_row_sums_with_gradient_rows_in_buffers(T, hoisted, carried, bias
     buffer however small (ops.ROW_VJP_MIN lowered to 1 for the compiled code)."""
 
     def run():
-        g = vg.VirtualGraph(seed=4)
-        xs = g.input("xs", (None, 2, 3))
-        W, U = g.parameter("W", (3, 4)), g.parameter("U", (4, 4), init="orthogonal")
-        b = g.parameter("b", (4,), init="normal")
-        with g.loop() as L:
-            h = L.carry(np.zeros((2, 4)), name="h")
-            x = L.step(xs)
-            a = {"x W": lambda: x @ W, "tanh(x W)": lambda: vg.tanh(x @ W), "x W + b": lambda: x @ W + b}[
-                hoisted
-            ]()
-            c = {"h U": lambda: h @ U, "h": lambda: h, "tanh(h) * h": lambda: vg.tanh(h) * h}[carried]()
-            total = (a + c) + b if bias_last else a + c
-            L.update(h, vg.tanh(total))
-        loss = vg.sum(L.final(h) ** 2) + (vg.sum(L.stack(total)) if stack_sum else 0.0)
-        return train(g, feeds_like({"xs": np.random.default_rng(T).normal(size=(T, 2, 3))}, STEPS), loss)
+        g, loss, feed, *_ = row_sum_model(T, hoisted, carried, bias_last=bias_last, stack_sum=stack_sum)
+        return train(g, feeds_like(feed, STEPS), loss)
 
     written = []
     into_row = ops._tanh_vjp_row
