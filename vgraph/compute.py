@@ -814,7 +814,7 @@ class ComputeGraph:
     def _refuse_mixed(self, node: ComputeNode) -> None:
         """Raise if some value that node computed when read is computed from is out of date (see
         :meth:`_read_deferred`)."""
-        stale = self._first_stale([node])
+        stale = self._stale_ancestor(node)
         if stale is not None:
             raise GraphStateError(
                 f"{node.describe()} keeps no value (it is computed when read, see "
@@ -1160,13 +1160,17 @@ class ComputeGraph:
         if stale is not None:
             raise self._stale_error(stale, roots[0], action)
 
+    def _known_fresh(self, roots: Sequence[ComputeNode]) -> bool:
+        """Whether ``roots`` were known consistent at some clock reading (a build, a forward of
+        them, an earlier check) with no leaf changed since (see :meth:`_check_values_fresh`)."""
+        newest = max([leaf.version for leaf in self._leaves], default=0)
+        fresh = self._fresh
+        return newest <= fresh.get(_ALL, 0) or all(newest <= fresh.get(r, 0) for r in roots)
+
     def _first_stale(self, roots: Sequence[ComputeNode]) -> ComputeNode | None:
         """The first out-of-date node a forward to ``roots`` would compute, or None (see
         :meth:`_check_values_fresh`)."""
-        newest = max([leaf.version for leaf in self._leaves], default=0)
-        fresh = self._fresh
-        known = fresh.get(_ALL, 0)
-        if newest <= known or all(newest <= fresh.get(r, 0) for r in roots):
+        if self._known_fresh(roots):
             return None
         for n in self._forward_plan(tuple(roots)):
             version = n.version
@@ -1174,6 +1178,29 @@ class ComputeGraph:
                 if p.version > version:
                     return n
         self._mark_fresh(roots)
+        return None
+
+    def _stale_ancestor(self, node: ComputeNode) -> ComputeNode | None:
+        """An out-of-date op node among ``node``'s ancestors, or None: :meth:`_first_stale` for a
+        value read, which walks only as far as the first stale node it meets and makes and keeps
+        no plan (a reader going through every node computed when read, the explorer after an
+        optimiser step, would otherwise make one plan of a loop's whole past per node)."""
+        if self._known_fresh([node]):
+            return None
+        deferred, seen = self._deferred, set()
+        stack = list(node.parents)
+        while stack:
+            n = stack.pop()
+            if n.op is None or n in seen:
+                continue
+            seen.add(n)
+            if n not in deferred:  # (a node computed when read is as current as what it reads)
+                version = n.version
+                for p in n.parents:
+                    if p.version > version:
+                        return n
+            stack.extend(n.parents)
+        self._mark_fresh([node])
         return None
 
     def _stale_error(self, node: ComputeNode, root: ComputeNode, action: str) -> GraphStateError:
@@ -1184,8 +1211,12 @@ class ComputeGraph:
         )
 
     def _staleness(self, node: ComputeNode) -> str:
-        """Why out-of-date ``node`` is: the change that made it so (a sentence)."""
+        """Why out-of-date ``node`` is: the change that made it so (a sentence): a changed leaf it
+        reads, else a changed leaf among its ancestors (a walk of them: only when an op parent was
+        recomputed, not on the common path of a value read after an optimiser step)."""
         changed = sorted(
+            (p for p in node.parents if p.op is None and p.version > node.version), key=attrgetter("version")
+        ) or sorted(
             (a for a in self._ancestors([node]) if a.op is None and a.version > node.version),
             key=attrgetter("version"),
         )
@@ -1342,14 +1373,15 @@ class ComputeGraph:
         """While a backward sweep runs from nodes computed when read, they and the nodes computed
         when read that they read hold their values (VJPs and the sweep read values and shapes)."""
         deferred = self._deferred
-        given: list[ComputeNode] = []
+        given: set[ComputeNode] = set()
         stack = [r for r in roots if r in deferred] if deferred else []
         while stack:
             n = stack.pop()
-            if n._value is None and n in deferred:
-                n._value = self._read_deferred(n)
-                given.append(n)
+            if n._value is None and n in deferred and n not in given:
+                given.add(n)
                 stack.extend(n.parents)
+        for n in sorted(given, key=_by_serial):  # parents first: each is computed once
+            n._value = self._read_deferred(n)
         try:
             yield
         finally:
