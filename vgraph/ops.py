@@ -1383,11 +1383,10 @@ def _tanh_vjp_row(g: np.ndarray, ans: np.ndarray, row_sum: Any) -> np.ndarray | 
 
     Compiled sweeps call it for a sum's first gradient. (A retained gradient is committed as a
     copy, so no ``.grad`` shares the buffer's memory.)"""
-    buffers, views = _sweep.rows, _sweep.row_views
-    if buffers is None or views is None:
+    buffers, views = _sweep.rows, _sweep.row_views  # (set together by sweep_scope)
+    if views is None or type(g) is not np.ndarray or g.dtype != ans.dtype or g.shape != ans.shape:
         return None
-    if type(g) is not np.ndarray or g.dtype != ans.dtype or g.shape != ans.shape:
-        return None
+    assert buffers is not None
     group = row_sum.parents[ROW_SUMS[row_sum.op.forward]]
     which = (group, row_sum.key.type, row_sum.key.id)  # (two sums may read one group's rows)
     buffer = buffers.get(which)

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..compute import ComputeGraph, ComputeNode
+from ..ops import ROW_SUMS
 from ..virtual import LoopNode, UnrolledGraph
 from .frames import _Frame, _Frames
 from .gradients import INF_COLOR, NAN_COLOR, ZERO_COLOR, GradientScale, _luminance, gradient_color
@@ -349,9 +350,7 @@ class _UnrolledView(_Frames):
             small.append(("sg", f"product + row {n.attrs['index']} of <{n.parents[2].key}>"))
         elif k.type.endswith("*") and n.op is not None:
             rows = self.cg._groups.get(n, ()) if isinstance(self.cg, UnrolledGraph) else ()
-            if (
-                rows and rows[0].op is not None and rows[0].op.name in ("AddRow", "MatMulAddRow")
-            ):  # a reassociated sum's hoisted part
+            if rows and rows[0].op is not None and rows[0].op.forward in ROW_SUMS:  # (a reassociated sum)
                 small.append(
                     ("sg", f"{n.op.name} for every iteration: the hoisted part of <{k.type[:-1]}:{k.id}@t>")
                 )

@@ -251,26 +251,15 @@ class RowSum:
 
     def build(self, cg: Any, env: dict[Any, Any], idx: tuple[int, ...]) -> None:
         """Add iteration ``idx``'s nodes of the sum to ``cg`` and ``env``."""
-
-        def declared(v: VirtualNode) -> ComputeNode:  # v as the body declares it
-            node = env[v] = cg._add_op(
-                cast("Op", v.op),
-                tuple([env[u] for u in v.inputs]),
-                v.attrs,
-                NodeKey(v.type, v.id, idx),
-                v.name,
-            )
-            return node
-
         total = self.total
-        product = declared(self.c) if self.fuse else env[self.c]  # (fused: only the sum reads it)
+        product = _declared(cg, env, self.c, idx) if self.fuse else env[self.c]  # (only the sum reads it)
         a, c, rows = env[self.a]._value, product._value, self.group._value
-        partial = declared(self.part) if self.part is not None else None
+        partial = _declared(cg, env, self.part, idx) if self.part is not None else None
         if not (a.shape == c.shape == rows.shape[1:] and a.dtype == c.dtype == rows.dtype):
             # the partial sum's gradient would not be the whole sum's (k broadcasts or promotes it),
             # or the sum broadcasts its terms: built as declared
             self.declared = True
-            declared(total)
+            _declared(cg, env, total, idx)
             return
         key, index = NodeKey(total.type, total.id, idx), {"index": idx[-1]}
         if self.fuse:  # the sum computes the product too; the product's value is the one above
@@ -283,6 +272,16 @@ class RowSum:
         if partial is not None:  # the group <Add*:s> has no other row readers (copies)
             cg._add_copy(self.group, node)
             cg._defer(partial, node)  # (computed once above: no forward computes it again)
+
+
+def _declared(cg: Any, env: dict[Any, Any], v: VirtualNode, idx: tuple[int, ...]) -> ComputeNode:
+    """Add op node ``v`` of a body's iteration ``idx`` as the body declares it, to ``cg`` and
+    ``env``."""
+    node: ComputeNode = cg._add_op(
+        cast("Op", v.op), tuple([env[u] for u in v.inputs]), v.attrs, NodeKey(v.type, v.id, idx), v.name
+    )
+    env[v] = node
+    return node
 
 
 def row_sums(
