@@ -207,7 +207,7 @@ class UnrolledGraph(ComputeGraph):
     ) -> dict[ComputeNode, list[tuple[ComputeNode, int | None]]]:
         """Each node the gradients of some of ``nodes`` are taken from (see :meth:`_backprop`), with
         those nodes and how: row ``t`` of a hoisted group's gradient for its copy ``t``, the whole
-        gradient (``None``) of a sum for its partial sum computed when read."""
+        gradient (``None``) of a sum for its partial sum or its product computed when read."""
         groups, deferred = self._groups, self._deferred
         found: dict[ComputeNode, list[tuple[ComputeNode, int | None]]] = {}
         for n in nodes:
