@@ -723,6 +723,49 @@ def test_stack_gradient_is_a_view_of_the_incoming_gradient():
     np.testing.assert_array_equal(got, g[:, 1])
 
 
+@pytest.mark.parametrize(
+    "parts",
+    [
+        [np.arange(6.0).reshape(2, 3), np.ones((2, 3), np.float32), np.full((2, 3), 7)],  # promoted
+        [np.float32(1.5), np.float32(2.5)],  # 0-d: np.stack itself
+        [1.0, 2.0, 3.0],  # Python numbers
+        [np.arange(4.0)],  # one part
+        [np.arange(3.0)[::2], np.arange(2.0)],  # a strided part
+    ],
+    ids=["promoted", "0-d", "numbers", "single", "strided"],
+)
+def test_stack_forward_is_np_stack(parts):
+    """Stack's forward concatenates same-shaped parts as rows (faster than np.stack): the same
+    values and dtype as np.stack, whatever the parts."""
+    got, want = OPS["Stack"].forward(*parts), np.stack(parts)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(OPS["Stack"].forward(*parts, axis=-1), np.stack(parts, axis=-1))
+
+
+@pytest.mark.parametrize("shapes", [[(1, 3), (3, 3), (2, 3)], [(2, 3), (2, 4)], [(2,), ()]])
+def test_stack_forward_refuses_parts_of_different_shapes(shapes):
+    """As np.stack does — also parts whose rows would fill the stack exactly ((1, 3) + (3, 3) +
+    (2, 3) rows: 6 = 3 x 2), which a concatenation alone would take."""
+    parts = [np.zeros(s) for s in shapes]
+    with pytest.raises(ValueError, match="same shape"):
+        np.stack(parts)
+    with pytest.raises(ValueError, match="same shape"):
+        OPS["Stack"].forward(*parts)
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (4,), ()], ids=["rows", "vectors", "scalars"])
+def test_a_stack_of_gradient_rows_is_np_stack(shape):
+    """ops._rows_stack (a loop's gradient rows for its collectors) concatenates parts of two or
+    more axes as rows: the values of np.stack, converted to the dtype asked for."""
+    rng = np.random.default_rng(3)
+    parts = [np.asarray(rng.normal(size=shape)) for _ in range(5)]
+    for dtype in (np.float64, np.float32):
+        got = ops._rows_stack(parts, dtype, own=True)
+        assert got.dtype == dtype and got.shape == (5, *shape)
+        np.testing.assert_array_equal(got, np.stack(parts).astype(dtype))
+
+
 @pytest.mark.parametrize("at", [[3, 0, 5, 1], [2, 2, 0, 2]], ids=["unique-rows", "repeated-rows"])
 def test_rows_grad_adds_whole_rows_as_one_indexed_addition_bit_for_bit(at):
     """RowsGrad adds first-axis rows with one indexed addition (np.add.at when rows repeat): the
