@@ -274,9 +274,10 @@ def test_dynamic_quick_json_run(tmp_path):
 
 
 def test_the_paired_ab_tool_runs_both_versions_in_their_own_processes(tmp_path):
-    """tools/bench_ab.py with two directories (here both this checkout): each side's worker imports
-    vgraph from its own directory, one row per size and mode comes out with a ratio and the JSON
-    report; a spec that is neither a directory nor a revision is refused before anything runs."""
+    """tools/bench_ab.py with two directories (here both this checkout): each side runs from its
+    own fresh copy of the working tree (removed afterwards), one row per size and mode comes out
+    with a ratio and the JSON report; a spec that is neither a directory nor a revision is refused
+    before anything runs."""
     report = tmp_path / "ab.json"
     out = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "bench_ab.py"), str(ROOT), str(ROOT), "--sizes", "4,8,2,3",
@@ -284,6 +285,9 @@ def test_the_paired_ab_tool_runs_both_versions_in_their_own_processes(tmp_path):
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
+    copies = [line.split(" (", 1)[1].rstrip(")") for line in out.stdout.splitlines()[:2]]
+    assert [Path(c).name for c in copies] == ["0-copy", "1-copy"], out.stdout
+    assert not any(Path(c).exists() for c in copies)
     rows = json.loads(report.read_text())["rows"]
     assert [(r["size"], r["mode"]) for r in rows] == [("4,8,2,3", "rebuild-new")]
     assert rows[0]["ratio_median"] > 0 and len(rows[0]["old_ms"]) == len(rows[0]["new_ms"]) == 1

@@ -15,8 +15,9 @@ Usage::
                              [--rounds K] [--steps N] [--repeats R] [--interleave] [--json PATH]
 
 ``OLD`` and ``NEW`` are git revisions of this repository (checked out into temporary worktrees,
-removed afterwards) or directories holding a vgraph checkout; ``NEW`` defaults to this checkout's
-working tree. ``--interleave`` runs the hand-written floor's step between vgraph's steps, as
+removed afterwards) or directories holding a vgraph checkout (a git working tree is copied first,
+with its changes: both versions run from fresh copies, see :func:`checkouts`); ``NEW`` defaults to
+this checkout's working tree. ``--interleave`` runs the hand-written floor's step between vgraph's steps, as
 ``bench_rnn.py`` does (it leaves vgraph's data out of the caches).
 """
 
@@ -26,6 +27,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -90,15 +92,36 @@ def worker(root: str, size: str, mode: str, steps: int, repeats: int, interleave
 
 @contextlib.contextmanager
 def checkouts(specs: Sequence[str]) -> Iterator[list[str]]:
-    """The directories of ``specs`` (directories as they are; git revisions checked out into
-    temporary worktrees, removed on exit)."""
-    made: list[str] = []
+    """The directories of ``specs``, each a fresh copy in one temporary directory, removed on
+    exit: git revisions checked out into worktrees; a git working tree (this checkout's, by
+    default) copied as it is, its changes and untracked files included (not the ignored ones).
+
+    Two versions must run from the same kind of place: this checkout (its ``.venv``, its
+    ``__pycache__``) timed against a fresh worktree of the same commit gave paired ratios of 1.04
+    at (32, 128, 32, 50), mode rebuild, with no change at all (docs/performance.md, wave 11).
+    A directory that is not a git working tree is used where it is."""
+    made: list[str] = []  # worktrees
+    copied: list[str] = []
     tmp = tempfile.mkdtemp(prefix="vgraph-ab-")
     try:
         dirs = []
         for i, spec in enumerate(specs):
             if Path(spec).is_dir():
-                dirs.append(str(Path(spec).resolve()))
+                files = subprocess.run(
+                    ["git", "-C", spec, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                    capture_output=True, text=True,
+                )  # fmt: skip
+                if files.returncode:  # not a git working tree
+                    dirs.append(str(Path(spec).resolve()))
+                    continue
+                path = str(Path(tmp) / f"{i}-copy")
+                for name in filter(None, files.stdout.split("\0")):
+                    source = Path(spec) / name
+                    if source.is_file():  # (a tracked file deleted in the working tree: left out)
+                        (Path(path) / name).parent.mkdir(parents=True, exist_ok=True)
+                        shutil.copy2(source, Path(path) / name)
+                copied.append(path)
+                dirs.append(path)
                 continue
             rev = subprocess.run(
                 ["git", "-C", str(ROOT), "rev-parse", "--verify", f"{spec}^{{commit}}"],
@@ -117,6 +140,8 @@ def checkouts(specs: Sequence[str]) -> Iterator[list[str]]:
     finally:
         for path in made:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", path], check=False)
+        for path in copied:
+            shutil.rmtree(path, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.rmdir(tmp)
 
