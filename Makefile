@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench bench-dynamic clean
+.PHONY: demo test bench bench-gap bench-dynamic clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,9 @@ test: $(STAMP)  ## the whole test suite
 
 bench: $(STAMP)  ## the performance benchmark against the tightest hand-written numpy BPTT
 	$(BIN)/python tools/bench_rnn.py
+
+bench-gap: $(STAMP)  ## the benchmark's gap to the floor, split: vgraph's operations vs its bookkeeping
+	$(BIN)/python tools/bench_gap.py
 
 bench-dynamic: $(STAMP)  ## dynamic tasks (LSTM language model, BiLSTM tagger): words/s, phases, memory
 	$(BIN)/python tools/bench_dynamic.py

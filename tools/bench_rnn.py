@@ -191,7 +191,7 @@ def _workspace(T: int, B: int, H: int, dtype: Any) -> dict[str, np.ndarray]:
 
 
 def numpy_grads(
-    P: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray
+    P: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, marks: list[float] | None = None
 ) -> tuple[float, dict[str, np.ndarray]]:
     """The tight floor: forward + BPTT as a careful person writes it; returns ``(loss, grads)``.
 
@@ -202,6 +202,9 @@ def numpy_grads(
     C-contiguous copy of ``W_h^T``, made once per step: BLAS is slower with a transposed operand),
     and the gradients of ``W_x``, ``W_h`` and ``b`` are each one ``(T*B)``-row product after the
     sweep (``b``'s with a vector of ones: BLAS sums columns faster than ``np.sum`` over rows).
+
+    ``marks``: if given, ``time.perf_counter()`` is appended to it when the forward ends (after
+    the loss), for tools/bench_gap.py's split by phase.
     """
     Wx, Wh, b, Wo = P["Wx"], P["Wh"], P["b"], P["Wo"]
     T, B, I = x.shape
@@ -221,6 +224,8 @@ def numpy_grads(
     diff = hT @ Wo
     diff -= y
     loss = float(np.vdot(diff, diff)) / diff.size
+    if marks is not None:
+        marks.append(time.perf_counter())
     diff *= 2.0 / diff.size  # dloss/dout
     gWo = hT.T @ diff
     np.matmul(diff, Wo.T, out=gh)
