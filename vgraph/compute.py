@@ -151,9 +151,13 @@ def is_anomaly_enabled() -> bool:
     return _Anomaly.enabled
 
 
+#: A scope that does nothing (one for every use: ``nullcontext`` keeps no state).
+_NOTHING: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+
+
 def _anomaly_scope(on: bool) -> contextlib.AbstractContextManager[None]:
     """``detect_anomaly()`` for a call that asked for it, else nothing (the setting is inherited)."""
-    return detect_anomaly() if on else contextlib.nullcontext()
+    return detect_anomaly() if on else _NOTHING
 
 
 def _finite(x: Any) -> bool:
@@ -1289,6 +1293,8 @@ class ComputeGraph:
             self._backprop(self._sweep_plan([loss]), [(loss, g)], accumulate=True)
         self._released = not retain_graph
         value = loss._value if loss._value is not None else loss.value  # checkpointed: recomputed
+        if type(value) is np.ndarray:  # (the common case, without numpy's Python-level wrappers)
+            return float(value.reshape(())) if value.size == 1 else None
         return float(np.reshape(value, ())) if np.size(value) == 1 else None
 
     @computing
@@ -1368,13 +1374,19 @@ class ComputeGraph:
         self._released = not retain_graph
         return [found.get(x) for x in ins]
 
-    @contextlib.contextmanager
-    def _values_for_sweep(self, roots: Sequence[ComputeNode]) -> Iterator[None]:
+    def _values_for_sweep(self, roots: Sequence[ComputeNode]) -> contextlib.AbstractContextManager[None]:
         """While a backward sweep runs from nodes computed when read, they and the nodes computed
         when read that they read hold their values (VJPs and the sweep read values and shapes)."""
         deferred = self._deferred
+        if not deferred or not any(r in deferred for r in roots):
+            return _NOTHING  # (the common case, without a generator's cost)
+        return self._holding_values([r for r in roots if r in deferred])
+
+    @contextlib.contextmanager
+    def _holding_values(self, stack: list[ComputeNode]) -> Iterator[None]:
+        """:meth:`_values_for_sweep` from the roots computed when read, ``stack``."""
+        deferred = self._deferred
         given: set[ComputeNode] = set()
-        stack = [r for r in roots if r in deferred] if deferred else []
         while stack:
             n = stack.pop()
             if n._value is None and n in deferred and n not in given:
@@ -1413,6 +1425,8 @@ class ComputeGraph:
 
     def _seed(self, out: ComputeNode, seed: Any) -> np.ndarray:
         value = out._value if out._value is not None else out.value  # computed when read, or dropped
+        if seed is None and type(value) is np.ndarray and value.size == 1:  # a scalar loss
+            return np.ones(value.shape, dtype=value.dtype)
         shape = np.shape(value)
         if seed is None:
             if np.size(value) != 1:
