@@ -17,8 +17,8 @@ Usage::
 ``OLD`` and ``NEW`` are git revisions of this repository (checked out into temporary worktrees,
 removed afterwards) or directories holding a vgraph checkout (a git working tree is copied first,
 with its changes: both versions run from fresh copies, see :func:`checkouts`); ``NEW`` defaults to
-this checkout's working tree. ``--interleave`` runs the hand-written floor's step between vgraph's steps, as
-``bench_rnn.py`` does (it leaves vgraph's data out of the caches).
+this checkout's working tree. ``--interleave`` runs the hand-written floor's step between
+vgraph's steps, as ``bench_rnn.py`` does (it leaves vgraph's data out of the caches).
 """
 
 from __future__ import annotations
