@@ -177,15 +177,16 @@ class _Sweep(threading.local):
     ``transposes``: by ``id`` of a matrix, ``[matrix, its C-contiguous transpose or None]``.
     ``stacks``: by ``(count, id of the first part, id of the last)``, ``[parts, np.stack(parts),
     given]`` (``given``: the stack was handed out as a collector's result, which its caller owns).
-    ``rows`` and ``row_views``: the buffers gradient rows are written into (:func:`_tanh_vjp_row`)
-    and the rows written, each with its buffer and index. Each entry holds the arrays its key's
-    ids are of, so the ids name them for the whole sweep.
+    ``rows``: by ``(group, declared sum)``, ``(buffer, rows written)``: the buffer gradient rows
+    are written into (:func:`_tanh_vjp_row`) and each row written, by index; ``row_starts``: the
+    same entries by ``id`` of their row 0. Each entry holds the arrays its key's ids are of, so
+    the ids name them for the whole sweep.
     """
 
     transposes: dict[int, list[Any]] | None = None
     stacks: dict[tuple[int, int, int], list[Any]] | None = None
-    rows: dict[Any, np.ndarray] | None = None  # by (group, declared sum): a row buffer (_tanh_vjp_row)
-    row_views: dict[int, tuple[np.ndarray, np.ndarray, int]] | None = None  # id(row): (row, buffer, t)
+    rows: dict[Any, tuple[np.ndarray, list[Any]]] | None = None
+    row_starts: dict[int, tuple[np.ndarray, list[Any]]] | None = None
 
 
 _sweep = _Sweep()
@@ -201,13 +202,13 @@ class sweep_scope:
     __slots__ = ("_outer",)
 
     def __enter__(self) -> None:
-        self._outer = (_sweep.transposes, _sweep.stacks, _sweep.rows, _sweep.row_views)
+        self._outer = (_sweep.transposes, _sweep.stacks, _sweep.rows, _sweep.row_starts)
         if _sweep.transposes is None:
             _sweep.transposes = {}
-        _sweep.stacks, _sweep.rows, _sweep.row_views = {}, {}, {}
+        _sweep.stacks, _sweep.rows, _sweep.row_starts = {}, {}, {}
 
     def __exit__(self, *exc: object) -> None:
-        _sweep.transposes, _sweep.stacks, _sweep.rows, _sweep.row_views = self._outer
+        _sweep.transposes, _sweep.stacks, _sweep.rows, _sweep.row_starts = self._outer
 
 
 class LazyGrad:
@@ -697,19 +698,13 @@ def _rows_stack(parts: list[np.ndarray], dtype: Any, *, own: bool) -> np.ndarray
 def _rows_buffer(parts: list[np.ndarray], dtype: Any) -> np.ndarray | None:
     """The buffer whose rows ``0, 1, ...`` are exactly ``parts`` (written by
     :func:`_tanh_vjp_row` in this sweep), if there is one and it has ``dtype`` and no other row."""
-    views = _sweep.row_views
-    if not views:
+    starts = _sweep.row_starts
+    entry = starts.get(id(parts[0])) if starts else None
+    if entry is None:
         return None
-    first = views.get(id(parts[0]))
-    if first is None or first[2] != 0:
+    buffer, written = entry
+    if buffer.dtype != dtype or len(written) != len(parts) or not all(map(operator.is_, written, parts)):
         return None
-    buffer = first[1]
-    if len(buffer) != len(parts) or buffer.dtype != dtype:
-        return None
-    for t, p in enumerate(parts):
-        seen = views.get(id(p))
-        if seen is None or seen[0] is not p or seen[1] is not buffer or seen[2] != t:
-            return None
     return buffer
 
 
@@ -1400,24 +1395,27 @@ def _tanh_vjp_row(g: np.ndarray, ans: np.ndarray, row_sum: Any) -> np.ndarray | 
 
     Compiled sweeps call it for a sum's first gradient. (A retained gradient is committed as a
     copy, so no ``.grad`` shares the buffer's memory.)"""
-    buffers, views = _sweep.rows, _sweep.row_views  # (set together by sweep_scope)
-    if views is None or type(g) is not np.ndarray or g.dtype != ans.dtype or g.shape != ans.shape:
+    buffers, starts = _sweep.rows, _sweep.row_starts  # (set together by sweep_scope)
+    if starts is None or type(g) is not np.ndarray or g.dtype != ans.dtype or g.shape != ans.shape:
         return None
     assert buffers is not None
     group = row_sum.parents[ROW_SUMS[row_sum.op.forward]]
     which = (group, row_sum.key.type, row_sum.key.id)  # (two sums may read one group's rows)
-    buffer = buffers.get(which)
-    if buffer is None:
+    entry = buffers.get(which)
+    if entry is None:
         value = group._value
         if value is None or value.dtype != ans.dtype or value.shape[1:] != ans.shape:
             return None
-        buffer = buffers[which] = workspace.empty(value.shape, value.dtype)
+        entry = buffers[which] = (workspace.empty(value.shape, value.dtype), [None] * len(value))
+    buffer, written = entry
     t = row_sum.attrs["index"]
     out: np.ndarray = buffer[t]
     np.multiply(ans, ans, out=out)
     np.subtract(1, out, out=out)
     np.multiply(out, g, out=out)
-    views[id(out)] = (out, buffer, t)
+    written[t] = out
+    if t == 0:  # (what _rows_buffer finds the entry by: a stack's first part)
+        starts[id(out)] = entry
     return out
 
 
