@@ -990,9 +990,14 @@ class ComputeGraph:
         """The backward plan of a sweep from ``roots``: :meth:`_backward_plan`, or where a root is
         computed when read, every node that requires a gradient (its gradient reaches nodes
         computed when read that it reads; such a sweep is rare and runs interpreted)."""
-        if self._deferred and any(r in self._deferred for r in roots):
+        if self._deferred_roots(roots):
             return backward_order(self._nodes.values(), {})
         return self._backward_plan()
+
+    def _deferred_roots(self, roots: Iterable[ComputeNode]) -> list[ComputeNode]:
+        """The nodes among ``roots`` that are computed when read (usually none)."""
+        deferred = self._deferred
+        return [r for r in roots if r in deferred] if deferred else []
 
     def _use_backward_plan(self, plan: list[ComputeNode], tape: _tape.BackwardTape | None) -> None:
         """Make ``plan`` the backward plan of the current node list, with its compiled sweep
@@ -1377,10 +1382,8 @@ class ComputeGraph:
     def _values_for_sweep(self, roots: Sequence[ComputeNode]) -> contextlib.AbstractContextManager[None]:
         """While a backward sweep runs from nodes computed when read, they and the nodes computed
         when read that they read hold their values (VJPs and the sweep read values and shapes)."""
-        deferred = self._deferred
-        if not deferred or not any(r in deferred for r in roots):
-            return _NOTHING  # (the common case, without a generator's cost)
-        return self._holding_values([r for r in roots if r in deferred])
+        stack = self._deferred_roots(roots)
+        return self._holding_values(stack) if stack else _NOTHING  # (no generator when none)
 
     @contextlib.contextmanager
     def _holding_values(self, stack: list[ComputeNode]) -> Iterator[None]:

@@ -116,9 +116,13 @@ def _row_sums(
     grouped = set(hoistable)
     body = set(eager)
 
+    def body_sum(s: VirtualNode) -> bool:
+        """Whether ``s`` is a sum computed in every iteration of the body (not hoisted)."""
+        return s in body and s.type == "Add" and s.kind == "op" and s not in grouped
+
     def split(s: VirtualNode) -> tuple[VirtualNode, VirtualNode] | None:
         """``(a, c)`` if ``s`` is a sum of the body with one hoistable input, else None."""
-        if s not in body or s.type != "Add" or s.kind != "op" or s in grouped:
+        if not body_sum(s):
             return None
         x, y = s.inputs
         if (x in grouped) == (y in grouped):
@@ -133,7 +137,7 @@ def _row_sums(
     ] = {}
     parts: set[VirtualNode] = set()
     for s in eager:
-        if s.type != "Add" or s.kind != "op" or s in grouped:
+        if not body_sum(s):
             continue
         for part, k in (s.inputs, s.inputs[::-1]):
             terms = split(part)
