@@ -143,44 +143,24 @@ class OperationsTrainer:
         for k, p in self.P.items():  # as the benchmark updates vgraph's parameters: new arrays
             self.P[k] = p - br.LR * self.grads[k]
 
-    def step_phases(self, x: np.ndarray, y: np.ndarray) -> tuple[float, list[float]]:
-        t0 = time.perf_counter()
+    def step(self, x: np.ndarray, y: np.ndarray, marks: list[float] | None = None) -> float:
+        """One step; ``marks``: as for ``bench_rnn.NumpyTrainer.step``."""
         loss = self.forward(x, y)
-        t1 = time.perf_counter()
+        if marks is not None:
+            marks.append(time.perf_counter())
         self.backward()
-        t2 = time.perf_counter()
+        if marks is not None:
+            marks.append(time.perf_counter())
         self.update()
-        t3 = time.perf_counter()
-        return loss, [t1 - t0, t2 - t1, t3 - t2]
+        return loss
 
 
-class PhasedVgraph(br.VgraphReuse):
-    """``bench_rnn.VgraphReuse`` with each phase of its step timed."""
-
-    def step_phases(self, x: np.ndarray, y: np.ndarray) -> tuple[float, list[float]]:
-        cg = self.cg
-        t0 = time.perf_counter()
-        cg.feed({"x": x, "y": y})
-        cg.forward()
-        t1 = time.perf_counter()
-        value = cg.backward(self.loss_node)
-        t2 = time.perf_counter()
-        for p in self.params:
-            p.value = p.value - br.LR * p.grad
-        self.g.params.zero_grad()
-        t3 = time.perf_counter()
-        assert value is not None
-        return value, [t1 - t0, t2 - t1, t3 - t2]
-
-
-def _floor_phases(trainer: br.NumpyTrainer, x: np.ndarray, y: np.ndarray) -> tuple[float, list[float]]:
+def _phases(step: Any, x: np.ndarray, y: np.ndarray) -> list[float]:
+    """The seconds of ``step(x, y, marks)``'s forward, backward and update."""
     marks = [time.perf_counter()]
-    loss, G = br.numpy_grads(trainer.P, x, y, marks)
+    step(x, y, marks)
     marks.append(time.perf_counter())
-    for k, p in trainer.P.items():  # NumpyTrainer.step's update
-        p -= br.LR * G[k]
-    marks.append(time.perf_counter())
-    return loss, [b - a for a, b in itertools.pairwise(marks)]
+    return [b - a for a, b in itertools.pairwise(marks)]
 
 
 def check(size: tuple[int, int, int, int]) -> float:
@@ -207,34 +187,27 @@ def measure(size: tuple[int, int, int, int], repeats: int = REPEATS, warmup: int
     g, loss = br.make_model(I, H, B)
     data = br.make_data(I, B, T, seed=7)
     P0 = br.vgraph_param_values(g)
-    floor = br.NumpyTrainer(P0, br.numpy_grads)
-    operations = OperationsTrainer(P0)
-    vgraph = PhasedVgraph(g, loss, *data[0])
-    times: dict[str, list[list[float]]] = {"floor": [], "operations": [], "vgraph": []}
+    floor, operations = br.NumpyTrainer(P0, br.numpy_grads), OperationsTrainer(P0)
+    steps = {
+        "floor": floor.step,
+        "operations": operations.step,
+        "vgraph": br.VgraphReuse(g, loss, *data[0]).step,
+    }
+    times: dict[str, list[list[float]]] = {name: [] for name in steps}
     gc.collect()
     for i in range(warmup + repeats):
         x, y = data[i % len(data)]
-        order = ["floor", "operations", "vgraph"]
-        if i % 2:
-            order.reverse()
-        row: dict[str, list[float]] = {}
-        for name in order:
-            if name == "floor":
-                row[name] = _floor_phases(floor, x, y)[1]
-            elif name == "operations":
-                row[name] = operations.step_phases(x, y)[1]
-            else:
-                row[name] = vgraph.step_phases(x, y)[1]
-        if i >= warmup:
-            for name, t in row.items():
-                times[name].append(t)
+        for name in list(steps)[:: -1 if i % 2 else 1]:
+            phases = _phases(steps[name], x, y)
+            if i >= warmup:
+                times[name].append(phases)
     br._compare(f"parameters after training, operations {size}", operations.P, floor.P)
 
     def med(name: str, phase: int | None = None) -> float:
         return statistics.median((sum(t) if phase is None else t[phase]) * 1e3 for t in times[name])
 
     res: dict[str, Any] = {"size": list(size), "repeats": repeats}
-    for name in ("floor", "operations", "vgraph"):
+    for name in steps:
         res[f"{name}_ms"] = med(name)
         for phase, label in enumerate(("forward", "backward", "update")):
             res[f"{name}_{label}_ms"] = med(name, phase)

@@ -290,8 +290,14 @@ class NumpyTrainer:
         self.P = {k: np.array(v, dtype=DTYPE) for k, v in params.items()}
         self.grads_fn = grads_fn
 
-    def step(self, x: np.ndarray, y: np.ndarray) -> float:
-        loss, G = self.grads_fn(self.P, x, y)
+    def step(self, x: np.ndarray, y: np.ndarray, marks: list[float] | None = None) -> float:
+        """One SGD step; ``marks``: if given, ``time.perf_counter()`` is appended to it when the
+        forward and the backward end (``grads_fn`` must then take it: :func:`numpy_grads`)."""
+        if marks is None:
+            loss, G = self.grads_fn(self.P, x, y)
+        else:
+            loss, G = self.grads_fn(self.P, x, y, marks)
+            marks.append(time.perf_counter())
         for k, p in self.P.items():
             p -= LR * G[k]
         return loss
@@ -327,11 +333,16 @@ class VgraphReuse:
         self.loss_node = self.cg.outputs[0]
         self.params = g.params.parameters()
 
-    def step(self, x: np.ndarray, y: np.ndarray) -> float:
+    def step(self, x: np.ndarray, y: np.ndarray, marks: list[float] | None = None) -> float:
+        """One step; ``marks``: as for :meth:`NumpyTrainer.step`."""
         cg = self.cg
         cg.feed({"x": x, "y": y})
         cg.forward()
+        if marks is not None:
+            marks.append(time.perf_counter())
         value = cg.backward(self.loss_node)
+        if marks is not None:
+            marks.append(time.perf_counter())
         for p in self.params:
             p.value = p.value - LR * p.grad
         self.g.params.zero_grad()
