@@ -42,3 +42,48 @@ def test_numpy_only_as_the_readme_says(project):
 def test_no_project_urls_until_the_project_has_a_public_home(project):
     """Placeholder links 404 on the package page; see docs/decisions.md, "Packaging metadata"."""
     assert "urls" not in project
+
+
+def _third_party_imports() -> dict[str, set[str]]:
+    """Top-level modules imported anywhere the test suite runs (vgraph/, tests/, tools/, examples/;
+    function-local imports included) that are neither standard library nor the project's own,
+    each with the files importing it."""
+    import ast
+    import sys
+
+    roots = [ROOT / d for d in ("vgraph", "tests", "tools", "examples")]
+    local = {p.stem for r in roots for p in r.rglob("*.py")} | {"vgraph"}
+    found: dict[str, set[str]] = {}
+    for r in roots:
+        for path in r.rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                for name in names:
+                    top = name.split(".")[0]
+                    if top not in sys.stdlib_module_names and top not in local:
+                        found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def test_the_test_extra_alone_runs_the_suite_and_mypy(project):
+    """`pip install -e ".[test]"` must be enough for the suite (which runs the examples and tools)
+    and for mypy, which checks vgraph's optional imports against their own annotations: every
+    third-party module imported where the suite runs comes from the dependencies or the test extra."""
+    from importlib.metadata import packages_distributions
+
+    def dist(requirement: str) -> str:
+        return re.split(r"[<>=\[; ]", requirement)[0].lower().replace("_", "-")
+
+    provided = {dist(r) for r in project["dependencies"] + project["optional-dependencies"]["test"]}
+    module_dists = packages_distributions()
+    missing = {
+        module: sorted(files)
+        for module, files in _third_party_imports().items()
+        if not {d.lower().replace("_", "-") for d in module_dists.get(module, [module])} & provided
+    }
+    assert not missing, f"imported but not in the test extra: {missing}"
