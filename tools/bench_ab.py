@@ -1,7 +1,7 @@
 """Paired A/B timing of the benchmark's training step between two versions of vgraph.
 
 Two ``make bench`` runs of one commit can differ by 10% at the medium size on a shared machine
-(docs/performance.md, "Wave 8"): a change worth a few percent does not show in them. This tool
+(docs/performance.md, "How to run it"): a change worth a few percent does not show in them. This tool
 measures a change the way the performance notes quote one. The same model, batches and step as
 ``tools/bench_rnn.py`` (each version's own), in fresh processes that alternate between the two
 versions — the order swapped every round, so a drift in the machine's speed hits both alike —
@@ -98,7 +98,7 @@ def checkouts(specs: Sequence[str]) -> Iterator[list[str]]:
 
     Two versions must run from the same kind of place: this checkout (its ``.venv``, its
     ``__pycache__``) timed against a fresh worktree of the same commit gave paired ratios of 1.04
-    at (32, 128, 32, 50), mode rebuild, with no change at all (docs/performance.md, wave 11).
+    at (32, 128, 32, 50), mode rebuild, with no change at all (docs/performance.md, "How to run it").
     A directory that is not a git working tree is used where it is."""
     made: list[str] = []  # worktrees
     copied: list[str] = []
