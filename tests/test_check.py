@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -98,6 +100,37 @@ def test_gradcheck_detects_a_wrong_vjp_and_names_input_and_element():
     assert result.max_abs_error == pytest.approx(6.0, rel=1e-6)
     assert result.max_rel_error == pytest.approx(2.0, rel=1e-6)
     assert "BadSquare" not in OPS  # the broken op was never registered globally
+
+
+FLOAT = r"-?\d+\.\d+(?:e[+-]\d+)?"  # a plain float's repr: 6.000000000838, 1.4e-11
+
+
+@pytest.mark.parametrize("tolerances", ["python floats", "numpy scalars"])
+def test_gradcheck_results_print_plain_numbers(tolerances):
+    """numpy 2 prints a numpy scalar as np.float64(6.0): the results hold Python floats."""
+    to = float if tolerances == "python floats" else np.float64
+    cg = ComputeGraph(dtype=np.float64)
+    x = cg.input(np.array([0.5, -1.0, 1.5, 2.0]), name="xin", requires_grad=True)
+    loss = cg.apply(_square_with_wrong_vjp(2), [x]).sum()
+    result = gradcheck(loss, [x], eps=to(1e-6), atol=to(1e-6), rtol=to(1e-5), raise_on_failure=False)
+    text = repr(result)
+    assert "np." not in text and "float64" not in text, text
+    failure = (
+        rf"GradcheckFailure\(leaf=\"<Input:1> 'xin'\", element=\(2,\), analytic=9\.0, "
+        rf"numeric={FLOAT}, abs_error={FLOAT}, rel_error={FLOAT}\)"
+    )
+    assert re.fullmatch(
+        rf"GradcheckResult\(max_abs_error={FLOAT}, max_rel_error={FLOAT}, checked=4, "
+        rf"failures=\[{failure}\], localized=VjpCheckResult\(.*\)\)",
+        text,
+    ), text
+    assert {type(v) for v in (result.max_abs_error, result.max_rel_error, *result.failures[0][2:])} == {float}
+    passing = gradcheck((x * x).sum(), [x], eps=to(1e-6), atol=to(1e-6), rtol=to(1e-5))
+    assert re.fullmatch(
+        rf"GradcheckResult\(max_abs_error={FLOAT}, max_rel_error={FLOAT}, checked=4, failures=\[\], "
+        r"localized=None\)",
+        repr(passing),
+    ), repr(passing)
 
 
 def test_gradcheck_detects_a_wrong_vjp_through_a_non_scalar_output():

@@ -3,13 +3,15 @@ finite differences (gradcheck, check_vjps) in float64."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 import vgraph as vg
-from vgraph import NodeKey
+from vgraph import NodeKey, tape
 from vgraph.functions import OpFunction
-from vgraph.ops import OPS
+from vgraph.ops import OPS, CheckedForward, CheckedVJP
 
 F64 = np.float64
 
@@ -225,13 +227,82 @@ def test_check_vjps_pinpoints_a_wrong_custom_vjp_in_every_iteration(defop):
         ),
         (("Custom", np.sin, None), {"variadic": 1}, TypeError, "variadic must be a bool"),
         (("Custom", np.sin, None), {"replace": "yes"}, TypeError, "replace must be a bool"),
+        # a VJP written for more inputs than the op has: its extra input could only be an
+        # attribute, which forward (and so every call) cannot take
+        (
+            ("Custom", lambda x: 2 * x, lambda g, ans, x, y: g),
+            {},
+            ValueError,
+            r"Custom: VJP 0\(g, ans, x, y\) needs 'y' besides \(g, ans, x0\), .*but forward\(x\) "
+            r"cannot take it .*: the op has 1 input, one per VJP given to defop",
+        ),
+        (
+            ("Custom", lambda x: 2 * x, lambda g, ans, x, y, /: g),
+            {},
+            ValueError,
+            r"VJP 0\(g, ans, x, y, /\) needs 'y' besides \(g, ans, x0\), and nothing passes it",
+        ),
+        (
+            ("Custom", lambda x, k: k * x, lambda g, ans, x: g),
+            {},
+            ValueError,
+            r"forward\(x, k\) needs 'k' besides \(x0\), .*but VJP 0\(g, ans, x\) cannot take it",
+        ),
+        (  # one VJP for numpy's two-input hypot
+            ("Custom", np.hypot, lambda g, ans, a, b: g * a / ans),
+            {},
+            ValueError,
+            r"1 VJP says the op has 1 input, but forward is numpy's hypot, which takes 2",
+        ),
+        (
+            ("Custom", lambda *xs: xs[0], lambda i, g, ans, x: g),
+            {"variadic": True},
+            ValueError,
+            r"variadic op's VJP must take \(i, g, ans, \*xs\).*got vjp\(i, g, ans, x\)",
+        ),
+        (
+            ("Custom", np.add, lambda i, g, ans, *xs: g),
+            {"variadic": True},
+            ValueError,
+            r"forward must take \*xs, got numpy's add, which takes 2 inputs",
+        ),
+        (
+            ("Custom", lambda *xs, k: k * xs[0], lambda i, g, ans, *xs: g),
+            {"variadic": True},
+            ValueError,
+            r"forward\(\*xs, k\) needs 'k' besides \*xs, .*the VJP\(i, g, ans, \*xs\) cannot take it",
+        ),
     ],
 )
 def test_defop_refuses_bad_definitions_and_registers_nothing(args, kwargs, error, match):
     before = dict(OPS)
-    with pytest.raises(error, match=match):
-        vg.defop(*args, **kwargs)
+    try:
+        with pytest.raises(error, match=match) as info:
+            vg.defop(*args, **kwargs)
+    finally:  # (not to leave an op accepted by mistake in the table for later tests)
+        if "Custom" in OPS and "Custom" not in before:
+            vg.undefop("Custom")
+    assert isinstance(info.value, vg.OpDefinitionError)  # typed, and both a ValueError and a TypeError
+    assert isinstance(info.value, ValueError) and isinstance(info.value, TypeError)
     assert before == OPS
+
+
+def test_defop_accepts_what_a_call_can_satisfy(defop):
+    """Attributes that forward and every VJP take (required ones too), ``**attrs``, ``*xs``."""
+    scale = defop("Scale", lambda x, *, k: k * x, lambda g, ans, x, *, k: k * g)
+    times = defop(
+        "Times",
+        lambda a, b, by=1.0: by * a * b,
+        lambda g, ans, *xs, **attrs: attrs.get("by", 1.0) * g * xs[1],
+        None,
+    )
+    sum_k = defop(
+        "SumK", lambda *xs, k: k * sum(xs), lambda i, g, ans, *xs, **attrs: attrs["k"] * g, variadic=True
+    )
+    cg = vg.ComputeGraph(dtype=F64)
+    x = cg.parameter(np.array([1.0, -2.0]), name="x")
+    cg.backward(vg.sum(scale(x, k=3.0) + times(x, 2.0) + sum_k(x, x, k=0.5)))
+    np.testing.assert_array_equal(x.grad, [3.0 + 2.0 + 1.0, 3.0 + 2.0 + 1.0])
 
 
 def test_redefining_needs_replace_and_old_nodes_keep_the_old_definition(defop):
@@ -276,8 +347,228 @@ def test_calling_with_the_wrong_inputs(defop):
     hypot = defop("Hypot", np.hypot, hypot_vjp_a, hypot_vjp_b)
     cg = vg.ComputeGraph(dtype=F64)
     x = cg.parameter(np.ones(2))
-    with pytest.raises(TypeError, match=r"Hypot takes 2 inputs \(one per VJP given to defop\), got 1"):
-        hypot(x)
+    with pytest.raises(vg.ArgumentError, match=r"Hypot takes 2 inputs \(one per VJP given to defop\), got 1"):
+        hypot(x)  # (an ArgumentError is a TypeError)
     with pytest.raises(vg.VGraphError, match="needs at least one graph node"):
         hypot(np.ones(2), 3.0)
     np.testing.assert_allclose(hypot(x, 3.0).value, np.hypot(1.0, 3.0))  # numbers become constants
+
+
+# ---------------------------------------------------------------------------- what a custom op returns
+def _three():
+    cg = vg.ComputeGraph(dtype=F64)
+    return cg, cg.parameter(np.array([0.5, -1.0, 2.0]), name="x")
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [
+        lambda g, ans, x: np.ones(5),  # another input's gradient, say: .grad would be (5,)
+        lambda g, ans, x: (2 * g).sum(keepdims=True),  # (1,): numpy would spread it over all three
+        lambda g, ans, x: 2 * g[None],  # (1, 3): unbroadcast would sum it to (3,), but x was not broadcast
+    ],
+    ids=["(5,)", "(1,)", "(1, 3)"],
+)
+def test_a_vjp_of_another_shape_than_its_inputs_is_refused_naming_node_input_and_shapes(defop, wrong):
+    double = defop("Double", lambda x: 2 * x, wrong)
+    cg, x = _three()
+    y = double(x)
+    got = np.shape(wrong(np.ones(3), None, None))
+    with pytest.raises(
+        vg.VJPShapeError,
+        match=rf"^<Double:1>: the VJP of Double for input 0 <Parameter:1> 'x' returned a gradient of "
+        rf"shape {re.escape(str(got))}; expected the input's shape \(3,\)$",
+    ) as info:
+        cg.backward(vg.sum(y))
+    assert isinstance(info.value, vg.ShapeError) and isinstance(info.value, vg.BackwardError)
+    assert x.grad is None  # the failed backward changed nothing
+    result = vg.check_vjps(y, raise_on_failure=False)  # and check_vjps says the same
+    assert result.first_failure.inputs[0].error == (
+        f"the VJP returned a gradient of shape {got}; expected the input's shape (3,)"
+    )
+
+
+def test_a_broadcast_input_may_get_the_outputs_shape_and_nothing_else(defop):
+    """``w`` of shape (3,) is broadcast against ``x`` (2, 3): its VJP may return (3,) or the output's
+    (2, 3); a (1, 3), which numpy would also sum to (3,), is refused."""
+
+    def scale_vjp_w(g, ans, x, w):
+        return g * x  # the output's shape
+
+    scale = defop("ScaleBy", np.multiply, lambda g, ans, x, w: g * w, scale_vjp_w)
+    cg = vg.ComputeGraph(dtype=F64)
+    x0 = np.array([[1.0, 2.0, 3.0], [-1.0, 0.5, 4.0]])
+    x = cg.input(x0, name="x", requires_grad=True)
+    w = cg.parameter(np.array([0.5, -2.0, 1.5]), name="w")
+    loss = vg.sum(scale(x, w) ** 2)
+    cg.backward(loss)
+    w_value = np.array([0.5, -2.0, 1.5])
+    np.testing.assert_allclose(w.grad, (2 * x0**2 * w_value).sum(axis=0), rtol=1e-14)
+    assert vg.gradcheck(loss, [x, w]).ok
+
+    def rows_summed_vjp_w(g, ans, x, w):
+        return (g * x).sum(axis=0, keepdims=True)  # (1, 3): neither w's shape nor the output's
+
+    defop("ScaleBy", np.multiply, lambda g, ans, x, w: g * w, rows_summed_vjp_w, replace=True)
+    cg.zero_grad()
+    loss = vg.sum(scale(x, w) ** 2)
+    with pytest.raises(
+        vg.VJPShapeError,
+        match=r"<ScaleBy:2>: the VJP of ScaleBy for input 1 <Parameter:1> 'w' returned a gradient of "
+        r"shape \(1, 3\); expected the input's shape \(3,\) or, as the op broadcast the input, the "
+        r"output's shape \(2, 3\)",
+    ):
+        cg.backward(loss)
+
+
+def test_an_input_broadcast_along_a_middle_axis_gets_its_gradient_summed_back(defop):
+    """A (2, 1) input against a (1, 3) one: each VJP returns the (2, 3) output's shape."""
+    plus = defop("Plus", np.add, lambda g, ans, a, b: g, lambda g, ans, a, b: g)
+    cg = vg.ComputeGraph(dtype=F64)
+    a = cg.parameter(np.array([[1.0], [2.0]]), name="a")
+    b = cg.parameter(np.array([[0.1, 0.2, 0.3]]), name="b")
+    loss = vg.sum(plus(a, b) ** 2)
+    cg.backward(loss)
+    total = a.value + b.value
+    np.testing.assert_allclose(a.grad, 2 * total.sum(axis=1, keepdims=True), rtol=1e-14)
+    np.testing.assert_allclose(b.grad, 2 * total.sum(axis=0, keepdims=True), rtol=1e-14)
+    assert vg.gradcheck(loss, [a, b]).ok and vg.check_vjps(loss).ok
+
+
+@pytest.mark.parametrize(
+    "vjp, what",
+    [
+        (
+            lambda g, ans, x: (2 * g).astype(complex),
+            "returned complex128 values; a gradient in vgraph is real",
+        ),
+        (lambda g, ans, x: np.array([object()] * 3), "returned object values"),
+        (lambda g, ans, x: None, "returned None; to say 'no gradient', pass None in place of the VJP"),
+        (lambda g, ans, x: [2.0, 2.0, 2.0], "returned a list, not a numpy array"),
+    ],
+    ids=["complex", "object", "None", "list"],
+)
+def test_a_vjp_that_returns_no_real_gradient_is_refused_naming_the_node(defop, vjp, what):
+    double = defop("Double", lambda x: 2 * x, vjp)
+    cg, x = _three()
+    with pytest.raises(
+        vg.BackwardError, match=rf"^<Double:1>: the VJP of Double for input 0 <Parameter:1> 'x' {what}"
+    ):
+        cg.backward(vg.sum(double(x)))
+    assert x.grad is None
+
+
+def test_a_variadic_vjp_is_checked_for_each_input(defop):
+    def vjp(i, g, ans, *xs):
+        return g if i == 0 else g[:1]  # wrong for input 1 only
+
+    total = defop("Total", lambda *xs: sum(xs), vjp, variadic=True)
+    cg, x = _three()
+    y = cg.parameter(np.zeros(3), name="y")
+    with pytest.raises(
+        vg.VJPShapeError,
+        match=r"<Total:1>: the VJP of Total for input 1 <Parameter:2> 'y' returned a gradient of shape \(1,\)",
+    ):
+        cg.backward(vg.sum(total(x, y)))
+
+
+@pytest.mark.parametrize("result", [np.complex128, object])
+def test_a_forward_that_returns_no_real_numbers_is_refused_naming_the_node_and_dtype(defop, result):
+    as_ = defop("AsOther", lambda x: x.astype(result), lambda g, ans, x: g)
+    cg, x = _three()
+    n = len(cg)
+    dtype = np.dtype(result)
+    with pytest.raises(vg.DTypeError, match=rf"^<AsOther:1>: the forward of AsOther returned {dtype} values"):
+        as_(x)
+    assert len(cg) == n  # nothing was added
+    g = vg.VirtualGraph(dtype=F64)
+    xs = g.input("xs", shape=(None, 3))
+    with g.loop(name="time") as L:
+        h = L.carry(g.constant(np.zeros(3)), name="h")
+        L.update(h, h + vg.abs(as_(L.step(xs))))
+    with pytest.raises(vg.DTypeError, match=rf"<AsOther:1@0>: the forward of AsOther returned {dtype}"):
+        g.build({"xs": np.ones((2, 3))}, L.final(h))
+
+
+def test_only_ops_of_defop_are_checked(defop):
+    """Built-in ops run their own functions, with no check in between: no cost per node."""
+    soft = defop("Softsign", softsign, softsign_vjp)
+    assert all(not op.user for name, op in OPS.items() if name != "Softsign")
+    assert OPS["Tanh"].forward is np.tanh and OPS["Add"].vjps == (vg.ops.pass_through, vg.ops.pass_through)
+    op = soft.op
+    assert op.user and isinstance(op.forward, CheckedForward) and isinstance(op.vjps[0], CheckedVJP)
+    assert op.forward.__wrapped__ is softsign and op.vjps[0].__wrapped__ is softsign_vjp
+
+
+# ---------------------------------------------------------------------------- ... in a loop body
+def _loop_with(op, steps=5):
+    """``h <- tanh(op(x_t @ Wx) + h @ Wh)``: ``op`` reads the loop's hoisted ``x_t @ Wx``."""
+    B, I, H = 2, 3, 4
+    g = vg.VirtualGraph(dtype=F64, seed=0)
+    xs = g.input("xs", shape=(None, B, I))
+    Wx, Wh = g.parameter("Wx", (I, H)), g.parameter("Wh", (H, H))
+    with g.loop(name="time") as L:
+        h = L.carry(g.constant(np.zeros((B, H))), name="h")
+        xw = L.step(xs) @ Wx
+        u = op(xw)
+        L.update(h, vg.tanh(u + h @ Wh))
+    return g, (L.final(h) ** 2).mean(), xw, u
+
+
+def _feed(steps, seed=0):
+    return {"xs": np.random.default_rng(seed).standard_normal((steps, 2, 3))}
+
+
+@pytest.mark.parametrize("hoist", [True, False])
+@pytest.mark.parametrize("taped", [True, False])
+def test_a_custom_vjp_in_a_loop_body_is_checked_in_the_interpreted_and_the_compiled_sweep(
+    defop, hoist, taped
+):
+    state = {"bad": False, "calls": 0}
+
+    def vjp(g, ans, x):
+        state["calls"] += 1
+        d = g / (1 + np.abs(x)) ** 2
+        return d[:1] if state["bad"] else d  # bad: one row, (1, 4), for a (2, 4) input
+
+    g, loss, xw, u = _loop_with(defop("Softsign", softsign, vjp))
+    previous = tape.tapes_enabled()
+    tape.set_tapes(taped)
+    try:
+        cg = g.build(_feed(5), loss, hoist=hoist, cache=False)
+        assert (cg.node(xw, (0,)).op is OPS["Hoisted"]) == hoist  # x_t @ Wx: a row of one product
+        for _ in range(2):  # the first sweep is interpreted; with tapes, the second compiles one
+            cg.forward()
+            cg.backward(loss)
+        compiled = cg._backward_tape is not None and isinstance(cg._backward_tape[1], tape.BackwardTape)
+        assert compiled == taped
+        assert vg.gradcheck(cg.node(loss), g.params.parameters()).ok
+        grads = {k: np.array(p.grad) for k, p in g.params.items()}
+        state.update(bad=True, calls=0)
+        cg.forward()
+        with pytest.raises(
+            vg.VJPShapeError,
+            match=rf"^<Softsign:{u.id}@4>: the VJP of Softsign for input 0 <MatMul:{xw.id}@4> returned "
+            r"a gradient of shape \(1, 4\); expected the input's shape \(2, 4\)$",
+        ):
+            cg.backward(loss)
+    finally:
+        tape.set_tapes(previous)
+    # the compiled sweep refused it too (then the interpreted one ran, to name the node)
+    assert state["calls"] == (2 if taped else 1)
+    assert all(np.array_equal(p.grad, grads[k]) for k, p in g.params.items())  # nothing half-added
+
+
+def test_a_custom_vjp_in_a_loop_resized_from_a_cached_build_is_checked(defop):
+    """A cached graph resized to a shorter sequence sweeps with the tapes it keeps per part."""
+    g, loss, xw, u = _loop_with(
+        defop("Softsign", softsign, lambda g, ans, x: (g / (1 + np.abs(x)) ** 2).sum(0, keepdims=True))
+    )
+    g.build(_feed(5), loss)  # the first sighting of the structure: not kept
+    node = g.build(_feed(6), loss).node(u, (1,))  # kept
+    cg = g.build(_feed(4, seed=1), loss)
+    assert cg.node(u, (1,)) is node  # resized, not unrolled again
+    with pytest.raises(
+        vg.VJPShapeError, match=rf"^<Softsign:{u.id}@3>: .* returned a gradient of shape \(1, 4\)"
+    ):
+        cg.backward(loss)

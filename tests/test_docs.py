@@ -68,8 +68,35 @@ def python_blocks(path: Path) -> list[tuple[int, str, bool]]:
 
 def test_the_docs_are_discovered_by_glob():
     names = {p.name for p in DOCS}
-    assert {"README.md", "training.md", "rendering.md", "performance.md", "decisions.md"} <= names
+    assert {
+        "README.md",
+        "modelling.md",
+        "training.md",
+        "rendering.md",
+        "performance.md",
+        "decisions.md",
+    } <= names
     assert sum(len(python_blocks(p)) for p in DOCS) >= 10
+
+
+def test_the_modelling_guide_runs_every_block_and_lists_every_function():
+    """docs/modelling.md is where users look first: none of its blocks is skipped, it covers the
+    loop stopping rules, and its table names every public function of vgraph.functions."""
+    import vgraph as vg
+
+    guide = ROOT / "docs" / "modelling.md"
+    blocks = python_blocks(guide)
+    assert len(blocks) >= 10 and not any(skipped for _, _, skipped in blocks)
+    text = guide.read_text(encoding="utf-8")
+    for construct in ("times=", "loop.step", "while_=", "until=", "max_iters", 'on_limit="stop"', "g.branch",
+                      "g.recurse", "cg.trip_count", "cg.choice", "cg.capped", "cg.node", ".shape"):  # fmt: skip
+        assert construct in text, construct
+    functions = [n for n in vg.__all__ if getattr(getattr(vg, n), "__module__", None) == "vgraph.functions"]
+    assert len(functions) > 30
+    missing = [
+        n for n in functions if f"vg.{n}(" not in text and f"vg.{n}`" not in text and f"vg.{n}," not in text
+    ]
+    assert not missing, f"docs/modelling.md's table lacks {missing}"
 
 
 def test_continues_marker(tmp_path, monkeypatch):

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import vgraph as vg
 from vgraph import io, nn
@@ -492,3 +497,326 @@ def test_save_into_a_missing_directory_names_the_target(tmp_path):
     with pytest.raises(FileNotFoundError) as info:
         io.save(built(), target)
     assert info.value.filename == str(target)
+
+
+# --- malformed training-state files ----------------------------------------------------------
+
+
+def _state_file(tmp_path, with_extras=True):
+    """A valid training state with every component (``extras`` too, if asked)."""
+    g = built(seed=1)
+    opt = vg.optim.Adam(g.params, lr=0.1)
+    sched = vg.optim.StepLR(opt, step_size=2)
+    _train_once(g)
+    opt.step()
+    sched.step()
+    rng = np.random.default_rng(0)
+    extras = {
+        "chunk": 3,
+        "carry": {"h0": np.arange(6.0).reshape(2, 3)},
+        "losses": [0.5, 0.25],
+        "tag": "run-1",
+    }
+    path = tmp_path / "state.npz"
+    io.save_training_state(
+        g, path, opt, sched, step=1, rng=rng, **({"extras": extras} if with_extras else {})
+    )
+    return path, io.read(path)
+
+
+def _optimizer_snapshot(opt):
+    sd = opt.state_dict()
+    state = {
+        n: {k: (v.tobytes() if isinstance(v, np.ndarray) else v) for k, v in e.items()}
+        for n, e in sd["state"].items()
+    }
+    return sd["hyperparameters"], state
+
+
+def _load_changes_nothing_or_succeeds(path, strict=True, with_extras=True):
+    """Load ``path`` into fresh components: it either loads or raises CheckpointError having changed
+    nothing. Returns the error (or None)."""
+    g2 = built(seed=2)
+    o2 = vg.optim.Adam(g2.params, lr=0.5)
+    _train_once(g2)
+    o2.step()  # some optimiser state to lose
+    s2 = vg.optim.StepLR(o2, step_size=2)
+    r2 = np.random.default_rng(5)
+    extras = {"mine": 1}
+    before = (values(g2), _optimizer_snapshot(o2), s2.state_dict(), r2.bit_generator.state, g2._builds)
+    try:
+        more = {"extras": extras} if with_extras else {}
+        io.load_training_state(g2, path, o2, s2, rng=r2, strict=strict, **more)
+    except vg.CheckpointError as e:
+        after = (values(g2), _optimizer_snapshot(o2), s2.state_dict(), r2.bit_generator.state, g2._builds)
+        assert_same(after[0], before[0])
+        assert after[1:] == before[1:] and extras == {"mine": 1}
+        return e
+    return None
+
+
+def _with_meta(arrays, meta_text):
+    out = dict(arrays)
+    out[io._META] = np.frombuffer(meta_text.encode("utf-8"), dtype=np.uint8)
+    return out
+
+
+def _meta(arrays):
+    return json.loads(arrays[io._META].tobytes().decode("utf-8"))
+
+
+def _deep(depth):
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda m: _deep(100_000), "nested too deeply"),
+        (lambda m: json.dumps(m)[:-1] + ', "x": ' + _deep(100_000) + "}", "nested too deeply"),
+        (lambda m: {**m, "optimizer": {**m["optimizer"], "steps": [1, 2]}}, r"optimizer\.steps: expected an object"),
+        (lambda m: {**m, "optimizer": {**m["optimizer"], "hyperparameters": "fast"}}, r"optimizer\.hyperparameters"),
+        (lambda m: {**m, "optimizer": "Adam"}, "optimizer: expected an object"),
+        (lambda m: {**m, "optimizer": {**m["optimizer"], "steps": {**m["optimizer"]["steps"], "enc.fc.W": "3"}}},
+         "step of parameter 'enc.fc.W'"),
+        (lambda m: {**m, "step": "1"}, "step must be an int"),
+        (lambda m: {**m, "step": -5}, r"step must be an int >= 0 or None, got -5"),
+        (lambda m: {**m, "graph_builds": [3]}, "graph_builds must be an int"),
+        (lambda m: {**m, "scheduler": [1]}, "scheduler: expected an object"),
+        (lambda m: {**m, "scheduler": {**m["scheduler"], "last_epoch": "2"}}, "schedule state does not match"),
+        (lambda m: {**m, "rng": [1]}, "rng: expected an object"),
+        (lambda m: {**m, "rng": {**m["rng"], "state": {"state": 1.5, "inc": 3}}}, r'rng\["state"\]\["state"\]'),
+        (lambda m: {**m, "rng": {**m["rng"], "state": {"state": 2**200, "inc": 3}}}, "random generator"),
+        (lambda m: {**m, "extras": {"dict": {"carry": {"array": 7}}}}, r'extras\["carry"\]: refers to .*extras/7'),
+        (lambda m: {**m, "extras": {"dict": {"losses": {"0": 1}}}}, r'extras\["losses"\]: expected'),
+        (lambda m: {**m, "extras": [1]}, "extras: expected"),
+        (lambda m: {k: v for k, v in m.items() if k != "graph_builds"}, r"lacks \['graph_builds'\]"),
+        (lambda m: {**m, "version": True}, "unknown format or version"),
+        (lambda m: [m], "not an object"),
+        (lambda m: json.dumps(m).replace('"step": 1', '"step": NaN'), "NaN is not a JSON number"),
+    ],
+)  # fmt: skip
+def test_malformed_json_member_is_a_checkpoint_error_naming_the_member(tmp_path, mutate, match):
+    with_extras = "extras" in match  # the other cases need no extras (and fail the same without them)
+    path, arrays = _state_file(tmp_path, with_extras)
+    meta = mutate(_meta(arrays))
+    io.save(_with_meta(arrays, meta if isinstance(meta, str) else json.dumps(meta)), tmp_path / "bad.npz")
+    error = _load_changes_nothing_or_succeeds(tmp_path / "bad.npz", with_extras=with_extras)
+    assert error is not None and re.search(match, str(error)), error
+
+
+def _paths(tree, prefix=()):
+    """Every position in a JSON tree, as a tuple of keys and indices (the root is ())."""
+    out, stack = [], [(prefix, tree)]
+    while stack:
+        at, node = stack.pop()
+        out.append(at)
+        if isinstance(node, dict):
+            stack.extend(((*at, k), v) for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend(((*at, i), v) for i, v in enumerate(node))
+    return sorted(out, key=lambda p: [str(x) for x in p])
+
+
+_SENTINEL = "@@deep@@"
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=4) | st.sampled_from(["Adam", "PCG64", "StepLR", "dict", "array", -5, 0, 1]),
+    lambda inner: st.lists(inner, max_size=3)
+    | st.dictionaries(st.sampled_from(["dict", "array", "state", "step", "exp_avg", "lr", "x"]), inner, max_size=3),
+    max_leaves=6,
+)  # fmt: skip
+
+
+@given(data=st.data())
+def test_fuzzed_training_state_gives_only_checkpoint_errors_and_changes_nothing(data):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        with_extras = data.draw(st.booleans(), label="with extras")
+        path, arrays = _state_file(tmp_path, with_extras)
+        meta = _meta(arrays)
+        for _ in range(data.draw(st.integers(1, 3), label="mutations")):
+            at = data.draw(st.sampled_from(_paths(meta)), label="at")
+            op = data.draw(st.sampled_from(["replace", "delete", "deep"]), label="op")
+            value = _SENTINEL if op == "deep" else data.draw(json_values, label="value")
+            if at == ():
+                meta = value
+                if op == "deep":
+                    break
+                continue
+            parent = meta
+            for key in at[:-1]:
+                parent = parent[key]
+            if op == "delete":
+                del parent[at[-1]]
+            else:
+                parent[at[-1]] = value
+        depth = data.draw(st.sampled_from([900, 5000, 100_000]), label="depth")
+        text = json.dumps(meta).replace(json.dumps(_SENTINEL), _deep(depth))
+        bad = _with_meta(arrays, text)
+        member_op = data.draw(st.sampled_from(["none", "drop", "retype"]), label="member op")
+        if member_op != "none":
+            key = data.draw(st.sampled_from(sorted(k for k in arrays if k != io._META)), label="member")
+            if member_op == "drop":
+                del bad[key]
+            else:
+                bad[key] = data.draw(
+                    st.sampled_from([np.zeros(2), np.zeros((3, 2), np.float32), np.arange(3)])
+                )
+        io.save(bad, tmp_path / "bad.npz")
+        strict = data.draw(st.booleans(), label="strict")
+        _load_changes_nothing_or_succeeds(tmp_path / "bad.npz", strict, with_extras)
+
+
+# --- names are user data ---------------------------------------------------------------------
+
+
+def _model_with_parameter_named(name):
+    g = vg.VirtualGraph(dtype=np.float64, seed=0)
+    x = g.input("x", (2,))
+    w = g.parameter(name, (2,), init="normal")
+    b = g.parameter("b", (2,), init="normal")
+    loss = ((x * w + b) ** 2).sum()
+    return g, loss
+
+
+@pytest.mark.parametrize("name", [io._META, "param/W", "optim/W/exp_avg", "extras/0"])
+def test_a_parameter_named_like_a_member_of_the_format_round_trips(tmp_path, name):
+    g, loss = _model_with_parameter_named(name)
+    g.params.set_value(name, np.array([1.5, -2.0]))
+    io.save(g, tmp_path / "p.npz")
+    g2, _ = _model_with_parameter_named(name)
+    io.load(g2, tmp_path / "p.npz")  # refused as "a training state" when the name was _META
+    assert_same(values(g2), values(g))
+    with pytest.raises(vg.CheckpointError, match="not a training state"):
+        io.load_training_state(g2, tmp_path / "p.npz")
+    # And in a training state, next to the optimiser's arrays and the extras.
+    opt = vg.optim.Adam(g.params, lr=0.1)
+    cg = g.build({"x": np.ones(2)}, loss)
+    cg.backward(loss)
+    opt.step()
+    io.save_training_state(g, tmp_path / "s.npz", opt)
+    g3, _ = _model_with_parameter_named(name)
+    o3 = vg.optim.Adam(g3.params, lr=0.1)
+    io.load_training_state(g3, tmp_path / "s.npz", o3)
+    assert_same(values(g3), values(g))
+    assert _optimizer_snapshot(o3) == _optimizer_snapshot(opt)
+
+
+def test_a_version_1_file_still_loads(tmp_path):
+    """The format before extras (version 1), written out by hand."""
+    g = built(seed=1)
+    names = sorted(g.params)
+    rng_state = np.random.default_rng(9).bit_generator.state
+    meta = {
+        "format": "vgraph-training-state",
+        "version": 1,
+        "step": 4,
+        "graph_builds": 7,
+        "optimizer": {"optimizer": "SGD", "steps": {"enc.fc.b": 2},
+                      "hyperparameters": {"lr": 0.5, "momentum": 0.9, "dampening": 0.0, "nesterov": False,
+                                          "weight_decay": 0.0}},
+        "scheduler": None,
+        "rng": {"bit_generator": "PCG64", "has_uint32": 0, "uinteger": 0,
+                "state": {"state": rng_state["state"]["state"], "inc": rng_state["state"]["inc"]}},
+    }  # fmt: skip
+    arrays = {f"param/{n}": np.full(g.params[n].shape, 0.25) for n in names}
+    arrays["optim/enc.fc.b/momentum_buffer"] = np.full(3, 0.125)
+    arrays[io._META] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    io.save(arrays, tmp_path / "v1.npz")
+    g2 = built(seed=2)
+    opt = vg.optim.SGD(g2.params, lr=0.1, momentum=0.5)
+    rng = np.random.default_rng(0)
+    assert io.load_training_state(g2, tmp_path / "v1.npz", opt, rng=rng) == 4
+    assert all(np.all(g2.params[n].value == 0.25) for n in names) and g2._builds == 7
+    sd = opt.state_dict()
+    assert sd["hyperparameters"]["lr"] == 0.5 and sd["hyperparameters"]["momentum"] == 0.9
+    assert sd["state"]["enc.fc.b"]["step"] == 2 and np.all(
+        sd["state"]["enc.fc.b"]["momentum_buffer"] == 0.125
+    )
+    assert rng.bit_generator.state == rng_state
+    with pytest.raises(vg.CheckpointError, match="holds no extras"):
+        io.load_training_state(built(seed=2), tmp_path / "v1.npz", strict=False, extras={})
+
+
+# --- one check of step for saving and loading ------------------------------------------------
+
+
+def test_a_negative_step_is_refused_by_load_as_by_save(tmp_path):
+    path, arrays = _state_file(tmp_path, with_extras=False)
+    with pytest.raises(ValueError, match=r"step must be an int >= 0 or None, got -5"):
+        io.save_training_state(built(), tmp_path / "s2.npz", step=-5)
+    io.save(_with_meta(arrays, json.dumps({**_meta(arrays), "step": -5})), tmp_path / "bad.npz")
+    error = _load_changes_nothing_or_succeeds(tmp_path / "bad.npz", with_extras=False)
+    assert error is not None and "step must be an int >= 0 or None, got -5" in str(error)
+
+
+# --- a full disk -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "save", [lambda g, p: io.save(g, p), lambda g, p: io.save_training_state(g, p, step=1)]
+)
+def test_a_full_disk_names_the_file_and_loses_nothing(tmp_path, monkeypatch, save):
+    g, path, old_bytes = _old_checkpoint(tmp_path)
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(np.lib.format, "write_array", no_space)
+    with pytest.raises(OSError) as info:
+        save(g, path)
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(path)
+    assert str(path) in str(info.value) and "No space left on device" in str(info.value)
+    assert path.read_bytes() == old_bytes
+    assert os.listdir(tmp_path) == ["ck.npz"]
+
+
+# --- extras ----------------------------------------------------------------------------------
+
+
+def test_extras_round_trip_exactly(tmp_path):
+    g = built(seed=1)
+    extras = {
+        "chunk": 12,
+        "losses": [0.1 + 0.2, 1e-300, -0.0, 3.0],
+        "carry": {"h0": np.random.default_rng(0).standard_normal((2, 3)), "c0": np.ones((2, 3), np.float32)},
+        "tokens": np.arange(5, dtype=np.int16),
+        "flags": [True, None, "text", {"nested": [[1, 2], {"array": 1, "dict": 2}]}],
+        "pair": (1, 2),
+        "np_scalars": [np.float64(0.5), np.int64(3), np.bool_(True)],
+        "empty": {},
+    }
+    io.save_training_state(g, tmp_path / "s.npz", extras=extras)
+    back = {"old": 1}
+    io.load_training_state(built(seed=2), tmp_path / "s.npz", extras=back)
+    assert set(back) == set(extras)
+    assert back["chunk"] == 12 and back["losses"] == extras["losses"] and back["pair"] == [1, 2]
+    assert back["flags"] == extras["flags"] and back["empty"] == {}
+    assert back["np_scalars"] == [0.5, 3, True]
+    for k in ("h0", "c0"):
+        a, b = back["carry"][k], extras["carry"][k]
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    assert back["tokens"].dtype == np.int16 and back["tokens"].tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(vg.CheckpointError, match="holds extras state; pass extras="):
+        io.load_training_state(built(seed=2), tmp_path / "s.npz")
+
+
+def test_extras_that_cannot_be_saved_are_refused_naming_their_path(tmp_path):
+    cyclic: list = []
+    cyclic.append(cyclic)
+    for extras, error, match in [
+        ({"losses": [1.0, float("nan")]}, ValueError, r'extras\["losses"\]\[1\]: nan is not finite'),
+        ({"a": {"b": {1, 2}}}, TypeError, r'extras\["a"\]\["b"\]: cannot save a set'),
+        ({"a": {3: 1}}, TypeError, r'extras\["a"\]: keys must be str'),
+        ({"o": np.array([None])}, TypeError, r'extras\["o"\]: .*dtype object'),
+        ({"c": cyclic}, ValueError, "nested deeper than 32 levels"),
+        ([1, 2], TypeError, "extras must be a mapping"),
+    ]:
+        with pytest.raises(error, match=match):
+            io.save_training_state(built(), tmp_path / "s.npz", extras=extras)
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(TypeError, match="extras must be a dict"):
+        io.load_training_state(built(), tmp_path / "s.npz", extras=[])

@@ -28,6 +28,7 @@ from vgraph.ops import OPS, as_array, unbroadcast
 
 STRUCTURAL = {"Detach", "Branch", "Identity"}
 ZERO_GRADIENT = {"Step", "Sign"}
+NO_GRADIENT = {"ArgMax", "ArgMin", "OneHot"}  # integer outputs, or integer inputs only
 
 
 # ---------------------------------------------------------------------------- input domains
@@ -102,10 +103,26 @@ UNARY = [
     ("Softplus", vgraph.softplus, lambda x: np.log1p(np.exp(x)), normal),
     ("Abs", lambda x: abs(x), np.abs, away),  # the Python builtin goes through __abs__
     ("Abs", vgraph.abs, np.abs, away),
+    ("Sqrt", vgraph.sqrt, np.sqrt, positive),
 ]
 for op, build, ref, domain in UNARY:
     for shape in [(), (5,), (3, 4), (2, 3, 4)]:
         case(shape_id(shape) + ("-fn" if build is vgraph.abs else ""), op, build, ref, domain(*shape))
+
+# Maximum and Minimum: broadcasting, operands apart (ties are tested separately below).
+for sa, sb in BROADCAST_PAIRS:
+    sid = shape_id(sa, sb)
+    case(sid, "Maximum", vgraph.maximum, np.maximum, distinct(*sa), away(*sb))
+    case(sid, "Minimum", vgraph.minimum, np.minimum, distinct(*sa), away(*sb))
+case("number", "Maximum", lambda x: vgraph.maximum(x, 0.1), lambda x: np.maximum(x, 0.1), away(3, 4))
+
+# Clip: values away from the bounds (the kinks), one bound or both.
+for lo, hi in [(-0.5, 0.5), (None, 0.3), (-0.3, None)]:
+    case(
+        f"lo{lo}-hi{hi}", "Clip",
+        lambda x, lo=lo, hi=hi: vgraph.clip(x, lo, hi), lambda x, lo=lo, hi=hi: np.clip(x, lo, hi),
+        lambda r: np.asarray(r.choice([-1.7, -0.9, -0.1, 0.05, 0.2, 1.3], (3, 4)) + r.uniform(0, 0.01, (3, 4))),
+    )  # fmt: skip
 
 # Pow: a scalar exponent (an attribute, not an input).
 for p, domain in [(3.0, normal), (2, normal), (0.5, positive), (1.7, positive), (-1.5, positive)]:
@@ -184,6 +201,29 @@ for axis in [None, 0, 1, -1, (0, 2)]:
             distinct(2, 3, 4),
         )  # fmt: skip
 case("fn-vector", "Max", vgraph.max, np.max, distinct(6))
+for axis in [None, 0, -1, (0, 2)]:
+    for keepdims in [False, True]:
+        case(
+            f"axis{axis}-keep{keepdims}", "Min",
+            lambda x, a=axis, k=keepdims: vgraph.min(x, axis=a, keepdims=k),
+            lambda x, a=axis, k=keepdims: np.min(x, axis=a, keepdims=k),
+            distinct(2, 3, 4),
+        )  # fmt: skip
+        case(
+            f"axis{axis}-keep{keepdims}", "Var",
+            lambda x, a=axis, k=keepdims: vgraph.var(x, axis=a, keepdims=k),
+            lambda x, a=axis, k=keepdims: np.var(x, axis=a, keepdims=k),
+            normal(2, 3, 4),
+        )  # fmt: skip
+case("method", "Min", lambda x: x.min(), np.min, distinct(5))
+case(
+    "ddof1", "Var", lambda x: vgraph.var(x, axis=1, ddof=1), lambda x: np.var(x, axis=1, ddof=1), normal(3, 4)
+)
+for axis in [None, 0, 1, -1]:
+    case(
+        f"axis{axis}", "CumSum",
+        lambda x, a=axis: vgraph.cumsum(x, axis=a), lambda x, a=axis: np.cumsum(x, axis=a), normal(2, 3, 4),
+    )  # fmt: skip
 
 # Reshape and Transpose.
 for new_shape in [(6, 4), (-1,), (4, 3, 2), (1, 24), (2, 12, 1)]:
@@ -398,8 +438,8 @@ for sid, shape, labels in [
 def test_every_primitive_is_covered():
     """Every op of the table has gradcheck cases, or is one of the ops with their own tests."""
     covered = {c.op for c in CASES}
-    assert not covered & (STRUCTURAL | ZERO_GRADIENT)
-    assert covered | STRUCTURAL | ZERO_GRADIENT == set(OPS)
+    assert not covered & (STRUCTURAL | ZERO_GRADIENT | NO_GRADIENT)
+    assert covered | STRUCTURAL | ZERO_GRADIENT | NO_GRADIENT == set(OPS)
 
 
 def _make_inputs(cg: ComputeGraph, c: Case) -> tuple[list[np.ndarray], list[vgraph.ComputeNode]]:

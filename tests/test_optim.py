@@ -723,6 +723,109 @@ def test_state_for_an_untied_copy_not_created_yet_is_adopted_when_it_appears():
     assert g_old is not g
 
 
+def _untied_model(seed=0):
+    """A loop whose body declares ``w`` (2,) untied (w@0, w@1, ... created by builds) and a shared
+    ``v`` (2,)."""
+    g = vg.VirtualGraph(dtype=np.float64, seed=seed)
+    x = g.input("x", (None, 2))
+    zeros = g.constant(np.zeros(2))
+    with g.loop() as L:
+        xt = L.step(x)
+        h = L.carry(zeros, name="h")
+        w = g.parameter("w", (2,), init="normal")
+        v = g.parameter("v", (2,), init="normal", share=True)
+        L.update(h, h * v + w * xt)
+    return g, (L.final(h) ** 2).sum(), w
+
+
+def _trained_state(T=3):
+    g, loss, _ = _untied_model()
+    opt = optim.Adam(g.params, lr=0.1)
+    cg = g.build({"x": np.ones((T, 2))}, loss)
+    cg.backward(loss)
+    opt.step()
+    return opt.state_dict()
+
+
+def _unchanged_after(opt, call, error, match):
+    before = opt.state_dict()
+    with pytest.raises(error, match=match):
+        call()
+    after = opt.state_dict()
+    assert (
+        after["hyperparameters"] == before["hyperparameters"]
+        and after["state"].keys() == before["state"].keys()
+    )
+    for name, entry in before["state"].items():
+        for k, v in entry.items():
+            np.testing.assert_array_equal(after["state"][name][k], v)
+
+
+def test_state_for_an_untied_copy_not_created_yet_is_checked_against_its_declaration():
+    sd = _trained_state(T=3)
+    sd["state"]["w@5"] = {"step": 1, "exp_avg": np.zeros(3), "exp_avg_sq": np.zeros(3)}  # w is (2,)
+    g, loss, _ = _untied_model()  # fresh: no untied copy exists yet
+    opt = optim.Adam(g.params, lr=0.1)
+    _unchanged_after(opt, lambda: opt.load_state_dict(sd), vg.ShapeError,
+                     r"'exp_avg' of parameter 'w@5' has shape \(3,\), its declaration gives .* shape \(2,\)")  # fmt: skip
+    sd["state"]["w@5"] = {
+        "step": 1,
+        "exp_avg": np.zeros(2, np.float32),
+        "exp_avg_sq": np.zeros(2, np.float32),
+    }
+    _unchanged_after(opt, lambda: opt.load_state_dict(sd), TypeError, "'w@5' has dtype float32")
+    sd["state"]["w@5"] = {"step": 1, "exp_avg": np.zeros(2), "exp_avg_sq": np.zeros(2)}
+    assert opt.load_state_dict(sd) == []
+    assert set(opt.state_dict()["state"]) == {"w@0", "w@1", "w@2", "w@5", "v"}
+
+
+@pytest.mark.parametrize("bind", ["store", "graph", "module-like", "virtual node"])
+def test_state_for_names_never_declared_is_refused_unless_not_strict(bind):
+    sd = _trained_state(T=2)
+    entry = sd["state"]["w@0"]
+    sd["state"]["ghost@3"] = entry  # no parameter "ghost"
+    sd["state"]["w@1.2"] = entry  # w is in one loop: its copies have one index
+    sd["state"]["v@4"] = entry  # v is shared: it has no copies
+    g, loss, w = _untied_model()
+    params = {"store": g.params, "graph": g, "virtual node": [w]}.get(bind)
+    if params is None:
+
+        class Model:  # anything with parameters(), graph and parameter_names(), as nn modules
+            graph = g
+
+            def parameters(self):
+                return [g.params[k] for k in g.params if k.startswith("w@")]
+
+            def parameter_names(self):
+                return ["w"]
+
+        params = Model()
+    opt = optim.Adam(params, lr=0.1)
+    cg = g.build({"x": np.ones((2, 2))}, loss)
+    cg.backward(loss)
+    opt.step()
+    if bind in ("virtual node", "module-like"):
+        del sd["state"]["v"]  # v is not one of this optimiser's parameters
+    _unchanged_after(opt, lambda: opt.load_state_dict(sd), ValueError,
+                     r"'ghost@3', 'w@1.2', 'v@4', which this optimiser does not update.*strict=False")  # fmt: skip
+    ignored = opt.load_state_dict(sd, strict=False)
+    assert ignored == ["ghost@3", "w@1.2", "v@4"]
+    assert set(opt.state_dict()["state"]) == {"w@0", "w@1"} | ({"v"} if bind in ("store", "graph") else set())
+    with pytest.raises(TypeError, match="strict must be True or False"):
+        opt.load_state_dict(sd, strict="no")
+
+
+def test_state_for_a_fixed_list_of_nodes_has_no_pending_copies():
+    params, grads = make_params()
+    opt = optim.Adam(params, lr=0.1)
+    one_good_step(opt, params, grads[0])
+    sd = opt.state_dict()
+    sd["state"]["a@3"] = sd["state"]["a"]  # kept forever before: no list of nodes ever grows
+    _unchanged_after(
+        opt, lambda: opt.load_state_dict(sd), ValueError, "'a@3', which this optimiser does not update"
+    )
+
+
 def test_scheduler_state_dict_round_trip_and_checks():
     params, _ = make_params()
     opt = optim.SGD(params, lr=1.0)

@@ -362,6 +362,112 @@ def test_virtual_view_branch_options_keys_and_greying():
         R.to_dot(g, build=unrolled_rnn()[2])
 
 
+def still_large(t: int, state: dict) -> bool:
+    return float(np.abs(state["z"]).max()) > 0.1
+
+
+def converged(t: int, state: dict) -> bool:
+    return float(np.abs(state["z"]).max()) < 0.1
+
+
+def never(t: int, state: dict) -> bool:
+    return False
+
+
+def halving_loop(**loop_args):
+    """z <- z / 2 in a loop declared with ``loop_args``: (graph, feed, output)."""
+    g = vg.VirtualGraph(dtype=np.float64, name="halving")
+    x = g.input("x", shape=(3,))
+    with g.loop(**loop_args) as loop:
+        z = loop.carry(x, name="z")
+        loop.update(z, z * 0.5)
+    return g, {"x": np.ones(3)}, loop.final(z).sum()
+
+
+def stepping_loop():
+    g = vg.VirtualGraph(dtype=np.float64, name="stepping")
+    xs, ys = g.input("xs", shape=(None, 2)), g.input("ys", shape=(None, 2))
+    with g.loop() as loop:
+        z = loop.carry(np.zeros(2), name="z")
+        loop.update(z, z + loop.step(xs) * loop.step(ys, reverse=True))
+    return g, {"xs": np.ones((3, 2)), "ys": np.ones((3, 2))}, loop.final(z).sum()
+
+
+def recursion_without_step():
+    g = vg.VirtualGraph(dtype=np.float64, name="tree")
+    children = g.input("children", shape=(None, 2))
+    with g.recurse(children) as r:
+        h = r.state(np.ones(2), name="h")
+        r.update(h, r.child(h, 0) + r.child(h, 1))
+    feed = {"children": np.array([[-1, -1], [-1, -1], [0, 1]])}
+    return g, feed, r.final(h).sum()
+
+
+# Each way of declaring a loop: the lines its cluster says after the loop's key (how it stops,
+# then its carried state) and what one build on x = ones did. Written by hand from the
+# declarations (z halves from 1: 0.5, 0.25, 0.125, 0.0625).
+LOOP_FORMS = {
+    "times": (lambda: halving_loop(times=3), ["times=3", "carries z"], "3 iterations"),
+    "steps": (stepping_loop, ["steps through xs, ys (reversed)", "carries z"], "3 iterations"),
+    "while": (lambda: halving_loop(while_=still_large), ["while still_large", "carries z"], "4 iterations"),
+    "while lambda": (
+        lambda: halving_loop(while_=lambda t, s: t < 2),
+        ["while cond(t, state)", "carries z"],
+        "2 iterations",
+    ),
+    "times and while": (
+        lambda: halving_loop(times=3, while_=still_large),
+        ["times=3", "while still_large", "carries z"],
+        "3 iterations",
+    ),
+    "until": (
+        lambda: halving_loop(until=converged),
+        ["until converged (checked after each iteration)", "carries z"],
+        "4 iterations",
+    ),
+    "until, max_iters raises": (
+        lambda: halving_loop(until=converged, max_iters=50),
+        ["until converged (checked after each iteration)", "more than max_iters=50 is an error", "carries z"],
+        "4 iterations",
+    ),
+    "until, max_iters stops": (
+        lambda: halving_loop(until=never, max_iters=6, on_limit="stop"),
+        ["until never (checked after each iteration)", "stops at max_iters=6", "carries z"],
+        "6 iterations, stopped at max_iters",
+    ),
+    "while, max_iters stops": (
+        lambda: halving_loop(while_=lambda t, s: True, max_iters=2, on_limit="stop"),
+        ["while cond(t, state)", "stops at max_iters=2", "carries z"],
+        "2 iterations, stopped at max_iters",
+    ),
+    "recursion": (
+        recursion_without_step,
+        ["over the nodes of children, children first", "state at each node h"],
+        "3 iterations",
+    ),
+}
+
+
+def svg_lines(svg_text: str) -> list[str]:
+    """The text lines of an SVG drawing, in order."""
+    root = ET.fromstring(svg_text)
+    return [t.text for t in root.iter() if t.tag.endswith("text") and t.text]
+
+
+@pytest.mark.parametrize("form", list(LOOP_FORMS))
+def test_every_loop_form_says_how_it_stops_and_draws_with_dot(form, needs_dot, tmp_path):
+    make, rule, ran = LOOP_FORMS[form]
+    g, feed, out = make()
+    label = Dot(R.to_dot(g)).cluster_attrs["cluster_loop_1"]
+    assert re.findall(r'<FONT POINT-SIZE="9">(.*?)</FONT>', label) == rule
+    # Graphviz's dot draws it: into a file, with one build's trip count, and in Jupyter.
+    lines = svg_lines(R.render(g, tmp_path / "model.svg").read_text())
+    assert all(line in lines for line in rule), (rule, lines)
+    lines = svg_lines(R.to_svg(g, build=g.build(feed, out)))
+    assert f"this build: {ran}" in lines, lines
+    assert "<svg" in g._repr_svg_()
+
+
 def test_unrolled_branches_show_the_option_taken():
     g, loss = branch_model()
     xs = np.array([[1.0, 1.0], [-2.0, 0.5], [0.3, 0.3]])
@@ -513,6 +619,17 @@ def test_render_svg_png_pdf(needs_dot, tmp_path):
 def test_render_writes_dot_without_graphviz(tmp_path):
     _, _, cg = unrolled_rnn(T=3)
     out = R.render(cg, tmp_path / "rnn.dot")
+    assert out.read_text() == R.to_dot(cg)
+
+
+def test_render_into_a_missing_folder_is_a_render_error(tmp_path):
+    _, _, cg = unrolled_rnn(T=3)
+    for name in ("rnn.dot", "rnn.gv"):
+        with pytest.raises(RenderError, match=r"cannot write .*rnn\.(dot|gv)'.*No such file or directory"):
+            R.render(cg, tmp_path / "missing" / name)
+    assert list(tmp_path.iterdir()) == []
+    out = R.render(cg, tmp_path / "rnn.dot")
+    assert [p.name for p in tmp_path.iterdir()] == ["rnn.dot"]  # no temporary file left behind
     assert out.read_text() == R.to_dot(cg)
 
 

@@ -1,15 +1,21 @@
-"""Progress reporting of training loops (vgraph.tbptt.Progress, truncated_bptt(progress=...))."""
+"""Truncated BPTT: progress reporting (vgraph.tbptt.Progress, truncated_bptt(progress=...)) and
+resuming in the middle of a sequence (start=, after_chunk=, a checkpoint with extras)."""
 
 from __future__ import annotations
 
 import io
+import json
+import os
 import re
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import vgraph as vg
+from vgraph import io as vio
 from vgraph import nn, optim
 from vgraph.tbptt import Progress, chunk_feeds, truncated_bptt
 
@@ -158,3 +164,160 @@ def test_truncated_bptt_misuse_is_refused_before_any_change():
     after = g.state_dict()
     assert all(np.array_equal(before[k], after[k]) for k in before)
     assert all(p.grad is None for p in g.params.values())
+
+
+# --- resuming in the middle of a sequence ----------------------------------------------------
+
+
+def test_start_skips_chunks_and_after_chunk_sees_the_updated_model():
+    g, loss, h_final = rnn()
+    rng = np.random.default_rng(1)
+    xs, ys = rng.standard_normal((12, 2, 3)), rng.standard_normal((12, 2, 1))
+    feeds = chunk_feeds({"x": xs, "y": ys}, 3, sequences=["x", "y"])
+    seen = []
+
+    def before_step(i, cg, value):
+        seen.append(("callback", i, np.array(g.params["head.W"].value)))
+
+    def after(i, result):
+        seen.append(("after", i, np.array(g.params["head.W"].value), result.next_chunk, dict(result.state)))
+
+    opt = optim.SGD(g.params, lr=0.1)
+    result = truncated_bptt(g, feeds, loss, {"h0": h_final}, {"h0": np.zeros((2, 4))}, optimizer=opt,
+                            callback=before_step, start=2, after_chunk=after)  # fmt: skip
+    # Chunks 0 and 1 are skipped; indices are those of the feeds.
+    assert [(s[0], s[1]) for s in seen] == [("callback", 2), ("after", 2), ("callback", 3), ("after", 3)]
+    assert result.start == 2 and len(result.losses) == 2 and result.next_chunk == 4
+    # The callback runs before the optimiser step, after_chunk after it.
+    assert not np.array_equal(seen[0][2], seen[1][2]) and np.array_equal(seen[1][2], seen[2][2])
+    assert seen[1][3] == 3 and seen[3][3] == 4
+    np.testing.assert_array_equal(seen[3][4]["h0"], result.state["h0"])
+    # Resuming at chunk 2 from the state carried into it equals running straight through.
+    g1, loss1, h1 = rnn()
+    straight = truncated_bptt(g1, chunk_feeds({"x": xs, "y": ys}, 3, sequences=["x", "y"]), loss1,
+                              {"h0": h1}, {"h0": np.zeros((2, 4))}, optimizer=optim.SGD(g1.params, lr=0.1))  # fmt: skip
+    g2, loss2, h2 = rnn()
+    opt2 = optim.SGD(g2.params, lr=0.1)
+    first = truncated_bptt(g2, list(chunk_feeds({"x": xs, "y": ys}, 3, sequences=["x", "y"]))[:2], loss2,
+                           {"h0": h2}, {"h0": np.zeros((2, 4))}, optimizer=opt2)  # fmt: skip
+    rest = truncated_bptt(g2, chunk_feeds({"x": xs, "y": ys}, 3, sequences=["x", "y"]), loss2, {"h0": h2},
+                          first.state, optimizer=opt2, start=first.next_chunk)  # fmt: skip
+    assert first.losses + rest.losses == straight.losses
+    for k in g1.params:
+        assert g1.params[k].value.tobytes() == g2.params[k].value.tobytes()
+
+
+def test_a_bad_start_is_refused_before_anything_runs():
+    g, loss, h_final = rnn()
+    before = g.state_dict()
+    feeds = [{"x": np.zeros((3, 2, 3)), "y": np.zeros((3, 2, 1))}] * 2
+    args = {"graph": g, "loss": loss, "state": {"h0": h_final}, "initial": {"h0": np.zeros((2, 4))}}
+    opt = optim.SGD(g.params, lr=0.1)
+    for start, error, match in [(-1, ValueError, ">= 0"), (3, ValueError, "past the end of feeds \\(2 chunks\\)"),
+                                (1.0, TypeError, "start must be an int"), (True, TypeError, "start must be an int")]:  # fmt: skip
+        with pytest.raises(error, match=match):
+            truncated_bptt(feeds=feeds, optimizer=opt, start=start, **args)
+    with pytest.raises(TypeError, match="after_chunk must be callable"):
+        truncated_bptt(feeds=feeds, after_chunk=1, **args)
+    with pytest.raises(ValueError, match="past the end of feeds \\(2 chunks\\)"):  # an iterator: no len()
+        truncated_bptt(feeds=iter(feeds), optimizer=opt, start=3, **args)
+    after = g.state_dict()
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+    result = truncated_bptt(feeds=feeds, start=2, **args)  # at the end: nothing to run
+    assert result.losses == [] and result.next_chunk == 2 and result.state["h0"].shape == (2, 4)
+
+
+# A GRU language model trained with truncated BPTT and Adam, with dropout (masks seeded by the
+# graph's build counter) and gradient clipping. "straight" runs the whole epoch; "first" saves a
+# checkpoint every 3 chunks and dies in chunk 6 (the work after the last save is lost); "resume",
+# in a fresh process, loads the latest checkpoint and finishes the epoch.
+LM = """
+import json
+import sys
+import numpy as np
+import vgraph as vg
+from vgraph import io, losses, nn, optim
+from vgraph.tbptt import chunk_feeds, truncated_bptt
+
+V, E, H, B, T, K = 11, 6, 8, 3, 40, 5
+g = vg.VirtualGraph(dtype=np.float64, seed=3)
+tokens = g.input("tokens", (None, B))
+targets = g.input("targets", (None, B))
+h0 = g.input("h0", (B, H))
+emb = nn.Embedding(g, V, E, "emb")
+drop = nn.Dropout(g, p=0.2)
+cell = nn.GRUCell(g, E, H, "gru")
+head = nn.Linear(g, H, V, "head")
+embedded = drop(emb(tokens))  # (time, batch, E)
+with g.loop() as L:
+    h = L.carry(h0, name="h")
+    h_new = cell(L.step(embedded), h)
+    L.update(h, h_new)
+loss = losses.cross_entropy(head(L.stack(h_new)), targets)
+h_final = L.final(h)
+
+data = np.random.default_rng(0).integers(0, V, size=(T + 1, B))
+feeds = chunk_feeds({"tokens": data[:-1], "targets": data[1:]}, K, sequences=["tokens", "targets"])
+opt = optim.Adam(g.params, lr=0.02)
+clip = lambda i, cg, value: optim.clip_grad_norm_(g.params, 1.0)
+mode, path = sys.argv[1], sys.argv[2]
+history, start, carry = [], 0, {"h0": np.zeros((B, H))}
+if mode == "resume":
+    saved = {}
+    io.load_training_state(g, path, opt, extras=saved)
+    history, start, carry = saved["losses"], saved["chunk"], saved["carry"]
+    assert start == 6 and len(history) == 6, (start, history)
+
+
+def save_every_3(i, result):
+    if result.next_chunk % 3 == 0:
+        extras = {"chunk": result.next_chunk, "carry": result.state, "losses": history + result.losses}
+        io.save_training_state(g, path, opt, extras=extras)
+    if mode == "first" and i == 6:
+        raise SystemExit(0)  # killed
+
+
+result = truncated_bptt(g, feeds, loss, {"h0": h_final}, carry, optimizer=opt, callback=clip,
+                        start=start, after_chunk=save_every_3)
+assert mode != "first"
+out = sys.argv[3]
+io.save(g, out)
+np.save(out + ".h.npy", result.state["h0"])
+with open(out + ".losses.json", "w") as f:
+    json.dump(history + result.losses, f)
+"""
+
+
+def test_resume_mid_epoch_in_a_fresh_process_is_bit_for_bit(tmp_path):
+
+    script = tmp_path / "lm.py"
+    script.write_text(LM)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+
+    def run(*args):
+        subprocess.run([sys.executable, str(script), *map(str, args)], check=True, env=env, cwd=tmp_path)
+
+    run("straight", tmp_path / "unused.npz", tmp_path / "straight.npz")
+    run("first", tmp_path / "ckpt.npz")
+    mid = vio.read(tmp_path / "ckpt.npz")
+    assert "param/gru.W_h" in mid and "optim/gru.W_h/exp_avg" in mid
+    run("resume", tmp_path / "ckpt.npz", tmp_path / "resumed.npz")
+
+    straight, resumed = vio.read(tmp_path / "straight.npz"), vio.read(tmp_path / "resumed.npz")
+    assert (
+        sorted(straight)
+        == sorted(resumed)
+        == ["emb.W", "gru.W_h", "gru.W_x", "gru.b_h", "gru.b_x", "head.W", "head.b"]
+    )
+    for k in straight:
+        assert straight[k].tobytes() == resumed[k].tobytes(), k
+    for suffix in (".h.npy",):
+        a, b = (
+            np.load(str(tmp_path / "straight.npz") + suffix),
+            np.load(str(tmp_path / "resumed.npz") + suffix),
+        )
+        assert a.tobytes() == b.tobytes()
+    losses = [
+        json.loads((tmp_path / f"{name}.npz.losses.json").read_text()) for name in ("straight", "resumed")
+    ]
+    assert len(losses[0]) == 8 and losses[0] == losses[1]  # 40 steps in chunks of 5; floats exactly equal

@@ -11,7 +11,7 @@ import numpy as np
 
 from .compute import ComputeGraph, ComputeNode, NodeKey
 from .errors import GradcheckError, GraphStateError, VGraphError
-from .ops import VJP, LazyGrad, Op, unbroadcast
+from .ops import VJP, LazyGrad, Op, OpResultError, unbroadcast
 
 
 class GradcheckFailure(NamedTuple):
@@ -153,6 +153,8 @@ def gradcheck(
         if not isinstance(x, ComputeNode):
             raise TypeError(f"gradcheck: wrt[{i}] must be a ComputeNode, got {type(x).__name__}")
     _check_tolerances(eps, atol, rtol)
+    # Plain floats in, plain floats out: the result's repr shows 1e-11, not np.float64(1e-11).
+    eps, atol, rtol = float(eps), float(atol), float(rtol)
     graph = output.graph
     if graph is None:
         raise VGraphError(f"{output.describe()} belongs to no ComputeGraph")
@@ -192,7 +194,7 @@ def gradcheck(
                 x.value = bumped
                 f_minus = _objective(graph, output, projection)
                 numeric = (f_plus - f_minus) / (2 * eps)
-                err = abs(a[i] - numeric)
+                err = abs(float(a[i]) - numeric)
                 rel = err / max(abs(numeric), atol)
                 max_abs = max(max_abs, err)
                 max_rel = max(max_rel, rel)
@@ -506,6 +508,8 @@ def _check_node(
                 a = a.dense()
         except Exception as e:
             error = f"the VJP raised {_describe_exception(e)}"
+            if isinstance(e, OpResultError):  # a vgraph.defop op's checks refused its result
+                error = f"the VJP {e}"
             if isinstance(e, ValueError) and "read-only" in str(e):
                 error += " (a VJP must not modify g, ans or the inputs in place)"
         else:

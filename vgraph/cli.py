@@ -7,8 +7,9 @@ one build, and the output node(s) to build; with ``--gradients`` the first outpu
 ``examples/models/`` and ``docs/rendering.md``.
 
 Exit codes: 0 success; 1 the model or the drawing failed (an exception in the script, Graphviz
-missing — the ``.dot`` text is then written next to the output —, ``dot`` failing); 2 bad
-arguments, or a script that is missing or does not follow the convention.
+missing — the ``.dot`` text is then written next to the output —, ``dot`` failing; the output
+file is then neither written nor, if it exists, changed); 2 bad arguments, or a script that is
+missing or does not follow the convention.
 """
 
 from __future__ import annotations

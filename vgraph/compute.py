@@ -21,17 +21,19 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Reversible, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, cast
+from typing import Any, NamedTuple, NoReturn, Protocol, cast
 
 import numpy as np
 
 from . import tape as _tape
 from .errors import (
+    ArgumentError,
     BackwardError,
     GraphStateError,
     NonFiniteError,
@@ -40,11 +42,19 @@ from .errors import (
     VGraphError,
 )
 from .functions import Operand
+from .modes import anomaly_scope as _anomaly_scope
+from .modes import detect_anomaly as detect_anomaly  # (re-exported: compute held the modes before)
+from .modes import flag_arg as flag_arg  # (re-exported: the layers above check their options with it)
+from .modes import is_anomaly_enabled as is_anomaly_enabled
+from .modes import is_grad_enabled as is_grad_enabled
+from .modes import no_grad as no_grad
+from .modes import state as _modes
 from .ops import (
     OPS,
     VJP,
     LazyGrad,
     Op,
+    OpResultError,
     RowSparseGrad,
     add_grads,
     add_grads_sparse,
@@ -54,8 +64,26 @@ from .ops import (
 )
 from .workspace import computing
 
-if TYPE_CHECKING:
-    from .virtual.checkpoint import Rematerializer
+
+class DroppedValues(Protocol):
+    """What a graph whose op values may be dropped gives the engine back: checkpointed loops
+    (``vgraph.virtual.checkpoint.Rematerializer``) drop values while unrolling and recompute
+    them when a sweep or a reader reaches them. Attached with
+    :meth:`ComputeGraph.attach_dropped_values`; the engine calls these and nothing else.
+    """
+
+    def value(self, node: ComputeNode) -> Any:
+        """``node.value`` of a dropped node (recomputed, kept until another unit is read)."""
+
+    def backward_value(self, node: ComputeNode) -> Any:
+        """The value of ``node`` for the backward sweep, its parents' values present."""
+
+    def end_backward(self) -> None:
+        """The sweep is over (or failed): release what it brought back."""
+
+    def forward(self, plan: Sequence[ComputeNode], on_dirty: Callable[[ComputeNode], None]) -> None:
+        """A dirty-checked forward over ``plan`` that brings dropped parents back first."""
+
 
 # ---------------------------------------------------------------------------- settings
 
@@ -88,76 +116,8 @@ def get_default_dtype() -> np.dtype:
     return _default_dtype
 
 
-class _GradMode:
-    enabled = True
-
-
-@contextlib.contextmanager
-def no_grad() -> Iterator[None]:
-    """Nodes created inside this block record nothing for backward (``requires_grad=False``).
-
-    Use it for evaluation and for updates that must not be differentiated. The previous mode is
-    restored on exit, also when the block raises.
-    """
-    previous = _GradMode.enabled
-    _GradMode.enabled = False
-    try:
-        yield
-    finally:
-        _GradMode.enabled = previous
-
-
-def is_grad_enabled() -> bool:
-    """Whether nodes created now record what backward needs (``False`` inside ``no_grad()``)."""
-    return _GradMode.enabled
-
-
-class _Anomaly:
-    enabled = False
-
-
-@contextlib.contextmanager
-def detect_anomaly(enabled: bool = True) -> Iterator[None]:
-    """Inside this block, the first NaN or Inf raises :class:`~vgraph.errors.NonFiniteError`.
-
-    Forward (including the values computed while unrolling) checks every value an op produces;
-    backward checks every gradient a VJP produces. The error names the unrolled node
-    ``<type,id,idx>`` where the non-finite value first appears, its op, the finite status, range
-    and shape of each input, and for backward the node whose VJP produced it — e.g.
-    ``NaN first appears at <Log:1@37>: log of a negative input (min -0.02)``.
-
-    Off by default; when off it costs one flag test per node. When on, each value is scanned
-    once (see docs/performance.md). ``build``, ``forward`` and ``backward`` also take
-    ``detect_anomaly=True`` for a single call.
-
-    Args:
-        enabled: ``False`` turns detection off inside the block (e.g. around a part known to
-            produce infinities on purpose).
-    """
-    previous = _Anomaly.enabled
-    _Anomaly.enabled = enabled
-    try:
-        if enabled:  # the error says it all: no numpy warning before it
-            with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-                yield
-        else:
-            yield
-    finally:
-        _Anomaly.enabled = previous
-
-
-def is_anomaly_enabled() -> bool:
-    """Whether NaN/Inf detection is on (inside :func:`detect_anomaly`)."""
-    return _Anomaly.enabled
-
-
 #: A scope that does nothing (one for every use: ``nullcontext`` keeps no state).
 _NOTHING: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-
-
-def _anomaly_scope(on: bool) -> contextlib.AbstractContextManager[None]:
-    """``detect_anomaly()`` for a call that asked for it, else nothing (the setting is inherited)."""
-    return detect_anomaly() if on else _NOTHING
 
 
 def _finite(x: Any) -> bool:
@@ -246,6 +206,11 @@ class NodeKey(NamedTuple):
 LEAF_TYPES = ("Input", "Parameter", "Constant")
 _clock = itertools.count(1)  # process-wide: leaves are shared by graphs
 next_version = _clock.__next__  # a new reading of the clock (a version, or a creation serial)
+# Held by every backward sweep (backward, grad), in whatever thread: a sweep stages gradients in
+# its nodes' ``_g``, leaves included, and leaves (a VirtualGraph's parameters) are shared by
+# graphs, so two sweeps at once would mix their gradients. It also makes each accumulation into a
+# shared ``.grad`` whole. Re-entrant: a VJP may run a sweep of its own.
+_sweep_lock = threading.RLock()
 
 
 def _as_value(value: Any, float_dtype: np.dtype) -> np.ndarray:
@@ -563,13 +528,29 @@ class ComputeGraph:
         self._fresh: dict[Any, int] = {}
         self._failed_forward: str | None = None  # what the last forward raised, if it failed
         self.last_forward: ForwardReport | None = None
-        # Checkpointed loops' book-keeping (vgraph.virtual.checkpoint.Rematerializer), if any:
-        # op nodes of dropped iterations have the value None until it recomputes them.
-        self._remat: Rematerializer | None = None
+        # Checkpointed loops' book-keeping (see attach_dropped_values), if any: op nodes of
+        # dropped iterations have the value None until it recomputes them.
+        self._remat: DroppedValues | None = None
         # Op nodes computed when read (see computed_when_read): no sweep computes them and their
         # value is None. Each with the node whose gradient is its own, or None (a hoisted copy's
         # is a row of its group's, see vgraph.virtual.unroll).
         self._deferred: dict[ComputeNode, ComputeNode | None] = {}
+
+    @property
+    def dropped_values(self) -> DroppedValues | None:
+        """The book-keeping of values this graph drops and recomputes (checkpointed loops), or
+        ``None`` when it keeps every value."""
+        return self._remat
+
+    def attach_dropped_values(self, source: DroppedValues) -> None:
+        """Let ``source`` drop and recompute this graph's op values (see :class:`DroppedValues`).
+
+        Raises:
+            GraphStateError: the graph has one already.
+        """
+        if self._remat is not None:
+            raise GraphStateError(f"{self!r} already has its dropped values' book-keeping")
+        self._remat = source
 
     def __repr__(self) -> str:
         leaves = len(self._leaves)
@@ -594,17 +575,29 @@ class ComputeGraph:
         return node
 
     def _leaf(
-        self, type_: str, value: Any, name: str | None, key: NodeKey | None, requires_grad: bool
+        self,
+        type_: str,
+        value: Any,
+        name: str | None,
+        key: NodeKey | None,
+        requires_grad: bool,
+        copy: bool = True,
     ) -> ComputeNode:
         key = key if key is not None else self._next_key(type_)
         arr = _as_value(value, self.dtype)
-        if arr is value:  # the caller's own array: a later in-place change must not reach the graph
+        if copy and arr is value:  # the caller's own array: a later in-place change must not reach the graph
             arr = arr.copy()
         node = ComputeNode(key, arr, None, (), None, requires_grad, name, self)
         return self._register(node)
 
     def input(
-        self, value: Any, name: str | None = None, key: NodeKey | None = None, requires_grad: bool = False
+        self,
+        value: Any,
+        name: str | None = None,
+        key: NodeKey | None = None,
+        requires_grad: bool = False,
+        *,
+        copy: bool = True,
     ) -> ComputeNode:
         """Add an input leaf. Floats are stored in the graph's dtype; integer arrays are kept.
 
@@ -613,8 +606,12 @@ class ComputeGraph:
             name: a display name.
             key: the node's key (default ``<Input, n, ()>``).
             requires_grad: compute a gradient for this input too (e.g. for saliency).
+            copy: copy ``value`` if it is already an array of the graph's dtype (the default: the
+                caller's later in-place changes do not reach the graph). ``False`` adopts it as it
+                is, for an array nobody else refers to (a build's checked copy of a feed): no
+                second copy of a large input.
         """
-        return self._leaf("Input", value, name, key, requires_grad)
+        return self._leaf("Input", value, name, key, requires_grad, copy)
 
     def parameter(
         self, value: Any, name: str | None = None, key: NodeKey | None = None, sparse_grad: bool = False
@@ -744,7 +741,7 @@ class ComputeGraph:
         except under anomaly detection, which checks what an op computes).
         """
         requires_grad = False
-        if _GradMode.enabled:
+        if _modes.grad:
             if op.variadic:
                 for p in parents:
                     if p.requires_grad:
@@ -756,7 +753,7 @@ class ComputeGraph:
                         requires_grad = True
                         break
         node = ComputeNode(key, None, op, parents, attrs, requires_grad, name, self)
-        if _Anomaly.enabled:  # (computed again, and checked)
+        if _modes.anomaly:  # (computed again, and checked)
             node._value = self._run(node)
         elif value is not None:
             node._value = value
@@ -852,11 +849,10 @@ class ComputeGraph:
         it raises a GraphStateError rather than mix old and new values.
 
         Raises:
+            ArgumentError: ``node`` is not a ComputeNode (a TypeError).
             GraphStateError: ``node`` is not a node of this graph.
         """
-        if self._nodes.get(node.key) is not node:
-            raise GraphStateError(f"{node.describe()} is not a node of this graph")
-        return node in self._deferred
+        return self._node_arg(node, "node", "computed_when_read") in self._deferred
 
     def guard(
         self,
@@ -885,7 +881,7 @@ class ComputeGraph:
             result = op.forward(*values, **node.attrs)
         except Exception as e:
             self._raise_op_error(node, e)
-        if _Anomaly.enabled and not _finite(result):
+        if _modes.anomaly and not _finite(result):
             raise _forward_anomaly(node, values, result)
         return result
 
@@ -895,8 +891,13 @@ class ComputeGraph:
         naming the node and its inputs' shapes, anything else as it is."""
         if isinstance(e, StructureChangedError):
             self._stale = str(e)
+        if isinstance(e, OpResultError):  # a vgraph.defop op's forward returned complex values, say
+            raise e.error(f"{node.describe()}: {e}") from None
         if isinstance(e, VGraphError) or not isinstance(e, (ValueError, IndexError, TypeError)):
             raise e
+        hoisted = _hoisted_op_error(node, e)  # a hoisted group: which iteration's copy fails
+        if hoisted is not None:
+            raise hoisted from e
         op = cast(Op, node.op)  # only op nodes are computed
         shapes = ", ".join(f"{p.describe()} {np.shape(p._value)}" for p in node.parents)
         raise ShapeError(f"{node.describe()}: cannot compute {op.name} of {shapes}: {e}") from e
@@ -1023,11 +1024,14 @@ class ComputeGraph:
         return x
 
     def _node_arg(self, x: Any, arg: str, fn: str) -> ComputeNode:
-        """``x`` as a node of this graph, or a TypeError / GraphStateError naming the argument."""
+        """``x`` as a node of this graph, or an ArgumentError (a TypeError) / GraphStateError naming
+        the argument."""
         node = self._resolve(x)
         if not isinstance(node, ComputeNode):
             hint = f" (look a node up by its key with cg.node({x!r}))" if isinstance(x, str) else ""
-            raise TypeError(f"{fn}(): {arg} must be {self._NODE_ARG}, got {type(x).__name__} {x!r:.80}{hint}")
+            raise ArgumentError(
+                f"{fn}(): {arg} must be {self._NODE_ARG}, got {type(x).__name__} {x!r:.80}{hint}"
+            )
         if self._nodes.get(node.key) is not node:
             raise GraphStateError(f"{fn}(): {node.describe()} is not a node of this graph")
         return node
@@ -1071,6 +1075,8 @@ class ComputeGraph:
             NonFiniteError: with anomaly detection, the first node whose value is NaN/Inf.
         """
         targets = self._nodes_arg(target, "target", "forward")
+        explain = flag_arg(explain, "forward(explain=...)")
+        detect_anomaly = flag_arg(detect_anomaly, "forward(detect_anomaly=...)")
         plan = self._forward_plan(targets)
         report = ForwardReport(visited=len(plan), explanation=[] if explain else None)
         recomputed = 0
@@ -1080,7 +1086,7 @@ class ComputeGraph:
                 if self._remat is not None:
                     recomputed = self._forward_dropped(plan, report)
                     plan = []
-                elif not explain and not _Anomaly.enabled and _tape.tapes_enabled():
+                elif not explain and not _modes.anomaly and _tape.tapes_enabled():
                     tape = self._forward_tape(targets)
                     if tape is not None:
                         try:
@@ -1140,7 +1146,7 @@ class ComputeGraph:
             n.version = next(_clock)
             count += 1
 
-        cast("Rematerializer", self._remat).forward(plan, recompute)  # forward calls this only when set
+        cast(DroppedValues, self._remat).forward(plan, recompute)  # forward calls this only when set
         return count
 
     def _mark_fresh(self, targets: Iterable[Any]) -> None:
@@ -1282,6 +1288,7 @@ class ComputeGraph:
             BackwardError: a VJP raised (names the node); no ``.grad`` was changed.
             NonFiniteError: with anomaly detection, the first NaN/Inf gradient.
         """
+        detect_anomaly = flag_arg(detect_anomaly, "backward(detect_anomaly=...)")
         return self.backward_ex(loss, seed, retain_graph=False, detect_anomaly=detect_anomaly)
 
     @computing
@@ -1291,10 +1298,12 @@ class ComputeGraph:
         """Like :meth:`backward`; with ``retain_graph=True`` the graph can be backpropagated again
         without a new forward (e.g. to accumulate the gradients of several losses)."""
         loss = self._node_arg(loss, "loss", "backward")
+        retain_graph = flag_arg(retain_graph, "backward_ex(retain_graph=...)")
+        detect_anomaly = flag_arg(detect_anomaly, "backward_ex(detect_anomaly=...)")
         self._check_can_backward(loss)
         g = self._seed(loss, seed)
         self._check_values_fresh((loss,), "backward")
-        with _anomaly_scope(detect_anomaly), sweep_scope(), self._values_for_sweep([loss]):
+        with _sweep_lock, _anomaly_scope(detect_anomaly), sweep_scope(), self._values_for_sweep([loss]):
             self._backprop(self._sweep_plan([loss]), [(loss, g)], accumulate=True)
         self._released = not retain_graph
         value = loss._value if loss._value is not None else loss.value  # checkpointed: recomputed
@@ -1339,6 +1348,9 @@ class ComputeGraph:
         """
         outs = self._nodes_arg(outputs, "outputs", "grad")
         ins = self._nodes_arg(inputs, "inputs", "grad")
+        retain_graph = flag_arg(retain_graph, "grad(retain_graph=...)")
+        allow_unused = flag_arg(allow_unused, "grad(allow_unused=...)")
+        detect_anomaly = flag_arg(detect_anomaly, "grad(detect_anomaly=...)")
         if seeds is None:
             seeds = [None] * len(outs)
         elif len(outs) == 1 and not isinstance(seeds, (list, tuple)):
@@ -1365,7 +1377,7 @@ class ComputeGraph:
             if n not in reach and any(p in reach for p in n.parents):
                 reach.add(n)
         plan = [n for n in plan if n in reach]
-        with _anomaly_scope(detect_anomaly), sweep_scope(), self._values_for_sweep(outs):
+        with _sweep_lock, _anomaly_scope(detect_anomaly), sweep_scope(), self._values_for_sweep(outs):
             found = self._backprop(
                 plan, [r for r in roots if r[0] in reach], accumulate=False, wanted=wanted, reach=reach
             )
@@ -1466,7 +1478,7 @@ class ComputeGraph:
         found: dict[ComputeNode, np.ndarray] = {}
         staged: list[tuple[ComputeNode, Any, bool]] = []  # (node, gradient, owned)
         g: Any
-        check = _Anomaly.enabled
+        check = _modes.anomaly
         remat = self._remat  # checkpointed loops: dropped values are recomputed when reached
         if accumulate and wanted is None and reach is None and remat is None and not check:
             tape = self._backward_tape_for(plan)
@@ -1512,13 +1524,18 @@ class ComputeGraph:
                             pg = reduce_grad(pg, pshape, p.op is None and not p.sparse_grad)
                     except VGraphError:
                         raise
+                    except OpResultError as e:  # refused by a vgraph.defop op's CheckedVJP
+                        raise e.error(
+                            f"{n.describe()}: the VJP of {n.op.name} for input {e.position} "
+                            f"{p.describe()} {e}"
+                        ) from None
                     except Exception as e:
                         raise BackwardError(
                             f"{n.describe()}: the VJP of {n.op.name} with respect to its input "
                             f"{p.describe()} failed: {type(e).__name__}: {e}"
                         ) from e
                     if check and not _finite(pg):
-                        raise _backward_anomaly(n, p, g, pg, values)
+                        raise _backward_anomaly(n, p, vjp, g, ans, pg, values)
                     acc = p._g
                     if acc is None:
                         p._g = pg
@@ -1625,25 +1642,89 @@ _get_value = attrgetter("_value")
 _ALL = "*"  # key of ComputeGraph._fresh meaning every node of the graph
 
 
+def _stepped(node: Any) -> list[bool] | None:
+    """For a hoisted group — a loop-body node computed for every iteration at once, keyed
+    ``<type*:id@idx>`` with ``idx`` the loop's iteration path (see :mod:`vgraph.virtual.hoist`) —
+    which of its parents are stepped (one row per iteration: the loop's other groups, keyed
+    ``*`` with the same ``idx``); ``None`` for any other node (a batched build's groups of copies
+    are keyed ``*`` too, but each with a serial number of its own as ``idx``)."""
+    key = node.key
+    if not key.type.endswith("*"):
+        return None
+    stepped = [p.key.type.endswith("*") and p.key.idx == key.idx for p in node.parents]
+    return stepped if any(stepped) else None
+
+
+def _copy(node: Any, t: int) -> str:
+    """How messages name iteration ``t``'s copy of the hoisted group (or stepped parent) ``node``."""
+    key = NodeKey(node.key.type[:-1], node.key.id, (*node.key.idx, t))
+    return f"<{key}>" + (f" '{node.name}'" if node.name else "")
+
+
+def _first_row(
+    stepped: Sequence[bool], values: Sequence[Any], fails: Callable[[int, list[Any]], bool]
+) -> int | None:
+    """The first iteration ``t`` for which ``fails(t, inputs)`` holds, ``inputs`` being the
+    hoisted group's inputs cut to that iteration (stepped inputs: rows ``t:t+1``, keeping the
+    iteration axis the group's attributes expect; the others whole), or ``None``. Only on an
+    error path: one call per row."""
+    trips = min(len(v) for v, s in zip(values, stepped) if s)
+    for t in range(trips):
+        if fails(t, [v[t : t + 1] if s else v for v, s in zip(values, stepped)]):
+            return t
+    return None
+
+
+def _hoisted_op_error(node: ComputeNode, e: Exception) -> ShapeError | None:
+    """For a hoisted group whose op raised: the error naming the first iteration whose copy
+    raises alone (its index values and bounds, in numpy's words), or ``None`` if none does."""
+    stepped = _stepped(node)
+    if stepped is None:
+        return None
+    op = cast(Op, node.op)  # only op nodes are computed
+    values = [p._value for p in node.parents]
+    errors: list[Exception] = []
+
+    def fails(t: int, rows: list[Any]) -> bool:
+        try:
+            op.forward(*rows, **node.attrs)
+        except (ValueError, IndexError, TypeError) as row_error:
+            errors.append(row_error)
+            return True
+        return False
+
+    t = _first_row(stepped, values, fails)
+    if t is None:
+        return None
+    shapes = ", ".join(
+        f"{_copy(p, t)} {np.shape(v[t])}" if s else f"{p.describe()} {np.shape(v)}"
+        for p, v, s in zip(node.parents, values, stepped)
+    )
+    return ShapeError(
+        f"{_copy(node, t)} (hoisted: computed for every iteration by {node.describe()}): cannot "
+        f"compute {op.name} of {shapes}: {errors[0]}"
+    )
+
+
 def _forward_anomaly(node: ComputeNode, values: Sequence[Any], result: Any) -> NonFiniteError:
     """The error for the first non-finite value, computed by ``node`` from ``values``."""
     op = cast(Op, node.op)  # only op nodes compute values
     where = node.describe()
-    if node.key.type.endswith("*") and np.ndim(result) > 0:
+    names = [p.describe() for p in node.parents]
+    stepped = _stepped(node)
+    if stepped is not None and np.ndim(result) > 0:
         # A hoisted loop-body node computed for every iteration at once (vgraph.virtual.hoist):
-        # name the first iteration's copy, and look at that iteration's rows of the stepped
-        # inputs (those with the result's rank: the iteration axis plus each step's axes).
+        # name the first non-finite iteration's copy, and its copies of the stepped inputs.
         rows = np.isfinite(np.reshape(result, (len(result), -1))).all(axis=1)
         t = int(np.argmin(rows))
-        copy = NodeKey(node.key.type[:-1], node.key.id, (*node.key.idx, t))
-        where = f"<{copy}>" + (f" '{node.name}'" if node.name else "")
-        where += f" (hoisted: computed for every iteration by {node.describe()})"
-        values = [v[t] if np.ndim(v) == np.ndim(result) else v for v in values]
+        where = f"{_copy(node, t)} (hoisted: computed for every iteration by {node.describe()})"
+        names = [_copy(p, t) if s else n for p, n, s in zip(node.parents, names, stepped)]
+        values = [v[t] if s else v for v, s in zip(values, stepped)]
         result = result[t]
     kind = _first_kind(result)
-    bad = [p for p, v in zip(node.parents, values) if not _finite(v)]
+    bad = [n for n, v in zip(names, values) if not _finite(v)]
     if bad:  # only a leaf can be non-finite already: every op value was checked when computed
-        head = f"{kind} enters at {where} ({op.name}) from {bad[0].describe()}, which is already non-finite"
+        head = f"{kind} enters at {where} ({op.name}) from {bad[0]}, which is already non-finite"
     else:
         reason = None
         hint = _ANOMALY_HINTS.get(op.name)
@@ -1651,21 +1732,52 @@ def _forward_anomaly(node: ComputeNode, values: Sequence[Any], result: Any) -> N
             with contextlib.suppress(Exception):
                 reason = hint(*values)
         head = f"{kind} first appears at {where}: " + (reason or f"{op.name} of finite inputs gave {kind}")
-    lines = [head, *(f"  input {p.describe()}: {_summary(v)}" for p, v in zip(node.parents, values))]
+    lines = [head, *(f"  input {n}: {_summary(v)}" for n, v in zip(names, values))]
     lines.append(f"  output: {_summary(result)}")
     return NonFiniteError("\n".join(lines))
 
 
 def _backward_anomaly(
-    node: ComputeNode, parent: ComputeNode, g: Any, pg: Any, values: Sequence[Any]
+    node: ComputeNode, parent: ComputeNode, vjp: VJP, g: Any, ans: Any, pg: Any, values: Sequence[Any]
 ) -> NonFiniteError:
-    """The error for the first non-finite gradient, produced by ``node``'s VJP for ``parent``."""
+    """The error for the first non-finite gradient, produced by ``node``'s VJP ``vjp`` for
+    ``parent`` from the incoming gradient ``g`` (``ans``: the node's value)."""
     op = cast(Op, node.op)  # only op nodes have VJPs
+    if isinstance(pg, LazyGrad):  # (a weight's gradient kept as its factors, e.g. x^T g)
+        pg = pg.dense()
+    where, about = node.describe(), parent.describe()
+    names = [p.describe() for p in node.parents]
+    stepped = _stepped(node)
+    if stepped is not None and np.ndim(ans) > 0:
+        # A hoisted group: name the first iteration whose copy's VJP gives a non-finite gradient,
+        # and show that iteration's rows. A stepped parent's gradient has the iteration rows; a
+        # parent shared by every iteration (a weight) gets their sum: each iteration's VJP is
+        # computed alone (on this error path only).
+        attrs = node.attrs
+        if stepped[node.parents.index(parent)] and np.shape(pg)[:1] == np.shape(ans)[:1]:
+            rows = np.isfinite(np.reshape(pg, (len(pg), -1))).all(axis=1)
+            t: int | None = int(np.argmin(rows))
+        else:
+
+            def fails(i: int, cut: list[Any]) -> bool:
+                try:
+                    return not _finite(vjp(g[i : i + 1], ans[i : i + 1], *cut, **attrs))
+                except Exception:  # (a VJP that needs the whole group: no row to name)
+                    return False
+
+            t = _first_row(stepped, values, fails)
+        if t is not None:
+            where = f"{_copy(node, t)} (hoisted: computed for every iteration by {node.describe()})"
+            if stepped[node.parents.index(parent)]:
+                about = _copy(parent, t)
+            names = [_copy(p, t) if s else n for p, n, s in zip(node.parents, names, stepped)]
+            values = [v[t] if s else v for v, s in zip(values, stepped)]
+            g, ans = g[t], ans[t]
     lines = [
-        f"{_first_kind(pg)} first appears in backward at {node.describe()}: the VJP of {op.name} "
-        f"gave a non-finite gradient for its input {parent.describe()} from a finite incoming gradient",
+        f"{_first_kind(pg)} first appears in backward at {where}: the VJP of {op.name} "
+        f"gave a non-finite gradient for its input {about} from a finite incoming gradient",
         f"  incoming gradient: {_summary(g)}",
-        *(f"  input {p.describe()}: {_summary(v)}" for p, v in zip(node.parents, values)),
-        f"  output: {_summary(node._value if node._value is not None else node.value)}",
+        *(f"  input {n}: {_summary(v)}" for n, v in zip(names, values)),
+        f"  output: {_summary(ans)}",
     ]
     return NonFiniteError("\n".join(lines))

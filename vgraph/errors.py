@@ -3,7 +3,8 @@
 Every error a user can cause is a :class:`VGraphError`. Errors about a node name it by its
 ``<type,id,idx>`` key (and the user's display name, when there is one). Where a standard exception
 type fits too, the error also derives from it (``ShapeError`` and ``FeedError`` are
-``ValueError``s, ``GraphStateError`` a ``RuntimeError``), so generic handlers keep working.
+``ValueError``s, ``ArgumentError`` a ``TypeError``, ``GraphStateError`` a ``RuntimeError``), so
+generic handlers keep working.
 """
 
 from __future__ import annotations
@@ -11,6 +12,11 @@ from __future__ import annotations
 
 class VGraphError(Exception):
     """Base class of every error vgraph raises for a user mistake."""
+
+
+class ArgumentError(VGraphError, TypeError):
+    """An argument of the wrong type (``hoist="yes"`` where a bool is expected, a name where a
+    node is expected); a ``TypeError`` too."""
 
 
 class ShapeError(VGraphError, ValueError):
@@ -26,7 +32,8 @@ class FeedError(BuildError, ValueError):
 
 
 class LoopLimitError(BuildError):
-    """A loop ran past its ``max_iters`` guard."""
+    """A loop ran past its ``max_iters`` guard, or a recursion's structure has more nodes than its
+    ``max_nodes`` guard."""
 
 
 class StructureError(BuildError, ValueError):
@@ -63,10 +70,30 @@ class RenderError(VGraphError):
 
 
 class BackwardError(VGraphError, RuntimeError):
-    """A vector-Jacobian product failed during backward; names the node whose VJP raised.
+    """A vector-Jacobian product failed during backward; names the node whose VJP raised, or
+    whose VJP returned what is not a gradient (``None``, complex or object values: the checks of
+    :func:`vgraph.defop` ops).
 
-    The original exception is the ``__cause__``. No ``.grad`` was changed by the failed backward.
+    When the VJP raised, the original exception is the ``__cause__``. No ``.grad`` was changed by
+    the failed backward.
     """
+
+
+class VJPShapeError(BackwardError, ShapeError):
+    """A VJP of a :func:`vgraph.defop` op returned a gradient whose shape is neither its input's
+    nor (for an input the op broadcast) the op's output's; names the node, the input and both
+    shapes. A :class:`BackwardError` and a :class:`ShapeError`."""
+
+
+class DTypeError(VGraphError, TypeError):
+    """An op of :func:`vgraph.defop` whose forward returned values that are not real numbers
+    (complex, object, strings); names the node and the dtype."""
+
+
+class OpDefinitionError(VGraphError, TypeError, ValueError):
+    """:func:`vgraph.defop` refused a definition (a name that is taken or not an identifier, a
+    forward or VJP that is not callable or cannot take the op's inputs); names the op. Both a
+    ``TypeError`` and a ``ValueError``, as the refusals are of both kinds."""
 
 
 class NonFiniteError(VGraphError, FloatingPointError):

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from . import ops as _ops
-from .errors import VGraphError
+from .errors import ArgumentError, OpDefinitionError, VGraphError
 from .ops import GRU_GATES, LSTM_GATES
 
 
@@ -96,6 +99,18 @@ class Operand:
     def max(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Any:
         """Maximum over ``axis``; ties share the gradient equally."""
         return self._apply("Max", (self,), {"axis": axis, "keepdims": keepdims})
+
+    def min(self, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Any:
+        """Minimum over ``axis``; ties share the gradient equally."""
+        return self._apply("Min", (self,), {"axis": axis, "keepdims": keepdims})
+
+    def argmax(self, axis: int | None = None, keepdims: bool = False) -> Any:
+        """Index of the maximum along ``axis`` (``vgraph.argmax``): integers, no gradient."""
+        return self._apply("ArgMax", (self,), {"axis": axis, "keepdims": keepdims})
+
+    def argmin(self, axis: int | None = None, keepdims: bool = False) -> Any:
+        """Index of the minimum along ``axis`` (``vgraph.argmin``): integers, no gradient."""
+        return self._apply("ArgMin", (self,), {"axis": axis, "keepdims": keepdims})
 
     def reshape(self, *shape: int | tuple[int, ...]) -> Any:
         """The same values in a new shape (``-1`` infers one dimension)."""
@@ -209,6 +224,163 @@ def mean(x: Any, axis: int | tuple[int, ...] | None = None, keepdims: bool = Fal
 def max(x: Any, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Any:
     """Maximum over ``axis``; ties share the gradient equally."""
     return _dispatch("Max", (x,), {"axis": axis, "keepdims": keepdims})
+
+
+def min(x: Any, axis: int | tuple[int, ...] | None = None, keepdims: bool = False) -> Any:
+    """Minimum over ``axis`` (all axes when ``None``); ties share the gradient equally.
+
+    ``numpy.min`` / ``torch.amin``.
+    """
+    return _dispatch("Min", (x,), {"axis": axis, "keepdims": keepdims})
+
+
+def var(x: Any, axis: int | tuple[int, ...] | None = None, keepdims: bool = False, ddof: int = 0) -> Any:
+    """Variance over ``axis`` (all axes when ``None``), ``mean((x - mean(x)) ** 2)``.
+
+    As ``numpy.var``: ``ddof=0`` divides by the count, ``ddof=1`` by the count minus one
+    (``torch.var``'s default, ``unbiased=True``).
+
+    Raises:
+        TypeError: ``ddof`` is not an int.
+    """
+    if isinstance(ddof, bool) or not isinstance(ddof, int):
+        raise TypeError(f"var: ddof must be an int, got {type(ddof).__name__} {ddof!r}")
+    return _dispatch("Var", (x,), {"axis": axis, "keepdims": keepdims, "ddof": ddof})
+
+
+def argmax(x: Any, axis: int | None = None, keepdims: bool = False) -> Any:
+    """Index of the maximum along ``axis`` (of the flattened array when ``None``), as ``numpy.argmax``.
+
+    The result holds integers and has no gradient (nothing flows back through it, as for
+    :func:`step`). Use it where a decision is an index: the next token of greedy decoding, fed
+    to :func:`take` or :func:`one_hot`, carried by a loop (``loop.carry(np.zeros(B, int))``) or
+    read by a ``while_`` / ``until`` condition. On ties, the first index wins.
+
+    Args:
+        x: a node.
+        axis: the axis to search along, e.g. ``-1`` for the classes of ``(batch, classes)``.
+        keepdims: keep the reduced axis with size 1.
+
+    Returns:
+        A node of integers (numpy's ``intp``), of ``x``'s shape without ``axis``.
+    """
+    return _dispatch("ArgMax", (x,), {"axis": axis, "keepdims": keepdims})
+
+
+def argmin(x: Any, axis: int | None = None, keepdims: bool = False) -> Any:
+    """Index of the minimum along ``axis``, as ``numpy.argmin``; integers, no gradient (see
+    :func:`argmax`)."""
+    return _dispatch("ArgMin", (x,), {"axis": axis, "keepdims": keepdims})
+
+
+def maximum(a: Any, b: Any) -> Any:
+    """Elementwise maximum of two operands (numpy broadcasting); where they are equal, each gets
+    half the gradient (as ``torch.maximum``)."""
+    return _dispatch("Maximum", (a, b))
+
+
+def minimum(a: Any, b: Any) -> Any:
+    """Elementwise minimum of two operands (numpy broadcasting); ties share the gradient equally."""
+    return _dispatch("Minimum", (a, b))
+
+
+def clip(x: Any, lo: float | None = None, hi: float | None = None) -> Any:
+    """Elementwise ``min(max(x, lo), hi)`` with numbers ``lo`` and ``hi`` (``None``: no bound),
+    as ``numpy.clip`` / ``torch.clamp``. The gradient passes where ``lo <= x <= hi``.
+
+    Raises:
+        TypeError: a bound that is not a number or ``None``.
+        ValueError: both bounds, and ``lo > hi``.
+    """
+    for name, bound in (("lo", lo), ("hi", hi)):
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float))):
+            raise TypeError(
+                f"clip: {name} must be a number or None, got {type(bound).__name__}; for a node bound "
+                "use vgraph.maximum / vgraph.minimum"
+            )
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"clip: lo={lo} is above hi={hi}")
+    return _dispatch("Clip", (x,), {"lo": lo, "hi": hi})
+
+
+def sqrt(x: Any) -> Any:
+    """Elementwise square root (``x ** 0.5``)."""
+    return _dispatch("Sqrt", (x,))
+
+
+def cumsum(x: Any, axis: int | None = None) -> Any:
+    """Cumulative sum along ``axis`` (of the flattened array when ``None``), as ``numpy.cumsum``."""
+    return _dispatch("CumSum", (x,), {"axis": axis})
+
+
+def one_hot(indices: Any, depth: int) -> Any:
+    """Rows of the ``depth x depth`` identity picked by integer ``indices``: ``eye(depth)[indices]``
+    (``torch.nn.functional.one_hot``, in the graph's float dtype).
+
+    Args:
+        indices: a node of integers in ``[0, depth)`` (e.g. :func:`argmax`'s result).
+        depth: the number of classes.
+
+    Returns:
+        A node of shape ``indices.shape + (depth,)``, with no gradient.
+
+    Raises:
+        TypeError: ``depth`` is not a positive int, or ``indices`` is not a node.
+        ShapeError: (when computed) indices that are not integers or out of range; it names the node.
+    """
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise TypeError(f"one_hot: depth must be a positive int, got {depth!r}")
+    if not isinstance(indices, Operand):
+        raise TypeError(
+            f"one_hot: indices must be a graph node, got {type(indices).__name__}; "
+            "for a fixed array use numpy.eye(depth)[indices]"
+        )
+    graph = indices.graph  # type: ignore[attr-defined]  # both node kinds have one (None: a dead graph's)
+    dtype = np.float64 if graph is None else graph.dtype
+    return _dispatch("OneHot", (indices,), {"depth": depth, "dtype": np.dtype(dtype).name})
+
+
+def split(x: Any, indices_or_sections: int | Sequence[int], axis: int = 0) -> list[Any]:
+    """Split ``x`` along ``axis`` into parts, as ``numpy.split``: an int ``n`` gives ``n`` equal
+    parts, a list of positions ``[i, j]`` gives ``x[:i], x[i:j], x[j:]``. Each part is a slice
+    of ``x`` (a ``GetItem`` node), so the gradients of the parts meet in ``x``.
+
+    An int needs the size of ``axis`` to be known when declaring (see ``VirtualNode.shape``);
+    otherwise give the positions.
+
+    Returns:
+        A list of nodes.
+
+    Raises:
+        TypeError: ``indices_or_sections`` is neither an int nor a sequence of ints.
+        ValueError: ``n`` parts of a size that ``n`` does not divide, or of an unknown size.
+    """
+    if isinstance(indices_or_sections, bool):
+        raise TypeError("split: indices_or_sections must be an int or a sequence of ints, got a bool")
+    if isinstance(indices_or_sections, int):
+        n = indices_or_sections
+        shape = getattr(x, "shape", None)
+        size = None
+        if shape is not None and -len(shape) <= axis < len(shape):
+            size = shape[axis]
+        if n < 1 or size is None or size % n:
+            what = "an unknown size" if size is None else f"size {size}"
+            raise ValueError(
+                f"split: cannot cut axis {axis} of {what} into {n} equal parts; give the split positions"
+            )
+        positions: list[int] = [size // n * k for k in range(1, n)]
+    else:
+        try:
+            positions = [int(i) for i in indices_or_sections]
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"split: indices_or_sections must be an int or a sequence of ints, got {indices_or_sections!r}"
+            ) from None
+    bounds = [None, *positions, None]
+    lead = (slice(None),) * axis if axis >= 0 else (Ellipsis,)
+    tail = (slice(None),) * (-axis - 1) if axis < 0 else ()
+    indices = [(*lead, slice(a, b), *tail) for a, b in itertools.pairwise(bounds)]
+    return [x[index] for index in indices]
 
 
 def reshape(x: Any, shape: tuple[int, ...]) -> Any:
@@ -391,12 +563,12 @@ class OpFunction:
     def __call__(self, *inputs: Any, **attrs: Any) -> Any:
         op = self.op
         if op.arity is not None and len(inputs) != op.arity:
-            raise TypeError(
+            raise ArgumentError(
                 f"{op.name} takes {op.arity} input{'s' if op.arity != 1 else ''} (one per VJP given to "
                 f"defop), got {len(inputs)}"
             )
         if not inputs:
-            raise TypeError(f"{op.name} needs at least one input")
+            raise ArgumentError(f"{op.name} needs at least one input")
         cache = self._signatures
         if cache is None or cache[0] is not op:
             cache = self._signatures = (op, _signatures(op), set())
@@ -444,7 +616,7 @@ def _check_call(
             sig.bind(*range(n + extra), **attrs)
         except TypeError as e:
             given = f" and attrs {attrs}" if attrs else " and no attrs"
-            raise TypeError(
+            raise ArgumentError(
                 f"{op.name}: {what}{sig} cannot be called with {n} input(s){given}: {e}"
             ) from None
 
@@ -464,9 +636,12 @@ def defop(
         forward(*xs, **attrs) -> ans                     # numpy arrays in, numpy array out
         vjp(g, ans, *xs, **attrs) -> gradient for x_i    # one per input, or None: no gradient
 
-    A VJP may return the gradient in the broadcast shape: the engine sums it back to the input's
-    shape. A variadic op (``variadic=True``) takes one ``vjp(i, g, ans, *xs, **attrs)`` that gets
-    the input's position first. Check the VJPs with :func:`vgraph.check_vjps` (in float64).
+    A VJP returns the gradient in the input's shape or, for an input the op broadcast, in the
+    output's shape (the engine sums it back to the input's shape); backward refuses any other
+    shape, and gradients that are not real numbers, naming the node. A forward must return real
+    numbers (float arrays; integer or bool ones for indices and masks). A variadic op
+    (``variadic=True``) takes one ``vjp(i, g, ans, *xs, **attrs)`` that gets the input's position
+    first. Check the VJPs with :func:`vgraph.check_vjps` (in float64).
 
     Example::
 
@@ -487,22 +662,30 @@ def defop(
         An :class:`OpFunction`: call it on nodes, ``f(*inputs, **attrs)``.
 
     Raises:
-        ValueError: ``name`` is a built-in op, was defined already (without ``replace``), is not
-            an identifier or is reserved; no VJP given, or not exactly one for a variadic op.
-        TypeError: ``name`` is not a str; ``forward`` or a VJP is not callable, or cannot take
-            the inputs the VJPs imply (a VJP must take ``g, ans`` and every input).
+        OpDefinitionError: (a ``ValueError`` and a ``TypeError``; nothing is registered) ``name``
+            is not a str, is a built-in op, was defined already (without ``replace``), is not an
+            identifier or is reserved; ``forward`` or a VJP is not callable; no VJP given, or not
+            exactly one for a variadic op; ``forward`` or a VJP cannot take the inputs the VJPs
+            imply (a VJP takes ``g, ans`` and every input; a variadic op's forward takes ``*xs``
+            and its VJP ``i, g, ans, *xs``), or needs a parameter no call can give (one forward
+            or another VJP cannot take as an attribute).
+
+    The op's nodes then raise, naming the node: :class:`~vgraph.errors.DTypeError` when the
+    forward returns complex or object values; in backward, :class:`~vgraph.errors.VJPShapeError`
+    (a ``BackwardError`` and a ``ShapeError``) for a gradient of another shape, and
+    :class:`~vgraph.errors.BackwardError` for ``None`` or a gradient that is not real numbers.
     """
     if not isinstance(replace, bool):
-        raise TypeError(f"defop: replace must be a bool, got {type(replace).__name__}")
+        raise OpDefinitionError(f"defop: replace must be a bool, got {type(replace).__name__}")
     if isinstance(name, str) and name in _ops.OPS:
         if name not in _USER_OPS:
-            raise ValueError(f"{name!r} is a built-in op of vgraph; give your op another name")
+            raise OpDefinitionError(f"{name!r} is a built-in op of vgraph; give your op another name")
         if not replace:
-            raise ValueError(
+            raise OpDefinitionError(
                 f"op {name!r} is already defined by an earlier vgraph.defop; pass replace=True to "
                 "redefine it (e.g. when re-running a notebook cell), or choose another name"
             )
-    op = _ops.defop(name, forward, *vjps, variadic=variadic, replace=replace)
+    op = _ops.defop(name, forward, *vjps, variadic=variadic, replace=replace, user=True)
     _USER_OPS.add(op.name)
     return OpFunction(op.name)
 
@@ -514,14 +697,14 @@ def undefop(name: str) -> None:
     the function ``defop`` returned raises.
 
     Raises:
-        TypeError: ``name`` is not a str.
-        ValueError: ``name`` is a built-in op, or no op of that name was added with ``defop``.
+        OpDefinitionError: (a ``ValueError`` and a ``TypeError``) ``name`` is not a str, is a
+            built-in op, or no op of that name was added with ``defop``.
     """
     if not isinstance(name, str):
-        raise TypeError(f"undefop: name must be a str, got {type(name).__name__}")
+        raise OpDefinitionError(f"undefop: name must be a str, got {type(name).__name__}")
     if name not in _USER_OPS:
         if name in _ops.OPS:
-            raise ValueError(f"{name!r} is a built-in op of vgraph and cannot be removed")
-        raise ValueError(f"no op named {name!r} was added with vgraph.defop")
+            raise OpDefinitionError(f"{name!r} is a built-in op of vgraph and cannot be removed")
+        raise OpDefinitionError(f"no op named {name!r} was added with vgraph.defop")
     del _ops.OPS[name]
     _USER_OPS.discard(name)

@@ -12,8 +12,11 @@ parameter, keyed by the parameter's name — untied copies included (``"rnn.W@3"
   model is unchanged.
 * :func:`save_training_state` / :func:`load_training_state` do the same for everything a run needs
   to resume bit for bit: parameters, optimiser state, schedule, step counter, a numpy random
-  generator's state and the graph's build counter (which seeds dropout masks). Still one ``.npz``:
-  arrays as members, the rest as a JSON member; nothing is pickled.
+  generator's state, the graph's build counter (which seeds dropout masks) and your own
+  ``extras`` (e.g. the state carried between truncated-BPTT chunks and the loss history). Still
+  one ``.npz``: arrays as members, the rest as a JSON member; nothing is pickled. Every member is
+  checked on loading; anything malformed is a :class:`~vgraph.errors.CheckpointError` naming it.
+* A failed write (a full disk) raises an ``OSError`` naming the file, and replaces nothing.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ import errno
 import json
 import numbers
 import os
+import reprlib
 import secrets
 import stat
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -160,10 +164,21 @@ def save(params: Any, path: str | os.PathLike[str]) -> None:
             path.
         PermissionError: ``path`` exists and is read-only (as ``np.save`` does; nothing is
             replaced), or its directory is not writable.
-        OSError: the disk is full …
+        OSError: writing failed (a full disk: ``errno.ENOSPC``; an I/O error); its
+            ``filename`` and message name ``path``, and ``path`` is as it was.
     """
     arrays = _arrays(params)
     _atomic_write(_fspath(path), arrays)
+
+
+def _naming(error: OSError, path: str) -> OSError:
+    """``error`` (raised while writing the temporary file or renaming it) as the same kind of
+    OSError, with the same errno, naming the checkpoint ``path`` and saying it was not replaced."""
+    reason = error.strerror or str(error) or type(error).__name__
+    text = f"{reason}: cannot write the checkpoint (nothing was replaced; a previous file is intact)"
+    if error.errno is None:  # not from the OS (it would have one); a filename would print "[Errno None]"
+        return type(error)(f"{text}: {path!r}")
+    return OSError(error.errno, text, path)  # OSError picks the subclass of the errno (ENOSPC: OSError)
 
 
 def _atomic_write(path: str, arrays: Mapping[str, np.ndarray]) -> None:
@@ -171,7 +186,8 @@ def _atomic_write(path: str, arrays: Mapping[str, np.ndarray]) -> None:
 
     Raises:
         PermissionError: ``path`` exists and is read-only, or the directory is not writable.
-        IsADirectoryError: ``path`` is a directory. OSError: other I/O failures.
+        IsADirectoryError: ``path`` is a directory. OSError: other I/O failures (the same
+            errno, with ``filename`` = ``path``).
     """
     directory = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
@@ -203,6 +219,10 @@ def _atomic_write(path: str, arrays: Mapping[str, np.ndarray]) -> None:
         if mode is not None:
             os.chmod(tmp, mode)
         os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise _naming(e, path) from e
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -320,7 +340,7 @@ def load(graph: Any, path: str | os.PathLike[str], strict: bool = True, cast: bo
     _check_flag("strict", strict)
     _check_flag("cast", cast)
     state = read(path)
-    if _META in state:
+    if _training_meta(state) is not None:
         raise CheckpointError(
             f"{path!r} is a training state (parameters, optimiser, ...): load it with io.load_training_state"
         )
@@ -328,6 +348,163 @@ def load(graph: Any, path: str | os.PathLike[str], strict: bool = True, cast: bo
 
 
 # ---------------------------------------------------------------------------- training state
+
+# A training-state file's members: ``param/<name>``, ``optim/<name>/<array>``, ``extras/<n>`` and
+# the JSON member _META. Parameter names are user data and live only under "param/" (and in the
+# JSON, only as keys). In a parameters-only checkpoint any name is a parameter, also _META: there
+# it is a float array, while a training state's _META is bytes (uint8), which no parameter can be
+# (:func:`load` takes float arrays only). :func:`_training_meta` tells the two apart by that.
+_META = "vgraph_training_state.json"
+_FORMAT = "vgraph-training-state"
+_VERSION = 2  # version 2 added "extras"; version 1 files load as they are
+_KEYS = {"format", "version", "step", "graph_builds", "optimizer", "scheduler", "rng"}
+_KEYS_BY_VERSION = {1: _KEYS, 2: _KEYS | {"extras"}}
+_MAX_DEPTH = 32  # nesting levels of extras (and of a generator's state)
+
+
+def _training_meta(arrays: Mapping[str, np.ndarray]) -> np.ndarray | None:
+    """The JSON member (bytes) if ``arrays`` is a training state, else ``None``."""
+    meta = arrays.get(_META)
+    if meta is not None and meta.dtype == np.uint8 and meta.ndim == 1:
+        return meta
+    return None
+
+
+def _check_count(what: str, value: Any, optional: bool = False) -> int | None:
+    """``value`` as an int >= 0 (or ``None`` if ``optional``): the one check of ``step`` and of
+    the build counter, for saving and for loading.
+
+    Raises:
+        TypeError: not an int. ValueError: negative.
+    """
+    expected = f"{what} must be an int >= 0{' or None' if optional else ''}"
+    if value is None and optional:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{expected}, got {type(value).__name__} {reprlib.repr(value)}")
+    if value < 0:
+        raise ValueError(f"{expected}, got {value}")
+    return int(value)
+
+
+def _at(path: str, key: str | int) -> str:
+    """The path of a member's element, e.g. ``extras["losses"][3]``."""
+    return f"{path}[{json.dumps(key) if isinstance(key, str) else key}]"
+
+
+def _kind(value: Any) -> str:
+    """What a JSON value is, for messages (never the whole value: it may be huge or deep)."""
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return f"the string {value[:40]!r}{'…' if len(value) > 40 else ''}"
+    return "null" if value is None else f"{type(value).__name__} {reprlib.repr(value)}"
+
+
+def _object(value: Any, path: str, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected an object ({what}), got {_kind(value)}")
+    return value
+
+
+# -- extras: the user's own values (JSON values and numpy arrays), kept apart from ours
+
+_EXTRAS_KINDS = "None, bool, int, float, str, lists, dicts with str keys and numpy arrays"
+
+
+def _encode_extras(extras: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """``extras`` as a JSON tree plus its arrays (member ``extras/<n>``).
+
+    In the tree a JSON object is always a tag: ``{"dict": {...}}`` for a dict (so the user's keys
+    never mix with ours) or ``{"array": n}`` for an array; lists and scalars are themselves.
+
+    Raises:
+        TypeError: not a mapping, a non-str key, a value of another type, an object array.
+        ValueError: a NaN or infinite float (JSON has none: keep such values in an array), or
+            nesting deeper than 32 levels (or a cycle).
+    """
+    if not isinstance(extras, Mapping):
+        raise TypeError(f"extras must be a mapping str -> value, got {type(extras).__name__}")
+    arrays: dict[str, np.ndarray] = {}
+
+    def encode(value: Any, path: str, depth: int) -> Any:
+        if depth > _MAX_DEPTH:
+            raise ValueError(f"{path}: extras nested deeper than {_MAX_DEPTH} levels (or a cycle)")
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        if isinstance(value, np.bool_):
+            return bool(value)
+        if isinstance(value, numbers.Integral):
+            return int(value)
+        if isinstance(value, (float, np.floating)):
+            if not np.isfinite(value):
+                raise ValueError(
+                    f"{path}: {float(value)} is not finite; JSON has no NaN or infinity, "
+                    "keep such values in a numpy array"
+                )
+            return float(value)
+        if isinstance(value, np.ndarray):
+            if value.dtype.hasobject:
+                raise TypeError(f"{path}: cannot save an array of dtype {value.dtype} (it would be pickled)")
+            arrays[f"extras/{len(arrays)}"] = value
+            return {"array": len(arrays) - 1}
+        if isinstance(value, Mapping):
+            out = {}
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise TypeError(f"{path}: keys must be str, got {type(k).__name__} {k!r}")
+                out[k] = encode(v, _at(path, k), depth + 1)
+            return {"dict": out}
+        if isinstance(value, (list, tuple)):
+            return [encode(v, _at(path, i), depth + 1) for i, v in enumerate(value)]
+        raise TypeError(f"{path}: cannot save a {type(value).__name__}; extras hold {_EXTRAS_KINDS}")
+
+    return encode(extras, "extras", 0), arrays
+
+
+def _decode_extras(tree: Any, arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """The inverse of :func:`_encode_extras`, checking everything (each array used exactly once).
+
+    Raises:
+        ValueError: naming the path of the first element that is not what the encoding writes.
+    """
+    used: set[str] = set()
+
+    def decode(value: Any, path: str, depth: int) -> Any:
+        if depth > _MAX_DEPTH:
+            raise ValueError(f"{path}: nested deeper than {_MAX_DEPTH} levels")
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, list):
+            return [decode(v, _at(path, i), depth + 1) for i, v in enumerate(value)]
+        if isinstance(value, dict) and len(value) == 1:
+            ((tag, body),) = value.items()
+            if tag == "dict" and isinstance(body, dict):
+                return {k: decode(v, _at(path, k), depth + 1) for k, v in body.items()}
+            if tag == "array" and isinstance(body, int) and not isinstance(body, bool):
+                key = f"extras/{body}"
+                if key not in arrays or key in used:
+                    lacks = "which the file lacks" if key not in arrays else "used twice"
+                    raise ValueError(f"{path}: refers to the array member {key!r}, {lacks}")
+                used.add(key)
+                return arrays[key]
+        raise ValueError(
+            f'{path}: expected null, a boolean, a number, a string, an array, {{"dict": {{...}}}} or '
+            f'{{"array": <index>}}, got {_kind(value)}'
+        )
+
+    if not (isinstance(tree, dict) and set(tree) == {"dict"}):
+        raise ValueError(f'extras: expected {{"dict": {{...}}}}, got {_kind(tree)}')
+    out = decode(tree, "extras", 0)
+    unused = sorted(set(arrays) - used)
+    if unused:
+        raise ValueError(f"array member(s) {unused} are not part of extras")
+    return out  # type: ignore[no-any-return]
+
+
+# -- a numpy bit generator's state
 
 
 def _encode(obj: Any) -> Any:
@@ -341,12 +518,32 @@ def _encode(obj: Any) -> Any:
     return obj
 
 
-def _decode(obj: Any) -> Any:
+def _decode_rng(obj: Any, path: str = "rng", depth: int = 0) -> Any:
+    """The inverse of :func:`_encode` for a bit generator's state: objects, ints, strings, and
+    integer arrays (numpy's states hold nothing else).
+
+    Raises:
+        ValueError: naming the path of the first element that is none of those.
+    """
+    if depth > _MAX_DEPTH:
+        raise ValueError(f"{path}: nested deeper than {_MAX_DEPTH} levels")
     if isinstance(obj, dict):
         if set(obj) == {"__ndarray__", "dtype"}:
-            return np.array(obj["__ndarray__"], dtype=np.dtype(obj["dtype"]))
-        return {k: _decode(v) for k, v in obj.items()}
-    return obj
+            items, dtype = obj["__ndarray__"], obj["dtype"]
+            if dtype not in ("uint32", "uint64", "int64") or not isinstance(items, list):
+                raise ValueError(
+                    f"{path}: expected an integer array, got dtype {_kind(dtype)} and {_kind(items)}"
+                )
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+                raise ValueError(f"{path}: expected a flat array of integers")
+            try:
+                return np.array(items, dtype=dtype)
+            except OverflowError as e:
+                raise ValueError(f"{path}: {e}") from e
+        return {k: _decode_rng(v, _at(path, k), depth + 1) for k, v in obj.items()}
+    if obj is None or isinstance(obj, (int, str)):
+        return obj
+    raise ValueError(f"{path}: expected an object, an integer or a string, got {_kind(obj)}")
 
 
 def _check_rng(rng: Any) -> None:
@@ -376,44 +573,53 @@ def save_training_state(
     scheduler: Any = None,
     step: int | None = None,
     rng: np.random.Generator | None = None,
+    extras: Mapping[str, Any] | None = None,
 ) -> None:
     """Save everything needed to resume training, atomically, to one ``.npz`` file.
 
     Members: ``param/<name>`` (every parameter, untied copies included), ``optim/<name>/<array>``
-    (the optimiser's per-parameter arrays) and one JSON member holding the optimiser's
-    hyper-parameters and step counts, the schedule's state, ``step``, the state of ``rng`` and the
-    graph's build counter (the seed of dropout masks). Nothing is pickled. Written like
-    :func:`save`: temporary file, fsync, rename.
+    (the optimiser's per-parameter arrays), ``extras/<n>`` (the arrays of ``extras``) and one
+    JSON member holding the optimiser's hyper-parameters and step counts, the schedule's state,
+    ``step``, the state of ``rng``, the graph's build counter (the seed of dropout masks) and the
+    rest of ``extras``. Nothing is pickled. Written like :func:`save`: temporary file, fsync, rename.
 
     Args:
         graph: the :class:`~vgraph.virtual.VirtualGraph`.
         path: the file to write.
         optimizer: a :mod:`vgraph.optim` optimiser, or ``None``.
         scheduler: a learning-rate schedule of ``optimizer``, or ``None``.
-        step: your step (or epoch) counter, returned by :func:`load_training_state`; ``None``.
+        step: your step (or epoch) counter, an int >= 0, returned by :func:`load_training_state`;
+            or ``None``.
         rng: a ``numpy.random.Generator`` whose state to save (the one that draws your batches).
+        extras: anything else your run needs to resume, by name: ``None``, bools, ints, finite
+            floats, strings, lists (tuples come back as lists), dicts with str keys, and numpy
+            arrays (any dtype but object; they come back with their dtype and shape, bit for
+            bit), nested up to 32 levels — e.g. the recurrent state carried between truncated-BPTT
+            chunks, the chunk to resume at and the loss history. numpy scalars are saved as
+            Python numbers.
 
     Raises:
-        TypeError: an argument of the wrong type. ValueError: a negative ``step``, or a schedule
-            of another optimiser. PermissionError / OSError: as :func:`save`.
+        TypeError: an argument of the wrong type, or an ``extras`` value that cannot be saved
+            (the message gives its path, e.g. ``extras["history"][3]``). ValueError: a negative
+            ``step``, a schedule of another optimiser, a non-finite float in ``extras`` (keep
+            those in an array) or ``extras`` nested too deeply. PermissionError / OSError: as
+            :func:`save`.
     """
     _check_graph(graph)
     path = _fspath(path)
     _check_components(optimizer, scheduler, rng)
-    if step is not None:
-        if isinstance(step, (bool, np.bool_)) or not isinstance(step, numbers.Integral):
-            raise TypeError(f"step must be an int >= 0 or None, got {type(step).__name__} {step!r}")
-        if step < 0:
-            raise ValueError(f"step must be an int >= 0 or None, got {step}")
+    step = _check_count("step", step, optional=True)
+    extras_tree, extras_arrays = (None, {}) if extras is None else _encode_extras(extras)
     arrays: dict[str, np.ndarray] = {f"param/{k}": v for k, v in graph.params.state_dict().items()}
     meta: dict[str, Any] = {
         "format": _FORMAT,
-        "version": 1,
-        "step": None if step is None else int(step),
-        "graph_builds": int(graph._builds),
+        "version": _VERSION,
+        "step": step,
+        "graph_builds": _check_count("graph_builds", graph._builds),
         "optimizer": None,
         "scheduler": None if scheduler is None else scheduler.state_dict(),
         "rng": None if rng is None else _encode(rng.bit_generator.state),
+        "extras": extras_tree,
     }
     if optimizer is not None:
         sd = optimizer.state_dict()
@@ -428,9 +634,64 @@ def save_training_state(
             "hyperparameters": sd["hyperparameters"],
             "steps": steps,
         }
+    arrays.update(extras_arrays)
     text = json.dumps(meta, allow_nan=False, sort_keys=True)
     arrays[_META] = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
     _atomic_write(path, arrays)
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _read_meta(raw: np.ndarray) -> dict[str, Any]:
+    """The JSON member parsed and its top level checked (format, version, members).
+
+    Raises:
+        ValueError: naming what is wrong (nesting too deep included).
+    """
+    try:
+        meta = json.loads(raw.tobytes().decode("utf-8"), parse_constant=_refuse_constant)
+    except RecursionError:
+        raise ValueError("its JSON member is nested too deeply to be ours") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"its JSON member is corrupt: {e}") from e
+    if not isinstance(meta, dict):
+        raise ValueError(f"its JSON member is {_kind(meta)}, not an object")
+    version = meta.get("version")
+    if meta.get("format") != _FORMAT or type(version) is not int or version not in _KEYS_BY_VERSION:
+        raise ValueError(f"unknown format or version ({_kind(meta.get('format'))}, version {_kind(version)})")
+    keys = _KEYS_BY_VERSION[version]
+    if set(meta) != keys:
+        missing, unknown = sorted(keys - set(meta)), sorted(set(meta) - keys)
+        raise ValueError(f"its JSON member lacks {missing} / has unknown members {unknown}")
+    meta.setdefault("extras", None)
+    return meta
+
+
+def _optimizer_state_dict(om: Any, arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """The optimiser's state dict rebuilt from the JSON member ``optimizer`` and the ``optim/``
+    members, with its structure checked (the values are the optimiser's to check).
+
+    Raises:
+        ValueError: naming the member path that is wrong.
+    """
+    om = _object(om, "optimizer", "the optimiser's class, hyper-parameters and step counts")
+    if set(om) != {"optimizer", "hyperparameters", "steps"}:
+        raise ValueError(
+            f"optimizer: expected the members hyperparameters, optimizer, steps; got {sorted(om)}"
+        )
+    if not isinstance(om["optimizer"], str):
+        raise ValueError(f"optimizer.optimizer: expected a class name, got {_kind(om['optimizer'])}")
+    hyper = _object(om["hyperparameters"], "optimizer.hyperparameters", "name -> value")
+    steps = _object(om["steps"], "optimizer.steps", "parameter name -> step count")
+    state: dict[str, dict[str, Any]] = {name: {"step": n} for name, n in steps.items()}
+    for key, arr in arrays.items():
+        name, _, k = key.rpartition("/")
+        if name not in state:
+            raise ValueError(f"member 'optim/{key}': state of a parameter with no step in optimizer.steps")
+        state[name][k] = arr
+    return {"optimizer": om["optimizer"], "hyperparameters": hyper, "state": state}
 
 
 def load_training_state(
@@ -440,13 +701,15 @@ def load_training_state(
     scheduler: Any = None,
     rng: np.random.Generator | None = None,
     strict: bool = True,
+    extras: dict[str, Any] | None = None,
 ) -> int | None:
     """Restore a :func:`save_training_state` file, checking all of it before changing anything.
 
     Parameters are loaded as :func:`load` does (untied copies created); the optimiser's state is
     matched to its parameters by name (:meth:`vgraph.optim.Optimizer.load_state_dict`); the
-    schedule, ``rng`` (in place) and the graph's build counter are restored. Continuing then gives
-    bit for bit the run that was never interrupted, also in a fresh process.
+    schedule, ``rng`` (in place), ``extras`` (in place) and the graph's build counter are
+    restored. Continuing then gives bit for bit the run that was never interrupted, also in a
+    fresh process.
 
     Args:
         graph: the model, declared as when saving.
@@ -454,72 +717,83 @@ def load_training_state(
         optimizer: the optimiser to restore (same class), or ``None``.
         scheduler: the schedule to restore (same class), or ``None``.
         rng: the ``numpy.random.Generator`` to restore (same bit generator), or ``None``.
-        strict: every parameter of the model must be in the file, and every component the file
-            holds (optimiser, schedule, rng) must be given. Asking for a component the file does not
-            hold is an error either way.
+        strict: every parameter of the model must be in the file, every component the file
+            holds (optimiser, schedule, rng, extras) must be given, and the optimiser must update
+            every parameter the file holds optimiser state for; with ``False`` the rest is
+            ignored. Asking for a component the file does not hold is an error either way.
+        extras: a dict to fill with the saved ``extras`` (cleared first), or ``None``.
 
     Returns:
         The ``step`` that was saved (``None`` if none was).
 
     Raises:
         TypeError: an argument of the wrong type.
-        CheckpointError: a missing or corrupt file, not a training state, or any mismatch with
-            the model, optimiser, schedule or generator (the message says which). Nothing is
-            changed when it is raised.
+        CheckpointError: a missing or corrupt file, not a training state, any malformed member
+            (the message names its path, e.g. ``optimizer.steps["W"]`` or
+            ``extras["carry"]``), or any mismatch with the model, optimiser, schedule or
+            generator (the message says which). Nothing is changed when it is raised.
     """
     _check_graph(graph)
     path = _fspath(path)
     _check_components(optimizer, scheduler, rng)
     _check_flag("strict", strict)
+    if extras is not None and not isinstance(extras, MutableMapping):
+        raise TypeError(f"extras must be a dict to fill (or None), got {type(extras).__name__}")
     arrays = read(path)
 
     def fail(reason: str) -> CheckpointError:
         return CheckpointError(f"training state {path!r}: {reason}")
 
-    if _META not in arrays:
+    raw = _training_meta(arrays)
+    if raw is None:
         raise fail("not a training state (a parameters-only checkpoint? load it with io.load)")
-    try:
-        meta = json.loads(arrays.pop(_META).tobytes().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise fail(f"its JSON member is corrupt: {e}") from e
-    if not isinstance(meta, dict) or meta.get("format") != _FORMAT or meta.get("version") != 1:
-        raise fail("unknown format or version")
-    params = {k[len("param/") :]: v for k, v in arrays.items() if k.startswith("param/")}
-    optim_arrays = {k[len("optim/") :]: v for k, v in arrays.items() if k.startswith("optim/")}
-    unknown = [k for k in arrays if not k.startswith(("param/", "optim/"))]
+    del arrays[_META]
+    groups: dict[str, dict[str, np.ndarray]] = {"param/": {}, "optim/": {}, "extras/": {}}
+    unknown = []
+    for key, arr in arrays.items():
+        prefix = next((p for p in groups if key.startswith(p)), None)
+        if prefix is None:
+            unknown.append(key)
+        elif prefix == "extras/":
+            groups[prefix][key] = arr
+        else:
+            groups[prefix][key[len(prefix) :]] = arr
     if unknown:
         raise fail(f"unknown members {unknown}")
+    try:
+        meta = _read_meta(raw)
+        step = _check_count("step", meta["step"], optional=True)
+        builds = _check_count("graph_builds", meta["graph_builds"])
+        optim_sd = (
+            None if meta["optimizer"] is None else _optimizer_state_dict(meta["optimizer"], groups["optim/"])
+        )
+        if optim_sd is None and groups["optim/"]:
+            raise ValueError(f"optimiser arrays {sorted(groups['optim/'])} but no optimizer state")
+        if meta["scheduler"] is not None:
+            _object(meta["scheduler"], "scheduler", "the schedule's state")
+        rng_state = (
+            None
+            if meta["rng"] is None
+            else _decode_rng(_object(meta["rng"], "rng", "a bit generator's state"))
+        )
+        saved_extras = None
+        if meta["extras"] is not None or groups["extras/"]:
+            saved_extras = _decode_extras(meta["extras"], groups["extras/"])
+    except (TypeError, ValueError) as e:
+        raise fail(str(e)) from e
 
-    wanted = {"optimizer": optimizer, "scheduler": scheduler, "rng": rng}
+    wanted = {"optimizer": optimizer, "scheduler": scheduler, "rng": rng, "extras": extras}
     for what, given in wanted.items():
-        held = meta.get(what) is not None
+        held = meta[what] is not None
         if given is not None and not held:
             raise fail(f"it holds no {what} state, but {what}= was given")
         if strict and held and given is None:
             raise fail(f"it holds {what} state; pass {what}= to restore it (or strict=False to ignore it)")
 
-    params = _checked_params(graph, params, path, cast=False)
-
-    # The optimiser's state dict, rebuilt from the JSON member and its arrays, checked against the
-    # parameters as they will be after loading (an untied copy may exist only in the file).
-    optim_sd = None
+    params = _checked_params(graph, groups["param/"], path, cast=False)
     if optimizer is not None:
-        om = meta["optimizer"]
         try:
-            state: dict[str, dict[str, Any]] = {name: {"step": n} for name, n in om["steps"].items()}
-            for key, arr in optim_arrays.items():
-                name, _, k = key.rpartition("/")
-                if name not in state:
-                    raise KeyError(f"optimiser array {key!r} of a parameter with no step count")
-                state[name][k] = arr
-            optim_sd = {
-                "optimizer": om["optimizer"],
-                "hyperparameters": om["hyperparameters"],
-                "state": state,
-            }
-            store = graph.params
-            shapes = {k: (v.shape, store[k].dtype if k in store else graph.dtype) for k, v in params.items()}
-            optimizer._prepare_load(optim_sd, shapes)
+            optimizer._prepare_load(optim_sd, strict)
         except (KeyError, TypeError, ValueError) as e:
             raise fail(f"the optimiser state does not match: {e.args[0] if e.args else e}") from e
     if scheduler is not None:
@@ -527,30 +801,26 @@ def load_training_state(
             scheduler._prepare_load(meta["scheduler"])
         except (TypeError, ValueError) as e:
             raise fail(f"the schedule state does not match: {e}") from e
-    rng_state = None
     if rng is not None:
         try:
-            rng_state = _decode(meta["rng"])
             scratch = type(rng.bit_generator)()
-            scratch.state = rng_state  # numpy checks the bit generator's name and the state's form
-        except (KeyError, TypeError, ValueError) as e:
+            scratch.state = rng_state  # type: ignore[assignment]  # numpy checks the bit generator's name and the state's form
+        except Exception as e:  # numpy's setter raises TypeError, ValueError, KeyError, OverflowError
             raise fail(
-                f"the random generator state does not match {type(rng.bit_generator).__name__}: {e}"
+                f"the random generator state does not match {type(rng.bit_generator).__name__}: "
+                f"{type(e).__name__}: {e}"
             ) from e
-    builds = meta.get("graph_builds")
-    if isinstance(builds, bool) or not isinstance(builds, int) or builds < 0:
-        raise fail(f"bad graph build counter {builds!r}")
-    step = meta.get("step")
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
-        raise fail(f"bad step {step!r}")
 
     _load_params(graph, params, path, strict)  # checks names and shapes before changing anything
     # Everything below was checked above and cannot fail.
     if optimizer is not None and optim_sd is not None:
-        optimizer.load_state_dict(optim_sd)
+        optimizer.load_state_dict(optim_sd, strict)
     if scheduler is not None:
         scheduler.load_state_dict(meta["scheduler"])
     if rng is not None and rng_state is not None:
         rng.bit_generator.state = rng_state
+    if extras is not None and saved_extras is not None:
+        extras.clear()
+        extras.update(saved_extras)
     graph._builds = builds
     return step

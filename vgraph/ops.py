@@ -14,7 +14,9 @@ shape in one place (:func:`unbroadcast`), so no op repeats that logic.
 
 Adding a built-in op is adding one ``defop`` entry below. Users add their own primitives with
 :func:`vgraph.defop` (the same arguments, validated the same way by :func:`defop` here), which
-also returns the function to call on nodes; see docs/custom_ops.md.
+also returns the function to call on nodes; see docs/custom_ops.md. A user's op runs wrapped in
+checks of what it returns (:class:`CheckedForward`, :class:`CheckedVJP`): its VJP must return the
+input's shape, or the output's for an input the op broadcast. Built-in ops run unwrapped.
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 
 from . import workspace
+from .errors import BackwardError, DTypeError, OpDefinitionError, VGraphError, VJPShapeError
+from .modes import is_grad_enabled
 
 VJP = Callable[..., Any]
 
@@ -46,6 +50,8 @@ class Op:
     variadic: bool = False
     #: Number of inputs (``None`` for variadic ops).
     arity: int | None = None
+    #: Defined by :func:`vgraph.defop`: forward and VJPs run wrapped in checks of their results.
+    user: bool = False
 
 
 OPS: dict[str, Op] = {}
@@ -78,63 +84,162 @@ def _takes_positionals(f: Callable[..., Any], n: int) -> bool:
     return True
 
 
+def _still_required(sig: inspect.Signature, given: int) -> tuple[list[str], list[str]]:
+    """The parameters without a default that a call with ``given`` positional arguments leaves
+    unfilled: ``(positional-only ones, which nothing can fill; the others, which only attributes
+    passed by keyword can)``."""
+    stuck: list[str] = []
+    attrs: list[str] = []
+    positional = 0
+    for p in sig.parameters.values():
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            positional += 1
+            if positional > given and p.default is p.empty:
+                (stuck if p.kind is p.POSITIONAL_ONLY else attrs).append(p.name)
+        elif p.kind is p.KEYWORD_ONLY and p.default is p.empty:
+            attrs.append(p.name)
+    return stuck, attrs
+
+
+def _takes_keyword(sig: inspect.Signature, name: str, given: int) -> bool:
+    """Whether a call with ``given`` positional arguments can also pass ``name`` by keyword."""
+    positional = 0
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_KEYWORD:
+            return True
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            positional += 1
+            if p.name == name and p.kind is p.POSITIONAL_OR_KEYWORD:
+                return positional > given  # else filled positionally already
+        elif p.kind is p.KEYWORD_ONLY and p.name == name:
+            return True
+    return False
+
+
+def _check_attributes(name: str, funcs: list[tuple[str, inspect.Signature, int, str]], inputs: str) -> None:
+    """Refuse functions that no call could satisfy together: ``funcs`` are ``(what, signature,
+    positional arguments it gets, how they are spelled)`` for forward and each VJP. A parameter
+    left without a value by the positional arguments must be an attribute, which is passed by
+    keyword to forward and to every VJP, so all of them must take it."""
+    for k, (what, sig, given, spelled) in enumerate(funcs):
+        stuck, attrs = _still_required(sig, given)
+        if stuck:
+            raise OpDefinitionError(
+                f"{name}: {what}{sig} needs {', '.join(map(repr, stuck))} besides {spelled}, and "
+                f"nothing passes it: {inputs}"
+            )
+        for attr in attrs:
+            for j, (other, other_sig, other_given, _) in enumerate(funcs):
+                if j != k and not _takes_keyword(other_sig, attr, other_given):
+                    raise OpDefinitionError(
+                        f"{name}: {what}{sig} needs {attr!r} besides {spelled}, so {attr!r} would "
+                        f"be an attribute given at every call, but {other}{other_sig} cannot take "
+                        f"it (forward and every VJP get every attribute): {inputs}"
+                    )
+
+
 def _validated_op(name: Any, forward: Any, vjps: tuple[Any, ...], variadic: bool) -> Op:
-    """Build an :class:`Op` after checking every argument; raises before anything is registered."""
+    """Build an :class:`Op` after checking every argument; raises before anything is registered.
+
+    Raises:
+        OpDefinitionError: see :func:`defop`.
+    """
     if not isinstance(name, str):
-        raise TypeError(f"an op name must be a str, got {type(name).__name__}")
+        raise OpDefinitionError(f"an op name must be a str, got {type(name).__name__}")
     if not _OP_NAME.fullmatch(name):
-        raise ValueError(
+        raise OpDefinitionError(
             f"op name {name!r} is not an identifier (letters, digits, '_'): it is the node type in "
             "keys such as 'MatMul:1@2.5', so it cannot contain ':', '@', '.' or spaces"
         )
     if name in RESERVED_TYPES:
-        raise ValueError(f"op name {name!r} is reserved for vgraph's own {name} nodes; choose another name")
+        raise OpDefinitionError(
+            f"op name {name!r} is reserved for vgraph's own {name} nodes; choose another name"
+        )
     if not isinstance(variadic, bool):
-        raise TypeError(f"{name}: variadic must be a bool, got {type(variadic).__name__}")
+        raise OpDefinitionError(f"{name}: variadic must be a bool, got {type(variadic).__name__}")
     if not callable(forward):
-        raise TypeError(f"{name}: forward must be callable, got {type(forward).__name__}")
+        raise OpDefinitionError(f"{name}: forward must be callable, got {type(forward).__name__}")
     for i, vjp in enumerate(vjps):
         if vjp is not None and not callable(vjp):
-            raise TypeError(
+            raise OpDefinitionError(
                 f"{name}: VJP {i} must be callable or None (no gradient), got {type(vjp).__name__}"
             )
+    forward_sig = _signature(forward)
     if variadic:
         if len(vjps) != 1 or vjps[0] is None:
             got = "None" if len(vjps) == 1 else f"{len(vjps)} arguments after forward"
-            raise ValueError(
+            raise OpDefinitionError(
                 f"{name}: a variadic op takes exactly one VJP function, vjp(i, g, ans, *xs, **attrs), "
                 f"got {got}"
             )
-        sig = _signature(forward)
-        if sig is not None and not any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values()):
-            raise TypeError(f"{name}: a variadic op's forward must take *xs, got forward{sig}")
-        if not _takes_positionals(vjps[0], 4):
-            raise TypeError(
-                f"{name}: a variadic op's VJP must take (i, g, ans, *xs), got vjp{_signature(vjps[0])}"
+        if isinstance(forward, np.ufunc):
+            raise OpDefinitionError(
+                f"{name}: a variadic op's forward must take *xs, got numpy's {forward.__name__}, "
+                f"which takes {forward.nin} inputs"
+            )
+        if forward_sig is not None and not _var_positional(forward_sig):
+            raise OpDefinitionError(
+                f"{name}: a variadic op's forward must take *xs, got forward{forward_sig}"
+            )
+        vjp_sig = _signature(vjps[0])
+        if vjp_sig is not None and not (_var_positional(vjp_sig) and _takes_positionals(vjps[0], 3)):
+            raise OpDefinitionError(
+                f"{name}: a variadic op's VJP must take (i, g, ans, *xs) — the input's position, the "
+                f"incoming gradient, the op's output and every input — got vjp{vjp_sig}"
+            )
+        if forward_sig is not None and vjp_sig is not None:  # every positional is filled by inputs
+            _check_attributes(
+                name,
+                [
+                    ("forward", forward_sig, len(forward_sig.parameters), "*xs"),
+                    ("the VJP", vjp_sig, len(vjp_sig.parameters), "(i, g, ans, *xs)"),
+                ],
+                "a variadic op's inputs fill *xs",
             )
         return Op(name, forward, vjps[0], variadic=True, arity=None)
     arity = len(vjps)
     if arity == 0:
-        raise ValueError(
+        raise OpDefinitionError(
             f"{name}: give one VJP (or None) per input after forward; with none, the op has no inputs"
         )
-    if not _takes_positionals(forward, arity):
-        raise TypeError(
-            f"{name}: {arity} VJPs say the op has {arity} inputs, but forward{_signature(forward)} "
-            f"cannot take {arity} positional arguments"
+    s = "s" if arity != 1 else ""
+    inputs = f"the op has {arity} input{s}, one per VJP given to defop"
+    said = f"{name}: {arity} VJP{s} say{'' if s else 's'} the op has {arity} input{s}, but forward"
+    if isinstance(forward, np.ufunc) and forward.nin != arity:
+        raise OpDefinitionError(
+            f"{said} is numpy's {forward.__name__}, which takes {forward.nin}: give one VJP (or "
+            "None) per input"
         )
+    if not _takes_positionals(forward, arity):
+        raise OpDefinitionError(f"{said}{forward_sig} cannot take {arity} positional argument{s}")
     args = ", ".join(f"x{k}" for k in range(arity))
+    funcs = [] if forward_sig is None else [("forward", forward_sig, arity, f"({args})")]
     for i, vjp in enumerate(vjps):
-        if vjp is not None and not _takes_positionals(vjp, 2 + arity):
-            raise TypeError(
+        if vjp is None:
+            continue
+        if not _takes_positionals(vjp, 2 + arity):
+            raise OpDefinitionError(
                 f"{name}: VJP {i} must take (g, ans, {args}) — the incoming gradient, the op's "
                 f"output and every input — but its signature is {_signature(vjp)}"
             )
+        vjp_sig = _signature(vjp)
+        if vjp_sig is not None:
+            funcs.append((f"VJP {i}", vjp_sig, 2 + arity, f"(g, ans, {args})"))
+    _check_attributes(name, funcs, inputs)
     return Op(name, forward, tuple(vjps), variadic=False, arity=arity)
 
 
+def _var_positional(sig: inspect.Signature) -> bool:
+    return any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values())
+
+
 def defop(
-    name: str, forward: Callable[..., Any], *vjps: VJP | None, variadic: bool = False, replace: bool = False
+    name: str,
+    forward: Callable[..., Any],
+    *vjps: VJP | None,
+    variadic: bool = False,
+    replace: bool = False,
+    user: bool = False,
 ) -> Op:
     """Register a primitive in the table and return it.
 
@@ -148,21 +253,163 @@ def defop(
         vjps: one ``vjp(g, ans, *xs, **attrs)`` or ``None`` per input (one function for a variadic op).
         variadic: the op takes any number of inputs.
         replace: overwrite an op already registered under ``name``.
+        user: an op of :func:`vgraph.defop`: its forward and VJPs are wrapped in the checks of
+            what they return (:class:`CheckedForward`, :class:`CheckedVJP`). Built-in ops are
+            trusted (and tested): they run unwrapped, at no cost.
 
     Returns:
         The registered :class:`Op`.
 
     Raises:
-        ValueError: ``name`` is taken (and not ``replace``), not an identifier or reserved; no VJP
-            given, or not exactly one for a variadic op.
-        TypeError: ``name`` is not a str; ``forward`` or a VJP is not callable, or cannot take
-            the number of inputs the VJPs imply.
+        OpDefinitionError: (a ``ValueError`` and a ``TypeError``) ``name`` is not a str, is taken
+            (and not ``replace``), not an identifier or reserved; ``forward`` or a VJP is not
+            callable; no VJP given, or not exactly one for a variadic op; ``forward`` or a VJP
+            cannot take the inputs the VJPs imply (a VJP takes ``g, ans`` and every input; a
+            variadic op's forward ``*xs`` and its VJP ``i, g, ans, *xs``), or needs a parameter
+            that no call can give.
     """
     op = _validated_op(name, forward, vjps, variadic)
     if name in OPS and not replace:
-        raise ValueError(f"op {name!r} is already defined")
+        raise OpDefinitionError(f"op {name!r} is already defined")
+    if user:  # wrapped in the checks of their results (built-in ops run unwrapped)
+        if variadic:
+            checked: Any = CheckedVJP(name, cast(VJP, vjps[0]), None)
+        else:
+            checked = tuple(None if f is None else CheckedVJP(name, f, i) for i, f in enumerate(vjps))
+        op = Op(name, CheckedForward(name, forward), checked, variadic, op.arity, user=True)
     OPS[name] = op
     return op
+
+
+# ---------------------------------------------------------------------------- checks of defop's ops
+# Built-in ops are trusted: their results go straight to the engine. A user's op runs wrapped in
+# checks of what it returns — at the cost of one Python call per use of the op, nothing per use of
+# a built-in one. The wrappers do not know the node they run for; they raise OpResultError, which
+# the engine re-raises as the typed error naming the node (ComputeGraph._raise_op_error for a
+# forward, the backward sweep for a VJP; a compiled sweep that raises falls back to that one).
+
+
+class OpResultError(Exception):
+    """What a :func:`vgraph.defop` op's forward or VJP returned, refused by its checks. The engine
+    raises :attr:`error` instead, with a message that names the node (and, for a VJP, the input).
+
+    Attributes:
+        error: the :class:`~vgraph.errors.VGraphError` to raise (``DTypeError`` for a forward;
+            ``VJPShapeError`` or ``BackwardError`` for a VJP).
+        position: the input a VJP was for (``None`` for a forward).
+    """
+
+    def __init__(self, error: type[VGraphError], message: str, position: int | None = None) -> None:
+        super().__init__(message)
+        self.error = error
+        self.position = position
+
+
+#: The dtype kinds of node values (as for leaves: floats, and integer and bool indices and masks)
+#: and of gradients (real numbers).
+VALUE_KINDS = "fiub"
+GRADIENT_KINDS = "fiu"
+
+
+class CheckedForward:
+    """A :func:`vgraph.defop` op's forward, refusing a result that is not real numbers (complex,
+    object or string values): vgraph's values and gradients are real."""
+
+    __slots__ = ("__wrapped__", "name")
+
+    def __init__(self, name: str, forward: Callable[..., Any]) -> None:
+        self.__wrapped__ = forward  # (inspect.signature reads the forward's own signature)
+        self.name = name
+
+    def __call__(self, *xs: Any, **attrs: Any) -> Any:
+        ans = self.__wrapped__(*xs, **attrs)
+        if type(ans) is np.ndarray and ans.dtype.kind in VALUE_KINDS:  # the common case, first
+            return ans
+        dtype = ans.dtype if isinstance(ans, (np.ndarray, np.generic)) else np.asarray(ans).dtype
+        if dtype.kind not in VALUE_KINDS:
+            raise OpResultError(
+                DTypeError,
+                f"the forward of {self.name} returned {dtype} values; vgraph's values and gradients "
+                "are real numbers: return a float array (or an integer or bool one for indices "
+                "and masks)",
+            )
+        return ans
+
+    def __repr__(self) -> str:
+        return f"<checked forward of {self.name}: {self.__wrapped__!r}>"
+
+
+class CheckedVJP:
+    """A :func:`vgraph.defop` op's VJP for input ``position`` (``None``: a variadic op's, which
+    gets the position first), refusing a result that is not a gradient of that input.
+
+    A gradient is a numpy array of real numbers whose shape is the input's — or, for an input
+    that the op broadcast, the output's (``ans``'s): :func:`unbroadcast` sums that back to the
+    input's shape, as for a built-in op. Any other shape is refused, even one that numpy could
+    broadcast to the input's (a ``(1,)`` for a ``(3,)``): it would spread one number over the
+    whole gradient.
+    """
+
+    __slots__ = ("__wrapped__", "name", "position")
+
+    def __init__(self, name: str, vjp: VJP, position: int | None) -> None:
+        self.__wrapped__ = vjp
+        self.name = name
+        self.position = position
+
+    def __call__(self, *args: Any, **attrs: Any) -> Any:
+        grad = self.__wrapped__(*args, **attrs)
+        i = self.position
+        if i is None:  # (i, g, ans, *xs)
+            i = args[0]
+            ans, x = args[2], args[3 + i]
+        else:  # (g, ans, *xs)
+            ans, x = args[1], args[2 + i]
+        if (
+            type(grad) is np.ndarray
+            and type(x) is np.ndarray
+            and grad.shape == x.shape
+            and grad.dtype.kind in GRADIENT_KINDS
+        ):
+            return grad  # the common case, first
+        problem = _gradient_problem(grad, np.shape(x), np.shape(ans))
+        if problem is not None:
+            raise OpResultError(problem[0], problem[1], i)
+        return grad
+
+    def __repr__(self) -> str:
+        which = "" if self.position is None else f" (input {self.position})"
+        return f"<checked VJP of {self.name}{which}: {self.__wrapped__!r}>"
+
+
+def _gradient_problem(
+    grad: Any, shape: tuple[int, ...], out_shape: tuple[int, ...]
+) -> tuple[type[VGraphError], str] | None:
+    """Why ``grad``, returned by a VJP for an input of ``shape`` of an op whose output has
+    ``out_shape``, is not a gradient of that input (see :class:`CheckedVJP`): ``(the error to
+    raise, what is wrong)``, or ``None`` if it is one."""
+    if grad is None:
+        return BackwardError, "returned None; to say 'no gradient', pass None in place of the VJP to defop"
+    if not isinstance(grad, (np.ndarray, np.generic, LazyGrad)):
+        return BackwardError, f"returned a {type(grad).__name__}, not a numpy array"
+    if np.dtype(grad.dtype).kind not in GRADIENT_KINDS:
+        return BackwardError, f"returned {grad.dtype} values; a gradient in vgraph is real numbers"
+    got = grad.shape
+    if got == shape:
+        return None
+    if got == out_shape and _broadcasts_to(shape, out_shape):
+        return None  # the engine sums it back to shape
+    expected = f"the input's shape {shape}"
+    if shape != out_shape and _broadcasts_to(shape, out_shape):
+        expected += f" or, as the op broadcast the input, the output's shape {out_shape}"
+    return VJPShapeError, f"returned a gradient of shape {got}; expected {expected}"
+
+
+def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether numpy broadcasting stretches ``shape`` to ``target`` (so :func:`unbroadcast` sums
+    a gradient of ``target``'s shape back to ``shape``)."""
+    extra = len(target) - len(shape)
+    return extra >= 0 and all(n == 1 or n == m for n, m in zip(shape, target[extra:]))
 
 
 # ---------------------------------------------------------------------------- one backward sweep
@@ -910,6 +1157,38 @@ defop("Softplus", lambda x: np.logaddexp(0, x), lambda g, ans, x: g * _sigmoid(x
 defop("Step", lambda x: (x > 0).astype(x.dtype), None)
 defop("Sign", np.sign, None)
 defop("Abs", np.abs, lambda g, ans, x: g * np.sign(x))
+defop("Sqrt", np.sqrt, lambda g, ans, x: g * 0.5 / ans)
+
+
+def _tie_share(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """Where ``first`` wins the comparison 1, where it ties 0.5: the share of the gradient of
+    ``maximum(first, second)`` that goes to ``first`` (ties share it equally, as ``Max`` does)."""
+    out: np.ndarray = (first > second) + 0.5 * (first == second)
+    return out
+
+
+defop(
+    "Maximum",
+    np.maximum,
+    lambda g, ans, a, b: g * _tie_share(a, b),
+    lambda g, ans, a, b: g * _tie_share(b, a),
+)
+defop(
+    "Minimum",
+    np.minimum,
+    lambda g, ans, a, b: g * _tie_share(b, a),
+    lambda g, ans, a, b: g * _tie_share(a, b),
+)
+
+
+def _clip_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray, lo: Any = None, hi: Any = None) -> np.ndarray:
+    # Inside the bounds, bounds included, the gradient passes (as torch.clamp's).
+    inside = (True if lo is None else x >= lo) & (True if hi is None else x <= hi)
+    out: np.ndarray = g * inside
+    return out
+
+
+defop("Clip", lambda x, lo=None, hi=None: np.clip(x, lo, hi), _clip_vjp)  # bounds: numbers or None
 defop(
     "Where",
     lambda cond, a, b: np.where(cond, a, b),
@@ -951,8 +1230,8 @@ def _transposed(b: np.ndarray) -> np.ndarray:
     BLAS multiplies by a transposed (Fortran-ordered) operand markedly slower at the sizes of a
     recurrent step — single-threaded OpenBLAS on this project's benchmark machine: ``(32, 128) @
     (128, 128).T`` 17.2 µs against 10.2 µs with the transpose contiguous, ``(64, 256) @ (256,
-    256).T`` 89 against 70 — while the copy costs about one such product (docs/performance.md,
-    "Wave 7"). A matrix used once keeps the plain ``b.T``: no copy.
+    256).T`` 89 against 70 — while the copy costs about one such product (docs/decisions.md,
+    "A weight's transpose"). A matrix used once keeps the plain ``b.T``: no copy.
     """
     plain: np.ndarray = b.T
     cache = _sweep.transposes
@@ -1114,6 +1393,39 @@ defop(
     lambda x, axis=None, keepdims=False: np.max(x, axis=axis, keepdims=keepdims),
     _max_vjp,
 )
+defop(  # _max_vjp finds the elements equal to the result: it serves the minimum too
+    "Min",
+    lambda x, axis=None, keepdims=False: np.min(x, axis=axis, keepdims=keepdims),
+    _max_vjp,
+)
+
+
+def _var_vjp(
+    g: np.ndarray, ans: np.ndarray, x: np.ndarray, axis: Any = None, keepdims: bool = False, ddof: int = 0
+) -> np.ndarray:
+    centred = x - np.mean(x, axis=axis, keepdims=True)
+    out: np.ndarray = _expand_reduced(g, x, axis, keepdims) * (2.0 / (_count(x, axis) - ddof)) * centred
+    return out
+
+
+defop(
+    "Var",
+    lambda x, axis=None, keepdims=False, ddof=0: np.var(x, axis=axis, keepdims=keepdims, ddof=ddof),
+    _var_vjp,
+)
+# Indices of the extremes: integer outputs, flat almost everywhere, so no gradient (as Step).
+defop("ArgMax", lambda x, axis=None, keepdims=False: np.argmax(x, axis=axis, keepdims=keepdims), None)
+defop("ArgMin", lambda x, axis=None, keepdims=False: np.argmin(x, axis=axis, keepdims=keepdims), None)
+
+
+def _cumsum_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray, axis: int | None = None) -> np.ndarray:
+    # Input i feeds every output from i on: its gradient is the sum of g from i to the end.
+    if axis is None:
+        return np.cumsum(g[::-1])[::-1].reshape(x.shape)
+    return np.flip(np.cumsum(np.flip(g, axis), axis), axis)
+
+
+defop("CumSum", lambda x, axis=None: np.cumsum(x, axis=axis), _cumsum_vjp)
 
 
 def _softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -1201,6 +1513,18 @@ def _take_along_axis_vjp(
     return out
 
 
+def _one_hot(indices: np.ndarray, depth: int, dtype: str = "float64") -> np.ndarray:
+    if indices.dtype.kind not in "iu":
+        raise ValueError(f"one_hot needs integer indices, got dtype {indices.dtype}")
+    if indices.size and (indices.min() < 0 or indices.max() >= depth):
+        raise ValueError(f"one_hot indices must be in [0, {depth}), got {indices.min()}..{indices.max()}")
+    out = np.zeros((*indices.shape, depth), dtype=dtype)
+    np.put_along_axis(out, indices[..., None], 1, axis=-1)
+    return out
+
+
+# Integer indices in, floats out: nothing to differentiate.
+defop("OneHot", _one_hot, None)
 # Look-ups whose indices are a node (e.g. tokens or labels fed at build time); GetItem's index is
 # static. The indices get no gradient.
 defop("Take", lambda x, indices: x[indices], _take_vjp, None)
@@ -1725,8 +2049,6 @@ class _XentExp:
 
 
 def _softmax_cross_entropy(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    from .compute import is_grad_enabled  # (compute imports this module)
-
     x, lab = _xent_rows(logits, labels)
     n, V = x.shape
     out = np.empty(n, dtype=x.dtype)

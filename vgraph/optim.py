@@ -160,8 +160,19 @@ def _betas(value: Any) -> tuple[float, float]:
 # ---------------------------------------------------------------------------- resolving params
 
 
+#: The shape and dtype a parameter not created yet will have, by name (``None``: not one of ours).
+_Declared = Callable[[str], "tuple[tuple[int, ...], np.dtype] | None"]
+
+
 def _param_source(params: Any) -> Callable[[], list[ComputeNode]]:
-    """A function returning the current parameter nodes of ``params`` (see the module docstring).
+    """A function returning the current parameter nodes of ``params`` (see the module docstring)."""
+    return _sources(params)[0]
+
+
+def _sources(params: Any) -> tuple[Callable[[], list[ComputeNode]], _Declared]:
+    """Two functions for ``params``: the current parameter nodes, and the declared (shape, dtype)
+    of a parameter it will include once a build creates it (an untied copy ``"W@7"``), or ``None``
+    for a name it will never include.
 
     Raises:
         TypeError: something that is neither a store, a module, nor an iterable of parameter nodes.
@@ -170,14 +181,14 @@ def _param_source(params: Any) -> Callable[[], list[ComputeNode]]:
     from .virtual import ParameterStore, VirtualGraph, VirtualNode
 
     if isinstance(params, VirtualGraph):
-        store = params.params
-        return store.parameters
+        params = params.params
     if isinstance(params, ParameterStore):
-        return params.parameters
+        return params.parameters, params.declared
     if isinstance(params, (ComputeNode, VirtualNode)):
         params = [params]
     elif callable(getattr(params, "parameters", None)):
-        return lambda: list(params.parameters())
+        module = params
+        return (lambda: list(module.parameters())), partial(_module_declared, module)
     if isinstance(params, (str, bytes, Mapping)):
         items: list[Any] | None = None
     else:
@@ -192,35 +203,68 @@ def _param_source(params: Any) -> Callable[[], list[ComputeNode]]:
         )
     if not items:
         raise ValueError("the optimiser got an empty parameter list")
-    sources: list[Callable[[], list[ComputeNode]]] = []
+    sources: list[tuple[Callable[[], list[ComputeNode]], _Declared]] = []
     for item in items:
         if isinstance(item, ComputeNode):
             if item.op is not None:
                 raise TypeError(f"{item.describe()} is computed by {item.op.name}; optimisers update leaves")
-            sources.append(partial(_single, item))
+            sources.append((partial(_single, item), _nothing_declared))
         elif isinstance(item, VirtualNode):
             if item.kind != "parameter":
                 raise TypeError(f"{item.describe()} is not a parameter")
-            sources.append(partial(_store_entries, item))
+            sources.append((partial(_store_entries, item), partial(_entry_declared, item)))
         elif isinstance(item, (ParameterStore, VirtualGraph)) or callable(getattr(item, "parameters", None)):
-            sources.append(_param_source(item))
+            sources.append(_sources(item))
         else:
             raise TypeError(f"not a parameter node: {item!r} ({type(item).__name__})")
     if all(isinstance(i, ComputeNode) for i in items):
         fixed = _unique(items)  # the common case: a fixed list, resolved once
-        return lambda: fixed
-    return lambda: _unique(p for src in sources for p in src())
+        return (lambda: fixed), _nothing_declared
+    lookups = [declared for _, declared in sources]
+    return (lambda: _unique(p for src, _ in sources for p in src())), partial(_first_declared, lookups)
 
 
 def _single(node: ComputeNode) -> list[ComputeNode]:
     return [node]
 
 
+def _nothing_declared(name: str) -> None:
+    return None
+
+
+def _first_declared(lookups: list[_Declared], name: str) -> tuple[tuple[int, ...], np.dtype] | None:
+    for lookup in lookups:
+        spec = lookup(name)
+        if spec is not None:
+            return spec
+    return None
+
+
+def _is_entry_of(name: str, base: str) -> bool:
+    """Whether store name ``name`` is parameter ``base`` or one of its untied copies."""
+    return name == base or name.startswith(base + "@")
+
+
 def _store_entries(decl: Any) -> list[ComputeNode]:
     """The store entries of a virtual parameter: itself if shared, else all its untied copies."""
     store = decl.graph.params
-    name = decl.name
-    return [store[k] for k in store if k == name or k.startswith(name + "@")]
+    return [store[k] for k in store if _is_entry_of(k, decl.name)]
+
+
+def _entry_declared(decl: Any, name: str) -> tuple[tuple[int, ...], np.dtype] | None:
+    return decl.graph.params.declared(name) if _is_entry_of(name, decl.name) else None
+
+
+def _module_declared(module: Any, name: str) -> tuple[tuple[int, ...], np.dtype] | None:
+    """For a :mod:`vgraph.nn` module (its ``graph`` and ``parameter_names()``): the declared spec
+    of ``name`` if it is one of the module's parameters or their untied copies."""
+    names = getattr(module, "parameter_names", None)
+    declared = getattr(getattr(getattr(module, "graph", None), "params", None), "declared", None)
+    if not callable(names) or not callable(declared):
+        return None
+    if not any(_is_entry_of(name, base) for base in names()):
+        return None
+    return declared(name)  # type: ignore[no-any-return]
 
 
 def _unique(nodes: Iterable[ComputeNode]) -> list[ComputeNode]:
@@ -276,7 +320,7 @@ class Optimizer:
     def __init__(self, params: Any, lr: float, *, check_finite: bool = False, **hyper: Any) -> None:
         checked = self._check_hyper({"lr": lr, **hyper})
         finite = _flag("check_finite", check_finite)
-        self._source = _param_source(params)
+        self._source, self._declared = _sources(params)
         for k, v in checked.items():
             setattr(self, k, v)
         self.check_finite = finite
@@ -464,16 +508,16 @@ class Optimizer:
         }
 
     def _prepare_load(
-        self,
-        state_dict: Mapping[str, Any],
-        shapes: Mapping[str, tuple[tuple[int, ...], np.dtype]] | None = None,
-    ) -> tuple[dict[str, Any], dict[int, dict[str, Any]], dict[str, dict[str, Any]]]:
-        """Check ``state_dict`` completely and stage what :meth:`load_state_dict` would set.
+        self, state_dict: Mapping[str, Any], strict: bool = True
+    ) -> tuple[dict[str, Any], dict[int, dict[str, Any]], dict[str, dict[str, Any]], list[str]]:
+        """Check ``state_dict`` completely and stage what :meth:`load_state_dict` would set:
+        hyper-parameters, state of bound parameters, state kept for untied copies not created yet,
+        and the names ignored (only without ``strict``). Changes nothing.
 
-        ``shapes`` gives (shape, dtype) of parameters that will exist but are not bound yet (a
-        checkpoint's untied copies, before the model has loaded them); their entries are staged as
-        pending. Changes nothing.
+        Raises:
+            as :meth:`load_state_dict`.
         """
+        strict = _flag("strict", strict)
         if not isinstance(state_dict, Mapping):
             raise TypeError(
                 f"state_dict must be a mapping (from Optimizer.state_dict()), got {type(state_dict).__name__}"
@@ -490,7 +534,7 @@ class Optimizer:
         if isinstance(hp, Mapping):
             hp = {**self._hyper_defaults, **hp}
         if not isinstance(hp, Mapping) or set(hp) != set(self._hyper):
-            got = sorted(hp) if isinstance(hp, Mapping) else type(hp).__name__
+            got = sorted(map(str, hp)) if isinstance(hp, Mapping) else type(hp).__name__
             raise ValueError(f"{kind} hyper-parameters must be {sorted(self._hyper)}, got {got}")
         hyper = self._check_hyper(hp)
         arrays = self._state_arrays(hyper)
@@ -501,6 +545,7 @@ class Optimizer:
         bound = dict(zip(_names(params), params))
         staged: dict[int, dict[str, Any]] = {}
         pending: dict[str, dict[str, Any]] = {}
+        unknown: list[str] = []
         for name, entry in entries.items():
             if not isinstance(entry, Mapping):
                 raise TypeError(
@@ -508,7 +553,7 @@ class Optimizer:
                 )
             if set(entry) != {"step", *arrays}:
                 raise ValueError(
-                    f"optimiser state of parameter {name!r} has {sorted(entry)}, "
+                    f"optimiser state of parameter {name!r} has {sorted(map(str, entry))}, "
                     f"expected {sorted({'step', *arrays})} for {kind} with these hyper-parameters"
                 )
             new: dict[str, Any] = {"step": _int(f"step of parameter {name!r}", entry["step"], 1)}
@@ -523,36 +568,53 @@ class Optimizer:
             if node is not None:
                 _check_arrays(name, new, node.value.shape, node.value.dtype)
                 staged[id(node)] = {"node": node, **new}
-            elif shapes is not None and name in shapes:
-                _check_arrays(name, new, *shapes[name])
-                pending[name] = new
-            elif isinstance(name, str) and "@" in name:
-                pending[name] = new  # an untied copy no build has created yet: checked when adopted
-            else:
-                raise ValueError(
-                    f"the state dict has state for parameter {name!r}, which this optimiser does not update "
-                    f"(it updates {', '.join(map(repr, bound)) or 'nothing'})"
-                )
-        return hyper, staged, pending
+                continue
+            # An untied copy no build has created yet: checked against its declaration now, kept
+            # until a build creates it and it is first stepped.
+            spec = self._declared(name) if isinstance(name, str) else None
+            if spec is None:
+                unknown.append(name)
+                continue
+            _check_arrays(name, new, *spec, declared=True)
+            pending[name] = new
+        if unknown and strict:
+            raise ValueError(
+                f"the state dict has state for parameter(s) {', '.join(map(repr, unknown))}, which this "
+                f"optimiser does not update (it updates {', '.join(map(repr, bound)) or 'nothing'}, "
+                "and the untied copies its model declares); pass strict=False to ignore them"
+            )
+        return hyper, staged, pending, unknown
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> list[str]:
         """Replace hyper-parameters and per-parameter state with ``state_dict``'s, checked first.
 
         State is matched to the bound parameters by name. State for an untied copy (``"W@7"``)
-        that no build has created yet is kept and taken up when that parameter is first stepped.
-        Bound parameters without an entry start fresh.
+        that no build has created yet is checked against the copy's declared shape and dtype, kept,
+        and taken up when that parameter is first stepped. Bound parameters without an entry start
+        fresh.
+
+        Args:
+            state_dict: from :meth:`state_dict`.
+            strict: state for a name this optimiser will never update (not a bound parameter,
+                nor an untied copy its model declares) is an error, as PyTorch's
+                ``load_state_dict(strict=True)``; with ``False`` it is ignored and its name returned.
+
+        Returns:
+            The names whose state was ignored (always empty with ``strict``).
 
         Raises:
             TypeError / ValueError: not a state dict of this optimiser class, a bad hyper-parameter,
-                missing or extra arrays, a step count < 1, or a name this optimiser does not update.
-            ShapeError: an array whose shape differs from its parameter's. Nothing is changed when
-                any error is raised.
+                missing or extra arrays, a step count < 1, or (``strict``) names this optimiser
+                does not update — all of them named.
+            ShapeError: an array whose shape differs from its parameter's (or, for an untied copy
+                not created yet, from its declaration). Nothing is changed when any error is raised.
         """
-        hyper, staged, pending = self._prepare_load(state_dict)
+        hyper, staged, pending, unknown = self._prepare_load(state_dict, strict)
         for k, v in hyper.items():
             setattr(self, k, v)
         self.state = staged
         self._pending = pending
+        return unknown
 
     def __repr__(self) -> str:
         params = self._source()
@@ -563,16 +625,21 @@ class Optimizer:
         return "\n".join(lines)
 
 
-def _check_arrays(name: str, entry: Mapping[str, Any], shape: tuple[int, ...], dtype: np.dtype) -> None:
+def _check_arrays(
+    name: str, entry: Mapping[str, Any], shape: tuple[int, ...], dtype: np.dtype, declared: bool = False
+) -> None:
+    """Every array of one parameter's state has the parameter's shape and dtype (``declared``: the
+    parameter is an untied copy not created yet; shape and dtype are its declaration's)."""
+    whose = "its declaration gives the parameter (not created yet)" if declared else "the parameter has"
     for k, v in entry.items():
         if isinstance(v, np.ndarray):
             if v.shape != shape:
                 raise ShapeError(
-                    f"optimiser state {k!r} of parameter {name!r} has shape {v.shape}, the parameter has shape {shape}"
+                    f"optimiser state {k!r} of parameter {name!r} has shape {v.shape}, {whose} shape {shape}"
                 )
             if v.dtype != dtype:
                 raise TypeError(
-                    f"optimiser state {k!r} of parameter {name!r} has dtype {v.dtype}, the parameter's is {dtype}"
+                    f"optimiser state {k!r} of parameter {name!r} has dtype {v.dtype}, {whose} dtype {dtype}"
                 )
 
 

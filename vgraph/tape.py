@@ -36,6 +36,7 @@ the same models both ways.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -114,7 +115,8 @@ def _function(shape: Any, source: Callable[[], list[str]]) -> Callable[..., Any]
     """The compiled function for a segment ``shape`` (made by ``source`` on first use)."""
     fn = _compiled.get(shape)
     if fn is not None:
-        _compiled.move_to_end(shape)
+        with contextlib.suppress(KeyError):  # another thread may have dropped it since the get
+            _compiled.move_to_end(shape)
         return fn
     namespace = dict(_NAMESPACE)
     exec(compile("\n".join(source()), "<vgraph tape>", "exec"), namespace)

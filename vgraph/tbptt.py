@@ -23,8 +23,10 @@ periodic lines otherwise (logs, CI).
 
 from __future__ import annotations
 
+import importlib
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -51,12 +53,39 @@ def _in_notebook() -> bool:
 
 
 def _tqdm() -> Any:
-    """tqdm.auto's ``tqdm`` class, or ``None`` if tqdm is not installed."""
+    """tqdm's text bar class, or ``None`` if tqdm is not installed."""
     try:
-        from tqdm.auto import tqdm
+        from tqdm import tqdm
     except ImportError:
         return None
     return tqdm
+
+
+def _widget_bar(**options: Any) -> Any:
+    """A tqdm notebook widget bar, or ``None`` (quietly) if ipywidgets is not installed or the
+    widget cannot be made.
+
+    Not ``tqdm.auto``: in a notebook without ipywidgets it warns on stderr before falling back.
+    """
+    try:
+        importlib.import_module("ipywidgets")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # tqdm.notebook's own notices about its widgets
+            notebook = importlib.import_module("tqdm.notebook")
+            if getattr(notebook, "IProgress", None) is None:  # ipywidgets without the widgets tqdm needs
+                return None
+            # Made in two steps to keep hold of a bar that fails halfway (no frontend for the
+            # widget): left as it is, it would print a traceback from its __del__ when collected.
+            bar = notebook.tqdm.__new__(notebook.tqdm)
+            try:
+                bar.__init__(**options)
+            except Exception:
+                _tqdm().close(bar)  # the text bar's close: releases its place, draws nothing
+                bar.disable = True  # and the widget's own close (from __del__) returns at once
+                raise
+            return bar
+    except Exception:  # a missing or broken widget stack: the text bar will do
+        return None
 
 
 def _duration(seconds: float) -> str:
@@ -74,8 +103,9 @@ def _fmt(metrics: Mapping[str, Any]) -> str:
 class Progress:
     """Progress of a loop of ``total`` steps: a tqdm bar, or plain periodic lines.
 
-    * ``mode="bar"``: a ``tqdm.auto`` bar (a widget in Jupyter) with rate, elapsed time and ETA,
-      and the latest metrics after it. Without tqdm installed it falls back to lines.
+    * ``mode="bar"``: a tqdm bar with rate, elapsed time and ETA, and the latest metrics after
+      it: a widget in Jupyter when ipywidgets is installed (and ``file`` is not given), else the
+      text bar. Without tqdm installed it falls back to lines.
     * ``mode="lines"``: one line every ``every`` steps (and at the last), for logs and CI::
 
           train   40/600  loss 1.234  15.2 step/s  elapsed 00:02  ETA 00:36
@@ -133,14 +163,23 @@ class Progress:
         self._start = time.perf_counter()
         self._bar: Any = None
         tqdm = _tqdm() if mode in ("auto", "bar") else None
+        notebook = tqdm is not None and _in_notebook()
         if mode == "auto" and tqdm is not None:
             out = file if file is not None else sys.stderr
             isatty = getattr(out, "isatty", None)
-            if not (_in_notebook() or (callable(isatty) and isatty())):
+            if not (notebook or (callable(isatty) and isatty())):
                 tqdm = None
         if tqdm is not None:
             self.mode = "bar"
-            self._bar = tqdm(total=self.total, desc=desc or None, unit=unit, file=file, dynamic_ncols=True)
+            options = {
+                "total": self.total,
+                "desc": desc or None,
+                "unit": unit,
+                "file": file,
+                "dynamic_ncols": True,
+            }
+            widget = _widget_bar(**options) if notebook and file is None else None
+            self._bar = widget if widget is not None else tqdm(**options)
         else:
             self.mode = "off" if mode == "off" else "lines"
         self._file = file
@@ -322,12 +361,21 @@ class TBPTTResult:
     """What :func:`truncated_bptt` did.
 
     Attributes:
-        losses: the loss of each chunk, in order.
-        state: the final recurrent state, by input name (arrays), to continue from.
+        losses: the loss of each chunk this call ran, in order.
+        state: the recurrent state after the latest chunk, by input name (arrays): the state
+            inputs of chunk :attr:`next_chunk`, to continue from.
+        start: the index of the first chunk this call ran (its ``start`` argument).
     """
 
     losses: list[float] = field(default_factory=list)
     state: dict[str, np.ndarray] = field(default_factory=dict)
+    start: int = 0
+
+    @property
+    def next_chunk(self) -> int:
+        """The index of the chunk to run next: pass it as ``start=`` (and :attr:`state` as
+        ``initial=``) to resume from here, e.g. after loading a mid-epoch checkpoint."""
+        return self.start + len(self.losses)
 
 
 def truncated_bptt(
@@ -339,14 +387,22 @@ def truncated_bptt(
     optimizer: Any = None,
     callback: Callable[[int, Any, float], None] | None = None,
     progress: bool | str | Progress = False,
+    *,
+    start: int = 0,
+    after_chunk: Callable[[int, TBPTTResult], None] | None = None,
 ) -> TBPTTResult:
     """Run a model chunk by chunk, carrying its recurrent state across chunks without gradient.
 
-    For each chunk feed: build ``graph`` with the chunk's inputs plus the current state inputs;
-    in training mode zero every parameter's gradient, backpropagate ``loss`` (BPTT within the
-    chunk), call ``callback`` and ``optimizer.step()``; then read the state nodes' values as plain
-    arrays — the next chunk's state inputs. In evaluation mode (``graph.eval()``) nothing is
-    backpropagated: it evaluates a long sequence statefully, chunk by chunk.
+    For each chunk feed: build ``graph`` with the chunk's inputs plus the current state inputs
+    and read the state nodes' values as plain arrays — the next chunk's state inputs; in
+    training mode zero every parameter's gradient, backpropagate ``loss`` (BPTT within the
+    chunk), call ``callback`` and ``optimizer.step()``; then call ``after_chunk``. In evaluation
+    mode (``graph.eval()``) nothing is backpropagated: it evaluates a long sequence statefully,
+    chunk by chunk.
+
+    To resume in the middle of a sequence (from a checkpoint saved by ``after_chunk``), pass the
+    same ``feeds`` with ``start`` = the saved :attr:`TBPTTResult.next_chunk` and ``initial`` = the
+    saved :attr:`TBPTTResult.state`: the chunks before ``start`` are skipped, not built.
 
     Args:
         graph: the :class:`~vgraph.virtual.VirtualGraph`.
@@ -358,20 +414,28 @@ def truncated_bptt(
         optimizer: updates parameters after each chunk (``None``: gradients are left in ``.grad``
             of each chunk for ``callback`` to use, and cleared before the next chunk).
         callback: ``callback(chunk_index, compute_graph, loss_value)``, after backward and before
-            the optimiser step (e.g. to clip gradients or to log).
+            the optimiser step, while the gradients are complete and not yet applied (e.g. to
+            clip gradients or to log them).
         progress: report progress per chunk with each chunk's loss: ``True`` / ``"auto"`` (a tqdm
             bar with rate and ETA in a terminal or notebook when tqdm is installed, else plain
             lines), ``"bar"``, ``"lines"``, or a :class:`Progress` you made (left open). The
-            total is ``len(feeds)`` when known (:func:`chunk_feeds` knows it).
+            total is ``len(feeds) - start`` when known (:func:`chunk_feeds` knows it).
+        start: the index of the first chunk to run (``initial`` is then the state carried into
+            it); the feeds before it are skipped. Chunk indices stay those of ``feeds``.
+        after_chunk: ``after_chunk(chunk_index, result)`` at the end of each chunk, after the
+            optimiser step, with the result so far (this call's losses, the state carried into
+            chunk ``result.next_chunk``): the place to save a mid-epoch checkpoint
+            (:func:`vgraph.io.save_training_state` with the state and position as ``extras``).
 
     Returns:
         A :class:`TBPTTResult` with every chunk's loss and the final state.
 
     Raises:
-        ValueError: ``state`` and ``initial`` name different inputs; a bad ``progress`` mode.
+        ValueError: ``state`` and ``initial`` name different inputs; a bad ``progress`` mode;
+            a negative ``start``, or one past the end of ``feeds`` (nothing was run then).
         TypeError: ``graph`` not a VirtualGraph, ``optimizer`` without ``step()``,
-            ``state``/``initial`` not mappings, ``callback`` not callable, ``progress`` of another
-            type.
+            ``state``/``initial`` not mappings, ``callback``/``after_chunk`` not callable,
+            ``progress`` of another type, ``start`` not an int.
         Whatever a build raises (FeedError, BuildError …).
     """
     from .virtual import VirtualGraph
@@ -385,15 +449,25 @@ def truncated_bptt(
     for name, m in (("state", state), ("initial", initial)):
         if not isinstance(m, Mapping):
             raise TypeError(f"{name} must be a mapping input name -> ..., got {type(m).__name__}")
-    if callback is not None and not callable(callback):
-        raise TypeError(f"callback must be callable, got {type(callback).__name__}")
+    for name, f in (("callback", callback), ("after_chunk", after_chunk)):
+        if f is not None and not callable(f):
+            raise TypeError(f"{name} must be callable, got {type(f).__name__}")
     if set(state) != set(initial):
         raise ValueError(f"state names {sorted(state)} and initial names {sorted(initial)} differ")
+    if isinstance(start, (bool, np.bool_)) or not isinstance(start, (int, np.integer)):
+        raise TypeError(f"start must be an int (a chunk index), got {type(start).__name__} {start!r}")
+    start = int(start)
     total = len(feeds) if isinstance(feeds, Sized) else None
+    if start < 0:
+        raise ValueError(f"start must be >= 0 (a chunk index), got {start}")
+    if total is not None and start > total:
+        raise ValueError(f"start={start} is past the end of feeds ({total} chunks); nothing was run")
+    if total is not None:
+        total -= start
     own = not isinstance(progress, Progress)
     bar = _progress(progress, total, "TBPTT", "chunk")
     try:
-        return _run_chunks(graph, feeds, loss, state, initial, optimizer, callback, bar)
+        return _run_chunks(graph, feeds, loss, state, initial, optimizer, callback, bar, start, after_chunk)
     finally:
         if bar is not None and own:
             bar.close()
@@ -408,12 +482,18 @@ def _run_chunks(
     optimizer: Any,
     callback: Callable[[int, Any, float], None] | None,
     bar: Progress | None,
+    start: int,
+    after_chunk: Callable[[int, TBPTTResult], None] | None,
 ) -> TBPTTResult:
     values = {name: np.asarray(v) for name, v in initial.items()}
-    result = TBPTTResult(state=values)
+    result = TBPTTResult(state=values, start=start)
     names = list(state)
     outs = [loss, *(state[n] for n in names)]
+    seen = 0
     for i, feed in enumerate(feeds):
+        seen = i + 1
+        if i < start:
+            continue
         cg = graph.build({**feed, **values}, outs)
         loss_node = cg.outputs[0]
         # The state as computed in this chunk's forward (before any update): plain arrays.
@@ -433,4 +513,8 @@ def _run_chunks(
         result.state = values
         if bar is not None:
             bar.update(loss=value)
+        if after_chunk is not None:
+            after_chunk(i, result)
+    if seen < start:
+        raise ValueError(f"start={start} is past the end of feeds ({seen} chunks); nothing was run")
     return result

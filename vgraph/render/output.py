@@ -4,6 +4,7 @@ rich display of ComputeGraph and VirtualGraph in Jupyter."""
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import subprocess
 from pathlib import Path
@@ -38,11 +39,9 @@ def _dot_program() -> str:
     return exe
 
 
-def _run_dot(dot_text: str, fmt: str, out: Path | None = None) -> bytes:
-    exe = _dot_program()
-    args = [exe, f"-T{fmt}"]
-    if out is not None:
-        args += ["-o", str(out)]
+def _run_dot(dot_text: str, fmt: str) -> bytes:
+    """Run ``dot -T{fmt}`` on ``dot_text`` and return what it printed."""
+    args = [_dot_program(), f"-T{fmt}"]
     try:
         proc = subprocess.run(
             args, check=False, input=dot_text.encode("utf-8"), capture_output=True, timeout=300
@@ -56,6 +55,29 @@ def _run_dot(dot_text: str, fmt: str, out: Path | None = None) -> bytes:
             f"`dot -T{fmt}` failed (exit code {proc.returncode}): {proc.stderr.decode(errors='replace').strip()}"
         )
     return proc.stdout
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole or not at all.
+
+    The bytes go to a new file next to ``path``, renamed over it once complete: a failure (or an
+    interruption) never leaves a partial file, nor harms a file already at ``path``.
+    """
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    created = False
+    try:
+        # os.open with mode 0o666 honours the umask, as a plain open() would (mkstemp's 0o600 not).
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+        created = True
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        created = False
+    except OSError as e:
+        raise RenderError(f"cannot write {str(path)!r}: {e.strerror or e}") from e
+    finally:
+        if created:
+            tmp.unlink(missing_ok=True)
 
 
 def render(
@@ -73,13 +95,16 @@ def render(
             ``.dot``/``.gv`` file) writes the DOT text and needs no Graphviz.
         **options: the options of :func:`to_dot` (``fold``, ``gradients`` …).
 
+    The file is written whole or not at all: when drawing fails, nothing is left at ``path``
+    and a file already there is kept as it was.
+
     Returns:
         The path written.
 
     Raises:
         RenderError: ``dot`` is not installed (the DOT text is then written next to ``path``, as
-            ``path`` with suffix ``.dot``, so it can be rendered elsewhere), ``dot`` failed, or the
-            format is unknown.
+            ``path`` with suffix ``.dot``, so it can be rendered elsewhere), ``dot`` failed, the
+            format is unknown, or the file cannot be written (e.g. its folder does not exist).
         TypeError: ``path`` or ``format`` of the wrong type (and the errors of :func:`to_dot`).
     """
     if not isinstance(path, (str, os.PathLike)):
@@ -96,17 +121,17 @@ def render(
         raise RenderError(f"unknown output format {fmt!r}; use one of {', '.join(FORMATS)}")
     text = to_dot(graph, **options)
     if fmt in ("dot", "gv"):
-        path.write_text(text, encoding="utf-8")
+        _write_whole(path, text.encode("utf-8"))
         return path
     if shutil.which("dot") is None:
         dot_path = path.with_suffix(".dot")
-        dot_path.write_text(text, encoding="utf-8")
+        _write_whole(dot_path, text.encode("utf-8"))
         raise RenderError(
             f"cannot draw {str(path)!r}: Graphviz's `dot` program was not found on PATH. {_INSTALL_HINT} "
             f"The DOT text was written to {str(dot_path)!r}; draw it later with "
             f"`dot -T{fmt} {dot_path.name} -o {path.name}`."
         )
-    _run_dot(text, fmt, path)
+    _write_whole(path, _run_dot(text, fmt))
     return path
 
 

@@ -12,6 +12,7 @@ import numpy as np
 from ..compute import ComputeGraph, ComputeNode
 from ..ops import ROW_SUMS
 from ..virtual import LoopNode, UnrolledGraph
+from ..virtual.checkpoint import Rematerializer
 from .frames import _Frame, _Frames
 from .gradients import INF_COLOR, NAN_COLOR, ZERO_COLOR, GradientScale, _luminance, gradient_color
 from .scene import (
@@ -43,8 +44,8 @@ REFERENCE_THRESHOLD = 6
 def _checkpoint_marks(cg: ComputeGraph) -> dict[tuple[Any, tuple[int, ...]], tuple[str, set[int]]]:
     """For each checkpointed loop run: its schedule and the iterations whose end state is kept
     (the others' values are recomputed by backward; see vgraph.virtual.checkpoint)."""
-    remat = getattr(cg, "_remat", None)
-    if remat is None:
+    remat = cg.dropped_values
+    if not isinstance(remat, Rematerializer):
         return {}
     return {(rec.loop, rec.idx): (str(rec.schedule), rec.kept_iterations()) for rec in remat.records}
 

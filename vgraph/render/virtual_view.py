@@ -3,6 +3,7 @@ back edges, branches with their options and keys; optionally greyed by what one 
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,15 @@ from .scene import (
     _shape_text,
 )
 
+_DEFAULT_MAX_ITERS = inspect.signature(VirtualGraph.loop).parameters["max_iters"].default
+_DEFAULT_MAX_NODES = inspect.signature(VirtualGraph.recurse).parameters["max_nodes"].default
+
+
+def _callable_name(f: Any, anonymous: str) -> str:
+    """The name a drawing shows for a user's function (``anonymous`` for a lambda)."""
+    name = getattr(f, "__name__", None)
+    return name if isinstance(name, str) and name and name != "<lambda>" else anonymous
+
 
 class _VirtualView:
     def __init__(self, g: VirtualGraph, build: UnrolledGraph | None, guards: bool, constants: bool,
@@ -37,6 +47,7 @@ class _VirtualView:
         # Keyed by Decision.node: the loop (trip counts) or the branch (how often each option).
         self.trips: dict[VirtualNode, list[int]] = {}
         self.choices: dict[VirtualNode, dict[int, int]] = {}
+        self.capped: dict[VirtualNode, int] = {}  # loop -> runs that stopped at max_iters
         if build is not None:
             self.built = set()
             for (scope, _idx), env in build._envs.items():
@@ -46,6 +57,8 @@ class _VirtualView:
             for d in build.decisions:
                 if d.kind == "iterations":
                     self.trips.setdefault(d.node, []).append(d.value)
+                elif d.kind == "capped":
+                    self.capped[d.node] = self.capped.get(d.node, 0) + 1
                 else:
                     counts = self.choices.setdefault(d.node, {})
                     counts[d.value] = counts.get(d.value, 0) + 1
@@ -77,20 +90,46 @@ class _VirtualView:
     def _unused(self, v: VirtualNode) -> bool:
         return self.built is not None and v not in self.built
 
-    def _loop_attrs(self, loop: LoopNode) -> dict[str, Any]:
-        rule = []
+    def _loop_rule(self, loop: LoopNode) -> list[str]:
+        """How ``loop`` decides its iterations, in words: one line per rule it was declared with."""
+        rule: list[str] = []
+        if loop.structure is not None:
+            rule.append(
+                f"over the nodes of {loop.structure.name or self.nid(loop.structure)}, children first"
+            )
         if loop.times is not None:
             rule.append(f"times={loop.times}")
         if loop.sequences:
-            rule.append("steps through " + ", ".join(s.name or self.nid(s) for s in loop.sequences))
+            rule.append(
+                "steps through "
+                + ", ".join(
+                    (s.name or self.nid(s)) + (" (reversed)" if (item.attrs or {}).get("reverse") else "")
+                    for s, item in zip(loop.sequences, loop.items)
+                )
+            )
         if loop.cond is not None:
-            rule.append(f"while {getattr(loop.cond, '__name__', 'cond')}")
-        lines = [
-            ("b", f"<{self.nid(loop)}>" + (f" {loop.name}" if loop.name else "")),
-            ("s", "; ".join(rule)),
-        ]
+            rule.append(f"while {_callable_name(loop.cond, 'cond(t, state)')}")
+        if loop.until is not None:
+            rule.append(
+                f"until {_callable_name(loop.until, 'cond(t, state)')} (checked after each iteration)"
+            )
+        bound, default = "max_iters", _DEFAULT_MAX_ITERS
+        if loop.structure is not None:
+            bound, default = "max_nodes", _DEFAULT_MAX_NODES
+        if loop.on_limit == "stop":
+            rule.append(f"stops at {bound}={loop.max_iters}")
+        elif loop.max_iters != default:  # the default guard is noise; a chosen one is part of the rule
+            rule.append(f"more than {bound}={loop.max_iters} is an error")
+        return rule
+
+    def _loop_attrs(self, loop: LoopNode) -> dict[str, Any]:
+        lines = [("b", f"<{self.nid(loop)}>" + (f" {loop.name}" if loop.name else ""))]
+        # Never an empty line: `dot` rejects an empty <FONT></FONT> (and a loop drawn from inside
+        # its `with` block may have no rule yet).
+        lines += [("s", text) for text in self._loop_rule(loop)]
         if loop.carries:
-            lines.append(("s", "carries " + ", ".join(_carry_name(c) for c in loop.carries)))
+            what = "state at each node" if loop.structure is not None else "carries"
+            lines.append(("s", f"{what} " + ", ".join(_carry_name(c) for c in loop.carries)))
         attrs: dict[str, Any] = {"style": "rounded,filled", "fillcolor": "#f3f6fb", "color": "#6b7fa3"}
         if self.build is not None:
             trips = self.trips.get(loop)
@@ -101,6 +140,9 @@ class _VirtualView:
                     ran = f"{trips[0]} iterations in each of {len(trips)} runs"
                 else:
                     ran = f"{min(trips)}–{max(trips)} iterations (in {len(trips)} runs)"
+                capped = self.capped.get(loop, 0)
+                if capped:
+                    ran += ", stopped at max_iters" + (f" in {capped} of them" if len(trips) > 1 else "")
                 lines.append(("s", f"this build: {ran}"))
             else:
                 lines.append(("s", "not run by this build"))
@@ -146,7 +188,7 @@ class _VirtualView:
         elif isinstance(v, BranchNode):
             if v.name:
                 lines.append(("", v.name))
-            sel = getattr(v.selector, "__name__", "selector")
+            sel = _callable_name(v.selector, "selector")
             lines.append(("s", f"selector {sel}, {len(v.options)} options"))
             counts = self.choices.get(v)
             if counts:

@@ -34,14 +34,25 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import numpy as np
 
-from ..compute import ComputeGraph, ComputeNode, NodeKey, no_grad
-from ..errors import BuildError, GraphStateError, LoopLimitError, ShapeError, VGraphError
+from ..compute import ComputeGraph, ComputeNode, NodeKey, flag_arg
+from ..errors import (
+    ArgumentError,
+    BuildError,
+    GraphStateError,
+    LoopLimitError,
+    NonFiniteError,
+    ShapeError,
+    VGraphError,
+)
+from ..modes import detect_anomaly as detect_anomaly_mode
+from ..modes import no_grad
 from ..ops import OPS, Op, row_at
 from ..workspace import computing
+from .graph import one_build_at_a_time
 from .hoist import batched_attrs, hoist_loop
 from .nodes import BranchNode, LoopNode, VirtualNode
 from .unroll import (  # type: ignore[attr-defined]  # _ALL: the forward plans' "every node"
@@ -192,7 +203,7 @@ class _TreeJob(_LoopJob):
     """One input's run of a recursion that the scheduler builds tree node by tree node in depth
     order together with the other inputs' runs of it (:meth:`BatchedBuild._run_tree_jobs`)."""
 
-    __slots__ = ("chosen", "decisions", "history", "parents", "reads", "remaining", "rows", "width")
+    __slots__ = ("chosen", "decisions", "history", "parents", "reads", "remaining", "rows")
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -200,7 +211,6 @@ class _TreeJob(_LoopJob):
         self.decisions: list[list[Any]] = [[] for _ in range(n)]
         self.reads: list[tuple[VirtualNode, int, int]] = []
         self.rows: list[list[int]] = []
-        self.width = 0
         self.parents: list[list[int]] = []
         self.remaining: list[int] = []
         self.history: list[Any] = []
@@ -364,6 +374,24 @@ def _ragged(requests: list[_Request]) -> list[bool] | None:
     return ragged
 
 
+def _naming(where: str, e: Exception) -> VGraphError:
+    """The error to raise for ``e``, raised while building ``where`` (``"input 3"``): a vgraph
+    error of ``e``'s type whose message starts with ``where``; anything else a BuildError saying
+    what it was."""
+    if isinstance(e, VGraphError):
+        return type(e)(f"{where}: {e}")
+    return BuildError(f"{where}: the build failed: {type(e).__name__}: {e}")
+
+
+def _as_declared(p: Any) -> Any:
+    """``p`` as a message names it: a node of one input's own (its fed inputs, its samples, keyed
+    ``<Input#3:1>`` in the batched graph) under the key of its input's unrolled graph."""
+    if type(p) is Row or "#" not in p.key.type:
+        return p
+    key = p.key
+    return Row(p, (), NodeKey(key.type.partition("#")[0], key.id, key.idx), p.name)
+
+
 def _signature(r: _Request) -> tuple[Any, ...]:
     """What copies of one declared node must share to run as one op: each input's row shape."""
     return tuple([(p._value.shape, p._value.dtype) for p in r.parents])
@@ -406,8 +434,10 @@ class InputView:
     def _key(self, key: NodeKey) -> NodeKey:
         return NodeKey(f"{key.type}#{self.index}", key.id, key.idx)
 
-    def input(self, value: Any, name: str | None, key: NodeKey, requires_grad: bool = False) -> ComputeNode:
-        node = self.batch.graph.input(value, name, self._key(key), requires_grad)
+    def input(
+        self, value: Any, name: str | None, key: NodeKey, requires_grad: bool = False, *, copy: bool = True
+    ) -> ComputeNode:
+        node = self.batch.graph.input(value, name, self._key(key), requires_grad, copy=copy)
         self.inputs[name or str(key)] = node
         return node
 
@@ -662,29 +692,71 @@ class BatchedBuild:
         """One node combining every input's (scalar) output ``output``: their mean or sum.
 
         Raises:
+            ArgumentError: ``reduction`` is not a str (a TypeError).
             ValueError: ``reduction`` is neither ``"mean"`` nor ``"sum"``, or an output is not a scalar.
         """
+        if not isinstance(reduction, str):
+            raise ArgumentError(
+                f"loss(reduction=...) must be 'mean' or 'sum', got {type(reduction).__name__} {reduction!r:.80}"
+            )
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
         parts = [view.outputs[output] for view in self.inputs]
         for i, p in enumerate(parts):
             if np.size(p._value) != 1:
                 raise ValueError(f"input {i}: output {output} has shape {np.shape(p._value)}, not a scalar")
+        key = NodeKey("BatchLoss", output + 1, (0 if reduction == "mean" else 1,))
+        if key in self.graph:  # made by an earlier call: the same node (a second one would replace
+            return self.graph.node(key)  # it under its key, unseen by the cached backward plan)
         stacked = self._stack(parts, NodeKey("Outputs", output + 1, ()))
         op = _MEAN if reduction == "mean" else _SUM
-        return self.graph._add_op(
-            op,
-            (stacked,),
-            {"axis": None, "keepdims": False},
-            NodeKey("BatchLoss", output + 1, (0 if reduction == "mean" else 1,)),
-            None,
-        )
+        return self.graph._add_op(op, (stacked,), {"axis": None, "keepdims": False}, key, None)
 
     @computing
-    def backward(self, reduction: str = "mean", output: int = 0) -> float:
-        """Backpropagate the combined loss (:meth:`loss`) once for every input; returns its value."""
-        value = self.graph.backward(self.loss(reduction, output))
+    def backward(self, reduction: str = "mean", output: int = 0, *, detect_anomaly: bool = False) -> float:
+        """Backpropagate the combined loss (:meth:`loss`) once for every input; returns its value.
+
+        Args:
+            reduction: ``"mean"`` or ``"sum"`` of the inputs' outputs.
+            output: which output of the build.
+            detect_anomaly: raise at the first NaN/Inf gradient (see :func:`vgraph.detect_anomaly`,
+                which also applies).
+
+        Raises:
+            NonFiniteError: with anomaly detection, naming the input and its unrolled node where
+                the first NaN/Inf gradient appears (``input 1: Inf first appears in backward at
+                <Pow:1@6> ...``), as a backward of that input alone would; no ``.grad`` changed.
+            ArgumentError, ValueError: as :meth:`loss`; ``detect_anomaly`` is not a bool.
+        """
+        detect_anomaly = flag_arg(detect_anomaly, "backward(detect_anomaly=...)")
+        loss = self.loss(reduction, output)
+        try:
+            value = self.graph.backward(loss, detect_anomaly=detect_anomaly)
+        except NonFiniteError as e:
+            # The batched graph's nodes are groups of copies: find the input whose own backward
+            # meets the anomaly, to name its unrolled node (on this error path only).
+            raise self._anomaly_by_input(reduction, output, e) from e
         return float(value) if value is not None else float("nan")
+
+    def _anomaly_by_input(self, reduction: str, output: int, e: NonFiniteError) -> NonFiniteError:
+        """The error a backward of each input alone (``batch.unrolled(i)``, seeded as the combined
+        loss seeds it) raises first, naming the input; ``e`` if none does."""
+        scale = 1.0 / len(self.inputs) if reduction == "mean" else 1.0
+        for i in range(len(self.inputs)):
+            try:
+                with detect_anomaly_mode(False):  # (its forward values are the batch's)
+                    cg = self.unrolled(i)
+                out = cg.outputs[output]
+                wrt = [n for n in cg.nodes() if n.is_leaf and n.requires_grad]
+                if not wrt:
+                    continue
+                seed = np.full(np.shape(out.value), scale, dtype=np.asarray(out.value).dtype)
+                cg.grad(out, wrt, seed, allow_unused=True, detect_anomaly=True)
+            except NonFiniteError as alone:
+                return cast(NonFiniteError, _naming(f"input {i}", alone))
+            except VGraphError:
+                continue  # (nothing of this input requires a gradient)
+        return e
 
     # -- scheduling
     def _ask(self, request: _Request) -> Any:
@@ -715,7 +787,10 @@ class BatchedBuild:
                 for job in members:
                     self._wait(job.inp, self._resume(job.inp, job.agent, None))
                 continue
-            results = self._execute(members, self._ragged_members if len(members) > 1 else None)
+            try:
+                results = self._execute(members, self._ragged_members if len(members) > 1 else None)
+            except Exception as e:
+                self._blame(members, e)
             for req, result in zip(members, results):
                 self._wait(req.inp, self._resume(req.inp, req.agent, result))
 
@@ -795,10 +870,14 @@ class BatchedBuild:
             group = self.graph._add_op(
                 op, tuple(inputs), attrs or None, NodeKey(f"{v.type}*", v.id, (self._serial,)), v.name
             )
-        except VGraphError as e:
-            raise type(e)(f"input {alive[0].inp}: {e}") from e
         except Exception as e:
-            raise BuildError(f"input {alive[0].inp}: the build failed: {type(e).__name__}: {e}") from e
+            copies = [
+                _Request(
+                    j.inp, op, tuple([env[u] for u in v.inputs]), v.attrs, NodeKey(v.type, v.id, step), v.name
+                )
+                for j, env, step in zip(alive, envs, steps)
+            ]
+            self._blame(copies, e)
         self.groups.append((f"{v.type}:{v.id}", len(alive)))
         self._copies[group] = (first, len(alive), len(alive))
         value = group._value
@@ -841,8 +920,8 @@ class BatchedBuild:
                 for c, init in zip(loop.carries, j.state):
                     env[c] = init  # (never read: see _by_depth)
                 row = j.rows[t]
-                for read, k, slot in j.reads:
-                    child = row[slot] if slot < j.width else -1
+                for read, k, slot in j.reads:  # (every slot is a column: see _check_structure)
+                    child = row[slot]
                     env[read] = j.history[child][k] if child >= 0 else j.state[k]
                 for item, seq in zip(loop.items, j.seqs):
                     if item not in j.groups:
@@ -1075,10 +1154,8 @@ class BatchedBuild:
         input."""
         try:
             return agent.switch(result) if result is not None else agent.switch()
-        except VGraphError as e:
-            raise type(e)(f"input {i}: {e}") from e
         except Exception as e:
-            raise BuildError(f"input {i}: the build failed: {type(e).__name__}: {e}") from e
+            raise _naming(f"input {i}", e) from e
 
     def _wait(self, i: int, answer: Any) -> None:
         """File input ``i``'s next request under its declared node's rank (``None``: that greenlet
@@ -1122,16 +1199,34 @@ class BatchedBuild:
             group, ragged = _same_signature(requests)
             try:
                 results = self._execute(group, ragged)
-            except VGraphError as e:
-                raise type(e)(f"input {group[0].inp}: {e}") from e
             except Exception as e:
-                raise BuildError(f"input {group[0].inp}: the build failed: {type(e).__name__}: {e}") from e
+                self._blame(group, e)
             for r, result in zip(group, results):
                 r.agent[v] = result
             if len(group) == len(requests):
                 return
             chosen = {id(r) for r in group}
             requests = [r for r in requests if id(r) not in chosen]
+
+    def _blame(self, requests: list[_Request], e: Exception) -> NoReturn:
+        """Raise for ``e``, raised while running ``requests`` (copies of one declared node) as one
+        op: which input caused it is found by running each copy alone, in order (on this error
+        path only); the first that fails raises what a build of its input alone would (naming
+        the unrolled node, e.g. ``<Take:1@3>``, or under anomaly detection the first non-finite
+        copy), prefixed with its input. If no copy fails alone, ``e`` names every input."""
+        for r in requests:
+            parents = tuple([_as_declared(p) for p in r.parents])
+            copy = ComputeNode(
+                r.key, None, r.op, cast("tuple[ComputeNode, ...]", parents), r.attrs, False, r.name
+            )
+            try:
+                self.graph._run(copy)  # (a Row stands for a parent: it has the value and the key)
+            except Exception as alone:
+                raise _naming(f"input {r.inp}", alone) from e
+        inputs = sorted({r.inp for r in requests})
+        if len(inputs) == 1:
+            raise _naming(f"input {inputs[0]}", e) from e
+        raise _naming(f"inputs {', '.join(map(str, inputs))} (computed together)", e) from e
 
     def _execute(self, members: list[_Request], ragged: list[bool] | None = None) -> list[Any]:
         """Run ``members`` (copies of one declared node) as one op; ``ragged``: their inputs
@@ -1360,11 +1455,8 @@ class _BatchBuilder(_Builder):
         seqs, length = _stepped_sequences(loop, frame)
         structure = cast(VirtualNode, loop.structure)
         kids = _check_structure(loop, idx, frame.owner(structure).env[structure].value, length)
-        n = len(kids)
-        if n > loop.max_iters:  # the sequential loop reports (or caps) that
-            return super().run_loop(loop, frame)
+        n = len(kids)  # (at most max_nodes: see _check_structure)
         rows = kids.tolist()
-        width = kids.shape[1]
         reads = [(read, loop.carries.index(read.inputs[0]), read.attrs["slot"]) for read in loop.children]
         captured = {c: frame.owner(c).env[c] for c in self.plan.captures[loop]}
         groups: dict[VirtualNode, Any] = {}
@@ -1394,8 +1486,8 @@ class _BatchBuilder(_Builder):
             for c, init in zip(loop.carries, defaults):
                 ienv[c] = init  # (never read: the body reads children's state only; see _by_depth)
             row = rows[t]
-            for read, k, slot in reads:
-                child = row[slot] if slot < width else -1
+            for read, k, slot in reads:  # (every slot is a column: see _check_structure)
+                child = row[slot]
                 ienv[read] = history[child][k] if child >= 0 else defaults[k]
             _iteration_views(cg, loop, inner, seqs, groups, length, t)
             self.run_scope(inner, order)
@@ -1414,10 +1506,9 @@ class _BatchBuilder(_Builder):
         start = len(cg.decisions)
         if self.batch._joint_ok(loop):  # the scheduler builds every input's tree nodes itself
             job = _TreeJob(cast(InputView, cg), loop, idx, defaults, seqs, length, n, captured, groups)
-            job.reads, job.rows, job.width, job.parents, job.remaining = (
+            job.reads, job.rows, job.parents, job.remaining = (
                 reads,
                 rows,
-                width,
                 parents,
                 remaining,
             )
@@ -1455,6 +1546,7 @@ class _BatchBuilder(_Builder):
 
 
 @computing
+@one_build_at_a_time
 def build_batch(
     graph: Any, feeds: Sequence[Mapping[str, Any]], outputs: Any, hoist: bool = True, depth: bool = True
 ) -> BatchedBuild:
@@ -1464,6 +1556,8 @@ def build_batch(
     except ImportError:  # pragma: no cover - greenlet is in the batch and test extras
         raise ImportError("autobatching needs the greenlet package: pip install 'vgraph[batch]'") from None
 
+    hoist = flag_arg(hoist, "build_batch(hoist=...)")
+    depth = flag_arg(depth, "build_batch(depth=...)")
     if isinstance(feeds, Mapping) or not isinstance(feeds, Sequence) or isinstance(feeds, str):
         raise TypeError("build_batch takes a list of feeds (one mapping name -> value per input)")
     if not feeds:

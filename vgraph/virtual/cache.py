@@ -17,10 +17,18 @@ later build of the same key takes its nodes over (whether or not the structure t
 same). Using it raises a :class:`~vgraph.errors.GraphStateError` that says so — it never shows
 the later build's values silently. Node objects taken from it belong to the new build. Build with
 ``cache=False`` to keep several graphs of one structure side by side.
+
+Threads: each thread has its own cache (up to ``size`` graphs each). A build re-runs only a graph
+that its own thread built, so a graph returned to one thread is never re-used, nor superseded,
+by a build in another: the rule above holds per thread. (Builds of one VirtualGraph also run one
+at a time, see :func:`~vgraph.virtual.graph.one_build_at_a_time`; that is what serialises every
+use of this object.)
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +40,16 @@ if TYPE_CHECKING:
 DEFAULT_CACHE_SIZE = 4
 
 
+class _Table:
+    """One thread's cached graphs and the structure keys it has seen (see :class:`BuildCache`)."""
+
+    __slots__ = ("__weakref__", "entries", "seen")
+
+    def __init__(self) -> None:
+        self.entries: OrderedDict[tuple[Any, ...], UnrolledGraph] = OrderedDict()
+        self.seen: OrderedDict[tuple[Any, ...], None] = OrderedDict()
+
+
 class BuildCache:
     """A small LRU of unrolled graphs by structure key (see the module docstring).
 
@@ -41,32 +59,50 @@ class BuildCache:
     then re-run; one that does not costs nothing but its key in a bounded list.
 
     Memory: each entry keeps one unrolled graph with its values alive, so the cache holds at most
-    ``size`` graphs (the one a training step is using among them).
+    ``size`` graphs (the one a training step is using among them) per thread that builds; a
+    thread's graphs are freed when the thread ends.
+
+    Each thread sees only its own entries (a graph is re-run only in the thread that built it);
+    :meth:`resize` and :meth:`clear` apply to every thread's. The caller serialises the calls
+    (builds of one VirtualGraph hold its build lock).
     """
 
     SEEN = 256  # structure keys remembered for admission
 
     def __init__(self, size: int = DEFAULT_CACHE_SIZE) -> None:
         self.size = size
-        self._entries: OrderedDict[tuple[Any, ...], UnrolledGraph] = OrderedDict()
-        self._seen: OrderedDict[tuple[Any, ...], None] = OrderedDict()
+        self._local = threading.local()  # .table: the calling thread's _Table
+        self._tables: weakref.WeakSet[_Table] = weakref.WeakSet()  # every live thread's
+
+    def _mine(self) -> _Table:
+        """The calling thread's table (made on its first use)."""
+        table: _Table | None = getattr(self._local, "table", None)
+        if table is None:
+            table = self._local.table = _Table()
+            self._tables.add(table)
+        return table
 
     def __len__(self) -> int:
-        return len(self._entries)
+        """How many graphs the calling thread has cached."""
+        return len(self._mine().entries)
 
     def resize(self, size: int) -> None:
-        """Keep at most ``size`` graphs from now on (the least recently used go first)."""
+        """Keep at most ``size`` graphs per thread from now on (the least recently used go first)."""
         self.size = size
-        while len(self._entries) > max(size, 0):
-            self._entries.popitem(last=False)
+        for table in list(self._tables):
+            while len(table.entries) > max(size, 0):
+                table.entries.popitem(last=False)
 
     def take(self, key: tuple[Any, ...]) -> UnrolledGraph | None:
-        """Remove and return the graph cached under ``key`` (the caller puts back what it returns)."""
-        return self._entries.pop(key, None)
+        """Remove and return the graph the calling thread cached under ``key`` (the caller puts
+        back what it returns)."""
+        return self._mine().entries.pop(key, None)
 
     def admits(self, key: tuple[Any, ...]) -> bool:
-        """Whether :meth:`put` would keep a graph under ``key`` (its structure was built before)."""
-        return self.size > 0 and (key in self._entries or key in self._seen)
+        """Whether :meth:`put` would keep a graph under ``key`` (its structure was built before,
+        in the calling thread)."""
+        table = self._mine()
+        return self.size > 0 and (key in table.entries or key in table.seen)
 
     def put(self, key: tuple[Any, ...], cg: UnrolledGraph, replayed: bool = False) -> None:
         """Keep ``cg`` under ``key`` if this structure was built before (see the class docstring);
@@ -74,19 +110,24 @@ class BuildCache:
         because the structure turned out different) — keep it."""
         if self.size <= 0:
             return
-        if not replayed and key not in self._entries and key not in self._seen:
-            self._seen[key] = None  # first sighting: remember the key, not the graph
-            if len(self._seen) > self.SEEN:
-                self._seen.popitem(last=False)
+        table = self._mine()
+        entries, seen = table.entries, table.seen
+        if not replayed and key not in entries and key not in seen:
+            seen[key] = None  # first sighting: remember the key, not the graph
+            if len(seen) > self.SEEN:
+                seen.popitem(last=False)
             return
-        self._seen.pop(key, None)
-        self._entries[key] = cg
-        self._entries.move_to_end(key)
-        self.resize(self.size)
+        seen.pop(key, None)
+        entries[key] = cg
+        entries.move_to_end(key)
+        while len(entries) > self.size:
+            entries.popitem(last=False)
 
     def clear(self) -> None:
-        self._entries.clear()
-        self._seen.clear()
+        """Forget every thread's graphs and seen keys."""
+        for table in list(self._tables):
+            table.entries.clear()
+            table.seen.clear()
 
 
 class SupersededGraph:

@@ -491,8 +491,8 @@ class Rematerializer:
     """The checkpointing of one unrolled graph: every checkpointed loop instance, and the units
     whose values are currently present (being swept by backward, or read on demand).
 
-    Attached to the graph as ``cg._remat``; :class:`~vgraph.compute.ComputeGraph` calls
-    :meth:`backward_value`, :meth:`end_backward`, :meth:`value` and the forward hooks.
+    Attached with ``cg.attach_dropped_values``: it is the graph's
+    :class:`~vgraph.compute.DroppedValues`, whose methods the engine calls.
     """
 
     def __init__(self, cg: UnrolledGraph, clock: Any) -> None:

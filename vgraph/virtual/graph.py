@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, cast
 
 import numpy as np
 
 from .. import init as initializers
-from ..compute import ComputeNode, NodeKey, _as_value, float_dtype, get_default_dtype, sparse_grad_arg
+from ..compute import (
+    ComputeNode,
+    NodeKey,
+    _as_value,
+    flag_arg,
+    float_dtype,
+    get_default_dtype,
+    sparse_grad_arg,
+)
 from ..errors import BuildError, ShapeError
 from ..functions import Operand
 from ..ops import OPS
@@ -20,6 +30,34 @@ from .store import ParameterStore, _is_iteration_path, _store_name
 
 if TYPE_CHECKING:
     from .unroll import UnrolledGraph
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def one_build_at_a_time(
+    fn: Callable[Concatenate[VirtualGraph, _P], _R],
+) -> Callable[Concatenate[VirtualGraph, _P], _R]:
+    """Decorate a build function whose first argument is the VirtualGraph it builds: builds of one
+    graph then run one at a time, whatever thread calls them (a later one waits for the running
+    one; builds of different graphs run side by side).
+
+    A build reads and updates what every build of the graph shares: the parameter store (untied
+    copies are created by the first build that reaches them), the build counter that seeds sampled
+    nodes, the plans, :attr:`VirtualGraph.latest_build`. The lock is re-entrant: a build started
+    from a loop condition or a selector of the same graph in the same thread proceeds.
+    """
+
+    @functools.wraps(fn)
+    def run(graph: VirtualGraph, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        lock = getattr(graph, "_build_lock", None)
+        if lock is None:  # not a VirtualGraph: the build reports it
+            return fn(graph, *args, **kwargs)
+        with lock:
+            return fn(graph, *args, **kwargs)
+
+    return run
+
 
 # ---------------------------------------------------------------------------- the virtual graph
 
@@ -46,7 +84,7 @@ class VirtualGraph:
         self.seed = _seed_arg(seed, "VirtualGraph(seed=...)")
         self.name = name
         self.nodes: list[VirtualNode] = []  # in a topological order (declaration order)
-        self.params = ParameterStore(self._untied_copy)
+        self.params = ParameterStore(self._untied_copy, self._declared_spec)
         self.latest_build: UnrolledGraph | None = None
         self._counters: dict[str, int] = {}
         self._scopes: list[LoopNode] = []
@@ -55,6 +93,7 @@ class VirtualGraph:
         self._builds = 0  # seeds the generator of sampled nodes, build after build
         self._plans: dict[tuple[Any, ...], _Plan] = {}
         self._cache = BuildCache()
+        self._build_lock = threading.RLock()  # see one_build_at_a_time
         self.training = True
 
     def __repr__(self) -> str:
@@ -118,18 +157,33 @@ class VirtualGraph:
 
     @cache_size.setter
     def cache_size(self, size: int) -> None:
-        self._cache.resize(_count_arg(size, "cache_size"))
+        size = _count_arg(size, "cache_size")
+        with self._build_lock:  # (every thread's cache, none of them in use)
+            self._cache.resize(size)
 
-    def train(self, mode: bool = True) -> VirtualGraph:
-        """Training mode (the default): builds record what backward needs; sampled nodes
-        (e.g. dropout masks) are drawn."""
-        self.training = mode
-        return self
+    def train(self, mode: bool = True) -> None:
+        """Switch to training mode (the default), or to evaluation mode with ``mode=False``.
 
-    def eval(self) -> VirtualGraph:
-        """Evaluation mode: builds record nothing for backward (as under ``no_grad``) and sampled
-        nodes take their evaluation value (dropout passes values through)."""
-        return self.train(False)
+        In training mode builds record what backward needs and sampled nodes (e.g. dropout masks)
+        are drawn. The mode applies to later builds; :attr:`training` tells the current one.
+
+        Unlike PyTorch's ``Module.train``, this returns ``None``, as Python's in-place methods do
+        (``list.sort``): a graph returned here would be drawn whole by Jupyter when the call ends
+        a notebook cell.
+
+        Args:
+            mode: ``True`` for training, ``False`` for evaluation.
+
+        Raises:
+            ArgumentError: ``mode`` is not a bool (a TypeError).
+        """
+        self.training = flag_arg(mode, "train(mode=...)")
+
+    def eval(self) -> None:
+        """Switch to evaluation mode (``train(False)``): later builds record nothing for backward
+        (as under ``no_grad``) and sampled nodes take their evaluation value (dropout passes
+        values through). Returns ``None``, like :meth:`train`."""
+        self.train(False)
 
     # -- declaration helpers
     def _register(self, node: VirtualNode) -> int:
@@ -500,7 +554,8 @@ class VirtualGraph:
 
         Args:
             children: a node whose value is the ``(N, k)`` children array (usually an input).
-            max_nodes: a guard: a larger structure is a :class:`~vgraph.errors.LoopLimitError`.
+            max_nodes: a guard: a structure of more nodes is (at build) a
+                :class:`~vgraph.errors.LoopLimitError`.
             name: a display name.
             checkpoint: ``k`` or ``"sqrt"``, as for :meth:`loop` (structure nodes in units of
                 ``k``; a value read by a parent in a later unit is kept). Not ``binomial``.
@@ -509,9 +564,10 @@ class VirtualGraph:
             TypeError: ``max_nodes`` is not an int, or ``checkpoint`` is not a schedule.
             ValueError: a schedule that cannot work, or ``("binomial", s)``.
             BuildError: ``children`` is not a node visible here.
-            StructureError: (at build) the array is not ``(N, k)`` integers, is empty, or a child
-                index is out of range or does not come before its parent (which includes cycles);
-                the error names the structure node and the index.
+            StructureError: (at build) the array is not ``(N, k)`` integers, is empty, has fewer
+                columns than a slot ``r.child(state, j)`` reads (the error names the child node
+                and the width), or a child index is out of range or does not come before its
+                parent (which includes cycles); the error names the structure node and the index.
         """
         structure = self._as_node(children)
         max_nodes = _count_arg(max_nodes, "recurse max_nodes=")
@@ -586,6 +642,14 @@ class VirtualGraph:
             raise KeyError(f"{what} {key!r}, which is not a parameter of this graph")
         return decl, tuple(int(i) for i in idx_text.split(".")) if idx_text else ()
 
+    def _declared_spec(self, key: str) -> tuple[tuple[int, ...], np.dtype] | None:
+        """The (shape, dtype) parameter ``key`` (``"W"``, ``"W@3"``) has by its declaration, or ``None``."""
+        try:
+            decl, _ = self._declaration_of(key, "no parameter")
+        except KeyError:
+            return None
+        return decl.attrs["shape"], np.dtype(self.dtype)
+
     def _untied_copy(self, key: str) -> ComputeNode:
         """Create (initialised, and added to the store) the untied copy ``key`` no build has made yet."""
         decl, idx = self._declaration_of(key, "no parameter")
@@ -625,6 +689,7 @@ class VirtualGraph:
 
         Raises:
             TypeError, ValueError: ``feeds`` is not a non-empty list of mappings.
+            ArgumentError: ``hoist`` or ``depth`` is not a bool (a TypeError).
             FeedError, BuildError, ...: as :meth:`build`, prefixed with the input's index; nothing
                 is created in the parameter store then.
         """

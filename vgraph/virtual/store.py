@@ -26,9 +26,14 @@ class ParameterStore(Mapping[str, ComputeNode]):
     :meth:`set_value` on an untied copy no build has reached yet creates it first.
     """
 
-    def __init__(self, create: Callable[[str], ComputeNode] | None = None) -> None:
+    def __init__(
+        self,
+        create: Callable[[str], ComputeNode] | None = None,
+        spec: Callable[[str], tuple[tuple[int, ...], np.dtype] | None] | None = None,
+    ) -> None:
         self._nodes: dict[str, ComputeNode] = {}
         self._create = create  # makes an untied copy by name (its VirtualGraph's declarations)
+        self._spec = spec  # the declared (shape, dtype) of a name, without creating anything
 
     def __getitem__(self, name: str) -> ComputeNode:
         try:
@@ -51,6 +56,20 @@ class ParameterStore(Mapping[str, ComputeNode]):
     def parameters(self) -> list[ComputeNode]:
         """The parameter nodes, in creation order (what optimisers take)."""
         return list(self._nodes.values())
+
+    def declared(self, name: str) -> tuple[tuple[int, ...], np.dtype] | None:
+        """The shape and dtype of parameter ``name``: an entry's, or, for an untied copy no build
+        has created yet (``"W@7"``), the ones its declaration gives it. Creates nothing.
+
+        Returns:
+            ``(shape, dtype)``, or ``None`` if the graph declares no parameter of that name.
+        """
+        node = self._nodes.get(name) if isinstance(name, str) else None
+        if node is not None:
+            return node.shape, node.dtype
+        if self._spec is None or not isinstance(name, str):
+            return None
+        return self._spec(name)
 
     def value(self, name: str) -> np.ndarray:
         """A copy of a parameter's value."""

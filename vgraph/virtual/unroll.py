@@ -19,14 +19,11 @@ from ..compute import (
     ComputeGraph,
     ComputeNode,
     NodeKey,
-    _anomaly_scope,
     _as_value,
     _by_serial,
     computed_ops,
-    is_anomaly_enabled,
-    is_grad_enabled,
+    flag_arg,
     next_version,
-    no_grad,
 )
 from ..errors import (
     BuildError,
@@ -38,13 +35,15 @@ from ..errors import (
     StructureError,
     VGraphError,
 )
+from ..modes import anomaly_scope as _anomaly_scope
+from ..modes import is_anomaly_enabled, is_grad_enabled, no_grad
 from ..ops import OPS, Op
 from ..tape import ForwardTape, tapes_enabled
 from ..workspace import computing
 from .cache import SupersededGraph
 from .checkpoint import LoopRecord, Rematerializer
 from .elastic import Elastic, Trace, elastic_key
-from .graph import VirtualGraph
+from .graph import VirtualGraph, one_build_at_a_time
 from .hoist import RowSum, defer_unread, hoist_loop, row_sums
 from .nodes import _NO_LOOP_VALUE, BranchNode, LoopNode, VirtualNode
 from .plan import _Plan
@@ -342,8 +341,7 @@ class UnrolledGraph(ComputeGraph):
 
 def _check_feed_value(decl: VirtualNode, value: Any, dtype: np.dtype) -> np.ndarray:
     try:
-        # a copy: the graph must not see the caller's later in-place changes (no version bump)
-        arr = np.array(_as_value(value, dtype))
+        arr = _as_value(value, dtype)
     except (TypeError, ValueError) as e:
         raise FeedError(f"input {decl.name!r}: {e}") from None
     shape = decl.attrs["shape"]
@@ -352,6 +350,15 @@ def _check_feed_value(decl: VirtualNode, value: Any, dtype: np.dtype) -> np.ndar
     ):
         declared = "(" + ", ".join("None" if s is None else str(s) for s in shape) + ")"
         raise FeedError(f"input {decl.name!r} {decl.describe()}: fed shape {arr.shape}, declared {declared}")
+    # Exactly one copy, which the input leaf adopts: the graph must not see the caller's later
+    # in-place changes (no version bump). None when _as_value already made a new array (from a
+    # list, or a cast to the graph's dtype); a view, or an object's own buffer, is copied.
+    if (
+        arr is value
+        or not arr.flags.owndata
+        or not isinstance(value, (np.ndarray, np.generic, list, tuple, int, float))
+    ):
+        arr = arr.copy()
     return arr
 
 
@@ -430,7 +437,9 @@ class _Builder:
             env[v] = cg.add_leaf(self.parameter(v, frame.idx))
         elif kind == "input":
             name = cast(str, v.name)  # inputs are declared with a name
-            node = cg.input(self.feed[name], name, NodeKey("Input", v.id, ()), v.attrs["requires_grad"])
+            node = cg.input(  # the feed holds the build's own checked copy: adopted, not copied again
+                self.feed[name], name, NodeKey("Input", v.id, ()), v.attrs["requires_grad"], copy=False
+            )
             cg.inputs[name] = node
             env[v] = node
         elif kind == "constant":
@@ -533,7 +542,6 @@ class _Builder:
             history: list[list[ComputeNode]]
             defaults, history = state, []  # every node's state, read by its parents
             rows = kids.tolist()  # plain ints: reading them per node costs less than numpy scalars
-            width = kids.shape[1]
             reads = [(read, loop.carries.index(read.inputs[0]), read.attrs["slot"]) for read in loop.children]
         captured = {c: frame.owner(c).env[c] for c in self.plan.captures[loop]}
         groups: dict[VirtualNode, ComputeNode] = {}
@@ -603,8 +611,8 @@ class _Builder:
                 ienv[c] = node
             if kids is not None:  # each child read *is* the node computed at that child
                 row = rows[t]
-                for read, k, slot in reads:
-                    c = row[slot] if slot < width else -1
+                for read, k, slot in reads:  # (every slot is a column: see _check_structure)
+                    c = row[slot]
                     ienv[read] = history[c][k] if c >= 0 else defaults[k]
             _iteration_views(cg, loop, inner, seqs, groups, length, t)
             self.run_scope(inner, order)
@@ -663,11 +671,13 @@ class _Builder:
         if loop.checkpoint is None or not is_grad_enabled():
             return None
         cg = self.cg
-        if cg._remat is None:
-            cg._remat = Rematerializer(cg, next_version)
+        remat = cg.dropped_values
+        if not isinstance(remat, Rematerializer):  # the graph's first checkpointed loop
+            remat = Rematerializer(cg, next_version)
+            cg.attach_dropped_values(remat)
         known = [n for n in (loop.times, length) if n is not None] if loop.cond is None else []
         trips = min(known) if known else None
-        return cg._remat.start_loop(loop, idx, loop.checkpoint, trips, kids, self.rng, self.graph.training)
+        return remat.start_loop(loop, idx, loop.checkpoint, trips, kids, self.rng, self.graph.training)
 
     def choose(self, branch: BranchNode, frame: _Frame) -> int:
         """Run ``branch``'s selector on its keys' values (built by now)."""
@@ -704,8 +714,9 @@ class _Builder:
 
 
 def _check_structure(loop: LoopNode, idx: tuple[int, ...], value: Any, length: int | None) -> np.ndarray:
-    """A recursion's children array, checked: ``(N, k)`` integers, ``N > 0``, every child index in
-    ``[-1, t)`` for node ``t`` (children first; a cycle cannot be ordered so)."""
+    """A recursion's children array, checked: ``(N, k)`` integers, ``0 < N <= max_nodes``, a
+    column for every slot ``r.child`` reads, every child index in ``[-1, t)`` for node ``t``
+    (children first; a cycle cannot be ordered so)."""
     # only a recursion (loop.structure set) has a children array
     where = f"{loop.describe(idx)}: the children array {cast(VirtualNode, loop.structure).describe()}"
     kids = np.asarray(value)
@@ -713,6 +724,20 @@ def _check_structure(loop: LoopNode, idx: tuple[int, ...], value: Any, length: i
         raise StructureError(f"{where} must be an (N, k) integer array, got {kids.dtype} {kids.shape}")
     if len(kids) == 0:
         raise StructureError(f"{where} is empty: a structure needs at least one node")
+    if len(kids) > loop.max_iters:  # (a recursion's max_iters is its max_nodes)
+        raise LoopLimitError(
+            f"{where} has {len(kids)} nodes, more than max_nodes={loop.max_iters}; raise g.recurse's "
+            "max_nodes if a structure that large is intended"
+        )
+    for read in loop.children:
+        if read.attrs["slot"] >= kids.shape[1]:
+            width = kids.shape[1]
+            slots = f"child slots 0..{width - 1}" if width else "no child slot"
+            raise StructureError(
+                f"{where} has width {width} ({slots}), but {read.describe()} reads "
+                f"slot {read.attrs['slot']} (r.child(..., {read.attrs['slot']})); give every node a "
+                "column for each slot read, -1 where it has no such child"
+            )
     if length is not None and length != len(kids):
         raise StructureError(f"{where} has {len(kids)} nodes, but the stepped sequences have {length}")
     bad = (kids < -1) | (kids >= len(kids))
@@ -934,6 +959,7 @@ def _checked_feed(graph: VirtualGraph, plan: _Plan, feed: Mapping[str, Any]) -> 
 
 
 @computing
+@one_build_at_a_time
 def build_compute_graph(
     graph: VirtualGraph,
     feed: Mapping[str, Any],
@@ -979,7 +1005,11 @@ def build_compute_graph(
         BuildError: an output inside a loop body, a body not closed, a loop that ran zero iterations
             but must stack values.
         LoopLimitError, SelectorError, ShapeError: while unrolling, naming ``<type,id,idx>``.
+        ArgumentError: ``hoist``, ``cache`` or ``detect_anomaly`` is not a bool (a TypeError).
     """
+    hoist = flag_arg(hoist, "build(hoist=...)")
+    cache = flag_arg(cache, "build(cache=...)")
+    detect_anomaly = flag_arg(detect_anomaly, "build(detect_anomaly=...)")
     outs, plan = _check_outputs(graph, outputs)
     values = _checked_feed(graph, plan, feed)
 
@@ -1027,7 +1057,7 @@ def build_compute_graph(
     cg._mark_fresh([_ALL])  # every node was computed from its parents' current values
     for name, node in builder.new_params.items():  # commit only after success
         graph.params._add(name, node)
-    if cache and cg._remat is None:  # a replay would read dropped values: checkpointed graphs unroll
+    if cache and cg.dropped_values is None:  # a replay would read dropped values: checkpointed graphs unroll
         known = cached is not None  # this structure was built before: keep the graph
         if builder.traces:  # kept by the elastic key if it can resize (analysed once it is kept)
             cg._elastic = Elastic(builder.traces, cg)

@@ -1,0 +1,125 @@
+"""Grad mode and anomaly mode: the two switches every layer reads, kept per thread.
+
+Both are set only by context managers that restore the previous setting on exit
+(:func:`no_grad`, :func:`detect_anomaly`), and both belong to the thread that set them, as
+PyTorch's grad mode does: ``with vg.no_grad():`` in one thread changes nothing for a build or a
+backward running in another. A new thread starts with gradients on and anomaly detection off,
+whatever the thread that started it is inside (enter ``no_grad()`` in the new thread's own code to
+build without gradients there).
+
+This module sits below every other layer (it imports nothing of vgraph but its errors), so
+``ops`` and ``compute`` read the switches without importing anything above them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from .errors import ArgumentError
+
+
+def flag_arg(flag: Any, what: str) -> bool:
+    """``flag`` checked as a True/False option (``what``: how the message names it, e.g.
+    ``"build(hoist=...)"``); numpy's bools are accepted.
+
+    Raises:
+        ArgumentError: ``flag`` is not a bool (``"yes"``, ``1``, ``None`` are refused rather than
+            read by their truth value).
+    """
+    if flag is True or flag is False:
+        return flag
+    if isinstance(flag, np.bool_):
+        return bool(flag)
+    raise ArgumentError(f"{what} must be True or False, got {type(flag).__name__} {flag!r:.80}")
+
+
+class _Modes(threading.local):
+    """Per thread: the switches. The class attributes are every new thread's starting values
+    (a ``threading.local`` instance starts empty in each thread and falls back to them)."""
+
+    grad: bool = True
+    anomaly: bool = False
+
+
+#: The calling thread's switches; read directly (``modes.state.grad``) where a function call per
+#: node would show (ComputeGraph's node creation), else through the functions below.
+state = _Modes()
+
+
+@contextlib.contextmanager
+def no_grad() -> Iterator[None]:
+    """Nodes created inside this block record nothing for backward (``requires_grad=False``).
+
+    Use it for evaluation and for updates that must not be differentiated. The previous mode is
+    restored on exit, also when the block raises. The mode is the calling thread's: other threads
+    keep building with gradients, and a thread started inside the block starts with gradients on.
+    """
+    modes = state
+    previous = modes.grad
+    modes.grad = False
+    try:
+        yield
+    finally:
+        modes.grad = previous
+
+
+def is_grad_enabled() -> bool:
+    """Whether nodes created now, in this thread, record what backward needs (``False`` inside
+    ``no_grad()``)."""
+    return state.grad
+
+
+@contextlib.contextmanager
+def detect_anomaly(enabled: bool = True) -> Iterator[None]:
+    """Inside this block, the first NaN or Inf raises :class:`~vgraph.errors.NonFiniteError`.
+
+    Forward (including the values computed while unrolling) checks every value an op produces;
+    backward checks every gradient a VJP produces. The error names the unrolled node
+    ``<type,id,idx>`` where the non-finite value first appears, its op, the finite status, range
+    and shape of each input, and for backward the node whose VJP produced it — e.g.
+    ``NaN first appears at <Log:1@37>: log of a negative input (min -0.02)``.
+
+    Off by default; when off it costs one flag test per node. When on, each value is scanned
+    once (see docs/performance.md). ``build``, ``forward`` and ``backward`` also take
+    ``detect_anomaly=True`` for a single call. The mode is the calling thread's, like
+    :func:`no_grad`: work running in other threads is not checked, and a new thread starts with
+    detection off.
+
+    Args:
+        enabled: ``False`` turns detection off inside the block (e.g. around a part known to
+            produce infinities on purpose).
+
+    Raises:
+        ArgumentError: ``enabled`` is not a bool (a TypeError).
+    """
+    enabled = flag_arg(enabled, "detect_anomaly(enabled=...)")
+    modes = state
+    previous = modes.anomaly
+    modes.anomaly = enabled
+    try:
+        if enabled:  # the error says it all: no numpy warning before it (np.errstate is per thread)
+            with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+                yield
+        else:
+            yield
+    finally:
+        modes.anomaly = previous
+
+
+def is_anomaly_enabled() -> bool:
+    """Whether NaN/Inf detection is on in this thread (inside :func:`detect_anomaly`)."""
+    return state.anomaly
+
+
+#: A scope that does nothing (one for every use: ``nullcontext`` keeps no state).
+_NOTHING: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+
+
+def anomaly_scope(on: bool) -> contextlib.AbstractContextManager[None]:
+    """``detect_anomaly()`` for a call that asked for it, else nothing (the thread's setting holds)."""
+    return detect_anomaly() if on else _NOTHING
