@@ -1,8 +1,8 @@
 """Screenshot of the explorer page for the docs: docs/images/explorer.png.
 
-The 50-step Elman RNN of examples/models after backward; the page searched for ``Tanh:1@37``
-(its iteration unfolded, the node selected) and the gradient-through-time chart hovered at
-t=37. Needs chromium, chromedriver and selenium.
+The 50-step Elman RNN of examples/models after backward, shown as declared (the page's default);
+the page searched for ``Tanh:1@37`` (its iteration unfolded, the node selected) and the
+gradient-through-time chart hovered at t=37. Needs chromium, chromedriver and selenium.
 
     PYTHONPATH=$PWD python tools/explorer_screenshot.py [OUT.png]
 """

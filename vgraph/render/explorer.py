@@ -5,6 +5,8 @@ script and the style are inline) with
 
 * the **virtual view** (the model as declared, drawn by Graphviz at generation time) and the
   **unrolled view** (one build, laid out in the browser) as tabs;
+* the unrolled view **as declared** (the plain unroll's nodes and edges, the default) or **as
+  executed** (hoisted groups, their per-iteration rows and fused sums; see :func:`_declared_view`);
 * **folding**: long loops show their first and last iterations and one "… N iterations" node;
   clicking it unfolds (in pages of iterations for long loops), the loop's header folds it back;
 * node details on hover and click: key ``<type:id@idx>``, name, op, shape, dtype, value
@@ -29,6 +31,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import numbers
 import os
 import re
 from collections.abc import Sequence
@@ -37,9 +40,10 @@ from typing import Any
 
 import numpy as np
 
-from ..compute import ComputeGraph
-from ..errors import GraphStateError, RenderError, VGraphError
+from ..compute import ComputeGraph, ComputeNode
+from ..errors import ArgumentError, GraphStateError, RenderError, VGraphError
 from ..virtual import LoopNode, UnrolledGraph, VirtualGraph, VirtualNode
+from ..virtual.nodes import _depth
 from .frames import _Frames
 from .gradients import _use_sites, gradient_through_time, retain_all_grads
 from .output import dot_available, to_svg
@@ -107,13 +111,17 @@ def explore(
         The page's HTML as an :class:`ExplorerPage` (a ``str`` that displays inline in Jupyter).
 
     Raises:
-        TypeError: ``graph`` or ``build`` is not a graph of the expected kind.
-        ValueError: ``build`` is not a build of ``graph``, or ``fold`` is not a pair of
-            non-negative ints.
+        ArgumentError: an argument of the wrong type: ``graph`` or ``build`` not a graph of the
+            expected kind, ``path`` not a path, ``title`` not a string, ``fold`` not a pair of
+            ints, ``virtual_view`` not a bool (a ``TypeError`` too). Nothing is written.
+        ValueError: ``build`` is not a build of ``graph``, or ``fold`` has a negative count.
         RenderError: Graphviz's ``dot`` failed on the virtual view.
     """
     virtual, cg = _resolve(graph, build)
     first, last = _check_fold(fold)
+    _check_path(path)
+    _check_type("title", title, str, "a str or None", optional=True)
+    _check_type("virtual_view", virtual_view, bool, "True or False")
     data: dict[str, Any] = {"title": title or _default_title(virtual, cg), "fold": [first, last]}
     if cg is not None:
         data["unrolled"] = _unrolled_data(cg)
@@ -152,11 +160,17 @@ def explore_script_result(
         The page (see :func:`explore`).
 
     Raises:
-        TypeError: ``graph`` is not a VirtualGraph.
+        ArgumentError: ``graph`` is not a VirtualGraph, ``path`` not a path, ``gradients`` not a
+            bool or ``title`` not a string (a ``TypeError`` too). Nothing is built or written.
         VGraphError: the build or backward failed (the model's own error).
     """
     if not isinstance(graph, VirtualGraph):
-        raise TypeError(f"graph must be a VirtualGraph, got {type(graph).__name__}")
+        raise ArgumentError(
+            f"explore_script_result: graph must be a VirtualGraph, got {type(graph).__name__}"
+        )
+    _check_path(path)
+    _check_type("gradients", gradients, bool, "True or False")
+    _check_type("title", title, str, "a str or None", optional=True)
     outs = [outputs] if isinstance(outputs, VirtualNode) else list(outputs)
     cg = graph.build(feed, outs)
     if gradients and cg.outputs and np.size(cg.outputs[0].value) == 1:
@@ -173,8 +187,8 @@ def _resolve(graph: Any, build: Any) -> tuple[VirtualGraph | None, ComputeGraph 
         if build is None:
             return graph, None
         if not isinstance(build, UnrolledGraph):
-            raise TypeError(
-                f"build= must be an UnrolledGraph (the result of g.build(...)), got {type(build).__name__}"
+            raise ArgumentError(
+                f"explore: build= must be an UnrolledGraph (the result of g.build(...)), got {type(build).__name__}"
             )
         if build.virtual is not graph:
             raise ValueError(
@@ -185,18 +199,32 @@ def _resolve(graph: Any, build: Any) -> tuple[VirtualGraph | None, ComputeGraph 
         if build is not None:
             raise ValueError("build= applies to a VirtualGraph; pass the unrolled graph itself as graph")
         return (graph.virtual if isinstance(graph, UnrolledGraph) else None), graph
-    raise TypeError(f"cannot explore {type(graph).__name__}: pass a VirtualGraph or a ComputeGraph")
+    raise ArgumentError(f"cannot explore {type(graph).__name__}: pass a VirtualGraph or a ComputeGraph")
 
 
 def _check_fold(fold: Any) -> tuple[int, int]:
-    try:
-        first, last = (int(v) for v in fold)
-        ok = first >= 0 and last >= 0 and (first, last) == tuple(fold)
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ValueError(f"fold must be (first, last) with non-negative ints; got {fold!r}")
+    if (
+        not isinstance(fold, (tuple, list))
+        or len(fold) != 2
+        or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in fold)
+    ):
+        raise ArgumentError(f"explore: fold must be a pair (first, last) of ints; got {fold!r}")
+    first, last = int(fold[0]), int(fold[1])
+    if first < 0 or last < 0:
+        raise ValueError(f"explore: fold must be (first, last) with non-negative ints; got {fold!r}")
     return first, last
+
+
+def _check_type(name: str, value: Any, kind: type, expected: str, *, optional: bool = False) -> None:
+    if not (isinstance(value, kind) or (optional and value is None)):
+        raise ArgumentError(f"explore: {name}= must be {expected}, got {type(value).__name__} {value!r}")
+
+
+def _check_path(path: Any) -> None:
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise ArgumentError(
+            f"explore: path must be a str, a path or None, got {type(path).__name__} {path!r}"
+        )
 
 
 def _default_title(virtual: VirtualGraph | None, cg: ComputeGraph | None) -> str:
@@ -340,7 +368,48 @@ def _unrolled_data(cg: ComputeGraph) -> dict[str, Any]:
         "edgeNames": edge_names,
         "series": _series(cg, frames_view),
         "hasGrad": bool(norms),
+        "declared": _declared_view(cg, index, strings),
     }
+
+
+def _declared_view(
+    cg: ComputeGraph, index: dict[ComputeNode, int], strings: _Strings
+) -> dict[str, Any] | None:
+    """How the build looks *as declared* where the build computes it otherwise, or ``None`` where
+    it does not.
+
+    A build that hoists loop-body work (:mod:`vgraph.virtual.hoist`) keeps every declared node's
+    key, value and gradient, but computes some of them otherwise: group nodes ``<MatMul*:1>`` do
+    the work of every iteration at once, a copy ``<MatMul:1@t>`` is row ``t`` of its group, a sum
+    reads the rows of a group (``AddRow``) or computes a product too (``MatMulAddRow``). The
+    declared view is the plain unroll's graph on the same nodes: groups hidden (``hide``) and each
+    node whose op is not its declared node's op drawn with that op and the declared inputs of its
+    iteration (``nodes``: ``[node, op, [parents]]``), as ``build(..., hoist=False)`` builds it.
+    """
+    if not isinstance(cg, UnrolledGraph):
+        return None
+    declared = {(v.type, v.id): v for v in cg.virtual.nodes}
+    hide: list[int] = []
+    rewritten: list[list[Any]] = []
+    for n, i in index.items():
+        k = n.key
+        if k.type.endswith("*"):
+            hide.append(i)
+            continue
+        v = declared.get((k.type, k.id))
+        if v is None or n.op is None:
+            continue
+        op = v.op.name if v.op is not None else "GetItem" if v.kind == "item" else None
+        if op is None or n.op.name == op:
+            continue
+        try:
+            parents = [index[cg.node(u, k.idx[: _depth(u.scope)])] for u in v.inputs]
+        except (VGraphError, KeyError):  # not built as the plain unroll would: keep what it is
+            continue
+        rewritten.append([i, strings(op), parents])
+    if not hide and not rewritten:
+        return None
+    return {"hide": hide, "nodes": rewritten}
 
 
 def _series(cg: ComputeGraph, frames_view: Any) -> list[dict[str, Any]]:
@@ -429,19 +498,30 @@ def _strip_prolog(svg: str) -> str:
 # ============================================================================ the page
 
 
+# Characters escaped in the page's JSON: with no "<", ">" or "&" the text cannot close the script
+# element or open a comment ("<!--", "</script>"), whatever the strings in it; U+2028 and U+2029
+# end a line in older JavaScript. Each becomes its \uXXXX escape, which JSON.parse reads back.
+_SCRIPT_UNSAFE = re.compile("[<>&\u2028\u2029]")
+
+
 def _json_for_script(data: Any) -> str:
+    """``data`` as JSON that is safe inside an HTML ``<script>`` element (and still valid JSON)."""
     text = json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    # Inside <script>, "</" could close the element early; "<!--" could start a comment.
-    return text.replace("</", "<\\/").replace("<!--", "<\\!--")
+    return _SCRIPT_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+_MARKER = re.compile(r"%%(TITLE|STYLE|SCRIPT|DATA)%%")
 
 
 def _page(data: dict[str, Any]) -> str:
-    return (
-        _TEMPLATE.replace("%%TITLE%%", html.escape(data["title"]))
-        .replace("%%STYLE%%", _STYLE)
-        .replace("%%SCRIPT%%", _SCRIPT)
-        .replace("%%DATA%%", _json_for_script(data))
-    )
+    # One pass over the template: a marker inside substituted text (a title "%%DATA%%") stays text.
+    parts = {
+        "TITLE": html.escape(data["title"]),
+        "STYLE": _STYLE,
+        "SCRIPT": _SCRIPT,
+        "DATA": _json_for_script(data),
+    }
+    return _MARKER.sub(lambda m: parts[m.group(1)], _TEMPLATE)
 
 
 _TEMPLATE = """<!DOCTYPE html>
@@ -474,6 +554,7 @@ _TEMPLATE = """<!DOCTYPE html>
       <button type="button" data-act="fold-all" class="u-only" title="Fold every loop to its default">Fold all</button>
       <label class="u-only"><input type="checkbox" id="vg-gradcolor" checked> colour by |grad|</label>
       <label class="u-only"><input type="checkbox" id="vg-guards"> guards</label>
+      <span id="vg-mode" class="u-only" role="group" aria-label="Show the build" hidden><button type="button" data-mode="declared" aria-pressed="true" title="The model's own ops: one node per declared node per iteration, as the plain unroll builds them">as declared</button><button type="button" data-mode="executed" aria-pressed="false" title="What the build runs: hoisted groups (MatMul*), their per-iteration rows and fused sums">as executed</button></span>
       <span id="vg-legend" class="u-only"></span>
     </div>
     <div id="vg-pane-unrolled" class="pane"><div class="empty">No unrolled build: pass build=g.build(...) to explore().</div></div>
@@ -524,9 +605,15 @@ button:hover{background:#eef1f4}
 #vg-toolbar .sep{width:1px;height:18px;background:var(--line)}
 #vg-toolbar label{display:flex;align-items:center;gap:4px}
 #vg-zoom{min-width:42px;text-align:center}
-#vg-legend{display:flex;align-items:center;gap:0;margin-left:auto;font-size:11px}
-#vg-legend .cell{min-width:34px;padding:0 3px;white-space:nowrap;height:16px;display:flex;align-items:center;justify-content:center;border:1px solid #c9d1d9;margin-left:-1px}
+#vg-legend{display:flex;flex-wrap:wrap;align-items:center;row-gap:2px;margin-left:auto;max-width:100%;padding-right:1px;font-size:11px}
+#vg-legend .cell{flex:none;min-width:34px;padding:0 3px;white-space:nowrap;height:16px;display:flex;align-items:center;justify-content:center;border:1px solid #c9d1d9;margin-right:-1px}
 #vg-legend .cap{margin-right:6px}
+#vg-mode{display:flex}
+#vg-mode[hidden]{display:none}
+#vg-mode button{border-radius:0;padding:2px 8px;font-size:12px;color:var(--muted)}
+#vg-mode button:first-child{border-radius:6px 0 0 6px}
+#vg-mode button:last-child{border-radius:0 6px 6px 0;margin-left:-1px}
+#vg-mode button[aria-pressed=true]{background:#ddeafb;color:var(--fg);font-weight:600}
 .pane{flex:1;overflow:auto;background:#fff;position:relative}
 .pane[hidden]{display:none}
 .pane svg{display:block;margin:0 auto}
@@ -627,10 +714,21 @@ function setZoom(z, keepCenter){
   zoom[current] = Math.min(4, Math.max(0.05, z)); applyZoom();
   if (keepCenter) { pane.scrollLeft = cx * zoom[current] - pane.clientWidth / 2; pane.scrollTop = cy * zoom[current] - pane.clientHeight / 2; }
 }
+const READABLE = 0.7;  // the smallest scale Fit goes to: node labels of 12px stay about 8px tall
+function fitScale(w, h, pane){
+  const fw = (pane.clientWidth - 16) / w, fh = (pane.clientHeight - 16) / h, whole = Math.min(1.5, fw, fh);
+  return whole >= READABLE ? whole : Math.max(READABLE, Math.min(1, fw));  // a tall drawing: its width (at most 100%), then scroll
+}
 function fit(){
   const pane = $('vg-pane-' + current), [w, h] = natural[current]; if (!w) return;
-  setZoom(Math.min(1.5, (pane.clientWidth - 16) / w, (pane.clientHeight - 16) / h), false);
+  setZoom(fitScale(w, h, pane), false);
+  pane.scrollLeft = Math.max(0, (pane.scrollWidth - pane.clientWidth) / 2); pane.scrollTop = 0;
 }
+// After a search the found node stays in the details panel until the pointer really moves (the
+// browser sends mouse events without a move when the drawing scrolls under a still pointer).
+let pointer = [NaN, NaN], hoverHold = null;
+document.addEventListener('mousemove', e => { pointer = [e.clientX, e.clientY];
+  if (hoverHold && (e.clientX !== hoverHold[0] || e.clientY !== hoverHold[1])) hoverHold = null; }, true);
 $('vg-toolbar').addEventListener('click', e => {
   const b = e.target.closest('button'); if (!b) return;
   const act = b.dataset.act;
@@ -657,8 +755,23 @@ function unrolledView(X){
   const keyIndex = new Map(); for (let i = 0; i < N; i++) keyIndex.set(C.key[i], i);
   const typeOf = i => C.key[i].slice(0, C.key[i].indexOf(':'));
   const GUARD = new Set(['LoopCheck', 'LengthCheck']);
-  const children = new Array(N); for (let i = 0; i < N; i++) children[i] = [];
-  for (let i = 0; i < N; i++) for (const p of C.parents[i]) children[p].push(i);
+  // the build as declared (the plain unroll's nodes and edges, the default) or as executed (hoisted
+  // groups, their rows, fused sums): X.declared lists what differs (see _declared_view)
+  const DV = X.declared, dParents = new Map(), dOp = new Map(), dHide = new Set(DV ? DV.hide : []);
+  if (DV) for (const [i, o, ps] of DV.nodes) { dParents.set(i, ps); dOp.set(i, o); }
+  let asDeclared = !!DV, children;
+  const parentsOf = i => asDeclared && dParents.has(i) ? dParents.get(i) : C.parents[i];
+  const opOf = i => asDeclared && dOp.has(i) ? dOp.get(i) : C.op[i];
+  function linkChildren(){ children = Array.from({length: N}, () => []);
+    for (let i = 0; i < N; i++) if (!(asDeclared && dHide.has(i))) for (const p of parentsOf(i)) children[p].push(i); }
+  linkChildren();
+  const modeEl = $('vg-mode'); modeEl.hidden = !DV;
+  function setDeclared(on){ asDeclared = !!DV && on; linkChildren();
+    for (const b of modeEl.children) b.setAttribute('aria-pressed', (b.dataset.mode === 'declared') === asDeclared ? 'true' : 'false');
+    if (selected >= 0 && asDeclared && dHide.has(selected)) selected = -1; }
+  modeEl.addEventListener('click', e => { const b = e.target.closest('button[data-mode]'); if (!b) return;
+    setDeclared(b.dataset.mode === 'declared'); draw(); if (selected >= 0) showInfo(selected);
+    status(asDeclared ? 'as declared: the model\'s own ops' : 'as executed: hoisted groups and fused sums'); });
   // node and run membership
   const frameNodes = frames.map(() => []), frameRuns = frames.map(() => []), rootNodes = [], rootRuns = [];
   for (let i = 0; i < N; i++) (C.frame[i] < 0 ? rootNodes : frameNodes[C.frame[i]]).push(i);
@@ -688,21 +801,23 @@ function unrolledView(X){
     const step = Math.max(1, Math.ceil((hi - lo) / 8)); let h = '<span class="cap">|grad|</span>';
     for (let e = lo; e <= hi; e += step) { const c = cmap((e - lo) / (hi - lo));
       h += '<span class="cell" style="background:' + c + ';color:' + (lum(c) < .45 ? '#fff' : '#222') + '">' + (e === lo && clipped ? '≤' : '') + '1e' + e + '</span>'; }
-    h += '<span class="cell" style="background:#fff">0</span><span class="cell" style="background:' + NONFINITE + ';color:#fff;width:52px">NaN/Inf</span>';
+    h += '<span class="cell" style="background:#fff">0</span><span class="cell" style="background:' + NONFINITE + ';color:#fff">NaN/Inf</span>';
     el.innerHTML = h; el.title = 'fill: log10 of the norm of node.grad' + (clipped ? '; norms below 1e' + lo + ' (more than ' + DECADES + ' decades under the largest) share the lowest colour' : '') + '; white outline: no gradient kept';
   }
 
   const STYLE = {Parameter:['#ffe4b5',1], Input:['#d9f0d3',1], Constant:['#eeeeee',1], Sample:['#eeeeee',1], Item:['#ecf6e8',1],
     Stack:['#dfe9f5',0], Final:['#fbe3e0',1], Branch:['#e8dcf5',0], LoopCheck:['#ffffff',0], LengthCheck:['#ffffff',0]};
-  const visible = i => { const t = typeOf(i); return showGuards || !GUARD.has(t); };
+  const visible = i => { if (asDeclared && dHide.has(i)) return false; const t = typeOf(i); return showGuards || !GUARD.has(t); };
 
   // text measurement
   const ctx = document.createElement('canvas').getContext('2d');
   const FONT = 'system-ui,-apple-system,"Segoe UI",Roboto,"Helvetica Neue",Arial,sans-serif';
   const wcache = new Map();
   function tw(text, font){ const k = font + '|' + text; let w = wcache.get(k); if (w === undefined) { ctx.font = font; w = ctx.measureText(text).width; wcache.set(k, w); } return w; }
+  // a stub's label: the leaf's name, cut to STUBCHARS characters (the leaf itself shows it whole)
+  const STUBCHARS = 18, stubLabel = p => { const s = Array.from(str(C.name[p]) || C.key[p]); return s.length > STUBCHARS ? s.slice(0, STUBCHARS - 1).join('') + '…' : s.join(''); };
   function nodeLines(i){
-    const l1 = '<' + C.key[i] + '>'; const name = str(C.name[i]), op = str(C.op[i]), note = str(C.note[i]);
+    const l1 = '<' + C.key[i] + '>'; const name = str(C.name[i]), op = str(opOf(i)), note = str(C.note[i]);
     const parts = []; if (name) parts.push(name); if (op && op !== typeOf(i) && op !== 'GetItem') parts.push(op);
     const l2 = parts.join(' · '); let l3 = str(C.shape[i]);
     if (note) l3 += ' · ' + note;
@@ -743,21 +858,32 @@ function unrolledView(X){
     // edges between representatives
     const edges = [], seen = new Set();
     for (let i = 0; i < N; i++) { const b = nrep[i]; if (b < 0) continue;
-      for (const p of C.parents[i]) { const a = nrep[p]; if (a < 0 || a === b) continue; const k = a + '>' + b; if (seen.has(k)) continue; seen.add(k);
+      for (const p of parentsOf(i)) { const a = nrep[p]; if (a < 0 || a === b) continue; const k = a + '>' + b; if (seen.has(k)) continue; seen.add(k);
         const ea = els[a], eb = els[b]; let cls = '', label = null;
         const nm = edgeName.get(p + ',' + C.frame[i]);
         if (nm !== undefined && !GUARD.has(typeOf(i))) { cls = 'carry'; label = nm; }
         else if ((C.op[p] < 0 || typeOf(p).endsWith('*')) && C.frame[i] >= 0 && C.frame[p] !== C.frame[i]) cls = 'leaf';  // shared leaves and hoisted groups: stubs
         if (ea.kind === 'fold' || eb.kind === 'fold') cls += ' fold';
-        edges.push({a, b, cls, label, p, i}); } }
+        edges.push({a, b, cls, label, p, i});
+        if (cls === 'leaf') { const w = tw(stubLabel(p), STUBFONT); eb.stubw = Math.max(eb.stubw || 0, w); } } }
+    for (const ed of edges) els[ed.b].nin = (els[ed.b].nin || 0) + 1;
     return {els, edges};
   }
 
   // ---------------------------------------------------------------- layout
-  const PADX = 12, HEAD = 24, GAPX = 16, GAPY = 26, RUNGAP = 10, NODEH = 46, DUMMYW = 6, MAXDUMMIES = 3000;
+  const PADX = 12, HEAD = 24, GAPX = 16, GAPY = 26, RUNGAP = 10, DUMMYW = 6, MAXDUMMIES = 3000;
+  const LINEFONTS = ['600 12px ' + FONT, '12px ' + FONT, '11px ' + FONT], STUBFONT = '10px ' + FONT;
+  const metrics = LINEFONTS.map(f => { ctx.font = f; const m = ctx.measureText('Hg_|(');
+    const size = parseFloat(f.match(/(\d+)px/)[1]); return [m.fontBoundingBoxAscent || 0.95 * size, m.fontBoundingBoxDescent || 0.25 * size]; });
+  // baselines of [key, name · op, shape] and of [key, shape], and the node heights: 3px above and below, 1px between lines
+  function baselines(fonts){ const ys = []; let y = 3; fonts.forEach((f, j) => { y += (j ? metrics[fonts[j - 1]][1] + 1 : 0) + metrics[f][0]; ys.push(Math.ceil(y)); });
+    return [ys, Math.ceil(ys[ys.length - 1] + metrics[fonts[fonts.length - 1]][1] + 3)]; }
+  const [YS3, NODEH] = baselines([0, 1, 2]), [YS2, NODEH2] = baselines([0, 2]);
   function sizeLeaf(e){
     if (e.kind === 'node') { const [a, b, c] = nodeLines(e.i); e.lines = [a, b, c];
-      e.w = Math.ceil(Math.max(tw(a, '600 12px ' + FONT), tw(b, '12px ' + FONT), tw(c, '11px ' + FONT)) + 18); e.h = b ? NODEH : 34; if (!b) e.lines = [a, c]; }
+      e.w = Math.ceil(Math.max(tw(a, LINEFONTS[0]), tw(b, LINEFONTS[1]), tw(c, LINEFONTS[2])) + 18); e.h = b ? NODEH : NODEH2; if (!b) e.lines = [a, c];
+      // room for the labels of the stubs above it: incoming edges meet the top at w·(j+1)/(n+1), one label width apart at least
+      if (e.stubw) e.w = Math.max(e.w, Math.ceil((e.nin + 1) * (e.stubw + 6))); }
     else { const n = e.b - e.a + 1; e.lines = ['… ' + n + ' iteration' + (n > 1 ? 's' : '') + ' …', (e.a === e.b ? 't=' + e.a : 't=' + e.a + ' … ' + e.b) + ' folded · click to unfold'];
       e.w = Math.ceil(Math.max(tw(e.lines[0], '600 12px ' + FONT), tw(e.lines[1], '11px ' + FONT)) + 24); e.h = 40; }
   }
@@ -879,8 +1005,7 @@ function unrolledView(X){
     for (const ed of T.edges) { const a = T.els[ed.a], b = T.els[ed.b];
       let [x1, y1] = center(a), [x2, y2] = center(b); let d; x2 = port.get(ed);
       if (ed.cls === 'leaf' && b.ay > a.ay + a.h) { // a shared leaf used in an iteration: a short labelled stub; the full edge shows on hover
-        const short = str(C.name[ed.p]) || C.key[ed.p];
-        edgesOut.push('<path class="vg-e stub" d="M' + x2 + ',' + (b.ay - 13) + 'L' + x2 + ',' + b.ay + '" marker-end="url(#vg-al)"/><text class="vg-stub" x="' + x2 + '" y="' + (b.ay - 15) + '" font-size="10" text-anchor="middle" fill="#8c959f">' + esc(short) + '</text>'); }
+        edgesOut.push('<path class="vg-e stub" d="M' + x2 + ',' + (b.ay - 13) + 'L' + x2 + ',' + b.ay + '" marker-end="url(#vg-al)"/><text class="vg-stub" data-key="' + esc(C.key[ed.p]) + '" x="' + x2 + '" y="' + (b.ay - 15) + '" font-size="10" text-anchor="middle" fill="#8c959f">' + esc(stubLabel(ed.p)) + '</text>'); }
       if (b.ay >= a.ay + a.h - 1 && a.ay + a.h < b.ay + b.h) { y1 = a.ay + a.h; y2 = b.ay;
         const via = ed.via && ed.via[0].routes ? ed.via[0].routes.get(ed.via[1]) : null, c = ed.via ? ed.via[0] : null;
         const pts = [[x1, y1]]; if (via) for (const [dx, t, u] of via) { pts.push([c.ax + dx, c.ay + t]); pts.push([c.ax + dx, c.ay + u]); } pts.push([x2, y2]);
@@ -901,7 +1026,7 @@ function unrolledView(X){
       if (e.kind === 'node') { const i = e.i, t = typeOf(i), st = STYLE[t] || ['#ffffff', 0];
         let fill = st[0], color = '#1f2328'; const g = C.grad[i];
         if (gradColor && X.hasGrad) { const f = gradFill(g); if (f) { fill = f; if (lum(f) < .45) color = '#fff'; } else fill = '#ffffff'; }
-        const rx = st[1] ? 9 : 3; const cx = e.ax + e.w / 2; const ys = e.lines.length === 3 ? [16, 30, 41] : [15, 27];
+        const rx = st[1] ? 9 : 3; const cx = e.ax + e.w / 2; const ys = e.lines.length === 3 ? YS3 : YS2;
         nodesOut.push('<g class="vg-n' + (i === selected ? ' sel' : '') + '" data-i="' + i + '" data-key="' + esc(C.key[i]) + '"><rect x="' + e.ax + '" y="' + e.ay + '" width="' + e.w + '" height="' + e.h + '" rx="' + rx + '" fill="' + fill + '"' +
           (GUARD.has(t) ? ' stroke-dasharray="2 2"' : '') + (gradColor && X.hasGrad && g === null ? ' stroke="#c8ced6"' : '') + '/>' +
           e.lines.map((l, j) => '<text x="' + cx + '" y="' + (e.ay + ys[j]) + '" text-anchor="middle" font-size="' + (j === 0 ? 12 : j === 1 ? 12 : 11) + '"' + (j === 0 ? ' font-weight="600"' : '') + ' fill="' + (j === 2 && color !== '#fff' ? '#57606a' : color) + '">' + esc(l) + '</text>').join('') + '</g>'); }
@@ -931,12 +1056,17 @@ function unrolledView(X){
     const nd = e.target.closest('.vg-n'); if (nd) { select(+nd.dataset.i); }
   });
   pane.addEventListener('mouseover', e => {
-    const nd = e.target.closest('.vg-n'); if (nd) { showInfo(+nd.dataset.i); hoverEdges(+nd.dataset.i); return; }
+    if (hoverHold) return;  // a search just put its node in the panel, and the pointer has not moved
+    const nd = e.target.closest('.vg-n'); if (nd) { hover(+nd.dataset.i); return; }
     const f = e.target.closest('.vg-fold'); if (f) { const r = runs[+f.dataset.run];
       $('vg-info').innerHTML = '<div class="key">' + esc(r.label) + '</div><table>' + row('folded', 'iterations ' + f.dataset.a + ' … ' + f.dataset.b) +
         row('loop', esc(r.label) + (r.outer ? ' @' + r.outer : '')) + row('iterations', r.trips) + '</table><p class="hint">Click to unfold.</p>'; }
   });
-  pane.addEventListener('mouseout', e => { if (e.target.closest('.vg-n')) { hoverEdges(-1); if (selected >= 0) showInfo(selected); } });
+  let hovered = -1;
+  function hover(i){ hovered = i; showInfo(i); hoverEdges(i); }
+  // the first real move after a search shows the node under the pointer, though it entered no new node
+  pane.addEventListener('mousemove', e => { if (hoverHold) return; const nd = e.target.closest('.vg-n'); if (nd && +nd.dataset.i !== hovered) hover(+nd.dataset.i); });
+  pane.addEventListener('mouseout', e => { if (!hoverHold && e.target.closest('.vg-n')) { hovered = -1; hoverEdges(-1); if (selected >= 0) showInfo(selected); } });
   function hoverEdges(i){ for (const p of pane.querySelectorAll('.vg-e.on')) p.classList.remove('on');
     const layer = pane.querySelector('.vg-hover'); layer.innerHTML = ''; if (i < 0 || nodeEl[i] < 0) return;
     layer.innerHTML = (leafPaths.get(nodeEl[i]) || []).join('').replace(/class="vg-e /g, 'class="vg-e on ');
@@ -948,29 +1078,34 @@ function unrolledView(X){
   function showInfo(i){
     const st = C.stats[i], fr = C.frame[i];
     let h = '<div class="key" id="vg-info-key">&lt;' + esc(C.key[i]) + '&gt;</div><table>';
-    h += row('name', esc(str(C.name[i]) || '—')) + row('op', esc(str(C.op[i]) || 'leaf')) + row('shape', esc(str(C.shape[i]))) + row('dtype', esc(str(C.dtype[i])));
+    h += row('name', esc(str(C.name[i]) || '—')) + row('op', esc(str(opOf(i)) || 'leaf')) + row('shape', esc(str(C.shape[i]))) + row('dtype', esc(str(C.dtype[i])));
     if (fr >= 0) { const r = runs[frames[fr][0]]; h += row('iteration', 't=' + esc(frames[fr][2]) + ' of ' + esc(r.label)); }
     if (st) h += row('min', '<span data-stat="min">' + fmt(st[0]) + '</span>') + row('max', '<span data-stat="max">' + fmt(st[1]) + '</span>') +
       row('mean', '<span data-stat="mean">' + fmt(st[2]) + '</span>') + row('norm', '<span data-stat="norm">' + fmt(st[3]) + '</span>');
     h += row('|grad|', '<span data-stat="grad">' + (C.grad[i] === null ? (X.hasGrad ? 'not kept' : 'no backward') : fmt(C.grad[i])) + '</span>');
     const note = str(C.note[i]); if (note) h += row('note', esc(note));
-    const ps = C.parents[i]; if (ps.length) h += row('inputs', ps.map(p => link(C.key[p])).join(' '));
+    if (asDeclared && dOp.has(i)) h += row('executed as', esc(str(C.op[i])) + ' <span class="hint">(see <i>as executed</i>)</span>');
+    const ps = parentsOf(i); if (ps.length) h += row('inputs', ps.map(p => link(C.key[p])).join(' '));
     const cs = children[i]; if (cs.length) h += row('used by', cs.slice(0, 8).map(c => link(C.key[c])).join(' ') + (cs.length > 8 ? ' … +' + (cs.length - 8) : ''));
     $('vg-info').innerHTML = h + '</table>';
   }
   function reveal(i){ // unfold every iteration on the node's path
     let f = C.frame[i], changed = false;
     while (f >= 0) { const [ri, t] = frames[f]; if (!shown[ri][t]) { shown[ri][t] = 1; changed = true; } f = runs[ri].parent; }
+    if (asDeclared && dHide.has(i)) { setDeclared(false); changed = true; }  // a group exists as executed only
     if (!visible(i)) { showGuards = true; $('vg-guards').checked = true; changed = true; }
     if (changed) draw();
   }
   function scrollToEl(el){
     const z = zoom.unrolled, pr = pane.getBoundingClientRect(), r = el.getBoundingClientRect();
     pane.scrollLeft += r.left + r.width / 2 - pr.left - pane.clientWidth / 2; pane.scrollTop += r.top + r.height / 2 - pr.top - pane.clientHeight / 2; return z; }
+  const FOCUS = 1;  // the scale a found node is shown at (when zoomed out further)
   function focusNode(i){
     reveal(i); select(i);
     const el = pane.querySelector('.vg-n[data-i="' + i + '"]'); if (!el) return false;
-    for (const h of pane.querySelectorAll('.hit')) h.classList.remove('hit'); el.classList.add('hit'); scrollToEl(el); return true; }
+    for (const h of pane.querySelectorAll('.hit')) h.classList.remove('hit'); el.classList.add('hit');
+    if (zoom.unrolled < FOCUS) { zoom.unrolled = FOCUS; applyZoom(); }
+    scrollToEl(el); hoverHold = pointer.slice(); hovered = -1; return true; }
   function foldAll(){ runs.forEach((_, ri) => defaultFold(ri)); draw(); }
   // chart <-> graph
   let chartHover = null;
@@ -993,7 +1128,7 @@ function unrolledView(X){
     for (const g of r.frames) for (const j of frameNodes[g]) if (C.key[j].startsWith(base + '@')) norms[frames[g][1]] = C.grad[j];
     return {param: base, key: base, loop: r.loop, loopLabel: r.label + (r.outer ? ' @' + r.outer : ''), norms, node: true};
   }
-  return {draw, focusNode, foldAll, highlightIteration, revealIteration, keyIndex, stats: U_stats, shown, keys: C.key,
+  return {draw, focusNode, foldAll, setDeclared, get declared(){ return asDeclared; }, highlightIteration, revealIteration, keyIndex, stats: U_stats, shown, keys: C.key,
           findKey: k => keyIndex.has(k) ? keyIndex.get(k) : -1, series: X.series, nodeSeries, set onSelect(f){ onSelect = f; }};
 }
 
@@ -1087,7 +1222,7 @@ if (series.length) chart(0);
 
 // ------------------------------------------------------------------ start
 if (views.length) showView(current);
-window.vgraphExplorer = {data: D, findKey, showView, unrolled: U, chartAt: t => chartState && chartAt(chartState.s, t, chartState.X, chartState.Y, chartState.v), ready: true};
+window.vgraphExplorer = {data: D, findKey, showView, unrolled: U, zoom: () => zoom[current], chartAt: t => chartState && chartAt(chartState.s, t, chartState.X, chartState.Y, chartState.v), ready: true};
 document.documentElement.dataset.ready = '1';
 })();
 """
