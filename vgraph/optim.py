@@ -557,7 +557,7 @@ class Optimizer:
                     f"expected {sorted({'step', *arrays})} for {kind} with these hyper-parameters"
                 )
             new: dict[str, Any] = {"step": _int(f"step of parameter {name!r}", entry["step"], 1)}
-            for k in arrays:
+            for k in sorted(arrays):  # (a set: sorted, so the first error named is always the same)
                 arr = entry[k]
                 if not isinstance(arr, np.ndarray) or arr.dtype.kind != "f":
                     raise TypeError(
