@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     "check": 4,
     "io": 4,
     "tbptt": 4,
+    "distributed": 4,
     "cli": 5,  # the command line draws (render) and loads models (virtual)
     "__main__": 6,
     "": 6,  # vgraph/__init__.py re-exports everything
@@ -44,6 +45,8 @@ TOP = 4
 # dependency between peers that should go through the core instead.
 PEER_IMPORTS = {
     ("io", "optim"): "a training state holds an optimiser's state (Optimizer.state_dict)",
+    ("distributed", "optim"): "wraps an optimiser (DistributedOptimizer) and broadcasts its state",
+    ("distributed", "io"): "rank 0 writes the training state (save_training_state)",
 }
 
 

@@ -615,7 +615,7 @@ def save_training_state(
         "format": _FORMAT,
         "version": _VERSION,
         "step": step,
-        "graph_builds": _check_count("graph_builds", graph._builds),
+        "graph_builds": _check_count("graph_builds", graph.build_count),
         "optimizer": None,
         "scheduler": None if scheduler is None else scheduler.state_dict(),
         "rng": None if rng is None else _encode(rng.bit_generator.state),
@@ -822,5 +822,5 @@ def load_training_state(
     if extras is not None and saved_extras is not None:
         extras.clear()
         extras.update(saved_extras)
-    graph._builds = builds
+    graph.build_count = builds
     return step

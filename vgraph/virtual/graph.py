@@ -150,6 +150,18 @@ class VirtualGraph:
         return "\n".join(lines)
 
     @property
+    def build_count(self) -> int:
+        """How many builds of this graph have completed. It seeds the random generator of sampled
+        nodes (dropout masks) build after build, so a training state saves it and resuming
+        restores it (``vgraph.io``), and data-parallel training offsets it per rank
+        (``vgraph.distributed``)."""
+        return self._builds
+
+    @build_count.setter
+    def build_count(self, count: int) -> None:
+        self._builds = _count_arg(count, "build_count")
+
+    @property
     def cache_size(self) -> int:
         """How many unrolled graphs the build cache keeps (see :mod:`vgraph.virtual.cache`);
         ``0`` turns caching off. Default 4."""
