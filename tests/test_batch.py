@@ -512,6 +512,54 @@ def test_indexes_on_sentences_of_different_lengths():
     assert sizes["GetItem:1"] == [3] and sizes["GetItem:2"] == [3] and sizes["GetItem:3"] == [1, 1, 1]
 
 
+def test_every_op_declared_elementwise_runs_on_sentences_of_different_lengths():
+    """What runs as one op follows the ops' declared kinds (vgraph.ops.KINDS): every elementwise
+    op (maximum, clip, sqrt, where, …), and reductions over another axis than the sentence's
+    (min, var, argmax) batch across sentences; identical to one at a time."""
+
+    def make():
+        g = vg.VirtualGraph(seed=0)
+        x = g.input("x", (None, 3))
+        W = g.parameter("W", (3, 3))
+        h = x @ W
+        e = vg.sqrt(vg.clip(vg.maximum(h, -h * 0.5), 0.1, 3.0)) + vg.minimum(h, 0.2)
+        e = vg.where(vg.step(h), e, vg.abs(h)) * vg.sign(h) * vg.step(h + 1)
+        m = vg.min(e, axis=1) + vg.var(e, axis=1) + vg.argmax(e, axis=1)
+        return g, [vg.sum(m**2) + vg.sum(e)]
+
+    rng = np.random.default_rng(0)
+    batch = assert_identical(make, [{"x": rng.normal(size=(n, 3))} for n in (2, 5, 3)])
+    sizes = {}
+    for k, n in batch.groups:
+        sizes.setdefault(k.split(":")[0], []).append(n)
+    for op in ("Maximum", "Minimum", "Clip", "Sqrt", "Where", "Sign", "Step", "Abs"):  # rows concatenated
+        assert sizes[op] == [3] * len(sizes[op]), (op, batch.groups)
+
+
+@pytest.mark.parametrize("reduction", ["min", "var", "argmax", "max"])
+def test_reductions_of_equally_shaped_inputs_run_as_one_op(reduction):
+    """A reduction's axis moves by one on inputs stacked along a new axis (its declared kind)."""
+
+    def make():
+        g = vg.VirtualGraph(seed=0)
+        x = g.input("x", (2, 3))
+        W = g.parameter("W", (3, 3))
+        h = x @ W
+        f = {"min": vg.min, "var": vg.var, "argmax": vg.argmax, "max": vg.max}[reduction]
+        rows = f(h, axis=1)  # one axis: moved by one
+        whole = (
+            f(h) if reduction != "argmax" else vg.sum(h) + f(h)
+        )  # every axis: a tuple (argmax: flat, per input)
+        return g, [vg.sum(h * h) + vg.sum(rows) + whole]
+
+    rng = np.random.default_rng(1)
+    batch = assert_identical(make, [{"x": rng.normal(size=(2, 3))} for _ in range(3)])
+    name = {"min": "Min", "var": "Var", "argmax": "ArgMax", "max": "Max"}[reduction]
+    assert [n for k, n in batch.groups if k == name + ":1"] == [3], batch.groups
+    whole = [n for k, n in batch.groups if k == name + ":2"]
+    assert whole == ([1, 1, 1] if reduction == "argmax" else [3]), batch.groups  # argmax: one axis only
+
+
 # ---------------------------------------------------------------------------- memory
 
 

@@ -572,3 +572,189 @@ def test_a_custom_vjp_in_a_loop_resized_from_a_cached_build_is_checked(defop):
         vg.VJPShapeError, match=rf"^<Softsign:{u.id}@3>: .* returned a gradient of shape \(1, 4\)"
     ):
         cg.backward(loss)
+
+
+# ---------------------------------------------------------------------------- declared elementwise
+# vgraph.defop(..., elementwise=True): the op takes part in hoisting, autobatching (rows of
+# different lengths concatenated too) and declared shapes, like the built-in elementwise ops.
+
+
+def _elementwise_rnn():
+    """An RNN whose body applies Softsign to carry-independent work (hoistable: ``soft(x_t * s)``)
+    and to the carried state (per iteration); Hypot mixes the two."""
+    g = vg.VirtualGraph(seed=3)
+    xs = g.input("xs", (None, 2, 3))
+    s = g.parameter("s", (3,), init=vg.nn.init.normal(1.0))
+    W = g.parameter("W", (3, 3), init="orthogonal")
+    soft, hypot = vg.functions.OpFunction("Softsign"), vg.functions.OpFunction("Hypot")
+    with g.loop() as L:
+        x = L.step(xs)
+        h = L.carry(np.zeros((2, 3)), name="h")
+        a = soft(x * s)  # depends on no carry: hoisted when Softsign is declared elementwise
+        b = hypot(a, s)  # idem, broadcasting s
+        h_new = soft(b @ W + h)
+        L.update(h, h_new)
+    loss = vg.sum(L.final(h) ** 2) + vg.sum(L.stack(a))
+    return g, loss, a, b
+
+
+def _built(g, feed, loss, hoist):
+    cg = g.build(feed, loss, hoist=hoist, cache=False)
+    for n in cg.nodes():
+        if n.requires_grad:
+            n.retain_grad()
+    g.params.zero_grad()
+    value = cg.backward(loss)
+    return cg, value, {k: np.array(p.grad) for k, p in g.params.items()}
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_custom_elementwise_op_is_hoisted_and_equals_the_plain_unroll(defop, float64, declared):
+    defop("Softsign", softsign, softsign_vjp, elementwise=declared)
+    defop("Hypot", np.hypot, hypot_vjp_a, hypot_vjp_b, elementwise=declared)
+    g, loss, a, b = _elementwise_rnn()
+    feed = {"xs": np.random.default_rng(1).standard_normal((5, 2, 3))}
+    plain, v_plain, g_plain = _built(g, feed, loss, hoist=False)
+    hoisted, v_hoisted, g_hoisted = _built(g, feed, loss, hoist=True)
+    groups = {k for k in hoisted._nodes if k.type.endswith("*")}
+    custom = {"Softsign*", "Hypot*", "MatMul*"}  # (b @ W is hoisted once Hypot is)
+    assert {k.type for k in groups} == {"Item*", "Mul*"} | (custom if declared else set())
+    assert set(hoisted._nodes) - groups == set(plain._nodes)  # every key, and no other
+    assert v_hoisted == pytest.approx(v_plain, rel=1e-12, abs=0)
+    for k in g_plain:
+        np.testing.assert_allclose(g_hoisted[k], g_plain[k], rtol=1e-12, atol=1e-12, err_msg=k)
+    for key, p in plain._nodes.items():
+        h = hoisted.node(key)
+        if key.type in ("Softsign", "Mul"):  # correctly rounded arithmetic on the same numbers: bitwise
+            assert np.array_equal(h.value, p.value), key
+        np.testing.assert_allclose(h.value, p.value, rtol=1e-12, atol=1e-12, err_msg=str(key))
+        if p.grad is not None and p.op is not None:
+            np.testing.assert_allclose(h.grad, p.grad, rtol=1e-12, atol=1e-12, err_msg=str(key))
+    if declared:  # the copies are rows of the group, computed by the checked wrappers
+        group = next(n for k, n in hoisted._nodes.items() if k.type == "Softsign*")
+        assert isinstance(group.op.forward, CheckedForward)
+        assert all(isinstance(f, CheckedVJP) for f in group.vjps)
+        assert np.array_equal(hoisted.node(a, (3,)).value, group.value[3])
+
+
+@pytest.mark.parametrize("lengths", [(4, 4, 4), (5, 2, 7, 3)])
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_custom_elementwise_op_is_batched_and_equals_one_input_at_a_time(defop, float64, lengths, declared):
+    defop("Softsign", softsign, softsign_vjp, elementwise=declared)
+    defop("Hypot", np.hypot, hypot_vjp_a, hypot_vjp_b, elementwise=declared)
+    rng = np.random.default_rng(4)
+    feeds = [{"xs": rng.standard_normal((n, 2, 3))} for n in lengths]
+    g1, loss1, _, _ = _elementwise_rnn()
+    total = 0.0
+    for feed in feeds:
+        total += g1.build(feed, loss1, cache=False).backward(loss1)
+    for hoist in (True, False):
+        g2, loss2, _, _ = _elementwise_rnn()
+        batch = g2.build_batch(feeds, loss2, hoist=hoist)
+        assert batch.backward("sum") == pytest.approx(total, rel=1e-12, abs=0)
+        for k, p in g1.params.items():
+            np.testing.assert_allclose(g2.params[k].grad, p.grad, rtol=1e-12, atol=1e-12, err_msg=k)
+        sizes = [n for k, n in batch.groups if k.split(":")[0].rstrip("*") == "Softsign"]
+        # grouped across inputs (the carried Softsign in lockstep; the hoisted one concatenated)
+        assert (max(sizes) == len(lengths)) if declared else (max(sizes) == 1), batch.groups
+
+
+def test_a_custom_elementwise_op_has_a_declared_shape(defop):
+    soft = defop("Softsign", softsign, softsign_vjp, elementwise=True)
+    hypot = defop("Hypot", np.hypot, hypot_vjp_a, hypot_vjp_b, elementwise=True)
+    opaque = defop("Opaque", softsign, softsign_vjp)
+    g = vg.VirtualGraph()
+    x = g.input("x", (None, 3))
+    b = g.parameter("b", (3,))
+    assert soft(x).shape == (None, 3)
+    assert hypot(b, soft(x)).shape == (None, 3)  # broadcast, as numpy
+    assert opaque(x).shape is None  # nothing promised: unknown
+
+
+def test_elementwise_must_be_a_bool(defop):
+    with pytest.raises(vg.OpDefinitionError, match="elementwise must be a bool, got str"):
+        defop("Softsign", softsign, softsign_vjp, elementwise="yes")
+    assert "Softsign" not in OPS
+
+
+def _centre(x):  # NOT elementwise: subtracts the mean over axis 0
+    return x - x.mean(axis=0)
+
+
+def _centre_vjp(g, ans, x):
+    return g - g.mean(axis=0)
+
+
+def test_an_op_falsely_declared_elementwise_computes_wrong_values_and_anomaly_mode_says_so(defop, float64):
+    """The promise is the user's: vgraph does not check it on the normal path, and a grouped call
+    computes something else (the mean over the iterations, not over the batch). Under anomaly
+    detection the first group compares one copy with the op run alone and refuses the op."""
+    centre = defop("Centre", _centre, _centre_vjp, elementwise=True)
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 2, 3))
+    with g.loop() as L:
+        h = L.carry(np.zeros((2, 3)), name="h")
+        c = centre(L.step(xs))
+        L.update(h, h + c)
+    loss = vg.sum(L.final(h) ** 2)
+    feed = {"xs": np.random.default_rng(0).standard_normal((4, 2, 3))}
+    plain = g.build(feed, loss, hoist=False)
+    hoisted = g.build(feed, loss, hoist=True)
+    assert not np.allclose(hoisted.node(c, (0,)).value, plain.node(c, (0,)).value)  # what goes wrong
+    with pytest.raises(
+        vg.OpDefinitionError,
+        match=rf"^<Centre:{c.id}@0>: Centre was declared elementwise \(vgraph\.defop\(\.\.\., elementwise=True\)\)",
+    ):
+        g.build(feed, loss, hoist=True, detect_anomaly=True)
+    assert g.build(feed, loss, hoist=False, detect_anomaly=True).node(c, (0,)).value.shape == (2, 3)
+    feeds = [feed, {"xs": np.random.default_rng(1).standard_normal((4, 2, 3))}]
+    for hoist in (True, False):
+        with (
+            vg.detect_anomaly(),
+            pytest.raises(vg.OpDefinitionError, match=r"Centre was declared elementwise"),
+        ):
+            g.build_batch(feeds, loss, hoist=hoist)
+
+
+_ATTRS = {"Pow": {"p": 3.0}, "Clip": {"lo": 0.2, "hi": 0.9}}
+
+
+@pytest.mark.parametrize(
+    "name", sorted(n for n, op in OPS.items() if op.kind in ("elementwise", "along_axis", "reduction"))
+)
+def test_every_builtin_op_honours_its_declared_kind(name):
+    """Run on copies stacked along a new leading axis, with the attributes batched_attrs gives,
+    an op declared elementwise, along an axis or a reduction gives each copy's own value."""
+    from vgraph.virtual.hoist import batched_attrs
+
+    op = OPS[name]
+    rng = np.random.default_rng(0)
+    copies = [[rng.uniform(0.1, 2.0, size=(2, 3)) for _ in range(op.arity)] for _ in range(4)]
+    if name == "Where":  # a mask first
+        for xs in copies:
+            xs[0] = xs[0] > 1.0
+    attr_sets = [_ATTRS.get(name, {})]
+    if op.kind != "elementwise":
+        attr_sets = [{}, {"axis": 0}, {"axis": -1}, {"axis": 1, "keepdims": True}]
+        if op.kind == "reduction" and name not in ("ArgMax", "ArgMin"):
+            attr_sets.append({"axis": (0, 1)})
+        if op.kind == "along_axis":
+            attr_sets = [a for a in attr_sets if "keepdims" not in a]
+    for attrs in attr_sets:
+        grouped = batched_attrs(op, attrs, [(2, 3)] * op.arity, [True] * op.arity, 4)
+        if name in ("ArgMax", "ArgMin") and attrs.get("axis") is None:
+            assert grouped is None  # a flat index over several axes: numpy's argmax takes one axis
+            continue
+        assert grouped is not None, attrs
+        stacked = [np.stack([xs[i] for xs in copies]) for i in range(op.arity)]
+        together = op.forward(*stacked, **grouped)
+        for r, xs in enumerate(copies):
+            np.testing.assert_array_equal(together[r], op.forward(*xs, **attrs), err_msg=f"{name} {attrs}")
+
+
+def test_the_table_refuses_an_unknown_kind():
+    with pytest.raises(vg.OpDefinitionError, match=r"Bogus: kind must be None or one of 'elementwise'"):
+        vg.ops.defop("Bogus", np.negative, lambda g, ans, x: -g, kind="rowwise")
+    with pytest.raises(vg.OpDefinitionError, match=r"Bogus: a variadic op can only be elementwise"):
+        vg.ops.defop("Bogus", lambda *xs: xs[0], lambda i, g, ans, *xs: g, variadic=True, kind="reduction")
+    assert "Bogus" not in OPS

@@ -875,3 +875,126 @@ def test_a_recursion_over_a_tree_reassociates_its_sum():
         np.testing.assert_allclose(hoisted.node(part, (t,)).value, s, **TOL)
         value.append(np.tanh(s + P["b"]))
     np.testing.assert_allclose(hoisted.forward(), np.sum(value[-1] ** 2), **TOL)
+
+
+# ---------------------------------------------------------------------------- custom elementwise ops
+# Ops of vgraph.defop declared elementwise are hoisted (and batched) like the built-in ones.
+
+
+def _softsign(x):
+    return x / (1 + np.abs(x))
+
+
+def _softsign_vjp(g, ans, x):
+    return g / (1 + np.abs(x)) ** 2
+
+
+def _hypot_vjp_a(g, ans, a, b):
+    return g * a / ans
+
+
+def _hypot_vjp_b(g, ans, a, b):
+    return g * b / ans
+
+
+# (name, arity): built-in elementwise ops and two custom ones (CSoftsign, CHypot).
+CHAIN_OPS = [("tanh", 1), ("sigmoid", 1), ("neg", 1), ("softsign", 1), ("add", 2), ("mul", 2), ("hypot", 2)]
+
+
+@st.composite
+def elementwise_chains(draw):
+    """A random loop body of elementwise ops over x_t (stepped), h (carried) and b (captured)."""
+    steps = draw(st.integers(1, 5))
+    program = [
+        (draw(st.sampled_from(CHAIN_OPS)), draw(st.integers(0, 100)), draw(st.integers(0, 100)))
+        for _ in range(draw(st.integers(1, 8)))
+    ]
+    return steps, program, draw(st.integers(0, 100)), draw(st.integers(0, 100))
+
+
+def _chain_model(body, softsign, hypot):
+    """The model of an :func:`elementwise_chains` example: ``(graph, loss, feed, custom)`` with
+    ``custom`` the custom nodes and whether each depends on no carried state."""
+    steps, program, update_from, stack_from = body
+    g = vg.VirtualGraph(seed=5)
+    xs = g.input("xs", (None, 2, 3))
+    b = g.parameter("b", (3,), init=vg.nn.init.normal(0.5))
+    with g.loop() as L:
+        x = L.step(xs)
+        h = L.carry(np.zeros((2, 3)), name="h")
+        pool, free = [x, h, b * x], [True, False, True]  # free: depends on no carried state
+        custom = []
+        for (name, arity), i, j in program:
+            a, c = pool[i % len(pool)], pool[j % len(pool)]
+            unary = {"tanh": vg.tanh, "sigmoid": vg.sigmoid, "neg": lambda v: -v, "softsign": softsign}
+            binary = {"add": lambda p, q: p + q, "mul": lambda p, q: p * q, "hypot": hypot}
+            out = unary[name](a) if arity == 1 else binary[name](a, c)
+            ok = free[i % len(free)] and (arity == 1 or free[j % len(free)])
+            if name in ("softsign", "hypot"):
+                custom.append((out, ok))
+            pool.append(out)
+            free.append(ok)
+        L.update(h, vg.tanh(pool[update_from % len(pool)] + h))
+        out = pool[stack_from % len(pool)]
+    loss = vg.sum(L.final(h) ** 2) + vg.sum(L.stack(out)) + vg.sum(b * b)
+    return g, loss, {"xs": np.random.default_rng(steps).normal(size=(steps, 2, 3))}, custom
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(elementwise_chains())
+# softsign(x_t), then hypot(softsign(x_t), b x_t): both hoisted; the loss reads them stacked
+@explicit_example((4, [(("softsign", 1), 0, 0), (("hypot", 2), 3, 2)], 1, 4))
+# a built-in tanh between custom ops, and a custom op of the carried state (not hoisted)
+@explicit_example((3, [(("tanh", 1), 2, 0), (("softsign", 1), 3, 0), (("hypot", 2), 4, 1)], 5, 4))
+def test_random_elementwise_chains_with_custom_ops_hoisted_equal_plain(body):
+    previous = vg.get_default_dtype()
+    vg.set_default_dtype(np.float64)
+    softsign = vg.defop("CSoftsign", _softsign, _softsign_vjp, elementwise=True)
+    hypot = vg.defop("CHypot", np.hypot, _hypot_vjp_a, _hypot_vjp_b, elementwise=True)
+    try:
+        g, loss, feed, custom = _chain_model(body, softsign, hypot)
+        plain, hoisted = run(g, feed, [loss], loss, False), run(g, feed, [loss], loss, True)
+        np.testing.assert_allclose(hoisted[1], plain[1], **TOL)
+        for k in plain[2]:
+            np.testing.assert_allclose(hoisted[2][k], plain[2][k], **TOL)
+        for key, p in plain[0]._nodes.items():
+            h = hoisted[0].node(key)
+            np.testing.assert_allclose(h.value, p.value, **TOL)
+            if p.grad is not None and p.op is not None:
+                np.testing.assert_allclose(h.grad, p.grad, **TOL, err_msg=str(key))
+        groups = {(k.type, k.id) for k in hoisted[0]._nodes if k.type.endswith("*")}
+        built = {(k.type, k.id) for k in plain[0]._nodes}
+        for v, free in custom:  # every carry-independent custom node built was hoisted, no other
+            if (v.type, v.id) in built:  # (a loop of one iteration hoists nothing)
+                assert ((v.type + "*", v.id) in groups) == (free and body[0] > 1), (v, groups)
+        # and autobatched: two inputs as one batch equal them one at a time
+        feeds = [feed, {"xs": np.random.default_rng(9).normal(size=feed["xs"].shape)}]
+        g.params.zero_grad()
+        total = sum(g.build(f, loss, cache=False).backward(loss) for f in feeds)
+        grads = {k: np.array(p.grad) for k, p in g.params.items() if p.grad is not None}
+        g.params.zero_grad()
+        batch = g.build_batch(feeds, loss)
+        np.testing.assert_allclose(batch.backward("sum"), total, **TOL)
+        for k in grads:
+            np.testing.assert_allclose(g.params[k].grad, grads[k], **TOL, err_msg=k)
+    finally:
+        vg.undefop("CSoftsign")
+        vg.undefop("CHypot")
+        vg.set_default_dtype(previous)
+
+
+def test_every_builtin_op_declared_elementwise_is_hoisted():
+    """Hoisting reads the ops' declared kinds: maximum, minimum, clip and sqrt too."""
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 2, 3))
+    s = g.parameter("s", (3,), init=vg.nn.init.normal(1.0))
+    with g.loop() as L:
+        x = L.step(xs) * s
+        h = L.carry(np.zeros((2, 3)), name="h")
+        e = vg.sqrt(vg.clip(vg.maximum(x, -x * 0.5), 0.1, 2.0)) + vg.minimum(x, 0.3)
+        L.update(h, vg.tanh(e + h))
+    loss = vg.sum(L.final(h) ** 2) + vg.sum(L.stack(e))
+    feed = {"xs": np.random.default_rng(0).normal(size=(5, 2, 3))}
+    _, hoisted = assert_identical(g, feed, [loss], loss)
+    groups = {k.type for k in hoisted._nodes if k.type.endswith("*")}
+    assert {"Maximum*", "Minimum*", "Clip*", "Sqrt*", "Add*"} <= groups, groups

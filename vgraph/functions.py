@@ -627,6 +627,7 @@ def defop(
     *vjps: Callable[..., Any] | None,
     variadic: bool = False,
     replace: bool = False,
+    elementwise: bool = False,
 ) -> OpFunction:
     """Add a primitive with its own VJPs, and get the function that applies it to nodes.
 
@@ -657,6 +658,17 @@ def defop(
         variadic: the op takes any number of inputs (like ``concat``).
         replace: redefine an op that an earlier ``defop`` added (e.g. when re-running a notebook
             cell). Nodes declared or built before keep the old definition.
+        elementwise: promise that the op acts on each element alone, its inputs broadcasting
+            like numpy: each output element is computed from the inputs' elements at the same
+            (broadcast) position only, by forward and VJPs alike (``softsign``, ``gelu``; not a
+            sum, a softmax or a product of matrices). Then running it once on inputs stacked
+            along a new leading axis, or on rows concatenated along axis 0, gives every copy's
+            value, so its nodes are hoisted out of loops and batched across inputs like the
+            built-in elementwise ops (``tanh``, ``+``), and a declared node has a shape (the
+            broadcast of its inputs'). vgraph does not check the promise on the normal path; an op
+            that breaks it computes wrong values on those paths, and under
+            :func:`vgraph.detect_anomaly` the build compares one row with the op run alone and
+            raises (see docs/custom_ops.md).
 
     Returns:
         An :class:`OpFunction`: call it on nodes, ``f(*inputs, **attrs)``.
@@ -668,7 +680,7 @@ def defop(
             exactly one for a variadic op; ``forward`` or a VJP cannot take the inputs the VJPs
             imply (a VJP takes ``g, ans`` and every input; a variadic op's forward takes ``*xs``
             and its VJP ``i, g, ans, *xs``), or needs a parameter no call can give (one forward
-            or another VJP cannot take as an attribute).
+            or another VJP cannot take as an attribute); ``elementwise`` is not a bool.
 
     The op's nodes then raise, naming the node: :class:`~vgraph.errors.DTypeError` when the
     forward returns complex or object values; in backward, :class:`~vgraph.errors.VJPShapeError`
@@ -685,7 +697,10 @@ def defop(
                 f"op {name!r} is already defined by an earlier vgraph.defop; pass replace=True to "
                 "redefine it (e.g. when re-running a notebook cell), or choose another name"
             )
-    op = _ops.defop(name, forward, *vjps, variadic=variadic, replace=replace, user=True)
+    if not isinstance(elementwise, bool):
+        raise OpDefinitionError(f"defop: elementwise must be a bool, got {type(elementwise).__name__}")
+    kind = _ops.ELEMENTWISE if elementwise else None
+    op = _ops.defop(name, forward, *vjps, variadic=variadic, replace=replace, user=True, kind=kind)
     _USER_OPS.add(op.name)
     return OpFunction(op.name)
 

@@ -12,9 +12,12 @@ One convention for every op:
 A VJP may return a gradient with the *broadcast* shape; the engine reduces it back to the input's
 shape in one place (:func:`unbroadcast`), so no op repeats that logic.
 
-Adding a built-in op is adding one ``defop`` entry below. Users add their own primitives with
-:func:`vgraph.defop` (the same arguments, validated the same way by :func:`defop` here), which
-also returns the function to call on nodes; see docs/custom_ops.md. A user's op runs wrapped in
+Adding a built-in op is adding one ``defop`` entry below, with its ``kind`` where one applies
+(:data:`KINDS`: elementwise, along an axis, a reduction, a fused cell): the declared-shape rules,
+hoisting and autobatching read it there, so the op takes part in them without a list elsewhere.
+Users add their own primitives with :func:`vgraph.defop` (the same arguments, validated the same
+way by :func:`defop` here; ``elementwise=True`` declares that kind), which also returns the
+function to call on nodes; see docs/custom_ops.md. A user's op runs wrapped in
 checks of what it returns (:class:`CheckedForward`, :class:`CheckedVJP`): its VJP must return the
 input's shape, or the output's for an input the op broadcast. Built-in ops run unwrapped.
 """
@@ -52,6 +55,31 @@ class Op:
     arity: int | None = None
     #: Defined by :func:`vgraph.defop`: forward and VJPs run wrapped in checks of their results.
     user: bool = False
+    #: How the op treats its inputs' elements and axes (one of :data:`KINDS`, or ``None``: none
+    #: of them). Declared with the op, read by the declared-shape rules (``VirtualNode.shape``)
+    #: and by the optimisations that run many copies of a node as one call (hoisting,
+    #: autobatching, rows of different lengths concatenated).
+    kind: str | None = None
+
+
+#: The kinds an op may declare (``Op.kind``), each a promise about its forward and VJPs:
+#:
+#: - ``"elementwise"``: each output element depends on the inputs' elements at the same position
+#:   only, the inputs broadcasting like numpy (``Add``, ``Tanh``, a ``Pow`` with its exponent an
+#:   attribute). Its output has the broadcast shape; run on inputs with a new leading axis (or
+#:   rows concatenated along axis 0) it gives each copy's value along that axis, attributes
+#:   unchanged.
+#: - ``"along_axis"``: the output has the input's shape, and each slice along the axis that the
+#:   ``axis`` attribute names (default -1) is computed from the same slice of the input alone
+#:   (``Softmax``); a new leading axis moves that axis by one.
+#: - ``"reduction"``: reduces the axes the ``axis`` attribute names (``None``: all; an int or a
+#:   tuple, but one axis for ``ArgMax`` and ``ArgMin``) — ``keepdims`` keeps them with size 1 —
+#:   each result from its own slice alone (``Sum``); a new leading axis moves them by one.
+#: - ``"cell"``: a fused recurrent cell: its gates act elementwise on their projections, and its
+#:   output stacks its states first, so copies run with a new leading axis of the inputs have
+#:   their rows along axis 1 of the output (``LSTMCell``).
+KINDS = ("elementwise", "along_axis", "reduction", "cell")
+ELEMENTWISE, ALONG_AXIS, REDUCTION, CELL = KINDS
 
 
 OPS: dict[str, Op] = {}
@@ -138,7 +166,7 @@ def _check_attributes(name: str, funcs: list[tuple[str, inspect.Signature, int, 
                     )
 
 
-def _validated_op(name: Any, forward: Any, vjps: tuple[Any, ...], variadic: bool) -> Op:
+def _validated_op(name: Any, forward: Any, vjps: tuple[Any, ...], variadic: bool, kind: Any = None) -> Op:
     """Build an :class:`Op` after checking every argument; raises before anything is registered.
 
     Raises:
@@ -157,6 +185,10 @@ def _validated_op(name: Any, forward: Any, vjps: tuple[Any, ...], variadic: bool
         )
     if not isinstance(variadic, bool):
         raise OpDefinitionError(f"{name}: variadic must be a bool, got {type(variadic).__name__}")
+    if kind is not None and kind not in KINDS:
+        raise OpDefinitionError(
+            f"{name}: kind must be None or one of {', '.join(map(repr, KINDS))}, got {kind!r}"
+        )
     if not callable(forward):
         raise OpDefinitionError(f"{name}: forward must be callable, got {type(forward).__name__}")
     for i, vjp in enumerate(vjps):
@@ -196,7 +228,9 @@ def _validated_op(name: Any, forward: Any, vjps: tuple[Any, ...], variadic: bool
                 ],
                 "a variadic op's inputs fill *xs",
             )
-        return Op(name, forward, vjps[0], variadic=True, arity=None)
+        if kind not in (None, ELEMENTWISE):
+            raise OpDefinitionError(f"{name}: a variadic op can only be elementwise, not {kind!r}")
+        return Op(name, forward, vjps[0], variadic=True, arity=None, kind=kind)
     arity = len(vjps)
     if arity == 0:
         raise OpDefinitionError(
@@ -226,7 +260,7 @@ def _validated_op(name: Any, forward: Any, vjps: tuple[Any, ...], variadic: bool
         if vjp_sig is not None:
             funcs.append((f"VJP {i}", vjp_sig, 2 + arity, f"(g, ans, {args})"))
     _check_attributes(name, funcs, inputs)
-    return Op(name, forward, tuple(vjps), variadic=False, arity=arity)
+    return Op(name, forward, tuple(vjps), variadic=False, arity=arity, kind=kind)
 
 
 def _var_positional(sig: inspect.Signature) -> bool:
@@ -240,6 +274,7 @@ def defop(
     variadic: bool = False,
     replace: bool = False,
     user: bool = False,
+    kind: str | None = None,
 ) -> Op:
     """Register a primitive in the table and return it.
 
@@ -256,6 +291,7 @@ def defop(
         user: an op of :func:`vgraph.defop`: its forward and VJPs are wrapped in the checks of
             what they return (:class:`CheckedForward`, :class:`CheckedVJP`). Built-in ops are
             trusted (and tested): they run unwrapped, at no cost.
+        kind: what the op promises about its elements and axes (:data:`KINDS`), or ``None``.
 
     Returns:
         The registered :class:`Op`.
@@ -266,9 +302,9 @@ def defop(
             callable; no VJP given, or not exactly one for a variadic op; ``forward`` or a VJP
             cannot take the inputs the VJPs imply (a VJP takes ``g, ans`` and every input; a
             variadic op's forward ``*xs`` and its VJP ``i, g, ans, *xs``), or needs a parameter
-            that no call can give.
+            that no call can give; ``kind`` is not one of :data:`KINDS` (or ``None``).
     """
-    op = _validated_op(name, forward, vjps, variadic)
+    op = _validated_op(name, forward, vjps, variadic, kind)
     if name in OPS and not replace:
         raise OpDefinitionError(f"op {name!r} is already defined")
     if user:  # wrapped in the checks of their results (built-in ops run unwrapped)
@@ -276,7 +312,7 @@ def defop(
             checked: Any = CheckedVJP(name, cast(VJP, vjps[0]), None)
         else:
             checked = tuple(None if f is None else CheckedVJP(name, f, i) for i, f in enumerate(vjps))
-        op = Op(name, CheckedForward(name, forward), checked, variadic, op.arity, user=True)
+        op = Op(name, CheckedForward(name, forward), checked, variadic, op.arity, user=True, kind=kind)
     OPS[name] = op
     return op
 
@@ -1123,18 +1159,19 @@ def pass_through(g: Any, ans: Any, *xs: Any, **attrs: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------- elementwise
-defop("Add", np.add, pass_through, pass_through)
-defop("Sub", np.subtract, pass_through, lambda g, ans, a, b: -g)
-defop("Mul", np.multiply, lambda g, ans, a, b: g * b, lambda g, ans, a, b: g * a)
-defop("Div", np.divide, lambda g, ans, a, b: g / b, lambda g, ans, a, b: -g * ans / b)
-defop("Neg", np.negative, lambda g, ans, x: -g)
+defop("Add", np.add, pass_through, pass_through, kind=ELEMENTWISE)
+defop("Sub", np.subtract, pass_through, lambda g, ans, a, b: -g, kind=ELEMENTWISE)
+defop("Mul", np.multiply, lambda g, ans, a, b: g * b, lambda g, ans, a, b: g * a, kind=ELEMENTWISE)
+defop("Div", np.divide, lambda g, ans, a, b: g / b, lambda g, ans, a, b: -g * ans / b, kind=ELEMENTWISE)
+defop("Neg", np.negative, lambda g, ans, x: -g, kind=ELEMENTWISE)
 defop(
     "Pow",
     lambda x, p: np.power(x, p),
     lambda g, ans, x, p: g * (p * np.power(x, p - 1)),
+    kind=ELEMENTWISE,
 )
-defop("Exp", np.exp, lambda g, ans, x: g * ans)
-defop("Log", np.log, lambda g, ans, x: g / x)
+defop("Exp", np.exp, lambda g, ans, x: g * ans, kind=ELEMENTWISE)
+defop("Log", np.log, lambda g, ans, x: g / x, kind=ELEMENTWISE)
 
 
 def _tanh_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -1142,7 +1179,7 @@ def _tanh_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray) -> np.ndarray:
     return out
 
 
-defop("Tanh", np.tanh, _tanh_vjp)
+defop("Tanh", np.tanh, _tanh_vjp, kind=ELEMENTWISE)
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -1150,14 +1187,14 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 0.5 * (np.tanh(0.5 * x) + 1)
 
 
-defop("Sigmoid", _sigmoid, lambda g, ans, x: g * ans * (1 - ans))
-defop("Relu", lambda x: np.maximum(x, 0), lambda g, ans, x: g * (x > 0))
-defop("Softplus", lambda x: np.logaddexp(0, x), lambda g, ans, x: g * _sigmoid(x))
+defop("Sigmoid", _sigmoid, lambda g, ans, x: g * ans * (1 - ans), kind=ELEMENTWISE)
+defop("Relu", lambda x: np.maximum(x, 0), lambda g, ans, x: g * (x > 0), kind=ELEMENTWISE)
+defop("Softplus", lambda x: np.logaddexp(0, x), lambda g, ans, x: g * _sigmoid(x), kind=ELEMENTWISE)
 # Step and Sign are flat almost everywhere: their gradient is zero (seed 000).
-defop("Step", lambda x: (x > 0).astype(x.dtype), None)
-defop("Sign", np.sign, None)
-defop("Abs", np.abs, lambda g, ans, x: g * np.sign(x))
-defop("Sqrt", np.sqrt, lambda g, ans, x: g * 0.5 / ans)
+defop("Step", lambda x: (x > 0).astype(x.dtype), None, kind=ELEMENTWISE)
+defop("Sign", np.sign, None, kind=ELEMENTWISE)
+defop("Abs", np.abs, lambda g, ans, x: g * np.sign(x), kind=ELEMENTWISE)
+defop("Sqrt", np.sqrt, lambda g, ans, x: g * 0.5 / ans, kind=ELEMENTWISE)
 
 
 def _tie_share(first: np.ndarray, second: np.ndarray) -> np.ndarray:
@@ -1172,12 +1209,14 @@ defop(
     np.maximum,
     lambda g, ans, a, b: g * _tie_share(a, b),
     lambda g, ans, a, b: g * _tie_share(b, a),
+    kind=ELEMENTWISE,
 )
 defop(
     "Minimum",
     np.minimum,
     lambda g, ans, a, b: g * _tie_share(b, a),
     lambda g, ans, a, b: g * _tie_share(a, b),
+    kind=ELEMENTWISE,
 )
 
 
@@ -1188,13 +1227,15 @@ def _clip_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray, lo: Any = None, hi:
     return out
 
 
-defop("Clip", lambda x, lo=None, hi=None: np.clip(x, lo, hi), _clip_vjp)  # bounds: numbers or None
+# The bounds are numbers or None.
+defop("Clip", lambda x, lo=None, hi=None: np.clip(x, lo, hi), _clip_vjp, kind=ELEMENTWISE)
 defop(
     "Where",
     lambda cond, a, b: np.where(cond, a, b),
     None,
     lambda g, ans, cond, a, b: np.where(cond, g, 0),
     lambda g, ans, cond, a, b: np.where(cond, 0, g),
+    kind=ELEMENTWISE,
 )
 
 
@@ -1367,6 +1408,7 @@ defop(
     lambda g, ans, x, axis=None, keepdims=False: np.broadcast_to(
         _expand_reduced(g, x, axis, keepdims), x.shape
     ),
+    kind=REDUCTION,
 )
 defop(
     "Mean",
@@ -1374,6 +1416,7 @@ defop(
     lambda g, ans, x, axis=None, keepdims=False: np.broadcast_to(
         _expand_reduced(g, x, axis, keepdims) / _count(x, axis), x.shape
     ),
+    kind=REDUCTION,
 )
 
 
@@ -1392,11 +1435,13 @@ defop(
     "Max",
     lambda x, axis=None, keepdims=False: np.max(x, axis=axis, keepdims=keepdims),
     _max_vjp,
+    kind=REDUCTION,
 )
 defop(  # _max_vjp finds the elements equal to the result: it serves the minimum too
     "Min",
     lambda x, axis=None, keepdims=False: np.min(x, axis=axis, keepdims=keepdims),
     _max_vjp,
+    kind=REDUCTION,
 )
 
 
@@ -1412,10 +1457,21 @@ defop(
     "Var",
     lambda x, axis=None, keepdims=False, ddof=0: np.var(x, axis=axis, keepdims=keepdims, ddof=ddof),
     _var_vjp,
+    kind=REDUCTION,
 )
 # Indices of the extremes: integer outputs, flat almost everywhere, so no gradient (as Step).
-defop("ArgMax", lambda x, axis=None, keepdims=False: np.argmax(x, axis=axis, keepdims=keepdims), None)
-defop("ArgMin", lambda x, axis=None, keepdims=False: np.argmin(x, axis=axis, keepdims=keepdims), None)
+defop(
+    "ArgMax",
+    lambda x, axis=None, keepdims=False: np.argmax(x, axis=axis, keepdims=keepdims),
+    None,
+    kind=REDUCTION,
+)
+defop(
+    "ArgMin",
+    lambda x, axis=None, keepdims=False: np.argmin(x, axis=axis, keepdims=keepdims),
+    None,
+    kind=REDUCTION,
+)
 
 
 def _cumsum_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray, axis: int | None = None) -> np.ndarray:
@@ -1444,11 +1500,13 @@ defop(
     "Softmax",
     _softmax,
     lambda g, ans, x, axis=-1: ans * (g - (g * ans).sum(axis=axis, keepdims=True)),
+    kind=ALONG_AXIS,
 )
 defop(
     "LogSoftmax",
     _log_softmax,
     lambda g, ans, x, axis=-1: g - np.exp(ans) * g.sum(axis=axis, keepdims=True),
+    kind=ALONG_AXIS,
 )
 
 
@@ -1571,9 +1629,9 @@ defop("Stack", _stack, _stack_vjp, variadic=True)
 
 # ---------------------------------------------------------------------------- structural
 # Identity ops that exist for what they mean in the graph, not for their arithmetic.
-defop("Detach", lambda x: x, None)  # stops the gradient
-defop("Branch", lambda x: x, pass_through)  # the option a BranchNode selected
-defop("Identity", lambda x: x, pass_through)
+defop("Detach", lambda x: x, None, kind=ELEMENTWISE)  # stops the gradient
+defop("Branch", lambda x: x, pass_through, kind=ELEMENTWISE)  # the option a BranchNode selected
+defop("Identity", lambda x: x, pass_through, kind=ELEMENTWISE)
 
 
 # Rows of several arrays stacked into one (autobatching, see vgraph.virtual.batch): ``rows`` lists,
@@ -1967,8 +2025,8 @@ def _gru_cell_grads(
     return dgx, dgh, dgx, dgh, dh * z
 
 
-defop("LSTMCell", _lstm_cell, *_SharedVJP(_lstm_cell_grads).vjps(4))
-defop("GRUCell", _gru_cell, *_SharedVJP(_gru_cell_grads).vjps(5))
+defop("LSTMCell", _lstm_cell, *_SharedVJP(_lstm_cell_grads).vjps(4), kind=CELL)
+defop("GRUCell", _gru_cell, *_SharedVJP(_gru_cell_grads).vjps(5), kind=CELL)
 
 
 # ---------------------------------------------------------------------------- fused losses

@@ -50,10 +50,10 @@ from ..errors import (
 )
 from ..modes import detect_anomaly as detect_anomaly_mode
 from ..modes import no_grad
-from ..ops import OPS, Op, row_at
+from ..ops import ALONG_AXIS, CELL, ELEMENTWISE, OPS, Op, row_at
 from ..workspace import computing
 from .graph import one_build_at_a_time
-from .hoist import batched_attrs, hoist_loop
+from .hoist import batched_attrs, check_rows, hoist_loop
 from .nodes import BranchNode, LoopNode, VirtualNode
 from .unroll import (  # type: ignore[attr-defined]  # _ALL: the forward plans' "every node"
     _ALL,
@@ -291,12 +291,12 @@ def _same_signature(requests: list[_Request]) -> tuple[list[_Request], list[bool
 
 # Ops that compute each row (along axis 0) of their inputs on its own, given the rules _ragged
 # checks: copies whose inputs differ in length (sentences of different lengths) run as one op on
-# the inputs concatenated along axis 0, and each copy's value is its rows of the result.
-_RAGGED = frozenset(
-    ["Add", "Sub", "Mul", "Div", "Neg", "Pow", "Exp", "Log", "Tanh", "Sigmoid", "Relu", "Softplus", "Abs",
-     "MatMul", "Linear", "Take", "Softmax", "LogSoftmax", "Concat", "TakeAlongAxis", "Reshape", "GetItem",
-     "SoftmaxCrossEntropy"]
-)  # fmt: skip
+# the inputs concatenated along axis 0, and each copy's value is its rows of the result. Besides
+# these, every op declared elementwise or along an axis (Op.kind; a vgraph.defop op's too).
+_RAGGED_OWN = frozenset(
+    ["MatMul", "Linear", "Take", "Concat", "TakeAlongAxis", "Reshape", "GetItem", "SoftmaxCrossEntropy"]
+)
+_RAGGED_KINDS = (ELEMENTWISE, ALONG_AXIS)
 
 
 def _ragged(requests: list[_Request]) -> list[bool] | None:
@@ -306,9 +306,9 @@ def _ragged(requests: list[_Request]) -> list[bool] | None:
     have as many rows as each other within a request; a shared input must not reach axis 0
     (fewer axes), and the op must not act along axis 0."""
     first = requests[0]
-    name = first.op.name
+    name, kind = first.op.name, first.op.kind
     if (
-        name not in _RAGGED
+        not (kind in _RAGGED_KINDS or name in _RAGGED_OWN)
         or len(requests) < 2
         or any(len(r.parents) != len(first.parents) for r in requests)
     ):
@@ -365,7 +365,7 @@ def _ragged(requests: list[_Request]) -> list[bool] | None:
             return None  # a slice after ... may reach axis 0
         used = sum(1 for i in items if i is not None and i is not Ellipsis)
         return ragged if used - (items[0] == slice(None)) <= cast(int, ndim) - 1 else None
-    if name in ("Softmax", "LogSoftmax", "Concat", "TakeAlongAxis"):
+    if kind == ALONG_AXIS or name in ("Concat", "TakeAlongAxis"):
         axis = attrs.get("axis", 0 if name == "Concat" else -1)
         if cast(int, ndim) < 2 or axis % cast(int, ndim) == 0:
             return None
@@ -828,7 +828,7 @@ class BatchedBuild:
                 env[v] = _lazy_key(row, v, step)
             cols[v] = view
             return True
-        cell = name in ("LSTMCell", "GRUCell")  # gates lead the value: rows along axis 1
+        cell = op.kind == CELL  # gates lead the value: rows along axis 1
         inputs: list[ComputeNode] = []
         shapes: list[tuple[int, ...]] = []
         stacked: list[bool] = []
@@ -861,7 +861,7 @@ class BatchedBuild:
             stacked.append(True)
         if not any(stacked):
             return False
-        attrs = batched_attrs(name, v.attrs or {}, shapes, stacked, len(alive))
+        attrs = batched_attrs(op, v.attrs or {}, shapes, stacked, len(alive))
         if attrs is None:
             return False
         self._serial += 1
@@ -881,6 +881,8 @@ class BatchedBuild:
         self.groups.append((f"{v.type}:{v.id}", len(alive)))
         self._copies[group] = (first, len(alive), len(alive))
         value = group._value
+        if op.user:  # its promise to act elementwise, checked under anomaly detection
+            check_rows(op, first, value[0], [envs[0][u]._value for u in v.inputs], v.attrs)
         vname = v.name
         for r, (env, step) in enumerate(zip(envs, steps)):
             row = _new_row(Row)
@@ -1255,14 +1257,18 @@ class BatchedBuild:
                 self._copies[node] = (first.key, len(members), len({r.inp for r in members}))
                 self.groups[-1] = (self.groups[-1][0], len(members))
                 return [node] * len(members)
-            attrs = batched_attrs(first.op.name, first.attrs or {}, shapes, stacked, len(members))
+            attrs = batched_attrs(first.op, first.attrs or {}, shapes, stacked, len(members))
             if attrs is not None:
                 self._serial += 1
                 key = NodeKey(f"{first.key.type}*", first.key.id, (self._serial,))
                 group = g._add_op(first.op, tuple(inputs), attrs or None, key, first.name)
+                if first.op.user:  # its promise to act elementwise, checked under anomaly detection
+                    check_rows(
+                        first.op, first.key, group._value[0], [p._value for p in first.parents], first.attrs
+                    )
                 self.groups.append((f"{first.key.type}:{first.key.id}", len(members)))
                 self._copies[group] = (first.key, len(members), len({r.inp for r in members}))
-                if first.op.name in ("LSTMCell", "GRUCell"):  # gates lead those values
+                if first.op.kind == CELL:  # gates lead those values
                     return [
                         Row(group, ((slice(None), r),), req.key, req.name) for r, req in enumerate(members)
                     ]
@@ -1285,6 +1291,9 @@ class BatchedBuild:
         j = ragged.index(True)
         out, a = [], 0
         value = group._value
+        if first.op.user:  # its promise to act elementwise, checked under anomaly detection
+            rows = value[: len(first.parents[j]._value)]
+            check_rows(first.op, first.key, rows, [p._value for p in first.parents], first.attrs)
         for req in members:
             b = a + len(req.parents[j]._value)
             row = _new_row(Row)

@@ -33,10 +33,11 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from ..compute import ComputeNode, NodeKey
-from ..ops import OPS
+from ..errors import OpDefinitionError
+from ..modes import is_anomaly_enabled
+from ..ops import ALONG_AXIS, CELL, ELEMENTWISE, OPS, REDUCTION, Op
 
 if TYPE_CHECKING:
-    from ..ops import Op
     from .nodes import LoopNode, VirtualNode
     from .unroll import _Builder, _Frame
 
@@ -46,106 +47,115 @@ _HOISTED, _GETITEM, _ADD_ROW, _MATMUL_ADD_ROW = (
     OPS["AddRow"],
     OPS["MatMulAddRow"],
 )
-_SOFTMAXES = ("Softmax", "LogSoftmax")
+
+# Ops whose rule in batched_attrs is their own rather than their kind's (Op.kind), and which a
+# loop body may hoist.
+_HOISTABLE_OWN = frozenset({"MatMul", "Linear", "SoftmaxCrossEntropy", "Take", "GetItem"})
+# The kinds whose ops a loop body may hoist (reductions are grouped only when batching).
+_HOISTABLE_KINDS = (ELEMENTWISE, ALONG_AXIS, CELL)
 
 
-# Ops that act on each row of a stacked input as on one value: elementwise ops (and the fused
-# cells, whose gates act elementwise on their projections).
-_ELEMENTWISE = frozenset(
-    [
-        "Add",
-        "Sub",
-        "Mul",
-        "Div",
-        "Neg",
-        "Pow",
-        "Exp",
-        "Log",
-        "Tanh",
-        "Sigmoid",
-        "Relu",
-        "Softplus",
-        "Step",
-        "Sign",
-        "Abs",
-        "Where",
-        "Identity",
-        "Detach",
-        "LSTMCell",
-        "GRUCell",
-    ]
-)
-# Ops a loop body may hoist (see plan._hoistable): those batched_attrs can group whatever the
-# shapes turn out to be, given the rules it checks at build time.
-HOISTABLE_OPS = _ELEMENTWISE | {
-    "MatMul",
-    "Linear",
-    "Softmax",
-    "LogSoftmax",
-    "SoftmaxCrossEntropy",
-    "Take",
-    "GetItem",
-}
-_REDUCTIONS = ("Sum", "Mean", "Max")
+def hoistable(op: Op) -> bool:
+    """Whether a loop body may hoist nodes of ``op`` (see :func:`.plan._hoistable`): an op that
+    :func:`batched_attrs` can group whatever the shapes turn out to be, given the rules it checks
+    at build time — every op declared elementwise (a :func:`vgraph.defop` op's too), along an
+    axis or a fused cell, and the products, look-ups and indexing it has rules for."""
+    return op.kind in _HOISTABLE_KINDS or op.name in _HOISTABLE_OWN
 
 
 def batched_attrs(
-    op: str, attrs: dict[str, Any], shapes: Sequence[tuple[int, ...]], stacked: Sequence[bool], count: int
+    op: Op | str,
+    attrs: dict[str, Any],
+    shapes: Sequence[tuple[int, ...]],
+    stacked: Sequence[bool],
+    count: int,
 ) -> dict[str, Any] | None:
     """The attributes with which ``op`` computes many copies at once, or ``None`` if it cannot.
 
-    ``shapes`` are the per-copy shapes of the op's inputs; ``stacked[i]`` says whether input ``i``
-    gets a new leading axis (one row per copy: iterations when hoisting, inputs when batching) or
-    is the same for every copy. The grouped op must give, along that axis, exactly each copy's
-    value: so a stacked input must have the largest rank (numpy aligns shapes on the right, and the
-    new axis must not meet another input's axis), and axis attributes move by one. ``count`` is
-    the number of copies (the length of the new axis).
+    ``op`` is the op or its name in the table. ``shapes`` are the per-copy shapes of the op's
+    inputs; ``stacked[i]`` says whether input ``i`` gets a new leading axis (one row per copy:
+    iterations when hoisting, inputs when batching) or is the same for every copy. The grouped op
+    must give, along that axis, exactly each copy's value: so a stacked input must have the
+    largest rank (numpy aligns shapes on the right, and the new axis must not meet another
+    input's axis), and axis attributes move by one. What an op allows follows from its declared
+    kind (:data:`vgraph.ops.KINDS`), or from a rule of its own. ``count`` is the number of copies
+    (the length of the new axis).
     """
+    spec = OPS[op] if isinstance(op, str) else op
+    name, kind = spec.name, spec.kind
     if not any(stacked):
         return None  # the same value for every copy: nothing to group
     rank = max(len(s) for s in shapes)
-    if op == "MatMul":
+    if name == "MatMul":
         (a, b), (sa, sb) = shapes, stacked
         if sb:  # batched right operand: both must be matrices (a may be shared)
             return attrs if len(b) >= 2 and (len(a) >= 2 or not sa) else None
         return attrs if len(b) == 2 and len(a) >= 1 else None  # (T, ..., I) @ (I, H)
-    if op == "Linear":  # x @ w + b: as the product, with the bias (the product's last axes) shared
+    if name == "Linear":  # x @ w + b: as the product, with the bias (the product's last axes) shared
         return None if stacked[2] else batched_attrs("MatMul", attrs, shapes[:2], stacked[:2], count)
-    if op == "Take":  # a shared table looked up with stepped indices
+    if name == "Take":  # a shared table looked up with stepped indices
         return attrs if not stacked[0] and stacked[1] else None
-    if op == "SoftmaxCrossEntropy":  # rows of (..., V) logits with their (...) labels: both stacked
+    if name == "SoftmaxCrossEntropy":  # rows of (..., V) logits with their (...) labels: both stacked
         return attrs if all(stacked) else None
     if any(st and len(s) != rank for s, st in zip(shapes, stacked)):
         return None
-    if op in _ELEMENTWISE:
+    if kind in (ELEMENTWISE, CELL):  # each element alone: the new axis is one more to broadcast
         return attrs
-    if op == "Concat":  # numpy does not broadcast a concatenation: every input needs its rows
+    if name == "Concat":  # numpy does not broadcast a concatenation: every input needs its rows
         if not all(stacked):
             return None
         axis = attrs.get("axis", 0)
         return attrs if axis < 0 else {**attrs, "axis": axis + 1}
-    if op in _SOFTMAXES or op == "TakeAlongAxis":
+    if kind == ALONG_AXIS or name == "TakeAlongAxis":
         axis = attrs.get("axis", -1)
         return attrs if axis < 0 else {**attrs, "axis": axis + 1}
-    if op in _REDUCTIONS:
+    if kind == REDUCTION:
         axis = attrs.get("axis")
         if axis is None:
             axis = tuple(range(rank))
         moved = tuple(a if a < 0 else a + 1 for a in (axis if isinstance(axis, tuple) else (axis,)))
+        if len(moved) == 1:
+            return {**attrs, "axis": moved[0]}
+        if name in ("ArgMax", "ArgMin"):  # numpy's argmax takes one axis (None: the flat index)
+            return None
         return {**attrs, "axis": moved}
-    if op == "GetItem":  # a basic index (ints, slices): the same index after the new axis
+    if name == "GetItem":  # a basic index (ints, slices): the same index after the new axis
         index = attrs["index"]
         items = index if isinstance(index, tuple) else (index,)
         if not all(isinstance(i, (int, np.integer, slice)) for i in items):
             return None
         return {**attrs, "index": (slice(None), *items)}
-    if op == "Reshape":
+    if name == "Reshape":
         return {**attrs, "shape": (count, *attrs["shape"])}
-    if op == "Transpose":
+    if name == "Transpose":
         axes = attrs.get("axes")
         axes = tuple(reversed(range(rank))) if axes is None else tuple(a % rank for a in axes)
         return {**attrs, "axes": (0, *(a + 1 for a in axes))}
     return None
+
+
+def check_rows(op: Op, key: NodeKey, ans: Any, xs: Sequence[Any], attrs: dict[str, Any] | None) -> None:
+    """Under anomaly detection (:func:`vgraph.detect_anomaly`), check a :func:`vgraph.defop` op's
+    promise to act elementwise on one group of its copies: ``ans``, the part of the group's value
+    that is copy ``key``'s, must be what the op computes from that copy's input values ``xs``
+    alone. Costs nothing otherwise (built-in ops are trusted and tested).
+
+    Raises:
+        OpDefinitionError: the values differ (the op's forward mixes elements, e.g. sums along
+            an axis): the grouped paths would compute wrong values.
+    """
+    if not (op.user and is_anomaly_enabled()):
+        return
+    alone = np.asarray(op.forward(*xs, **(attrs or {})))
+    if alone.shape == np.shape(ans) and np.allclose(alone, ans, equal_nan=True):
+        return
+    raise OpDefinitionError(
+        f"<{key}>: {op.name} was declared elementwise (vgraph.defop(..., elementwise=True)), but "
+        f"computed as one call with other copies it gives <{key}> a value (shape {np.shape(ans)}) "
+        f"that differs from the op run on <{key}>'s inputs alone (shape {alone.shape}): its forward "
+        "does not act on each element alone (does it reduce, or mix values along an axis?). Define "
+        "it without elementwise=True"
+    )
 
 
 def hoist_loop(
@@ -199,10 +209,15 @@ def hoist_loop(
             shapes.append(node._value.shape)
             stacked.append(False)
         else:
-            attrs = batched_attrs(v.type, v.attrs, shapes, stacked, trips)
+            op = cast("Op", v.op)  # plan._hoistable lists only op nodes
+            attrs = batched_attrs(op, v.attrs, shapes, stacked, trips)
             if attrs is not None:
-                op = cast("Op", v.op)  # plan._hoistable lists only op nodes
-                groups[v] = cg._add_op(op, tuple(inputs), attrs, NodeKey(v.type + "*", v.id, idx), v.name)
+                group = groups[v] = cg._add_op(
+                    op, tuple(inputs), attrs, NodeKey(v.type + "*", v.id, idx), v.name
+                )
+                if op.user:  # its promise to act elementwise, checked under anomaly detection
+                    xs = [n._value[0] if st else n._value for n, st in zip(inputs, stacked)]
+                    check_rows(op, NodeKey(v.type, v.id, (*idx, 0)), group._value[0], xs, v.attrs)
     return groups
 
 
@@ -310,7 +325,7 @@ def row_sums(
             invariant = captured[k]
         pair = (group, invariant) if total.inputs[0] is part else (invariant, group)
         shapes = [p._value.shape[1:] if p is group else p._value.shape for p in pair]
-        attrs = batched_attrs("Add", total.attrs, shapes, [p is group for p in pair], trips)
+        attrs = batched_attrs(cast("Op", total.op), total.attrs, shapes, [p is group for p in pair], trips)
         if attrs is None:
             continue
         node = cg._add_op(cast("Op", total.op), pair, attrs, NodeKey("Add*", total.id, idx), None)

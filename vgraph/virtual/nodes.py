@@ -12,7 +12,7 @@ import numpy as np
 from ..compute import ComputeNode, NodeKey
 from ..errors import ArgumentError, BuildError
 from ..functions import Operand
-from ..ops import OPS, Op
+from ..ops import ALONG_AXIS, ELEMENTWISE, OPS, REDUCTION, Op
 
 if TYPE_CHECKING:
     from .graph import VirtualGraph
@@ -469,17 +469,6 @@ def _inside(scope: LoopNode | None, loop: LoopNode) -> bool:
 # ---------------------------------------------------------------------------- declared shapes
 Shape = tuple[int | None, ...] | None
 
-_ELEMENTWISE = frozenset(
-    {"Add", "Sub", "Mul", "Div", "Maximum", "Minimum", "Where", "Branch", "Identity", "Detach"}
-)
-_SAME_SHAPE = frozenset(
-    {
-        "Neg", "Pow", "Exp", "Log", "Sqrt", "Tanh", "Sigmoid", "Relu", "Softplus", "Step", "Sign",
-        "Abs", "Clip", "Softmax", "LogSoftmax",
-    }
-)  # fmt: skip
-_REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min", "Var", "ArgMax", "ArgMin"})
-
 
 def _shape_of(node: VirtualNode, carries: dict[VirtualNode, Shape] | None = None) -> Shape:
     """``node.shape``: the declared shape, computed over the node's ancestors without recursion
@@ -581,7 +570,7 @@ def _shape_rule(v: VirtualNode, shapes: list[Shape]) -> Shape:
         return shapes[0] if all(s == shapes[0] for s in shapes) else None
     if kind != "op":
         return None
-    return _op_shape(v.type, shapes, v.attrs)
+    return _op_shape(cast(Op, v.op), shapes, v.attrs)
 
 
 def _broadcast(*shapes: Shape) -> Shape:
@@ -611,16 +600,19 @@ def _axes(axis: Any, ndim: int) -> set[int]:
     return {int(a) % ndim for a in items}
 
 
-def _op_shape(op: str, shapes: list[Shape], attrs: dict[str, Any]) -> Shape:
-    if op in _SAME_SHAPE:
+def _op_shape(spec: Op, shapes: list[Shape], attrs: dict[str, Any]) -> Shape:
+    """The declared shape of a node of ``spec`` whose inputs have ``shapes``: by the op's declared
+    kind (:data:`vgraph.ops.KINDS`), or by a rule of its own (``None``: unknown)."""
+    op, kind = spec.name, spec.kind
+    if kind == ALONG_AXIS:
         return shapes[0]
-    if op in _ELEMENTWISE:
+    if kind == ELEMENTWISE:
         return _broadcast(*shapes)
     if any(s is None for s in shapes):
         return None
     full = cast("list[tuple[int | None, ...]]", shapes)
     x = full[0]
-    if op in _REDUCTIONS:
+    if kind == REDUCTION:
         axes = _axes(attrs.get("axis"), len(x))
         if attrs.get("keepdims"):
             return tuple(1 if k in axes else d for k, d in enumerate(x))

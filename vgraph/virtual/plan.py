@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
-from .hoist import HOISTABLE_OPS
+from .hoist import hoistable
 from .nodes import BranchNode, LoopNode, _inside
 
 if TYPE_CHECKING:
+    from ..ops import Op
     from .graph import VirtualGraph
     from .nodes import VirtualNode
 
@@ -58,7 +59,7 @@ def _hoistable(loop: LoopNode, eager: Sequence[VirtualNode]) -> list[VirtualNode
     """
     found: dict[VirtualNode, None] = {}
     for v in eager:
-        if v.kind != "op" or v.type not in HOISTABLE_OPS:
+        if v.kind != "op" or not hoistable(cast("Op", v.op)):
             continue
         if all(u in found or (u.kind == "item" and u.scope is loop) or _invariant(u, loop) for u in v.inputs):
             found[v] = None
