@@ -20,13 +20,13 @@ demo: $(VENV)/.installed-examples  ## the flagship: train an RNN by BPTT and ren
 test: $(VENV)/.installed-test  ## the whole test suite
 	$(BIN)/python -m pytest -q
 
-bench: $(VENV)/.installed-examples  ## the performance benchmark against the tightest hand-written numpy BPTT
+bench: $(VENV)/.installed-examples,bench  ## the RNN training step against the tightest hand-written numpy BPTT and PyTorch eager
 	$(BIN)/python tools/bench_rnn.py
 
 bench-gap: $(VENV)/.installed-examples  ## the benchmark's gap to the floor, split: vgraph's operations vs its bookkeeping
 	$(BIN)/python tools/bench_gap.py
 
-bench-dynamic: $(VENV)/.installed-examples  ## dynamic tasks (LSTM language model, BiLSTM tagger): words/s, phases, memory
+bench-dynamic: $(VENV)/.installed-examples,bench  ## dynamic tasks (LSTM LM, BiLSTM tagger, Tree-LSTM) against numpy floors and PyTorch eager
 	$(BIN)/python tools/bench_dynamic.py
 
 clean:

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
 BENCH = ROOT / "tools" / "bench_rnn.py"
 SMALLEST = (8, 32, 16, 50)
 PARAMS = {"Wx", "Wh", "b", "Wo"}
@@ -133,20 +134,32 @@ def test_quick_json_run(tmp_path):
     assert data["config"]["quick"] is True and data["config"]["sizes"] == [list(SMALLEST)]
 
     rows = data["training"]
-    assert sorted(r["mode"] for r in rows) == ["rebuild", "rebuild-new", "reuse"]
+    assert sorted(r["mode"] for r in rows) == ["rebuild", "rebuild-new", "rebuild-nocache", "reuse"]
+    impls = ["vgraph", "numpy", "numpy_perstep"] + (["torch_loop", "torch_rnn"] if HAVE_TORCH else [])
     for r in rows:
         assert r["size"] == list(SMALLEST)
-        for impl in ("vgraph", "numpy", "numpy_perstep"):
+        for impl in impls:
             assert r[impl]["median_ms"] > 0 and len(r[impl]["times_ms"]) == r["repeats"]
         assert r["ratio"] == pytest.approx(r["vgraph"]["median_ms"] / r["numpy"]["median_ms"])
         assert r["ratio_vs_perstep"] == pytest.approx(
             r["vgraph"]["median_ms"] / r["numpy_perstep"]["median_ms"]
         )
-        assert r["target"] == {"reuse": 2.0, "rebuild": 2.5, "rebuild-new": 4.0}[r["mode"]]
-        assert isinstance(r["pass"], bool) and r["nodes"] > 0
-    new = next(r for r in rows if r["mode"] == "rebuild-new")
-    assert len(new["lengths"]) == new["warmup"] + new["repeats"]
-    assert all(45 <= n <= 55 for n in new["lengths"]) and len(set(new["lengths"])) > 1
+        for kind in ("loop", "rnn"):
+            assert (f"ratio_vs_torch_{kind}" in r) == HAVE_TORCH
+            if HAVE_TORCH:
+                assert r[f"ratio_vs_torch_{kind}"] == pytest.approx(
+                    r["vgraph"]["median_ms"] / r[f"torch_{kind}"]["median_ms"]
+                )
+        target = {"reuse": 2.0, "rebuild": 2.5, "rebuild-new": 4.0, "rebuild-nocache": None}[r["mode"]]
+        assert r["target"] == target and (r["pass"] is None) == (target is None)
+        assert r["nodes"] > 0
+    for mode in ("rebuild-new", "rebuild-nocache"):
+        new = next(r for r in rows if r["mode"] == mode)
+        assert len(new["lengths"]) == new["warmup"] + new["repeats"]
+        assert all(45 <= n <= 55 for n in new["lengths"]) and len(set(new["lengths"])) > 1
+    if HAVE_TORCH:  # the PyTorch steps were checked against the floor before timing
+        errs = data["correctness"][f"({size})"]["torch_max_rel_err"]
+        assert set(errs) == {"loop", "rnn"} and all(e <= 1e-10 for e in errs.values())
 
     extras = data["extras"]
     assert extras["unroll"]["nodes"] > 0 and extras["unroll"]["nodes_per_s"] > 0
@@ -245,6 +258,11 @@ def test_dynamic_quick_json_run(tmp_path):
     data = json.loads(out.read_text())
     assert data["config"]["quick"] is True
     assert set(data["correctness"]) == {"lstm_lm", "bilstm_tagger", "tree_lstm", "adaptive_loop"}
+    for task in ("lstm_lm", "bilstm_tagger", "tree_lstm"):  # PyTorch = vgraph before any timing
+        torch_check = data["correctness"][task].get("torch")
+        assert (torch_check is not None) == HAVE_TORCH, task
+        if HAVE_TORCH:
+            assert torch_check and all(e <= 1e-10 for e in torch_check.values()), (task, torch_check)
     assert data["correctness"]["adaptive_loop"]["decisions_equal"] is True
     assert data["correctness"]["bilstm_tagger"]["gradcheck"] == "passed"
     assert data["correctness"]["tree_lstm"]["gradcheck"] == "passed"
@@ -259,6 +277,18 @@ def test_dynamic_quick_json_run(tmp_path):
     assert lm_numpy and all(r["task"] == "lstm_lm" for r in lm_numpy)
     assert all(r["ratio_vs_numpy"] > 0 and r["ratio_vs_numpy_cpu"] > 0 for r in lm_numpy)
     for r in rows:
+        torch_columns = {n for n in r["columns"] if n.startswith("torch")}
+        expected = {"bilstm_tagger": {"torch", "torch_batch32"}, "tree_lstm": {"torch", "torch_batch32"}}.get(
+            r["task"], {"torch"} if "numpy" in r["columns"] else set()
+        )
+        assert torch_columns == (expected if HAVE_TORCH else set()), r["task"]
+        if HAVE_TORCH and expected:
+            compared = {"bilstm_tagger": {"sparse", "batch32"}, "tree_lstm": {"sparse", "batch32"}}
+            assert set(r["ratio_vs_torch"]) == compared.get(r["task"], {"vgraph"}), r["task"]
+            for vg_name, vt in r["ratio_vs_torch"].items():
+                assert vt["wall"] == pytest.approx(
+                    r["columns"][vg_name]["ms_per_batch"] / r["columns"][vt["torch"]]["ms_per_batch"]
+                )
         for name, c in r["columns"].items():
             assert c["words_per_s"] > 0 and c["peak_bytes"] > 0, (r["task"], name)
             assert set(c["phase_ms_per_batch"]) == {"build", "forward", "backward", "update"}
@@ -271,6 +301,75 @@ def test_dynamic_quick_json_run(tmp_path):
         # the build is split from the forward (by the extra pass) where the forward can be re-run
         split = r["task"] != "adaptive_loop"
         assert (r["columns"]["vgraph"]["phase_ms_per_batch"]["forward"] > 0) == split, r["task"]
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+def test_a_wrong_torch_gradient_is_caught(dynamic, bench, monkeypatch):
+    right = dynamic.TorchModel.export
+
+    def wrong(self, grads=False):
+        out = right(self, grads)
+        return {**out, "inner.U": out["inner.U"] * 1.001} if grads else out
+
+    monkeypatch.setattr(dynamic.TorchModel, "export", wrong)
+    with pytest.raises(dynamic.BenchmarkMismatch, match=r"tree_lstm torch.*inner\.U"):
+        dynamic.check_torch_tree()
+    right_grads = bench.TorchTrainer.grads
+
+    def wrong_rnn(self, x, y):
+        loss, grads = right_grads(self, x, y)
+        return loss, {**grads, "Wh": grads["Wh"] * 1.001}
+
+    monkeypatch.setattr(bench.TorchTrainer, "grads", wrong_rnn)
+    with pytest.raises(bench.BenchmarkMismatch, match="PyTorch loop"):
+        bench.check_torch(SMALLEST)
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+def test_torch_sparse_adam_is_checked_against_lazy_adam(dynamic, monkeypatch):
+    """The check compares parameters after two updates, the second on other words: dense Adam on
+    the PyTorch side (which moves rows not looked up) is caught."""
+    real = dynamic.TorchTree.__init__
+
+    def dense_update(self, cfg, sparse):  # sparse gradients made dense, updated by dense Adam
+        real(self, cfg, False)
+
+    monkeypatch.setattr(dynamic.TorchTree, "__init__", dense_update)
+    with pytest.raises(dynamic.BenchmarkMismatch, match=r"tree_lstm torch \(sparse.*emb\.W after"):
+        dynamic.check_torch_tree()
+
+
+def test_benchmarks_run_without_torch(tmp_path):
+    """With torch not importable, both benchmarks say so in one line and run without its columns."""
+    fake = tmp_path / "fake" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('torch hidden by the test')\n")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(fake.parent), str(ROOT), os.environ.get("PYTHONPATH")])
+        ),
+    }
+    out = tmp_path / "rnn.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--sizes", ",".join(map(str, SMALLEST)), "--modes", "rebuild",
+         "--no-extras", "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("PyTorch columns skipped: torch is not installed") == 1
+    (row,) = json.loads(out.read_text())["training"]
+    assert not [k for k in row if "torch" in k]
+    out = tmp_path / "dynamic.json"
+    proc = subprocess.run(
+        [sys.executable, str(DYNAMIC), "--quick", "--tasks", "tree_lstm", "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("PyTorch columns skipped: torch is not installed") == 1
+    data = json.loads(out.read_text())
+    assert set(data["rows"][0]["columns"]) == {"vgraph", "sparse", "batch32"}
+    assert "torch" not in data["correctness"]["tree_lstm"]
 
 
 def test_the_paired_ab_tool_runs_both_versions_in_their_own_processes(tmp_path):

@@ -43,6 +43,22 @@ and ``Adam(lazy=True)`` — a row-sparse embedding gradient and PyTorch's ``Spar
 the rows looked up only (docs/training.md, "Sparse embedding gradients"); "sparse x" is the dense
 column's time per batch over the sparse one's.
 
+Columns ``torch`` and ``torch_batch32`` (when PyTorch is installed; ``--no-torch`` leaves them
+out): the same models in PyTorch eager mode on one thread (``torch.set_num_threads(1)``), written
+as a careful PyTorch user writes them — the LM with ``nn.Embedding``, ``nn.LSTM`` over the padded
+minibatch and ``nn.Linear`` (MB >= 4); the tagger with one ``nn.LSTM(bidirectional=True)``, one
+sentence at a time, or 32 sentences packed (``pack_sequence``) through it at once; the Tree-LSTM
+with the leaves' input projection as one product and a Python cell per inner node in post-order,
+or 32 trees level by level (all inner nodes of one height across the group in one cell call).
+Tagger and tree use ``nn.Embedding(sparse=True)`` with ``SparseAdam`` for it and ``Adam`` for the
+rest, the update of vgraph's ``Adam(lazy=True)``; ``--dense-embeddings`` makes both sides dense
+(and vgraph's ``batch32`` column too). Before timing, each is checked against vgraph on a float64
+instance from the same weights: loss, every gradient and the parameters after two Adam updates
+(the second on other inputs: rows not looked up stay), to 1e-10 relative. "vs torch" is a vgraph
+column's time per batch over its PyTorch counterpart's: ``sparse`` (or ``vgraph`` with
+``--dense-embeddings``; the LM's ``vgraph``) over ``torch``, ``batch32`` over ``torch_batch32``.
+PyTorch allocates outside tracemalloc's view, so its columns print no peak memory.
+
 Reported per task and minibatch size: sentences/s and words/s (medians over rounds; a round trains
 on every batch once), the time per batch split into build, forward, backward and update (which
 includes freeing the step's graph: a training loop pays for it too), and the peak traced
@@ -65,7 +81,8 @@ whose ``step(batch)`` trains on one batch and returns the loss and the phase tim
 Usage::
 
     PYTHONPATH=. python3 tools/bench_dynamic.py [--quick] [--json out.json] [--tasks lstm_lm ...]
-                                                [--rounds N] [--blas-threads N]
+                                                [--rounds N] [--blas-threads N] [--no-torch]
+                                                [--dense-embeddings]
 """
 
 from __future__ import annotations
@@ -85,10 +102,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-if __name__ == "__main__":
+if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from benchcommon import pin_blas_threads
+from benchcommon import TORCH_MISSING, load_torch, pin_blas_threads
 
+if __name__ == "__main__":
     pin_blas_threads()
 
 import numpy as np
@@ -611,6 +629,9 @@ class TaggerConfig:
     tags: int = 5
     mb: int = 1
     sparse: bool = False
+    #: the batch32 and torch columns: sparse embedding gradients and lazy Adam / SparseAdam (True,
+    #: the default) or dense embedding gradients and Adam (``--dense-embeddings``)
+    sparse_updates: bool = True
     dtype: Any = DTYPE
     seed: int = 0
 
@@ -750,6 +771,7 @@ class TreeConfig:
     hidden: int = 128
     labels: int = 5
     sparse: bool = False
+    sparse_updates: bool = True  # as TaggerConfig.sparse_updates
     dtype: Any = DTYPE
     seed: int = 0
 
@@ -841,13 +863,13 @@ def tree_vgraph(cfg: TreeConfig, data: Any) -> VgraphRunner:
 
 
 def tree_batched(cfg: TreeConfig, data: Any) -> VgraphRunner:
-    g, loss = make_tree_lstm(TreeConfig(**{**vars(cfg), "sparse": True}))
-    return AutobatchRunner(g, loss, tree_feed, len(data), lazy=True)
+    g, loss = make_tree_lstm(TreeConfig(**{**vars(cfg), "sparse": cfg.sparse_updates}))
+    return AutobatchRunner(g, loss, tree_feed, len(data), lazy=cfg.sparse_updates)
 
 
 def tagger_batched(cfg: TaggerConfig, data: Any) -> VgraphRunner:
-    g, loss = make_bilstm_tagger(TaggerConfig(**{**vars(cfg), "sparse": True}))
-    return AutobatchRunner(g, loss, tagger_feed, len(data), lazy=True)
+    g, loss = make_bilstm_tagger(TaggerConfig(**{**vars(cfg), "sparse": cfg.sparse_updates}))
+    return AutobatchRunner(g, loss, tagger_feed, len(data), lazy=cfg.sparse_updates)
 
 
 def tree_sparse(cfg: TreeConfig, data: Any) -> VgraphRunner:
@@ -1017,6 +1039,412 @@ def _check_adaptive() -> dict[str, Any]:
     }
 
 
+# ---------------------------------------------------------------------------- PyTorch eager columns
+#
+# The same models in PyTorch eager mode, written as a careful PyTorch user writes them (nn.LSTM,
+# packed sequences, level-by-level tree batching, SparseAdam for sparse embeddings), on one CPU
+# thread. Each model holds its PyTorch modules and a map from vgraph's parameter names to its
+# tensors (transposed where PyTorch stores ``(out, in)``), so that both sides start from the same
+# weights and their gradients and updated parameters can be compared name by name. PyTorch's
+# LSTM has two biases (``b_ih + b_hh``); vgraph's one is ``bias_ih``, and ``bias_hh`` is held at
+# zero without a gradient, so both train the same model.
+
+
+def _torch() -> Any:
+    torch = load_torch()
+    if torch is None:
+        raise RuntimeError(TORCH_MISSING)
+    return torch
+
+
+def _torch_dtype(torch: Any, dtype: Any) -> Any:
+    return torch.float64 if np.dtype(dtype) == np.float64 else torch.float32
+
+
+class TorchModel:
+    """A PyTorch model of a task; subclasses set :attr:`tensors` and define :meth:`loss`."""
+
+    #: vgraph parameter name -> (PyTorch tensor, stored transposed)
+    tensors: dict[str, tuple[Any, bool]]
+    #: the tensor updated by SparseAdam in the sparse configuration (its module has sparse=True)
+    sparse_tensor: Any = None
+
+    def _lstm(self, lstm: Any, prefix: str, suffix: str = "") -> None:
+        self.tensors[f"{prefix}.W_x"] = (getattr(lstm, f"weight_ih_l0{suffix}"), True)
+        self.tensors[f"{prefix}.W_h"] = (getattr(lstm, f"weight_hh_l0{suffix}"), True)
+        self.tensors[f"{prefix}.b"] = (getattr(lstm, f"bias_ih_l0{suffix}"), False)
+        fixed = getattr(lstm, f"bias_hh_l0{suffix}")
+        fixed.requires_grad_(False)
+        with _torch().no_grad():
+            fixed.zero_()
+
+    def load(self, params: dict[str, np.ndarray]) -> None:
+        """Copy vgraph's parameter values in."""
+        torch = _torch()
+        with torch.no_grad():
+            for k, (t, transposed) in self.tensors.items():
+                value = np.asarray(params[k])
+                t.copy_(torch.from_numpy(np.ascontiguousarray(value.T if transposed else value)))
+
+    def export(self, grads: bool = False) -> dict[str, np.ndarray]:
+        """The parameter values (or gradients) by vgraph name, in vgraph's layout."""
+        out = {}
+        for k, (t, transposed) in self.tensors.items():
+            v = t.grad if grads else t
+            if v is not None and v.is_sparse:
+                v = v.coalesce().to_dense()
+            a = np.zeros(tuple(t.shape)) if v is None else v.detach().numpy()
+            out[k] = a.T if transposed else a
+        return out
+
+    def loss(self, items: list[Any]) -> Any:
+        """The loss of one update on ``items`` (a list of one batch, or of a group's inputs)."""
+        raise NotImplementedError
+
+
+class TorchLM(TorchModel):
+    """The LSTM LM: ``nn.Embedding``, ``nn.LSTM`` over the padded ``(T, B)`` batch, ``nn.Linear``,
+    the masked mean cross-entropy (per-word weights, as the vgraph model)."""
+
+    def __init__(self, cfg: LMConfig) -> None:
+        torch = _torch()
+        dt = _torch_dtype(torch, cfg.dtype)
+        self.emb = torch.nn.Embedding(cfg.vocab, cfg.embed, dtype=dt)
+        self.lstm = torch.nn.LSTM(cfg.embed, cfg.hidden, dtype=dt)
+        self.out = torch.nn.Linear(cfg.hidden, cfg.vocab, dtype=dt)
+        self.tensors = {"emb.W": (self.emb.weight, False)}
+        self._lstm(self.lstm, "lstm")
+        self.tensors.update({"out.W": (self.out.weight, True), "out.b": (self.out.bias, False)})
+        self.H = cfg.hidden
+
+    def loss(self, items: list[LMBatch]) -> Any:
+        torch = _torch()
+        (b,) = items
+        hs, _ = self.lstm(self.emb(torch.from_numpy(b.tokens)))  # (T, B, H)
+        logits = self.out(hs.reshape(-1, self.H))
+        ce = torch.nn.functional.cross_entropy(logits, torch.from_numpy(b.targets), reduction="none")
+        return (ce * torch.from_numpy(b.weights)).sum()
+
+
+class TorchTagger(TorchModel):
+    """The BiLSTM tagger: one ``nn.LSTM(bidirectional=True)``. One sentence: the ``(T, 1, E)``
+    embedded sentence through it. A group: the sentences' embeddings (only their real words)
+    packed with ``pack_sequence`` through it once; the loss on the packed outputs against the
+    tags packed the same way, each word weighted ``1 / (its sentence's length * sentences)``:
+    the mean over sentences of each sentence's mean, as vgraph's ``build_batch`` ``"mean"``."""
+
+    def __init__(self, cfg: TaggerConfig, sparse: bool) -> None:
+        torch = _torch()
+        dt = _torch_dtype(torch, cfg.dtype)
+        self.emb = torch.nn.Embedding(cfg.vocab, cfg.embed, sparse=sparse, dtype=dt)
+        self.lstm = torch.nn.LSTM(cfg.embed, cfg.hidden, bidirectional=True, dtype=dt)
+        self.mlp = torch.nn.Linear(2 * cfg.hidden, cfg.mlp, dtype=dt)
+        self.out = torch.nn.Linear(cfg.mlp, cfg.tags, dtype=dt)
+        self.tensors = {"emb.W": (self.emb.weight, False)}
+        self._lstm(self.lstm, "fwd")
+        self._lstm(self.lstm, "bwd", "_reverse")
+        for name, lin in (("mlp", self.mlp), ("out", self.out)):
+            self.tensors.update({f"{name}.W": (lin.weight, True), f"{name}.b": (lin.bias, False)})
+        self.sparse_tensor = self.emb.weight if sparse else None
+        self.dtype = dt
+
+    def loss(self, items: list[TagBatch]) -> Any:
+        torch = _torch()
+        F = torch.nn.functional
+        if len(items) == 1:
+            b = items[0]
+            feats, _ = self.lstm(self.emb(torch.from_numpy(b.tokens)))  # (T, 1, 2H)
+            logits = self.out(torch.tanh(self.mlp(feats.reshape(b.words, -1))))
+            return F.cross_entropy(logits, torch.from_numpy(b.tags))
+        rnn = torch.nn.utils.rnn
+        lengths = [b.words for b in items]
+        tokens = torch.from_numpy(np.concatenate([b.tokens.reshape(-1) for b in items]))
+        embedded = self.emb(tokens).split(lengths)
+        packed, _ = self.lstm(rnn.pack_sequence(embedded, enforce_sorted=False))
+        tags = rnn.pack_sequence([torch.from_numpy(b.tags) for b in items], enforce_sorted=False)
+        weights = [torch.full((n,), 1.0 / (n * len(items)), dtype=self.dtype) for n in lengths]
+        w = rnn.pack_sequence(weights, enforce_sorted=False)
+        logits = self.out(torch.tanh(self.mlp(packed.data)))
+        return (F.cross_entropy(logits, tags.data, reduction="none") * w.data).sum()
+
+
+class TorchTree(TorchModel):
+    """The Tree-LSTM. One tree: the leaves' ``x W_leaf + b_leaf`` as one product (vgraph hoists
+    it too), then a Python cell per inner node in post-order (children first). A group: the trees'
+    nodes concatenated, every node's height (leaves 0, else one more than its higher child), the
+    leaves of all trees in one call, then the inner nodes of each height across the group in one
+    cell call, gathering their children's states by index; the loss each node weighted
+    ``1 / (its tree's nodes * trees)``, as vgraph's ``build_batch`` ``"mean"``."""
+
+    def __init__(self, cfg: TreeConfig, sparse: bool) -> None:
+        torch = _torch()
+        dt = _torch_dtype(torch, cfg.dtype)
+        E, H = cfg.embed, cfg.hidden
+
+        def param(*shape: int) -> Any:
+            return torch.nn.Parameter(torch.zeros(shape, dtype=dt))
+
+        self.emb = torch.nn.Embedding(cfg.vocab, E, sparse=sparse, dtype=dt)
+        self.W_leaf, self.b_leaf, self.U, self.b = (
+            param(E, 3 * H),
+            param(3 * H),
+            param(2 * H, 5 * H),
+            param(5 * H),
+        )
+        self.head = torch.nn.Linear(H, cfg.labels, dtype=dt)
+        self.tensors = {
+            "emb.W": (self.emb.weight, False), "leaf.W": (self.W_leaf, False), "leaf.b": (self.b_leaf, False),
+            "inner.U": (self.U, False), "inner.b": (self.b, False),
+            "head.W": (self.head.weight, True), "head.b": (self.head.bias, False),
+        }  # fmt: skip
+        self.sparse_tensor = self.emb.weight if sparse else None
+        self.H, self.dtype = H, dt
+
+    def _leaves(self, tokens: Any) -> tuple[Any, Any]:
+        torch, H = _torch(), self.H
+        z = self.emb(tokens) @ self.W_leaf + self.b_leaf
+        g = torch.sigmoid(z[:, : 2 * H])
+        c = g[:, :H] * torch.tanh(z[:, 2 * H :])
+        return g[:, H:] * torch.tanh(c), c
+
+    def _inner(self, hl: Any, hr: Any, cl: Any, cr: Any) -> tuple[Any, Any]:
+        torch, H = _torch(), self.H
+        z = torch.cat([hl, hr], dim=-1) @ self.U + self.b
+        g = torch.sigmoid(z[..., : 4 * H])
+        c = g[..., :H] * torch.tanh(z[..., 4 * H :]) + g[..., H : 2 * H] * cl + g[..., 2 * H : 3 * H] * cr
+        return g[..., 3 * H :] * torch.tanh(c), c
+
+    def loss(self, items: list[TreeBatch]) -> Any:
+        torch = _torch()
+        F = torch.nn.functional
+        if len(items) == 1:
+            t = items[0]
+            leaves = np.flatnonzero(t.is_leaf)
+            hl, cl = self._leaves(torch.from_numpy(t.tokens[leaves]))
+            h: list[Any] = [None] * len(t.tokens)
+            c: list[Any] = [None] * len(t.tokens)
+            for k, (hk, ck) in zip(leaves.tolist(), zip(hl.unbind(0), cl.unbind(0))):
+                h[k], c[k] = hk, ck
+            for k, (a, b) in enumerate(t.children.tolist()):
+                if a >= 0:
+                    h[k], c[k] = self._inner(h[a], h[b], c[a], c[b])
+            return F.cross_entropy(self.head(torch.stack(h)), torch.from_numpy(t.labels))
+        offsets = np.cumsum([0] + [len(t.tokens) for t in items])
+        children = np.concatenate(
+            [np.where(t.children >= 0, t.children + o, -1) for t, o in zip(items, offsets)]
+        )
+        tokens = np.concatenate([t.tokens for t in items])
+        labels = np.concatenate([t.labels for t in items])
+        weights = np.concatenate([np.full(len(t.tokens), 1.0 / (len(t.tokens) * len(items))) for t in items])
+        height = np.zeros(len(tokens), dtype=np.int64)
+        for k, (a, b) in enumerate(children.tolist()):  # post-order: children come first
+            if a >= 0:
+                height[k] = 1 + max(height[a], height[b])
+        leaves = np.flatnonzero(children[:, 0] < 0)
+        hl, cl = self._leaves(torch.from_numpy(tokens[leaves]))
+        idx = torch.from_numpy(leaves)
+        h = torch.zeros((len(tokens), self.H), dtype=self.dtype).index_copy(0, idx, hl)
+        c = torch.zeros((len(tokens), self.H), dtype=self.dtype).index_copy(0, idx, cl)
+        for level in range(1, int(height.max()) + 1):
+            nodes = np.flatnonzero(height == level)
+            a, b = torch.from_numpy(children[nodes, 0]), torch.from_numpy(children[nodes, 1])
+            hn, cn = self._inner(h[a], h[b], c[a], c[b])
+            idx = torch.from_numpy(nodes)
+            h, c = h.index_copy(0, idx, hn), c.index_copy(0, idx, cn)
+        ce = F.cross_entropy(self.head(h), torch.from_numpy(labels), reduction="none")
+        return (ce * torch.from_numpy(weights).to(self.dtype)).sum()
+
+
+class TorchRunner:
+    """A PyTorch model trained by ``loss.backward()`` and Adam (``SparseAdam`` for a sparse
+    embedding, Adam for the rest: the same update as vgraph's ``Adam(lazy=True)`` up to where ε
+    is added, see :class:`vgraph.optim.Adam`). ``group > 1``: as :class:`AutobatchRunner`, the
+    one-input batches are kept until a group (or the round's last) is complete, and that step
+    reports the group's time."""
+
+    splits_forward = False
+
+    def __init__(self, model: TorchModel, per_round: int = 0, group: int = 1, eps: float = EPS) -> None:
+        torch = _torch()
+        self.model, self.per_round, self.group = model, per_round, group
+        sparse = model.sparse_tensor
+        dense = [t for t, _ in model.tensors.values() if t is not sparse]
+        self.opts = [torch.optim.Adam(dense, lr=LR, betas=BETAS, eps=eps)]
+        if sparse is not None:
+            self.opts.append(torch.optim.SparseAdam([sparse], lr=LR, betas=BETAS, eps=eps))
+        self.pending: list[Any] = []
+        self.seen = 0
+        self.last = 0.0
+
+    def train(self, items: list[Any]) -> tuple[float, Phases]:
+        """One update on ``items``; the loss and the phase times."""
+        clock = _Clock()
+        loss = self.model.loss(items)
+        forward = clock.lap()
+        loss.backward()
+        value = loss.item()
+        backward = clock.lap()
+        for opt in self.opts:
+            opt.step()
+        for opt in self.opts:
+            opt.zero_grad(set_to_none=True)
+        del loss  # the autograd graph is freed here, as vgraph's columns free theirs
+        update = clock.lap()
+        self.last = value
+        return value, {"build": (0.0, 0.0), "forward": forward, "backward": backward, "update": update}
+
+    def step(self, batch: Any) -> tuple[float, Phases]:
+        self.pending.append(batch)
+        self.seen += 1
+        if self.group > 1 and len(self.pending) < self.group and self.seen % self.per_round:
+            zero = (0.0, 0.0)
+            return self.last, {"build": zero, "forward": zero, "backward": zero, "update": zero}
+        items, self.pending = self.pending, []
+        return self.train(items)
+
+    def params(self) -> dict[str, np.ndarray]:
+        return self.model.export()
+
+    def held_bytes(self) -> int:
+        n = sum(t.numel() * t.element_size() for t, _ in self.model.tensors.values())
+        for opt in self.opts:
+            for st in opt.state.values():
+                n += sum(v.numel() * v.element_size() for v in st.values() if hasattr(v, "numel") and v.dim())
+        return n
+
+
+def _torch_runner(model: TorchModel, g: vg.VirtualGraph, per_round: int = 0, group: int = 1) -> TorchRunner:
+    model.load({k: g.params.value(k) for k in g.params})  # the vgraph columns' initial weights
+    return TorchRunner(model, per_round, group)
+
+
+def lm_torch(cfg: LMConfig, data: Any) -> TorchRunner:
+    return _torch_runner(TorchLM(cfg), make_lstm_lm(cfg)[0])
+
+
+def tagger_torch(cfg: TaggerConfig, data: Any) -> TorchRunner:
+    return _torch_runner(TorchTagger(cfg, cfg.sparse_updates), make_bilstm_tagger(cfg)[0])
+
+
+def tagger_torch_batched(cfg: TaggerConfig, data: Any) -> TorchRunner:
+    return _torch_runner(TorchTagger(cfg, cfg.sparse_updates), make_bilstm_tagger(cfg)[0], len(data), 32)
+
+
+def tree_torch(cfg: TreeConfig, data: Any) -> TorchRunner:
+    return _torch_runner(TorchTree(cfg, cfg.sparse_updates), make_tree_lstm(cfg)[0])
+
+
+def tree_torch_batched(cfg: TreeConfig, data: Any) -> TorchRunner:
+    return _torch_runner(TorchTree(cfg, cfg.sparse_updates), make_tree_lstm(cfg)[0], len(data), 32)
+
+
+def _vgraph_update(g: vg.VirtualGraph, loss: vg.VirtualNode, feeds: list[dict[str, Any]]) -> float:
+    """Loss of one build (one input) or of ``build_batch`` (the mean over the inputs), after
+    which the gradients are in ``g.params``."""
+    g.params.zero_grad()
+    if len(feeds) == 1:
+        cg = g.build(feeds[0], loss)
+        return float(cg.backward(cg.outputs[0]))
+    return float(g.build_batch(feeds, loss).backward("mean"))
+
+
+def torch_agrees(
+    what: str,
+    g: vg.VirtualGraph,
+    loss: vg.VirtualNode,
+    feed: Callable[[Any], dict[str, Any]],
+    model: TorchModel,
+    updates: list[list[Any]],
+    lazy: bool,
+    tol: float = 1e-10,
+) -> dict[str, float]:
+    """The PyTorch model computes what the vgraph model computes (else :class:`BenchmarkMismatch`):
+    from the same weights, the loss and every gradient on ``updates[0]`` and the parameters after
+    one Adam update per entry of ``updates`` (each a list of inputs: one, or a group for
+    ``build_batch``), to ``tol`` relative. ``lazy``: row-sparse embedding gradients with
+    ``Adam(lazy=True)`` against ``SparseAdam``, with ε = 1e-300 on both sides, since ``SparseAdam``
+    adds ε to √v before the bias correction (a difference in ε only, :class:`vgraph.optim.Adam`).
+    Returns the largest relative errors."""
+    model.load({k: g.params.value(k) for k in g.params})
+    vg_loss = _vgraph_update(g, loss, [feed(b) for b in updates[0]])
+    vg_grads = {k: np.array(g.params[k].grad) for k in g.params}
+    g.params.zero_grad()
+    t_loss = model.loss(updates[0])
+    t_loss.backward()
+    errs = {"loss": abs(t_loss.item() - vg_loss) / max(abs(vg_loss), 1e-30)}
+    t_grads = model.export(grads=True)
+    for k in model.tensors:
+        errs[k] = _max_rel_err(t_grads[k], vg_grads[k])
+    eps = 1e-300 if lazy else EPS  # SparseAdam refuses ε = 0; this one is below float64's rounding
+    runner = TorchRunner(model, eps=eps)
+    for opt in runner.opts:
+        opt.zero_grad(set_to_none=True)
+    opt = optim.Adam(g.params, lr=LR, betas=BETAS, eps=eps, lazy=lazy)
+    for items in updates:
+        _vgraph_update(g, loss, [feed(b) for b in items])
+        opt.step()
+        runner.train(items)
+    g.params.zero_grad()
+    after = model.export()
+    for k in model.tensors:
+        errs[f"{k} after {len(updates)} Adam steps"] = _max_rel_err(after[k], g.params.value(k))
+    bad = {k: e for k, e in errs.items() if not e <= tol}
+    if bad:
+        raise BenchmarkMismatch(f"{what}: PyTorch differs from vgraph (relative errors {bad}, tol {tol})")
+    return errs
+
+
+def check_torch_lm() -> dict[str, Any]:
+    """PyTorch's LSTM LM = vgraph's (float64, a padded batch; gradients and two Adam steps)."""
+    cfg = LMConfig(vocab=40, embed=6, hidden=5, dtype=np.float64, seed=0)
+    g, loss = make_lstm_lm(cfg)
+    batches = lm_batches(make_sentences(9, cfg.vocab, 5), 4, 0)
+    errs = torch_agrees(
+        "lstm_lm torch", g, loss, lm_feed(cfg), TorchLM(cfg), [[batches[0]], [batches[1]]], False
+    )
+    return {"dense_1": max(errs.values())}
+
+
+def check_torch_tagger() -> dict[str, Any]:
+    """PyTorch's tagger = vgraph's, one sentence and a packed group of three, sparse and dense
+    embedding updates (float64)."""
+    out = {}
+    items = [b for b in tagger_batches(12, 30, 5, seed=3) if b.words >= 2][:6]
+    for sparse in (True, False):
+        cfg = TaggerConfig(vocab=30, embed=4, hidden=3, mlp=4, tags=5, sparse=sparse, dtype=np.float64)
+        for n in (1, 3):
+            g, loss = make_bilstm_tagger(cfg)
+            updates = [items[:n], items[n : 2 * n]]
+            what = f"bilstm_tagger torch ({'sparse' if sparse else 'dense'}, {n} sentence(s))"
+            errs = torch_agrees(what, g, loss, tagger_feed, TorchTagger(cfg, sparse), updates, sparse)
+            out[f"{'sparse' if sparse else 'dense'}_{n}"] = max(errs.values())
+    return out
+
+
+def check_torch_tree() -> dict[str, Any]:
+    """PyTorch's Tree-LSTM = vgraph's, one tree and a level-by-level group of three, sparse and
+    dense embedding updates (float64)."""
+    out = {}
+    rng = np.random.default_rng(3)
+    items = [random_tree(rng, rng.integers(1, 30, size=n)) for n in (5, 1, 7, 4, 2, 6)]
+    for sparse in (True, False):
+        cfg = TreeConfig(vocab=30, embed=4, hidden=3, sparse=sparse, dtype=np.float64)
+        for n in (1, 3):
+            g, loss = make_tree_lstm(cfg)
+            updates = [items[:n], items[n : 2 * n]]
+            what = f"tree_lstm torch ({'sparse' if sparse else 'dense'}, {n} tree(s))"
+            errs = torch_agrees(what, g, loss, tree_feed, TorchTree(cfg, sparse), updates, sparse)
+            out[f"{'sparse' if sparse else 'dense'}_{n}"] = max(errs.values())
+    return out
+
+
+TORCH_CHECKS: dict[str, Callable[[], dict[str, Any]]] = {
+    "lstm_lm": check_torch_lm,
+    "bilstm_tagger": check_torch_tagger,
+    "tree_lstm": check_torch_tree,
+}
+
+
 # ---------------------------------------------------------------------------- the registry
 
 
@@ -1080,6 +1508,7 @@ TASKS: dict[str, Task] = {
             "vgraph": (lm_vgraph, _always),
             "numpy": (lm_numpy, lambda cfg: cfg.mb >= 4),
             "batch": (lm_batched, lambda cfg: cfg.mb >= 4),
+            "torch": (lm_torch, lambda cfg: cfg.mb >= 4),
         },
         check_lstm_lm,
         label=lambda cfg: f"MB={cfg.mb}",
@@ -1093,6 +1522,8 @@ TASKS: dict[str, Task] = {
             "vgraph": (tagger_vgraph, _always),
             "sparse": (tagger_sparse, _always),
             "batch32": (tagger_batched, _always),
+            "torch": (tagger_torch, _always),
+            "torch_batch32": (tagger_torch_batched, _always),
         },
         check_bilstm_tagger,
         label=lambda cfg: "1 sentence",
@@ -1107,6 +1538,8 @@ TASKS: dict[str, Task] = {
             "vgraph": (tree_vgraph, _always),
             "sparse": (tree_sparse, _always),
             "batch32": (tree_batched, _always),
+            "torch": (tree_torch, _always),
+            "torch_batch32": (tree_torch_batched, _always),
         },
         check_tree_lstm,
         label=lambda cfg: "1 tree",
@@ -1197,7 +1630,15 @@ def _timed_pass(
     return out
 
 
-def run_config(task: Task, cfg: Any, rounds: int, warmup: int, quick: bool) -> dict[str, Any]:
+#: (vgraph column, PyTorch column) compared in "vs torch": the one-at-a-time columns with the same
+#: embedding updates (``sparse`` or, with ``--dense-embeddings``, ``vgraph``), autobatched with
+#: PyTorch's batched version, the LM's padded minibatches with PyTorch's.
+TORCH_PAIRS = (("vgraph", "torch"), ("sparse", "torch"), ("batch32", "torch_batch32"))
+
+
+def run_config(
+    task: Task, cfg: Any, rounds: int, warmup: int, quick: bool, torch_columns: bool = True
+) -> dict[str, Any]:
     """Time every applicable column of ``task`` on ``cfg``, in one or two passes of
     :func:`_timed_pass` (the columns of a pass alternate batch by batch, so load changes hit them
     alike).
@@ -1216,16 +1657,27 @@ def run_config(task: Task, cfg: Any, rounds: int, warmup: int, quick: bool) -> d
     it. The timed rounds do not re-run the forward because doing so changes what the *next* step's
     allocations find: the re-run replaces every value while the old ones are still alive, and the
     next build of the LSTM language model at 64 sentences then took 60-90 ms more (its ratio to the
-    floor 1.22-1.24 without, 1.48-1.53 with, paired runs). No training loop does that."""
+    floor 1.22-1.24 without, 1.48-1.53 with, paired runs). No training loop does that.
+
+    The PyTorch columns (``torch*``, left out if not ``torch_columns``) run in the pass of the
+    vgraph column they are compared with: ``torch`` in the first, ``torch_batch32`` in the second;
+    "vs torch" is the vgraph column's time per batch over the PyTorch one's (:data:`TORCH_PAIRS`)."""
     data = task.data(cfg, quick)
-    cols = {name: make for name, (make, applies) in task.columns.items() if applies(cfg)}
+    cols = {
+        name: make
+        for name, (make, applies) in task.columns.items()
+        if applies(cfg) and (torch_columns or not name.startswith("torch"))
+    }
     batched = [n for n in cols if n.startswith("batch")]
+    second_pass = batched + [n for n in cols if n.startswith("torch_batch")]
     ref = "sparse" if "sparse" in cols else "vgraph"
-    timed = _timed_pass({n: m for n, m in cols.items() if n not in batched}, cfg, data, rounds, warmup)
+    timed = _timed_pass({n: m for n, m in cols.items() if n not in second_pass}, cfg, data, rounds, warmup)
     ref_times = timed.get(ref)
     if batched:
         gc.collect()  # the first pass's models are gone
-        second = _timed_pass({n: cols[n] for n in [ref, *batched] if n in cols}, cfg, data, rounds, warmup)
+        second = _timed_pass(
+            {n: cols[n] for n in [ref, *second_pass] if n in cols}, cfg, data, rounds, warmup
+        )
         ref_times = second.pop(ref, None)
         timed.update(second)
     names = list(cols)
@@ -1256,7 +1708,9 @@ def run_config(task: Task, cfg: Any, rounds: int, warmup: int, quick: bool) -> d
             "phase_cpu_ms_per_batch": {
                 k: statistics.median(r[k] for r in cpu_round[name]) * 1e3 / len(data) for k in PHASES
             },
+            # PyTorch allocates its tensors outside tracemalloc's view: its peak is a lower bound
             "peak_bytes": peak_step_memory(lambda name=name: cols[name](cfg, data), median_batch),
+            "peak_traced_only": name.startswith("torch"),
             "first_loss": losses_seen[name][0],
             "last_loss": losses_seen[name][-1],
         }
@@ -1271,6 +1725,18 @@ def run_config(task: Task, cfg: Any, rounds: int, warmup: int, quick: bool) -> d
         dense, sparse = result["columns"]["vgraph"], result["columns"]["sparse"]
         result["sparse_speedup"] = dense["ms_per_batch"] / sparse["ms_per_batch"]
         result["sparse_speedup_cpu"] = dense["cpu_ms_per_batch"] / sparse["cpu_ms_per_batch"]
+    for vg_name, torch_name in TORCH_PAIRS:
+        vg_col, torch_col = result["columns"].get(vg_name), result["columns"].get(torch_name)
+        if vg_name == "vgraph" and "sparse" in result["columns"] and getattr(cfg, "sparse_updates", False):
+            vg_col = None  # the sparse column is the one with the same embedding updates
+        if vg_name == "sparse" and not getattr(cfg, "sparse_updates", True):
+            vg_col = None
+        if vg_col is not None and torch_col is not None:
+            result.setdefault("ratio_vs_torch", {})[vg_name] = {
+                "torch": torch_name,
+                "wall": vg_col["ms_per_batch"] / torch_col["ms_per_batch"],
+                "cpu": vg_col["cpu_ms_per_batch"] / torch_col["cpu_ms_per_batch"],
+            }
     if ref_times is not None:  # autobatching over one at a time, both from the second pass
         one_wall = statistics.median(sum(r.values()) for r in ref_times["wall"])
         one_cpu = statistics.median(sum(r.values()) for r in ref_times["cpu"])
@@ -1286,7 +1752,7 @@ def run_config(task: Task, cfg: Any, rounds: int, warmup: int, quick: bool) -> d
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
     head = (
-        f"{'task':<14} {'config':<11} {'column':<8} {'sent/s':>8} {'words/s':>9} {'ms/batch':>9} {'build':>8} "
+        f"{'task':<14} {'config':<11} {'column':<13} {'sent/s':>8} {'words/s':>9} {'ms/batch':>9} {'build':>8} "
         f"{'forward':>8} {'backward':>9} {'update':>8} {'peak MiB':>9} {'vs floor':>8} {'cpu':>5}"
     )
     print(head)
@@ -1295,17 +1761,24 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
         for name, c in r["columns"].items():
             p = c["phase_ms_per_batch"]
             ratio = cpu = ""
+            # PyTorch's tensors are allocated outside tracemalloc's view: no comparable peak
+            peak = "-" if c.get("peak_traced_only") else f"{c['peak_bytes'] / 2**20:.1f}"
             if name == "vgraph" and "ratio_vs_numpy" in r:
                 ratio, cpu = f"{r['ratio_vs_numpy']:.2f}", f"{r['ratio_vs_numpy_cpu']:.2f}"
             print(
-                f"{r['task']:<14} {r['config']:<11} {name:<8} {c['sentences_per_s']:>8,.1f} {c['words_per_s']:>9,.0f} "
+                f"{r['task']:<14} {r['config']:<11} {name:<13} {c['sentences_per_s']:>8,.1f} {c['words_per_s']:>9,.0f} "
                 f"{c['ms_per_batch']:>9.2f} {p['build']:>8.2f} {p['forward']:>8.2f} {p['backward']:>9.2f} "
-                f"{p['update']:>8.2f} {c['peak_bytes'] / 2**20:>9.1f} {ratio:>8} {cpu:>5}"
+                f"{p['update']:>8.2f} {peak:>9} {ratio:>8} {cpu:>5}"
             )
         if "sparse_speedup" in r:
             print(
                 f"{'':<14} {'':<11} sparse x {r['sparse_speedup']:.2f} (cpu {r['sparse_speedup_cpu']:.2f}): the dense "
                 "column's time per batch over the sparse one's"
+            )
+        for name, vt in r.get("ratio_vs_torch", {}).items():
+            print(
+                f"{'':<14} {'':<11} vs torch {vt['wall']:.2f} (cpu {vt['cpu']:.2f}): {name}'s time per batch over "
+                f"{vt['torch']}'s (PyTorch eager, 1 thread)"
             )
         for name, sp in r.get("batch_speedup", {}).items():
             print(
@@ -1326,17 +1799,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--blas-threads", metavar="N", help="BLAS threads (default 1); read before numpy is imported"
     )
+    ap.add_argument("--no-torch", action="store_true", help="leave out the PyTorch columns")
+    ap.add_argument(
+        "--dense-embeddings",
+        action="store_true",
+        help="tagger and tree: the batch32 and torch columns with dense embedding gradients and Adam "
+        "(default: sparse gradients, lazy Adam / SparseAdam)",
+    )
     args = ap.parse_args(argv)
     rounds = args.rounds if args.rounds is not None else (1 if args.quick else 5)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     if rounds < 1 or warmup < 0:
         ap.error("--rounds must be >= 1 and --warmup >= 0")
     started = _dt.datetime.now(_dt.timezone.utc)
+    loadavg_start = list(os.getloadavg())
     threads = os.environ.get("OPENBLAS_NUM_THREADS", "default")
     print(
         f"vgraph dynamic-task benchmark  {started:%Y-%m-%d %H:%M UTC}  numpy {np.__version__}  "
         f"{os.cpu_count()} CPUs  BLAS threads {threads}  rounds {rounds} (+{warmup} warm-up steps)\n"
     )
+    torch = load_torch(not args.no_torch)
+    if torch is None:
+        print(TORCH_MISSING if not args.no_torch else "PyTorch columns skipped: --no-torch")
+    else:
+        print(f"PyTorch {torch.__version__} eager, {torch.get_num_threads()} thread(s)")
     checks: dict[str, Any] = {}
     rows: list[dict[str, Any]] = []
     try:
@@ -1345,11 +1831,20 @@ def main(argv: list[str] | None = None) -> int:
             if task.check is not None:
                 checks[name] = task.check()
                 print(f"correctness: {name}: {_describe_check(checks[name])}")
+            if torch is not None and name in TORCH_CHECKS:
+                checks[name]["torch"] = TORCH_CHECKS[name]()
+                worst = max(checks[name]["torch"].values())
+                print(
+                    f"correctness: {name}: PyTorch = vgraph (float64; loss, gradients, two Adam steps; "
+                    f"{', '.join(checks[name]['torch'])}; max relative error {worst:.1e})"
+                )
         print()
         for name in args.tasks:
             task = TASKS[name]
             for cfg in task.configs(args.quick):
-                rows.append(run_config(task, cfg, rounds, warmup, args.quick))
+                if args.dense_embeddings and hasattr(cfg, "sparse_updates"):
+                    cfg.sparse_updates = False
+                rows.append(run_config(task, cfg, rounds, warmup, args.quick, torch is not None))
                 print(f"  measured {name} {task.label(cfg)}", file=sys.stderr)
     except BenchmarkMismatch as e:
         print(f"\nBENCHMARK ABORTED: {e}", file=sys.stderr)
@@ -1363,12 +1858,16 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {
             "cpu_count": os.cpu_count(), "python": sys.version.split()[0], "numpy": np.__version__,
             "blas_threads": threads, "vgraph": getattr(vg, "__version__", None),
+            "torch": None if torch is None else torch.__version__,
+            "torch_threads": None if torch is None else torch.get_num_threads(),
+            "loadavg_at_start": loadavg_start,
         },
-        "config": {"quick": args.quick, "rounds": rounds, "warmup": warmup, "lr": LR, "dtype": np.dtype(DTYPE).name,
+        "config": {"quick": args.quick, "dense_embeddings": args.dense_embeddings, "rounds": rounds, "warmup": warmup, "lr": LR, "dtype": np.dtype(DTYPE).name,
                    "statistic": "median over rounds; phases per batch"},
         "correctness": checks,
         "rows": rows,
     }  # fmt: skip
+    results["machine"]["loadavg_at_end"] = list(os.getloadavg())
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=float))
         print(f"\nwrote {args.json}")

@@ -12,7 +12,8 @@ vgraph step, mode "rebuild": ``g.build(feed, loss)`` (unrolls and computes the f
 ``cg.backward`` + ``p.value = p.value - lr * p.grad`` for each parameter + ``g.params.zero_grad()``, every
 step with a sequence of length T (the same structure every step).
 Mode "rebuild-new": the same, but the sequence length changes every step within T ± 10% (every
-length of the range in turn, shuffled: a new structure every step).
+length of the range in turn, shuffled: a new structure every step). Mode "rebuild-nocache": those
+lengths, each build with ``cache=False`` (every step unrolled as a structure never seen before).
 Mode "reuse": the UnrolledGraph is built once; each step ``cg.feed(new data)``, ``cg.forward()``
 (dirty-checked; everything is recomputed since inputs and parameters changed), backward and the
 same update.
@@ -31,6 +32,12 @@ timing, gradients and loss of both vgraph modes and of the per-step reference ar
 to the floor's (rtol 1e-4, atol 1e-5); after timing, the parameters of all implementations,
 trained on the same batches, are checked equal again. A mismatch aborts with exit status 2.
 
+PyTorch eager columns (when torch is installed; ``--no-torch`` leaves them out), interleaved with the
+others and on one thread: "torch loop", the step as a careful PyTorch user writes it by hand (the
+input projections of all steps as one product, ``tanh`` in a Python loop over time) and
+"nn.RNN", ``torch.nn.RNN`` itself; both ``torch.optim.SGD``. Their loss and gradients are checked
+against the floor's in float64 (1e-10 relative) before timing, their parameters after timing.
+
 Also measured: unrolling throughput (len(cg) / build time for a 10,000-step loop), incremental
 re-forward (1 of 100 independent input paths changed) vs a full forward, and the peak memory
 (tracemalloc) of one build+backward at T=1000 vs the bytes of the values the graph keeps.
@@ -48,8 +55,9 @@ unless ``--blas-threads N`` (or OPENBLAS_NUM_THREADS / OMP_NUM_THREADS) says oth
 Usage::
 
     PYTHONPATH=. python3 tools/bench_rnn.py [--quick] [--json out.json] [--repeats N] [--warmup N]
-                                            [--sizes I,H,B,T ...] [--modes reuse rebuild rebuild-new]
-                                            [--no-extras] [--strict] [--blas-threads N]
+                                            [--sizes I,H,B,T ...]
+                                            [--modes reuse rebuild rebuild-new rebuild-nocache]
+                                            [--no-extras] [--strict] [--blas-threads N] [--no-torch]
 """
 
 from __future__ import annotations
@@ -70,10 +78,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":
+if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from benchcommon import pin_blas_threads
+from benchcommon import TORCH_MISSING, load_torch, pin_blas_threads
 
+if __name__ == "__main__":
     pin_blas_threads()
 
 import numpy as np
@@ -92,7 +101,7 @@ SIZES: list[tuple[int, int, int, int]] = [
     (64, 256, 64, 100),
     (8, 32, 1, 1000),
 ]
-MODES = ("reuse", "rebuild", "rebuild-new")
+MODES = ("reuse", "rebuild", "rebuild-new", "rebuild-nocache")
 #: Targets of issue 10: vgraph ms / tight-floor ms (medians) must be at most this.
 TARGETS: dict[str, dict[tuple[int, int, int, int], float]] = {
     "reuse": {(8, 32, 16, 50): 2.0, (32, 128, 32, 50): 1.1, (64, 256, 64, 100): 1.05, (8, 32, 1, 1000): 3.0},
@@ -307,15 +316,16 @@ class NumpyTrainer:
 
 
 class VgraphRebuild:
-    """Mode "rebuild": a new UnrolledGraph from the VirtualGraph every step."""
+    """Mode "rebuild": a new UnrolledGraph from the VirtualGraph every step (``cache=False``: mode
+    "rebuild-nocache", every build unrolled as a structure never seen before)."""
 
-    def __init__(self, g: vg.VirtualGraph, loss: vg.VirtualNode) -> None:
-        self.g, self.loss = g, loss
+    def __init__(self, g: vg.VirtualGraph, loss: vg.VirtualNode, cache: bool = True) -> None:
+        self.g, self.loss, self.cache = g, loss, cache
         self.params = g.params.parameters()
         self.nodes: list[int] = []  # len(cg) of every build
 
     def step(self, x: np.ndarray, y: np.ndarray) -> float:
-        cg = self.g.build({"x": x, "y": y}, self.loss)
+        cg = self.g.build({"x": x, "y": y}, self.loss, cache=self.cache)
         self.nodes.append(len(cg))
         value = cg.backward(cg.outputs[0])
         for p in self.params:
@@ -426,6 +436,119 @@ def check_correctness(size: tuple[int, int, int, int], seed: int = 0) -> dict[st
     return report
 
 
+# ---------------------------------------------------------------------------- PyTorch eager
+
+
+class TorchTrainer:
+    """The same SGD step in PyTorch eager mode (one thread), on its own copy of the parameters.
+
+    ``kind="loop"``: what a careful user writes by hand, the input projections ``x W_x + b`` of
+    all steps as one product, then ``h = tanh(a_t + h W_h)`` in a Python loop over time.
+    ``kind="rnn"``: ``torch.nn.RNN(tanh)`` (its ``bias_hh`` held at zero without a gradient:
+    vgraph's model has one bias). Both then ``loss = mean((h_T W_o - y)^2)``, ``loss.backward()``
+    and ``torch.optim.SGD``.
+    """
+
+    def __init__(self, params: dict[str, np.ndarray], kind: str) -> None:
+        torch = load_torch()
+        if torch is None:
+            raise RuntimeError(TORCH_MISSING)
+        self.torch, self.kind = torch, kind
+        Wh = params["Wh"]
+        dt = torch.float64 if Wh.dtype == np.float64 else torch.float32
+        self.Wo = torch.nn.Parameter(torch.tensor(params["Wo"], dtype=dt))
+        if kind == "loop":
+            self.Wx, self.Wh, self.b = (
+                torch.nn.Parameter(torch.tensor(params[k], dtype=dt)) for k in ("Wx", "Wh", "b")
+            )
+            self.tensors = {"Wx": (self.Wx, False), "Wh": (self.Wh, False), "b": (self.b, False)}
+        else:
+            self.rnn = torch.nn.RNN(params["Wx"].shape[0], Wh.shape[0], nonlinearity="tanh", dtype=dt)
+            with torch.no_grad():
+                self.rnn.weight_ih_l0.copy_(torch.tensor(params["Wx"].T))
+                self.rnn.weight_hh_l0.copy_(torch.tensor(Wh.T))
+                self.rnn.bias_ih_l0.copy_(torch.tensor(params["b"]))
+                self.rnn.bias_hh_l0.zero_()
+            self.rnn.bias_hh_l0.requires_grad_(False)
+            self.tensors = {
+                "Wx": (self.rnn.weight_ih_l0, True), "Wh": (self.rnn.weight_hh_l0, True), "b": (self.rnn.bias_ih_l0, False),
+            }  # fmt: skip
+        self.tensors["Wo"] = (self.Wo, False)
+        self.opt = torch.optim.SGD([t for t, _ in self.tensors.values()], lr=LR)
+
+    def loss(self, x: np.ndarray, y: np.ndarray) -> Any:
+        torch = self.torch
+        xt = torch.from_numpy(x)
+        if self.kind == "loop":
+            T, B, I = x.shape
+            a = (xt.reshape(T * B, I) @ self.Wx + self.b).reshape(T, B, -1)
+            # unbind, not a[t]: the backward of each a[t] would write a full (T, B, H) zero tensor
+            steps = a.unbind(0)
+            h = torch.tanh(steps[0])  # h_0 = 0
+            for a_t in steps[1:]:
+                h = torch.tanh(a_t + h @ self.Wh)
+        else:
+            _, hn = self.rnn(xt)
+            h = hn[0]
+        return ((h @ self.Wo - torch.from_numpy(y)) ** 2).mean()
+
+    def step(self, x: np.ndarray, y: np.ndarray) -> float:
+        loss = self.loss(x, y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(loss.item())
+
+    def _export(self, grads: bool) -> dict[str, np.ndarray]:
+        out = {}
+        for k, (t, transposed) in self.tensors.items():
+            a = (t.grad if grads else t).detach().numpy().copy()
+            out[k] = a.T if transposed else a
+        return out
+
+    def grads(self, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+        """Loss and gradients (parameters untouched)."""
+        loss = self.loss(x, y)
+        loss.backward()
+        grads = self._export(grads=True)
+        self.opt.zero_grad(set_to_none=True)
+        return float(loss.item()), grads
+
+    @property
+    def P(self) -> dict[str, np.ndarray]:
+        """The current parameter values, in vgraph's layout."""
+        return self._export(grads=False)
+
+
+TORCH_KINDS = ("loop", "rnn")
+
+
+def check_torch(size: tuple[int, int, int, int], seed: int = 0, tol: float = 1e-10) -> dict[str, float]:
+    """Both PyTorch steps compute the floor's loss and gradients, in float64 to ``tol`` relative
+    (else BenchmarkMismatch); returns the largest relative error of each."""
+    I, H, B, T = size
+    rng = np.random.default_rng(seed + 5)
+    g, _ = make_model(I, H, B, seed)
+    P = {k: v.astype(np.float64) for k, v in vgraph_param_values(g).items()}
+    x, y = rng.standard_normal((T, B, I)), rng.standard_normal((B, OUT))
+    ref_loss, ref = numpy_grads(P, x, y)
+    ref = {k: np.array(v) for k, v in ref.items()}
+    out = {}
+    for kind in TORCH_KINDS:
+        loss, grads = TorchTrainer(P, kind).grads(x, y)
+        errs = [abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)]
+        errs += [
+            float(np.max(np.abs(grads[k] - ref[k]))) / max(float(np.max(np.abs(ref[k]))), 1e-30)
+            for k in PARAM_NAMES
+        ]
+        if not max(errs) <= tol:
+            raise BenchmarkMismatch(
+                f"PyTorch {kind} {size}: differs from the numpy floor (relative error {max(errs):.2e})"
+            )
+        out[kind] = max(errs)
+    return out
+
+
 # ---------------------------------------------------------------------------- timing
 
 
@@ -467,24 +590,31 @@ def _stats(times: list[float]) -> dict[str, float]:
 
 
 def time_training(
-    size: tuple[int, int, int, int], mode: str, repeats: int, warmup: int, seed: int = 0
+    size: tuple[int, int, int, int], mode: str, repeats: int, warmup: int, seed: int = 0, torch: bool = False
 ) -> dict[str, Any]:
-    """Interleaved timings of one training step: vgraph (``mode``), the tight floor, per-step numpy.
+    """Interleaved timings of one training step: vgraph (``mode``), the tight floor, per-step numpy
+    and, with ``torch``, the two PyTorch eager steps (:class:`TorchTrainer`).
 
     Modes: "reuse" (one built graph, new data fed), "rebuild" (a build per step, always length T),
     "rebuild-new" (a build per step, the length changing every step within T ± 10%, see
-    :func:`length_schedule`).
+    :func:`length_schedule`), "rebuild-nocache" (the lengths of "rebuild-new", each build with
+    ``cache=False``: unrolled as a structure never seen before).
     """
     I, H, B, T = size
     g, loss = make_model(I, H, B, seed)
-    lengths = length_schedule(T, warmup + repeats) if mode == "rebuild-new" else [T] * (warmup + repeats)
+    varying = mode in ("rebuild-new", "rebuild-nocache")
+    lengths = length_schedule(T, warmup + repeats) if varying else [T] * (warmup + repeats)
     data = make_data(I, B, max(lengths), seed=seed + 7)
     P0 = vgraph_param_values(g)
     runners: dict[str, Any] = {
-        "vgraph": VgraphReuse(g, loss, *data[0]) if mode == "reuse" else VgraphRebuild(g, loss),
+        "vgraph": VgraphReuse(g, loss, *data[0])
+        if mode == "reuse"
+        else VgraphRebuild(g, loss, cache=mode != "rebuild-nocache"),
         "numpy": NumpyTrainer(P0, numpy_grads),
         "numpy_perstep": NumpyTrainer(P0, numpy_grads_perstep),
     }
+    if torch:
+        runners.update({f"torch_{kind}": TorchTrainer(P0, kind) for kind in TORCH_KINDS})
     names = list(runners)
     times: dict[str, list[float]] = {k: [] for k in names}
     cpu_times: dict[str, list[float]] = {k: [] for k in names}  # thread CPU time: robust to other load
@@ -515,10 +645,17 @@ def time_training(
         runners["numpy_perstep"].P,
         runners["numpy"].P,
     )
+    for name in names:
+        if name.startswith("torch"):
+            _compare(
+                f"parameters after {warmup + repeats} steps, {name} {size}",
+                runners[name].P,
+                runners["numpy"].P,
+            )
     for a, b in zip(losses["vgraph"], losses["numpy"]):
         _check_loss(f"loss during timing, vgraph {mode} {size}", a, b)
     res: dict[str, Any] = {"size": list(size), "mode": mode, "repeats": repeats, "warmup": warmup}
-    if mode == "rebuild-new":
+    if varying:
         res["lengths"] = lengths
     for name in names:
         res[name] = _stats(times[name])
@@ -534,7 +671,12 @@ def time_training(
     res["ratio_paired"] = statistics.median(v / n for v, n in zip(times["vgraph"], times["numpy"]))
     # And in thread CPU time (time.thread_time), which excludes time the process was not running.
     res["ratio_cpu"] = res["vgraph"]["cpu_median_ms"] / res["numpy"]["cpu_median_ms"]
-    res["target"] = TARGETS[mode].get(tuple(size))
+    for kind in TORCH_KINDS:  # vgraph over PyTorch eager: < 1 means vgraph is faster
+        if f"torch_{kind}" in res:
+            ref = res[f"torch_{kind}"]
+            res[f"ratio_vs_torch_{kind}"] = res["vgraph"]["median_ms"] / ref["median_ms"]
+            res[f"ratio_vs_torch_{kind}_cpu"] = res["vgraph"]["cpu_median_ms"] / ref["cpu_median_ms"]
+    res["target"] = TARGETS.get(mode, {}).get(tuple(size))
     res["pass"] = None if res["target"] is None else bool(res["ratio"] <= res["target"])
     vg_runner = runners["vgraph"]
     res["nodes"] = len(vg_runner.cg) if mode == "reuse" else int(statistics.median(vg_runner.nodes))
@@ -866,7 +1008,7 @@ def _fmt_size(size: Any) -> str:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     head = (
-        f"{'size (I,H,B,T)':<18} {'mode':<11} {'nodes':>6} {'vgraph ms':>10} {'floor ms':>9} {'ratio':>6} "
+        f"{'size (I,H,B,T)':<18} {'mode':<15} {'nodes':>6} {'vgraph ms':>10} {'floor ms':>9} {'ratio':>6} "
         f"{'target':>7} {'':<4}  {'paired':>6} {'cpu':>5}  {'per-step ms':>11} {'ratio':>6}  {'vg us/node':>10}"
     )
     print(head)
@@ -875,10 +1017,24 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         status = "" if r["pass"] is None else ("PASS" if r["pass"] else "FAIL")
         target = "" if r["target"] is None else f"<={r['target']:.2f}"
         print(
-            f"{_fmt_size(r['size']):<18} {r['mode']:<11} {r['nodes']:>6} {r['vgraph']['median_ms']:>10.2f} "
+            f"{_fmt_size(r['size']):<18} {r['mode']:<15} {r['nodes']:>6} {r['vgraph']['median_ms']:>10.2f} "
             f"{r['numpy']['median_ms']:>9.2f} {r['ratio']:>6.2f} {target:>7} {status:<4}  {r['ratio_paired']:>6.2f} {r['ratio_cpu']:>5.2f}  "
             f"{r['numpy_perstep']['median_ms']:>11.2f} {r['ratio_vs_perstep']:>6.2f}  {r['vgraph_us_per_node']:>10.1f}"
         )
+    torch_rows = [r for r in rows if "torch_loop" in r]
+    if torch_rows:
+        print(
+            "\nPyTorch eager (1 thread): 'vs' is vgraph ms / PyTorch ms (medians; < 1: vgraph faster), 'cpu' in thread CPU time"
+        )
+        head = f"{'size (I,H,B,T)':<18} {'mode':<15} {'vgraph ms':>10} {'loop ms':>8} {'vs':>5} {'cpu':>5}  {'nn.RNN ms':>9} {'vs':>5} {'cpu':>5}"
+        print(head)
+        print("-" * len(head))
+        for r in torch_rows:
+            print(
+                f"{_fmt_size(r['size']):<18} {r['mode']:<15} {r['vgraph']['median_ms']:>10.2f} "
+                f"{r['torch_loop']['median_ms']:>8.2f} {r['ratio_vs_torch_loop']:>5.2f} {r['ratio_vs_torch_loop_cpu']:>5.2f}  "
+                f"{r['torch_rnn']['median_ms']:>9.2f} {r['ratio_vs_torch_rnn']:>5.2f} {r['ratio_vs_torch_rnn_cpu']:>5.2f}"
+            )
 
 
 def print_extras(extras: dict[str, Any]) -> None:
@@ -953,6 +1109,7 @@ def main(argv: list[str] | None = None) -> int:
         "--no-extras", action="store_true", help="skip unrolling, incremental and memory measurements"
     )
     ap.add_argument("--strict", action="store_true", help="exit with status 1 if any target fails")
+    ap.add_argument("--no-torch", action="store_true", help="leave out the PyTorch eager columns")
     ap.add_argument(
         "--no-tapes",
         action="store_true",
@@ -981,15 +1138,32 @@ def main(argv: list[str] | None = None) -> int:
         f"{'  tapes off' if args.no_tapes else ''}\n"
     )
 
+    torch = load_torch(not args.no_torch)
+    if torch is None:
+        print(TORCH_MISSING if not args.no_torch else "PyTorch columns skipped: --no-torch")
+    else:
+        print(f"PyTorch {torch.__version__} eager, {torch.get_num_threads()} thread(s)")
+        info["torch"], info["torch_threads"] = torch.__version__, torch.get_num_threads()
+    with contextlib.suppress(OSError):
+        info["loadavg_at_start"] = list(os.getloadavg())
     try:
         checks = {_fmt_size(s): check_correctness(s) for s in sizes}
         print(
-            f"correctness: gradients and loss match the numpy reference for {len(checks)} size(s), both modes\n"
+            f"correctness: gradients and loss match the numpy reference for {len(checks)} size(s), both modes"
         )
+        if torch is not None:
+            for s in sizes:
+                checks[_fmt_size(s)]["torch_max_rel_err"] = check_torch(s)
+            worst = max(max(c["torch_max_rel_err"].values()) for c in checks.values())
+            print(
+                f"correctness: PyTorch loop and nn.RNN = the numpy floor (float64 loss and gradients, max relative "
+                f"error {worst:.1e})"
+            )
+        print()
         rows = []
         for s in sizes:
             for mode in args.modes:
-                rows.append(time_training(s, mode, repeats, warmup))
+                rows.append(time_training(s, mode, repeats, warmup, torch=torch is not None))
                 print(f"  measured {_fmt_size(s)} {mode}", file=sys.stderr)
         print()
         print_table(rows)

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from typing import Any
 
 #: The environment variables that set how many threads BLAS (OpenBLAS, MKL, OpenMP) runs.
 BLAS_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -29,3 +31,27 @@ def pin_blas_threads() -> None:
             os.environ[var] = n
         else:
             os.environ.setdefault(var, "1")
+
+
+#: The line a benchmark prints when its PyTorch columns cannot run.
+TORCH_MISSING = (
+    "PyTorch columns skipped: torch is not installed (pip install torch==2.13.0, the 'bench' extra)"
+)
+
+
+def load_torch(enabled: bool = True) -> Any:
+    """PyTorch set to one intra-op and one inter-op thread (as BLAS, :func:`pin_blas_threads`),
+    or ``None`` when it is not installed or ``enabled`` is false (``--no-torch``).
+
+    Imported only when asked for: the benchmarks run without it, and importing it takes seconds.
+    """
+    if not enabled:
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(1)
+    with contextlib.suppress(RuntimeError):  # already set, or inter-op work already ran
+        torch.set_num_interop_threads(1)
+    return torch
