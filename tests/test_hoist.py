@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import test_custom_ops as custom_ops  # the custom ops' functions and VJPs
 from hypothesis import example as explicit_example
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -881,22 +882,6 @@ def test_a_recursion_over_a_tree_reassociates_its_sum():
 # Ops of vgraph.defop declared elementwise are hoisted (and batched) like the built-in ones.
 
 
-def _softsign(x):
-    return x / (1 + np.abs(x))
-
-
-def _softsign_vjp(g, ans, x):
-    return g / (1 + np.abs(x)) ** 2
-
-
-def _hypot_vjp_a(g, ans, a, b):
-    return g * a / ans
-
-
-def _hypot_vjp_b(g, ans, a, b):
-    return g * b / ans
-
-
 # (name, arity): built-in elementwise ops and two custom ones (CSoftsign, CHypot).
 CHAIN_OPS = [("tanh", 1), ("sigmoid", 1), ("neg", 1), ("softsign", 1), ("add", 2), ("mul", 2), ("hypot", 2)]
 
@@ -949,8 +934,8 @@ def _chain_model(body, softsign, hypot):
 def test_random_elementwise_chains_with_custom_ops_hoisted_equal_plain(body):
     previous = vg.get_default_dtype()
     vg.set_default_dtype(np.float64)
-    softsign = vg.defop("CSoftsign", _softsign, _softsign_vjp, elementwise=True)
-    hypot = vg.defop("CHypot", np.hypot, _hypot_vjp_a, _hypot_vjp_b, elementwise=True)
+    softsign = vg.defop("CSoftsign", custom_ops.softsign, custom_ops.softsign_vjp, elementwise=True)
+    hypot = vg.defop("CHypot", np.hypot, custom_ops.hypot_vjp_a, custom_ops.hypot_vjp_b, elementwise=True)
     try:
         g, loss, feed, custom = _chain_model(body, softsign, hypot)
         plain, hoisted = run(g, feed, [loss], loss, False), run(g, feed, [loss], loss, True)
