@@ -654,3 +654,59 @@ def test_two_sums_reading_one_groups_rows_get_a_buffer_each():
         runs.append({k: np.array(p.grad) for k, p in g.params.items()})
     for k in runs[0]:
         assert np.array_equal(runs[1][k], runs[0][k]), k
+
+
+# ---------------------------------------------------------------------------- generated source
+
+
+def _small_rnn() -> tuple[vg.VirtualGraph, object, object]:
+    g = vg.VirtualGraph(dtype=np.float64, seed=0)
+    x = g.input("x", (None, 2, 3))
+    W, U = g.parameter("W", (3, 4)), g.parameter("U", (4, 4))
+    with g.loop() as L:
+        h = L.carry(np.zeros((2, 4)), name="h")
+        L.update(h, vg.tanh(L.step(x) @ W + h @ U))
+    return g, x, vg.sum(L.final(h))
+
+
+def test_show_prints_the_compiled_code_a_graph_runs():
+    g, _, loss = _small_rnn()
+    cg = g.build({"x": np.ones((5, 2, 3))}, loss)
+    assert tape.show(cg) == ""  # one sweep so far (the build's forward): nothing compiled
+    cg.backward_ex(loss, retain_graph=True)
+    assert tape.show(cg) == ""  # a plan is compiled on its second sweep
+    cg.backward_ex(loss, retain_graph=True)
+    text = tape.show(cg)
+    assert text.startswith("# backward\n# nodes Sum:1")
+    assert "def segment(N, staged):" in text and "Tanh:1@4" in text
+    fn = cg._backward_tape[1]._calls[0][0]
+    assert tape.source(fn) in text
+
+
+def test_generated_code_shows_in_tracebacks_and_getsource():
+    import inspect
+    import traceback
+
+    g, _, loss = _small_rnn()
+    cg = g.build({"x": np.ones((3, 2, 3))}, loss)
+    for _ in range(2):
+        cg.backward_ex(loss, retain_graph=True)
+    fn = cg._backward_tape[1]._calls[0][0]
+    assert fn.__code__.co_filename.startswith("<vgraph tape ")
+    assert inspect.getsource(fn) == tape.source(fn)
+    with pytest.raises(ValueError) as info:
+        fn([], [])  # unpacking its nodes fails on the function's second line
+    frame = traceback.extract_tb(info.value.__traceback__)[-1]
+    assert frame.filename == fn.__code__.co_filename and frame.line.startswith("n0, ")
+
+
+def test_a_dropped_function_takes_its_source_with_it(monkeypatch):
+    import linecache
+
+    monkeypatch.setattr(tape, "CACHE_SIZE", 1)
+    monkeypatch.setattr(tape, "_compiled", type(tape._compiled)())
+    first = tape._function(("shape", 1), lambda: ["def segment(N, staged):", "    return 1"])
+    name = first.__code__.co_filename
+    assert linecache.getlines(name) == ["def segment(N, staged):\n", "    return 1\n"]
+    tape._function(("shape", 2), lambda: ["def segment(N, staged):", "    return 2"])
+    assert name not in linecache.cache

@@ -31,12 +31,16 @@ the interpreted sweep, which raises the error that names the node (VJPs are pure
 arguments).
 
 ``set_tapes(False)`` turns tapes off for the whole process (comparison and debugging); tests run
-the same models both ways.
+the same models both ways. The generated source is registered with :mod:`linecache` under a name
+``<vgraph tape N>``, so tracebacks and :func:`inspect.getsource` show it, and :func:`show` prints
+the compiled code a graph's sweeps run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import linecache
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -119,12 +123,55 @@ def _function(shape: Any, source: Callable[[], list[str]]) -> Callable[..., Any]
             _compiled.move_to_end(shape)
         return fn
     namespace = dict(_NAMESPACE)
-    exec(compile("\n".join(source()), "<vgraph tape>", "exec"), namespace)
+    text = "\n".join(source()) + "\n"
+    filename = f"<vgraph tape {next(_serials)}>"
+    # Registered so that tracebacks and inspect.getsource show the generated lines (an entry
+    # without a modification time is never checked against a file, only dropped with its function).
+    linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
+    exec(compile(text, filename, "exec"), namespace)
     fn = cast("Callable[..., Any]", namespace["segment"])  # what the source defines
     _compiled[shape] = fn
     if len(_compiled) > CACHE_SIZE:
-        _compiled.popitem(last=False)
+        _, dropped = _compiled.popitem(last=False)
+        linecache.cache.pop(dropped.__code__.co_filename, None)
     return fn
+
+
+_serials = itertools.count(1)
+
+
+def source(fn: Callable[..., Any]) -> str:
+    """The generated source of a compiled segment function (as made by this module)."""
+    return "".join(linecache.getlines(fn.__code__.co_filename))
+
+
+def show(graph: Any) -> str:
+    """The compiled code ``graph``'s sweeps run now: each segment's function with the keys of the
+    nodes it covers, the backward tape first, then each forward tape. Empty when nothing is
+    compiled yet (a plan is compiled on its second sweep) or tapes are off.
+
+    Args:
+        graph: a :class:`~vgraph.compute.ComputeGraph`.
+
+    Returns:
+        The text, ready to print.
+    """
+    parts: list[str] = []
+
+    def add(title: str, tape: _Tape | None) -> None:
+        if tape is None:
+            return
+        parts.append(f"# {title}")
+        for fn, nodes in tape._calls:
+            keys = [str(getattr(n, "key", n)) for n in nodes]
+            parts.append(f"# nodes {keys[0]} … {keys[-1]} ({len(keys)})" if keys else "# no nodes")
+            parts.append(source(fn))
+
+    backward = graph._backward_tape
+    add("backward", backward[1] if backward is not None else None)
+    for i, tape in enumerate(graph._forward_tapes.values()):
+        add(f"forward {i}", tape)
+    return "\n".join(parts)
 
 
 def _segments(plan: Sequence[Any]) -> list[list[Any]]:
