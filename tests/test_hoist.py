@@ -320,6 +320,21 @@ def loop_body_model(body):
     return g, loss, {"xs": np.random.default_rng(steps).normal(size=(steps, 2, 3))}
 
 
+def hoisted_equals_plain(g, feed, loss):
+    """Build and differentiate ``loss`` plain and hoisted; the loss, every parameter gradient,
+    every node's value and every retained gradient agree (``TOL``). Returns both runs."""
+    plain, hoisted = run(g, feed, [loss], loss, False), run(g, feed, [loss], loss, True)
+    np.testing.assert_allclose(hoisted[1], plain[1], **TOL)
+    for k in plain[2]:
+        np.testing.assert_allclose(hoisted[2][k], plain[2][k], **TOL)
+    for key, p in plain[0]._nodes.items():
+        h = hoisted[0].node(key)
+        np.testing.assert_allclose(h.value, p.value, **TOL)
+        if p.grad is not None and p.op is not None:  # retained gradients (run retains all)
+            np.testing.assert_allclose(h.grad, p.grad, **TOL, err_msg=str(key))
+    return plain, hoisted
+
+
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(loop_bodies())
 @explicit_example((4, None, [("invariant", True, 2, 1)], 3, 3))  # (b x_t + h) + b: reassociated
@@ -331,15 +346,7 @@ def test_random_loop_bodies_hoisted_equal_plain(body):
     vg.set_default_dtype(np.float64)
     try:
         g, loss, feed = loop_body_model(body)
-        plain, hoisted = run(g, feed, [loss], loss, False), run(g, feed, [loss], loss, True)
-        np.testing.assert_allclose(hoisted[1], plain[1], **TOL)
-        for k in plain[2]:
-            np.testing.assert_allclose(hoisted[2][k], plain[2][k], **TOL)
-        for key, p in plain[0]._nodes.items():
-            h = hoisted[0].node(key)
-            np.testing.assert_allclose(h.value, p.value, **TOL)
-            if p.grad is not None and p.op is not None:  # retained gradients (run retains all)
-                np.testing.assert_allclose(h.grad, p.grad, **TOL, err_msg=str(key))
+        hoisted_equals_plain(g, feed, loss)
     finally:
         vg.set_default_dtype(previous)
 
@@ -938,15 +945,7 @@ def test_random_elementwise_chains_with_custom_ops_hoisted_equal_plain(body):
     hypot = vg.defop("CHypot", np.hypot, custom_ops.hypot_vjp_a, custom_ops.hypot_vjp_b, elementwise=True)
     try:
         g, loss, feed, custom = _chain_model(body, softsign, hypot)
-        plain, hoisted = run(g, feed, [loss], loss, False), run(g, feed, [loss], loss, True)
-        np.testing.assert_allclose(hoisted[1], plain[1], **TOL)
-        for k in plain[2]:
-            np.testing.assert_allclose(hoisted[2][k], plain[2][k], **TOL)
-        for key, p in plain[0]._nodes.items():
-            h = hoisted[0].node(key)
-            np.testing.assert_allclose(h.value, p.value, **TOL)
-            if p.grad is not None and p.op is not None:
-                np.testing.assert_allclose(h.grad, p.grad, **TOL, err_msg=str(key))
+        plain, hoisted = hoisted_equals_plain(g, feed, loss)
         groups = {(k.type, k.id) for k in hoisted[0]._nodes if k.type.endswith("*")}
         built = {(k.type, k.id) for k in plain[0]._nodes}
         for v, free in custom:  # every carry-independent custom node built was hoisted, no other
