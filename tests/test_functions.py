@@ -391,3 +391,23 @@ def test_new_ops_in_loops_agree_across_cached_hoisted_and_batched_builds():
     for k in plain[0][1]:
         want = np.mean([grads[k] for _, grads in plain], axis=0)
         np.testing.assert_allclose(g.params[k].grad, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("fn", ["maximum", "minimum", "min", "max", "clip"])
+def test_float32_gradients_stay_float32(fn):
+    """Tie shares and counts are made in the gradient's dtype: a float32 model gets float32 .grad
+    (``0.5 * bool_array`` and a division by an integer count would make them float64)."""
+    from vgraph.compute import ComputeGraph
+
+    cg = ComputeGraph(np.float32)
+    a = cg.input(np.array([1.0, 2.0, 3.0], np.float32), requires_grad=True)
+    b = cg.input(np.array([2.0, 2.0, 1.0], np.float32), requires_grad=True)
+    out = {
+        "maximum": lambda: vg.maximum(a, b),
+        "minimum": lambda: vg.minimum(a, b),
+        "min": lambda: vg.min(a * b),
+        "max": lambda: vg.max(a * b),
+        "clip": lambda: vg.clip(a, 1.5, 2.5),
+    }[fn]()
+    cg.backward(vg.sum(out))
+    assert a.grad.dtype == np.float32

@@ -1200,7 +1200,8 @@ defop("Sqrt", np.sqrt, lambda g, ans, x: g * 0.5 / ans, kind=ELEMENTWISE)
 def _tie_share(first: np.ndarray, second: np.ndarray) -> np.ndarray:
     """Where ``first`` wins the comparison 1, where it ties 0.5: the share of the gradient of
     ``maximum(first, second)`` that goes to ``first`` (ties share it equally, as ``Max`` does)."""
-    out: np.ndarray = (first > second) + 0.5 * (first == second)
+    dtype = np.result_type(first, second, np.float32)  # the gradient keeps the inputs' float dtype
+    out: np.ndarray = (first > second).astype(dtype) + dtype.type(0.5) * (first == second)
     return out
 
 
@@ -1427,7 +1428,7 @@ def _max_vjp(
     g_k = _expand_reduced(g, x, axis, keepdims)
     hit = x == ans_k
     # Ties share the gradient equally, so the VJP is the average of the one-sided derivatives.
-    out: np.ndarray = g_k * hit / hit.sum(axis=axis, keepdims=True)
+    out: np.ndarray = g_k * hit / hit.sum(axis=axis, keepdims=True).astype(g_k.dtype)
     return out
 
 
