@@ -53,7 +53,7 @@ from ..modes import no_grad
 from ..ops import ALONG_AXIS, CELL, ELEMENTWISE, OPS, Op, row_at
 from ..workspace import computing
 from .graph import one_build_at_a_time
-from .hoist import batched_attrs, check_rows, hoist_loop
+from .hoist import batched_attrs, check_rows, checks_rows, hoist_loop
 from .nodes import BranchNode, LoopNode, VirtualNode
 from .unroll import (  # type: ignore[attr-defined]  # _ALL: the forward plans' "every node"
     _ALL,
@@ -881,7 +881,7 @@ class BatchedBuild:
         self.groups.append((f"{v.type}:{v.id}", len(alive)))
         self._copies[group] = (first, len(alive), len(alive))
         value = group._value
-        if op.user:  # its promise to act elementwise, checked under anomaly detection
+        if checks_rows(op):  # its promise to act elementwise
             check_rows(op, first, value[0], [envs[0][u]._value for u in v.inputs], v.attrs)
         vname = v.name
         for r, (env, step) in enumerate(zip(envs, steps)):
@@ -1262,7 +1262,7 @@ class BatchedBuild:
                 self._serial += 1
                 key = NodeKey(f"{first.key.type}*", first.key.id, (self._serial,))
                 group = g._add_op(first.op, tuple(inputs), attrs or None, key, first.name)
-                if first.op.user:  # its promise to act elementwise, checked under anomaly detection
+                if checks_rows(first.op):  # its promise to act elementwise
                     check_rows(
                         first.op, first.key, group._value[0], [p._value for p in first.parents], first.attrs
                     )
@@ -1291,7 +1291,7 @@ class BatchedBuild:
         j = ragged.index(True)
         out, a = [], 0
         value = group._value
-        if first.op.user:  # its promise to act elementwise, checked under anomaly detection
+        if checks_rows(first.op):  # its promise to act elementwise
             rows = value[: len(first.parents[j]._value)]
             check_rows(first.op, first.key, rows, [p._value for p in first.parents], first.attrs)
         for req in members:

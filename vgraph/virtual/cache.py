@@ -90,8 +90,12 @@ class BuildCache:
         """Keep at most ``size`` graphs per thread from now on (the least recently used go first)."""
         self.size = size
         for table in list(self._tables):
-            while len(table.entries) > max(size, 0):
-                table.entries.popitem(last=False)
+            self._trim(table.entries)
+
+    def _trim(self, entries: OrderedDict[tuple[Any, ...], UnrolledGraph]) -> None:
+        """Drop the least recently used graphs beyond :attr:`size`."""
+        while len(entries) > max(self.size, 0):
+            entries.popitem(last=False)
 
     def take(self, key: tuple[Any, ...]) -> UnrolledGraph | None:
         """Remove and return the graph the calling thread cached under ``key`` (the caller puts
@@ -120,8 +124,7 @@ class BuildCache:
         seen.pop(key, None)
         entries[key] = cg
         entries.move_to_end(key)
-        while len(entries) > self.size:
-            entries.popitem(last=False)
+        self._trim(entries)
 
     def clear(self) -> None:
         """Forget every thread's graphs and seen keys."""

@@ -41,11 +41,12 @@ if TYPE_CHECKING:
     from .nodes import LoopNode, VirtualNode
     from .unroll import _Builder, _Frame
 
-_HOISTED, _GETITEM, _ADD_ROW, _MATMUL_ADD_ROW = (
+_HOISTED, _GETITEM, _ADD_ROW, _MATMUL_ADD_ROW, _MATMUL = (
     OPS["Hoisted"],
     OPS["GetItem"],
     OPS["AddRow"],
     OPS["MatMulAddRow"],
+    OPS["MatMul"],
 )
 
 # Ops whose rule in batched_attrs is their own rather than their kind's (Op.kind), and which a
@@ -64,7 +65,7 @@ def hoistable(op: Op) -> bool:
 
 
 def batched_attrs(
-    op: Op | str,
+    op: Op,
     attrs: dict[str, Any],
     shapes: Sequence[tuple[int, ...]],
     stacked: Sequence[bool],
@@ -72,7 +73,7 @@ def batched_attrs(
 ) -> dict[str, Any] | None:
     """The attributes with which ``op`` computes many copies at once, or ``None`` if it cannot.
 
-    ``op`` is the op or its name in the table. ``shapes`` are the per-copy shapes of the op's
+    ``shapes`` are the per-copy shapes of the op's
     inputs; ``stacked[i]`` says whether input ``i`` gets a new leading axis (one row per copy:
     iterations when hoisting, inputs when batching) or is the same for every copy. The grouped op
     must give, along that axis, exactly each copy's value: so a stacked input must have the
@@ -81,8 +82,7 @@ def batched_attrs(
     kind (:data:`vgraph.ops.KINDS`), or from a rule of its own. ``count`` is the number of copies
     (the length of the new axis).
     """
-    spec = OPS[op] if isinstance(op, str) else op
-    name, kind = spec.name, spec.kind
+    name, kind = op.name, op.kind
     if not any(stacked):
         return None  # the same value for every copy: nothing to group
     rank = max(len(s) for s in shapes)
@@ -92,7 +92,7 @@ def batched_attrs(
             return attrs if len(b) >= 2 and (len(a) >= 2 or not sa) else None
         return attrs if len(b) == 2 and len(a) >= 1 else None  # (T, ..., I) @ (I, H)
     if name == "Linear":  # x @ w + b: as the product, with the bias (the product's last axes) shared
-        return None if stacked[2] else batched_attrs("MatMul", attrs, shapes[:2], stacked[:2], count)
+        return None if stacked[2] else batched_attrs(_MATMUL, attrs, shapes[:2], stacked[:2], count)
     if name == "Take":  # a shared table looked up with stepped indices
         return attrs if not stacked[0] and stacked[1] else None
     if name == "SoftmaxCrossEntropy":  # rows of (..., V) logits with their (...) labels: both stacked
@@ -134,18 +134,22 @@ def batched_attrs(
     return None
 
 
+def checks_rows(op: Op) -> bool:
+    """Whether a group of ``op`` is checked against its first copy run alone (:func:`check_rows`):
+    a user's op declared elementwise, under anomaly detection (built-in ops are trusted)."""
+    return op.user and is_anomaly_enabled()
+
+
 def check_rows(op: Op, key: NodeKey, ans: Any, xs: Sequence[Any], attrs: dict[str, Any] | None) -> None:
-    """Under anomaly detection (:func:`vgraph.detect_anomaly`), check a :func:`vgraph.defop` op's
-    promise to act elementwise on one group of its copies: ``ans``, the part of the group's value
-    that is copy ``key``'s, must be what the op computes from that copy's input values ``xs``
-    alone. Costs nothing otherwise (built-in ops are trusted and tested).
+    """Check a :func:`vgraph.defop` op's promise to act elementwise on one group of its copies:
+    ``ans``, the part of the group's value that is copy ``key``'s, must be what the op computes
+    from that copy's input values ``xs`` alone. Called where :func:`checks_rows` says so (under
+    anomaly detection), so that the normal path neither checks nor gathers ``xs``.
 
     Raises:
         OpDefinitionError: the values differ (the op's forward mixes elements, e.g. sums along
             an axis): the grouped paths would compute wrong values.
     """
-    if not (op.user and is_anomaly_enabled()):
-        return
     alone = np.asarray(op.forward(*xs, **(attrs or {})))
     if alone.shape == np.shape(ans) and np.allclose(alone, ans, equal_nan=True):
         return
@@ -215,7 +219,7 @@ def hoist_loop(
                 group = groups[v] = cg._add_op(
                     op, tuple(inputs), attrs, NodeKey(v.type + "*", v.id, idx), v.name
                 )
-                if op.user:  # its promise to act elementwise, checked under anomaly detection
+                if checks_rows(op):  # its promise to act elementwise
                     xs = [n._value[0] if st else n._value for n, st in zip(inputs, stacked)]
                     check_rows(op, NodeKey(v.type, v.id, (*idx, 0)), group._value[0], xs, v.attrs)
     return groups

@@ -64,12 +64,12 @@ class ParameterStore(Mapping[str, ComputeNode]):
         Returns:
             ``(shape, dtype)``, or ``None`` if the graph declares no parameter of that name.
         """
-        node = self._nodes.get(name) if isinstance(name, str) else None
+        if not isinstance(name, str):
+            return None
+        node = self._nodes.get(name)
         if node is not None:
             return node.shape, node.dtype
-        if self._spec is None or not isinstance(name, str):
-            return None
-        return self._spec(name)
+        return None if self._spec is None else self._spec(name)
 
     def value(self, name: str) -> np.ndarray:
         """A copy of a parameter's value."""
