@@ -717,11 +717,11 @@ class DistributedOptimizer:
                     val_at += n * widths[i]
             for i in idx:
                 shape = params[i].value.shape
-                summed_rows, summed_values = _sum_rows(
-                    np.concatenate(parts[i][0]), np.concatenate(parts[i][1]), shape
+                rows = np.concatenate(parts[i][0])
+                summed = RowSparseGrad(
+                    rows, np.concatenate(parts[i][1]).reshape(rows.size, *shape[1:]), shape
                 )
-                summed_values /= total
-                params[i].grad = RowSparseGrad(summed_rows, summed_values, shape)
+                params[i].grad = summed.with_values(summed.values / total)  # rows summed in rank order
         for i, p in enumerate(params):
             if (codes[:, i] == _NONE).all():
                 p.grad = None
@@ -759,18 +759,6 @@ class DistributedOptimizer:
             self.synchronize(count)
         self._synced = False
         self.optimizer.step()
-
-
-def _sum_rows(rows: np.ndarray, flat: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct sorted rows and the sums of their values (``flat``: the rows' values, flattened).
-    A sort and ``np.add.reduceat``: much faster than ``np.add.at`` when rows repeat across ranks."""
-    values = flat.reshape(rows.size, *shape[1:])
-    if rows.size == 0:
-        return rows, values
-    order = np.argsort(rows, kind="stable")
-    rows, values = rows[order], values[order]
-    starts = np.flatnonzero(np.concatenate([[True], rows[1:] != rows[:-1]]))
-    return rows[starts], np.add.reduceat(values, starts, axis=0) if starts.size < rows.size else values
 
 
 def _count_arg(count: Any) -> int:
