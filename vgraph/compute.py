@@ -42,6 +42,7 @@ from .errors import (
     VGraphError,
 )
 from .functions import Operand
+from .modes import _NOTHING
 from .modes import anomaly_scope as _anomaly_scope
 from .modes import detect_anomaly as detect_anomaly  # (re-exported: compute held the modes before)
 from .modes import flag_arg as flag_arg  # (re-exported: the layers above check their options with it)
@@ -114,10 +115,6 @@ def float_dtype(dtype: Any, what: str) -> np.dtype:
 def get_default_dtype() -> np.dtype:
     """The float dtype new graphs use when none is given."""
     return _default_dtype
-
-
-#: A scope that does nothing (one for every use: ``nullcontext`` keeps no state).
-_NOTHING: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
 
 
 def _finite(x: Any) -> bool:

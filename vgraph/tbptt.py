@@ -82,7 +82,7 @@ def _widget_bar(**options: Any) -> Any:
             except Exception:
                 _tqdm().close(bar)  # the text bar's close: releases its place, draws nothing
                 bar.disable = True  # and the widget's own close (from __del__) returns at once
-                raise
+                return None  # the text bar will do
             return bar
     except Exception:  # a missing or broken widget stack: the text bar will do
         return None
