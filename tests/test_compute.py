@@ -752,3 +752,25 @@ def test_guard_refuses_forward_and_backward_until_the_structure_holds_again():
     x.value = np.array([3.0, -1.0, 0.0])
     assert cg.forward(loss) == pytest.approx(1.5 + 1.0)
     cg.backward(loss)
+
+
+def test_an_input_never_shares_memory_with_what_the_caller_holds():
+    """cg.input copies the caller's array, a view of it, or the buffer an object exposes through
+    __array__ (the same rule as a build's feed): a later in-place change does not reach the graph."""
+
+    class Holder:
+        def __init__(self):
+            self.buf = np.arange(3.0)
+
+        def __array__(self, dtype=None, copy=None):
+            return self.buf
+
+    base = np.arange(6.0)
+    holder = Holder()
+    cg = ComputeGraph(np.float64)
+    nodes = [cg.input(base), cg.input(base[1:4]), cg.input(holder)]
+    before = [n.value.copy() for n in nodes]
+    base += 100.0
+    holder.buf += 100.0
+    for n, b in zip(nodes, before):
+        np.testing.assert_array_equal(n.value, b)

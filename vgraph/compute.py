@@ -227,6 +227,21 @@ def _as_value(value: Any, float_dtype: np.dtype) -> np.ndarray:
     return arr
 
 
+def owned_value(value: Any, arr: np.ndarray) -> np.ndarray:
+    """``arr`` (``value`` as :func:`_as_value` made it) as an array no caller can change: a copy
+    unless the conversion already made a new array (from a list or a number, or a cast to the
+    graph's dtype). The caller's array, a view of it, or the buffer an object exposes through
+    ``__array__`` is copied, so a later in-place change of theirs does not reach the graph."""
+    if (
+        arr is value
+        or not arr.flags.owndata
+        or not isinstance(value, (np.ndarray, np.generic, list, tuple, int, float))
+    ):
+        copied: np.ndarray = arr.copy()
+        return copied
+    return arr
+
+
 class _GraphRef:
     """How a graph's nodes refer to it: weakly (graph -> node -> graph would make every graph a
     reference cycle that only the cyclic garbage collector frees), through one object the graph
@@ -582,8 +597,8 @@ class ComputeGraph:
     ) -> ComputeNode:
         key = key if key is not None else self._next_key(type_)
         arr = _as_value(value, self.dtype)
-        if copy and arr is value:  # the caller's own array: a later in-place change must not reach the graph
-            arr = arr.copy()
+        if copy:
+            arr = owned_value(value, arr)
         node = ComputeNode(key, arr, None, (), None, requires_grad, name, self)
         return self._register(node)
 

@@ -717,11 +717,10 @@ class DistributedOptimizer:
                     val_at += n * widths[i]
             for i in idx:
                 shape = params[i].value.shape
-                rows = np.concatenate(parts[i][0])
-                summed = RowSparseGrad(
-                    rows, np.concatenate(parts[i][1]).reshape(rows.size, *shape[1:]), shape
-                )
-                params[i].grad = summed.with_values(summed.values / total)  # rows summed in rank order
+                at_rows = np.concatenate(parts[i][0])
+                at_vals = np.concatenate(parts[i][1]).reshape(at_rows.size, *shape[1:])
+                coalesced = RowSparseGrad(at_rows, at_vals, shape)  # rows summed in rank order
+                params[i].grad = coalesced.with_values(coalesced.values / total)
         for i, p in enumerate(params):
             if (codes[:, i] == _NONE).all():
                 p.grad = None

@@ -24,6 +24,7 @@ from ..compute import (
     computed_ops,
     flag_arg,
     next_version,
+    owned_value,
 )
 from ..errors import (
     BuildError,
@@ -350,16 +351,7 @@ def _check_feed_value(decl: VirtualNode, value: Any, dtype: np.dtype) -> np.ndar
     ):
         declared = "(" + ", ".join("None" if s is None else str(s) for s in shape) + ")"
         raise FeedError(f"input {decl.name!r} {decl.describe()}: fed shape {arr.shape}, declared {declared}")
-    # Exactly one copy, which the input leaf adopts: the graph must not see the caller's later
-    # in-place changes (no version bump). None when _as_value already made a new array (from a
-    # list, or a cast to the graph's dtype); a view, or an object's own buffer, is copied.
-    if (
-        arr is value
-        or not arr.flags.owndata
-        or not isinstance(value, (np.ndarray, np.generic, list, tuple, int, float))
-    ):
-        arr = arr.copy()
-    return arr
+    return owned_value(value, arr)  # exactly one copy, which the input leaf adopts (copy=False)
 
 
 class _Frame:
