@@ -98,8 +98,8 @@ def test_greedy_decoding_carries_argmax_tokens_until_eos():
     np.testing.assert_array_equal(cg.node(tokens).value, np.stack(want))
     assert cg.trip_count(loop) == len(want)
     assert cg.node(tokens).value.dtype.kind == "i"
-    cg.backward(score)
-    assert np.abs(g.params["E"].grad).sum() > 0  # the score's gradient reaches the embedding
+    # The score's gradient through the decoded tokens (fixed by argmax) against finite differences.
+    assert vg.gradcheck(cg.node(score), [g.params[k] for k in "EWO"]).max_rel_error < 1e-5
 
 
 def test_a_while_condition_reads_an_integer_argmax_carry():

@@ -11,9 +11,6 @@ import pytest
 import vgraph as vg
 from vgraph import ComputeGraph
 
-pytest.importorskip("greenlet")  # build_batch
-
-
 # ---------------------------------------------------------------------------- recursions
 
 

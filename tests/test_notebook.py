@@ -142,7 +142,6 @@ def assert_only_the_text_bar(err: str) -> None:
 
 
 def test_notebook_without_ipywidgets_shows_the_text_bar_quietly(notebook, monkeypatch, capsys):
-    pytest.importorskip("tqdm")
     monkeypatch.setitem(sys.modules, "ipywidgets", None)  # `import ipywidgets` raises ImportError
     progress, out, err, problems = run_bar(capsys)
     assert problems == []
@@ -151,7 +150,6 @@ def test_notebook_without_ipywidgets_shows_the_text_bar_quietly(notebook, monkey
 
 
 def test_notebook_whose_widget_fails_shows_the_text_bar_quietly(notebook, monkeypatch, capsys):
-    pytest.importorskip("tqdm")
     broken = module("ipywidgets", HTML=BrokenWidget, FloatProgress=BrokenWidget, HBox=Widget)
     monkeypatch.setitem(sys.modules, "ipywidgets", broken)
     progress, out, err, problems = run_bar(capsys)
@@ -161,7 +159,6 @@ def test_notebook_whose_widget_fails_shows_the_text_bar_quietly(notebook, monkey
 
 
 def test_notebook_with_ipywidgets_shows_the_widget(notebook, monkeypatch, capsys):
-    pytest.importorskip("tqdm")
     monkeypatch.setitem(
         sys.modules, "ipywidgets", module("ipywidgets", HTML=Widget, FloatProgress=Widget, HBox=Widget)
     )
