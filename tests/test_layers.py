@@ -19,6 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vgraph"
 
 LAYERS: dict[str, int] = {
     "errors": 0,
+    "_files": 0,
     "modes": 0,
     "workspace": 0,
     "init": 0,

@@ -21,20 +21,17 @@ parameter, keyed by the parameter's name — untied copies included (``"rnn.W@3"
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import numbers
 import os
 import reprlib
-import secrets
-import stat
 import zipfile
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
 
+from ._files import write_atomically
 from .compute import ComputeNode
 from .errors import CheckpointError, ShapeError
 
@@ -83,68 +80,6 @@ def _fspath(path: Any, what: str = "path") -> str:
         raise TypeError(f"{what} must be a str or os.PathLike, got {type(path).__name__} {path!r}") from None
 
 
-def _create_temp(directory: str, base: str) -> tuple[int, str]:
-    """Create a new empty file next to the target. Mode 0o666 minus the umask, like any new file
-    (``tempfile.mkstemp`` would make it 0o600). Its name holds our process id, so that a later
-    save can tell a temporary file of a killed save from one being written right now."""
-    for _ in range(100):
-        tmp = os.path.join(directory, f".{base}.{os.getpid()}-{secrets.token_hex(6)}.tmp")
-        try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), tmp
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"could not create a temporary file in {directory!r}")
-
-
-def _pid_alive(pid: int) -> bool:
-    if os.name != "posix":  # os.kill(pid, 0) is not a probe on Windows
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # exists, but is another user's
-    return True
-
-
-def _remove_stale_temps(directory: str, base: str) -> None:
-    """Remove temporary files that a killed save of the same target left behind: those whose
-    writer process no longer exists. A save in progress (another live process) is left alone."""
-    prefix = f".{base}."
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    for name in names:
-        if not (name.startswith(prefix) and name.endswith(".tmp")):
-            continue
-        tag = name[len(prefix) : -len(".tmp")]
-        pid_text, dash, token = tag.partition("-")
-        if dash and pid_text.isdigit() and len(token) == 12:
-            pid = int(pid_text)
-            if pid == os.getpid() or _pid_alive(pid):
-                continue
-        elif not (len(tag) == 12 and all(c in "0123456789abcdef" for c in tag)):
-            continue  # not a name we make (vgraph 0.1 made ".<base>.<12 hex>.tmp")
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(directory, name))
-
-
-def _fsync_dir(directory: str) -> None:
-    """Make the rename durable (POSIX); a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def save(params: Any, path: str | os.PathLike[str]) -> None:
     """Write parameter values to an ``.npz`` checkpoint at ``path``, atomically.
 
@@ -168,66 +103,7 @@ def save(params: Any, path: str | os.PathLike[str]) -> None:
             ``filename`` and message name ``path``, and ``path`` is as it was.
     """
     arrays = _arrays(params)
-    _atomic_write(_fspath(path), arrays)
-
-
-def _naming(error: OSError, path: str) -> OSError:
-    """``error`` (raised while writing the temporary file or renaming it) as the same kind of
-    OSError, with the same errno, naming the checkpoint ``path`` and saying it was not replaced."""
-    reason = error.strerror or str(error) or type(error).__name__
-    text = f"{reason}: cannot write the checkpoint (nothing was replaced; a previous file is intact)"
-    if error.errno is None:  # not from the OS (it would have one); a filename would print "[Errno None]"
-        return type(error)(f"{text}: {path!r}")
-    return OSError(error.errno, text, path)  # OSError picks the subclass of the errno (ENOSPC: OSError)
-
-
-def _atomic_write(path: str, arrays: Mapping[str, np.ndarray]) -> None:
-    """Write ``arrays`` as an ``.npz`` at ``path`` through a temporary file and a rename.
-
-    Raises:
-        PermissionError: ``path`` exists and is read-only, or the directory is not writable.
-        IsADirectoryError: ``path`` is a directory. OSError: other I/O failures (the same
-            errno, with ``filename`` = ``path``).
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise IsADirectoryError(errno.EISDIR, "Is a directory, not a checkpoint file", path)
-    try:
-        mode: int | None = stat.S_IMODE(os.stat(path).st_mode)  # keep an existing file's permissions
-    except OSError:
-        mode = None
-    if mode is not None and not os.access(path, os.W_OK):
-        # np.save / torch.save open the file for writing and fail; replacing it by a rename would
-        # silently overwrite a file its owner protected.
-        raise PermissionError(
-            errno.EACCES, "Permission denied: the checkpoint is read-only, not replaced", path
-        )
-    _remove_stale_temps(directory, os.path.basename(path))
-    try:
-        fd, tmp = _create_temp(directory, os.path.basename(path))
-    except PermissionError as e:
-        raise PermissionError(
-            errno.EACCES, "Permission denied: cannot create a file in the directory", path
-        ) from e
-    except FileNotFoundError as e:
-        raise FileNotFoundError(errno.ENOENT, "No such directory to save the checkpoint in", path) from e
-    try:
-        with os.fdopen(fd, "wb") as f:
-            _write_npz(f, arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        if mode is not None:
-            os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise _naming(e, path) from e
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(directory)
+    write_atomically(_fspath(path), lambda f: _write_npz(f, arrays), "checkpoint")
 
 
 def read(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
@@ -637,7 +513,7 @@ def save_training_state(
     arrays.update(extras_arrays)
     text = json.dumps(meta, allow_nan=False, sort_keys=True)
     arrays[_META] = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-    _atomic_write(path, arrays)
+    write_atomically(path, lambda f: _write_npz(f, arrays), "checkpoint")
 
 
 def _refuse_constant(name: str) -> None:

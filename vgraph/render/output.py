@@ -4,12 +4,12 @@ rich display of ComputeGraph and VirtualGraph in Jupyter."""
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
+from .._files import write_atomically
 from ..compute import ComputeGraph
 from ..errors import RenderError
 from ..virtual import VirtualGraph
@@ -58,26 +58,16 @@ def _run_dot(dot_text: str, fmt: str) -> bytes:
 
 
 def _write_whole(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` whole or not at all.
+    """Write ``data`` to ``path`` whole or not at all (see :func:`vgraph._files.write_atomically`):
+    a failure never leaves a partial file, nor harms a file already at ``path``.
 
-    The bytes go to a new file next to ``path``, renamed over it once complete: a failure (or an
-    interruption) never leaves a partial file, nor harms a file already at ``path``.
+    Raises:
+        RenderError: the file cannot be written (names it and the reason).
     """
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    created = False
     try:
-        # os.open with mode 0o666 honours the umask, as a plain open() would (mkstemp's 0o600 not).
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-        created = True
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-        created = False
+        write_atomically(str(path), lambda f: f.write(data), "drawing")
     except OSError as e:
         raise RenderError(f"cannot write {str(path)!r}: {e.strerror or e}") from e
-    finally:
-        if created:
-            tmp.unlink(missing_ok=True)
 
 
 def render(
