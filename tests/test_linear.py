@@ -165,7 +165,7 @@ def test_grouped_layers_give_each_copys_value_exactly(shapes, stacked):
     from vgraph.virtual.hoist import batched_attrs
 
     count = 3
-    attrs = batched_attrs("Linear", {}, shapes, stacked, count)
+    attrs = batched_attrs(OPS["Linear"], {}, shapes, stacked, count)
     assert (attrs is None) == stacked[2]
     if attrs is None:
         return
