@@ -93,6 +93,18 @@ def test_data_parallel_equals_one_process(mpiexec: str, model: str, ranks: int) 
         assert res["untied"] >= 5  # sequences of 1..8 steps: untied copies appeared along the way
 
 
+def test_untied_copies_some_ranks_lack_are_broadcast_once(mpiexec: str) -> None:
+    """Copies that only some ranks hold when the optimiser is made (on the root only, and on
+    another rank only) and copies created during training each reach the other ranks in one
+    broadcast, and every rank ends with the same values: root's for a parameter root has, the
+    owner's for one it lacks."""
+    proc, _ = run_mpi(mpiexec, 2, str(SCRIPTS / "untied.py"))
+    res = result(proc)
+    assert res["equal"] and res["expected"]
+    names = ["W", "a@0", "a@1", "a@2", "a@3", "b@0", "b@1", "b@2", "b@3"]
+    assert res["sent"] == {name: 1 for name in names}
+
+
 def test_resume_on_another_number_of_ranks(mpiexec: str, tmp_path: Path) -> None:
     """Saved by rank 0 after 3 steps on 2 ranks, resumed on 3 ranks (and on 1) to 7 steps: the
     parameters of one process that trained 7 steps without stopping (dropout counter included)."""
@@ -213,6 +225,37 @@ def test_optimizer_arguments_are_checked() -> None:
         opt.step(count=-1)
     opt.lr = 0.5
     assert opt.optimizer.lr == 0.5 and opt.lr == 0.5
+
+
+def test_integer_arguments_are_typed_errors() -> None:
+    """``count``, ``batch_size`` and ``seed``: a bool, a float or a string is an ArgumentError (a
+    TypeError), a value below the minimum an ArgumentValueError (a ValueError); numpy integers
+    are taken as Python ints."""
+    g, _ = _model()
+    opt = dist.DistributedOptimizer(optim.SGD(g.params, lr=0.1), g, count=np.int64(3))
+    assert opt.count == 3 and type(opt.count) is int
+    for bad in (True, 1.5, "2"):
+        with pytest.raises(vg.ArgumentError, match=f"count must be an int >= 0, got {type(bad).__name__}"):
+            opt.step(count=bad)  # type: ignore[arg-type]
+        with pytest.raises(vg.ArgumentError, match="count must be an int >= 0 or None"):
+            dist.DistributedOptimizer(optim.SGD(g.params, lr=0.1), g, count=bad)  # type: ignore[arg-type]
+    with pytest.raises(vg.ArgumentValueError, match="count must be an int >= 0, got -1"):
+        opt.step(count=-1)
+    assert g.params["W"].grad is None  # nothing was stepped
+    one = dist.Communicator()
+    data = list(range(4))
+    for kwargs, error, match in [
+        ({"batch_size": True}, vg.ArgumentError, "batch_size must be an int >= 1, got bool True"),
+        ({"batch_size": 2.0}, vg.ArgumentError, "batch_size must be an int >= 1, got float 2.0"),
+        ({"batch_size": 0}, vg.ArgumentValueError, "batch_size must be an int >= 1, got 0"),
+        ({"seed": np.bool_(True)}, vg.ArgumentError, "seed must be an int >= 0, got bool"),
+        ({"seed": -1}, vg.ArgumentValueError, "seed must be an int >= 0, got -1"),
+    ]:
+        with pytest.raises(error, match=match):
+            dist.ShardedData(data, one, **kwargs)
+    sharded = dist.ShardedData(data, one, batch_size=np.int32(2), seed=np.uint8(7))
+    assert (sharded.batch_size, sharded.seed, len(sharded)) == (2, 7, 2)
+    assert type(sharded.batch_size) is int and type(sharded.seed) is int
 
 
 def test_sharded_data_uses_every_example_once() -> None:

@@ -353,6 +353,35 @@ def test_wrong_argument_types_are_type_errors_naming_the_argument(tmp_path, call
         call(path)
 
 
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (lambda p: io.load(built(), p, strict="yes"), vg.ArgumentError, "strict must be True or False, got str 'yes'"),
+        (lambda p: io.load(built(), p, cast=1), vg.ArgumentError, "cast must be True or False, got int 1"),
+        (lambda p: io.load_training_state(built(), p, strict=None), vg.ArgumentError, "strict must be True or False"),
+        (lambda p: io.save_training_state(built(), p, step=True), vg.ArgumentError,
+         "step must be an int >= 0 or None, got bool True"),
+        (lambda p: io.save_training_state(built(), p, step=2.0), vg.ArgumentError, "got float 2.0"),
+        (lambda p: io.save_training_state(built(), p, step=-1), vg.ArgumentValueError,
+         r"step must be an int >= 0 or None, got -1"),
+    ],
+)  # fmt: skip
+def test_flags_and_step_are_checked_as_every_vgraph_argument(tmp_path, call, error, match):
+    """The flags and ``step`` are checked by the package's shared argument checks: typed errors
+    (an ArgumentError is a TypeError, an ArgumentValueError a ValueError) and nothing written."""
+    path = tmp_path / "ck.npz"
+    io.save(built(), path)
+    before = path.read_bytes()
+    with pytest.raises(error, match=match):
+        call(path)
+    assert path.read_bytes() == before and sorted(tmp_path.iterdir()) == [path]
+
+
+def test_a_numpy_integer_step_is_saved_as_an_int(tmp_path):
+    io.save_training_state(built(), tmp_path / "s.npz", step=np.int64(4))
+    assert io.load_training_state(built(), tmp_path / "s.npz") == 4
+
+
 # --- whole training state: resume bit for bit in a fresh process (issue 14) ----------------------
 
 TRAIN = """

@@ -199,8 +199,10 @@ def test_state_misuse_is_refused_at_declaration():
             vg.tanh(h)
         with pytest.raises(vg.BuildError, match="declare per-node state with state"):
             r.carry(np.zeros(2))
-        with pytest.raises(TypeError, match="non-negative int"):
+        with pytest.raises(vg.ArgumentValueError, match=r"child\(\): j .* must be an int >= 0, got -1"):
             r.child(h, -1)
+        with pytest.raises(vg.ArgumentError, match=r"must be an int >= 0, got float 1\.0"):
+            r.child(h, 1.0)
         r.update(h, vg.tanh(r.child(h, 0)))
     with g.loop(times=2) as L:
         with pytest.raises(vg.BuildError, match="not a recursion"):

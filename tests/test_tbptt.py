@@ -91,6 +91,40 @@ def test_bad_arguments(kwargs, error):
         Progress(**args)
 
 
+def test_integer_arguments_are_typed_errors():
+    """``total``, ``every``, ``k`` and ``start``: a bool or a float is an ArgumentError (a
+    TypeError), a value below the minimum an ArgumentValueError (a ValueError); numpy integers
+    are taken as Python ints."""
+    for kwargs, error, match in [
+        ({"total": True}, vg.ArgumentError, "total must be an int >= 0 or None, got bool True"),
+        ({"every": 2.5}, vg.ArgumentError, "every must be an int >= 1 or None, got float 2.5"),
+        ({"total": -1}, vg.ArgumentValueError, "total must be an int >= 0 or None, got -1"),
+        ({"every": 0}, vg.ArgumentValueError, "every must be an int >= 1 or None, got 0"),
+    ]:
+        with pytest.raises(error, match=match):
+            Progress(**{"total": 10, "mode": "off", **kwargs})
+    p = Progress(np.int64(10), mode="off", every=np.int32(3))
+    assert (p.total, p.every) == (10, 3) and type(p.total) is int and type(p.every) is int
+    with pytest.raises(vg.ArgumentError, match="chunk length k must be an int >= 1, got bool True"):
+        list(vg.tbptt.chunks(np.zeros(4), True))
+    with pytest.raises(vg.ArgumentValueError, match="chunk length k must be an int >= 1, got 0"):
+        chunk_feeds({"x": np.zeros(4)}, np.int64(0), sequences=["x"])
+    assert [len(c) for c in vg.tbptt.chunks(np.zeros(5), np.int64(2))] == [2, 2, 1]
+    g, loss, h_final = rnn()
+    args = {
+        "graph": g,
+        "feeds": [],
+        "loss": loss,
+        "state": {"h0": h_final},
+        "initial": {"h0": np.zeros((2, 4))},
+    }
+    with pytest.raises(vg.ArgumentError, match="start must be an int >= 0, got bool True"):
+        truncated_bptt(start=True, **args)
+    with pytest.raises(vg.ArgumentValueError, match="start must be an int >= 0, got -1"):
+        truncated_bptt(start=np.int64(-1), **args)
+    assert truncated_bptt(start=np.int64(0), **args).start == 0
+
+
 def rnn():
     g = vg.VirtualGraph(dtype=np.float64, seed=0)
     x = g.input("x", (None, 2, 3))
@@ -136,6 +170,18 @@ def test_truncated_bptt_reports_each_chunk_with_its_loss(capsys):
         (lambda: list(vg.tbptt.chunks(np.zeros(5), 0)), ValueError, ">= 1"),
         (lambda: list(vg.tbptt.chunks(5.0, 2)), ValueError, "scalar"),
         (lambda: list(vg.tbptt.chunks(np.zeros(5), 2, axis=1)), ValueError, "axis 1"),
+        (lambda: list(vg.tbptt.chunks(np.zeros(5), 2, axis=True)), vg.ArgumentError, "axis must be an int"),
+        (
+            lambda: chunk_feeds({"x": np.zeros(4)}, 2, sequences=["x"], axis=1),
+            ValueError,
+            r"axis 1 is not an axis of sequence input 'x', of shape \(4,\)",
+        ),
+        (
+            lambda: chunk_feeds({"x": np.zeros((4, 2)), "c": 1.0}, 2, sequences=["x", "c"]),
+            ValueError,
+            "sequence input 'c' must be a sequence",
+        ),
+        (lambda: chunk_feeds({"x": np.zeros(4)}, 2, sequences=["x"], axis=0.0), vg.ArgumentError, "axis"),
         (lambda: chunk_feeds({"xs": np.zeros(4)}, 2, sequences="xs"), TypeError, r"\['xs'\]"),
         (lambda: chunk_feeds([1, 2], 2, sequences=["x"]), TypeError, "feed must be a mapping"),
         (lambda: chunk_feeds({"x": np.zeros(4)}, 2, sequences=["y"]), ValueError, "not in the feed"),

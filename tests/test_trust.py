@@ -162,11 +162,11 @@ def test_failed_parameter_declarations_leave_the_graph_unchanged():
         (lambda: g.parameter("W", (2, 2), init=object()), TypeError, "init= must be an initialiser"),
         (lambda: g.parameter("W", (2, -1)), ValueError, "negative"),
         (lambda: g.parameter("W", (2, 2.5)), TypeError, "2.5"),
-        (lambda: g.parameter("W", (2, 2), seed=-3), ValueError, "non-negative"),
+        (lambda: g.parameter("W", (2, 2), seed=-3), vg.ArgumentValueError, "seed must be an int >= 0"),
         (lambda: g.parameter("W", (2, 2), seed="abc"), TypeError, "seed"),
         (lambda: g.parameter("W", (2, 2), init="nope"), ValueError, "unknown initialiser"),
         (lambda: g.parameter("W@3", (2, 2)), vg.BuildError, "contains '@'"),
-        (lambda: vg.nn.Linear(g, -1, 3, "fc"), ValueError, "positive"),
+        (lambda: vg.nn.Linear(g, -1, 3, "fc"), vg.ArgumentValueError, "in_features must be an int >= 1"),
     ]
     for call, error, message in bad_calls:
         with pytest.raises(error, match=message):
@@ -248,7 +248,7 @@ def test_unrolled_graph_contains_virtual_nodes_it_built():
     "make, error, message",
     [
         (lambda: vg.VirtualGraph(seed="abc"), TypeError, r"seed.*str"),
-        (lambda: vg.VirtualGraph(seed=-1), ValueError, "non-negative"),
+        (lambda: vg.VirtualGraph(seed=-1), vg.ArgumentValueError, "must be an int >= 0, got -1"),
         (lambda: vg.VirtualGraph(dtype=np.int32), TypeError, "float dtype"),
         (lambda: vg.VirtualGraph().loop(max_iters="10"), TypeError, "max_iters"),
         (lambda: vg.VirtualGraph().loop(max_iters=-1), ValueError, "max_iters"),

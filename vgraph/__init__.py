@@ -26,6 +26,7 @@ from .compute import (
 )
 from .errors import (
     ArgumentError,
+    ArgumentValueError,
     BackwardError,
     BuildError,
     CheckpointError,
@@ -100,6 +101,7 @@ __version__ = "0.1.0"
 # (`mypy --strict` accepts an imported name only if it is listed here).
 __all__ = [
     "ArgumentError",
+    "ArgumentValueError",
     "BackwardError",
     "BranchNode",
     "BuildError",

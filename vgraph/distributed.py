@@ -31,7 +31,8 @@ for keeps ``.grad = None`` (its optimiser state does not advance, as in one proc
 **Untied parameter copies** (``"W@7"``, created by the first build that reaches iteration 7) may
 exist on some ranks only. When the ranks' parameter names differ, the step first agrees on their
 union (sorted by name): a rank lacking a copy creates it with the value of the lowest rank that has
-it, so every rank holds every copy with the same value from then on.
+it (one broadcast from each rank that holds copies others lack), so every rank holds every copy
+with the same value from then on.
 
 **Failures.** :func:`init` installs an exception hook: an uncaught exception on any rank prints
 ``vgraph.distributed: rank R of P failed: ...`` and calls ``MPI_Abort``, which ends every rank
@@ -66,6 +67,7 @@ import numpy as np
 from . import io as vio
 from .compute import ComputeNode
 from .errors import VGraphError
+from .modes import int_arg
 from .ops import RowSparseGrad
 from .optim import Optimizer
 from .virtual import VirtualGraph
@@ -269,15 +271,8 @@ class MPICommunicator(Communicator):
         sizes = np.array([a.size for a in arrays], dtype=np.int64)
         all_sizes = np.empty((self.size, sizes.size), dtype=np.int64)
         self._wait([self.comm.Iallgather(sizes, all_sizes)], f"{what} (sizes)", eager)
-        outs, reqs = [], []
-        for k, a in enumerate(arrays):
-            counts = [int(c) for c in all_sizes[:, k]]
-            displ = [sum(counts[:r]) for r in range(self.size)]
-            out = np.empty(sum(counts), dtype=a.dtype)
-            reqs.append(self.comm.Iallgatherv(np.ascontiguousarray(a), [out, (counts, displ)]))
-            outs.append((out, counts, displ))
-        self._wait(reqs, what, eager=True)  # every rank has sent its sizes: all are here
-        return [[out[d : d + c] for c, d in zip(counts, displ)] for out, counts, displ in outs]
+        # Every rank has sent its sizes: all are here, so the transfer polls eagerly.
+        return self.exchange([], arrays, all_sizes.T.tolist(), what, eager=True)[1]
 
     def exchange(
         self,
@@ -475,18 +470,32 @@ def _agree(
     return union, owners
 
 
-def _fill_missing(
-    comm: Communicator, named: dict[str, ComputeNode], graph: VirtualGraph | None, owners: Mapping[str, int]
+def _take(
+    named: dict[str, ComputeNode], graph: VirtualGraph | None, values: Mapping[str, np.ndarray]
 ) -> None:
-    """Give every rank every parameter in ``owners`` with the value of its owner (lowest rank that
-    has it); ranks lacking one create it in ``graph``'s store."""
-    for name, owner in owners.items():
-        value = comm.bcast(named[name].value if comm.rank == owner else None, owner, f"untied copy {name!r}")
+    """Set this rank's parameters to ``values`` (received from another rank), creating in
+    ``graph``'s store those it lacks (:func:`_agree` checked that it declares them)."""
+    for name, value in values.items():
         if name in named:
             named[name].value = value
         elif graph is not None:
             graph.params.set_value(name, value)
             named[name] = graph.params[name]
+
+
+def _fill_missing(
+    comm: Communicator, named: dict[str, ComputeNode], graph: VirtualGraph | None, owners: Mapping[str, int]
+) -> None:
+    """Give every rank every parameter in ``owners`` with the value of its owner (lowest rank that
+    has it); ranks lacking one create it in ``graph``'s store. One broadcast per owner."""
+    by_owner: dict[int, list[str]] = {}
+    for name, owner in owners.items():
+        by_owner.setdefault(owner, []).append(name)
+    for owner, names in sorted(by_owner.items()):
+        mine = {k: named[k].value for k in names} if comm.rank == owner else None
+        values = comm.bcast(mine, owner, f"untied copies from rank {owner}")
+        if comm.rank != owner:
+            _take(named, graph, values)
 
 
 def sync_parameters(
@@ -517,14 +526,13 @@ def sync_parameters(
     """
     named = _named(list(params))
     _, owners = _agree(comm, named, graph, "sync_parameters")
-    _fill_missing(comm, named, graph, owners)
     values = comm.bcast(
         {k: p.value for k, p in named.items()} if comm.rank == root else None, root, "parameter values"
     )
     if comm.rank != root:
-        for k, v in values.items():
-            if k in named:
-                named[k].value = v
+        _take(named, graph, values)  # creates the copies root has and this rank lacks
+    # Each value travels once: only the copies root lacks still need their owner's.
+    _fill_missing(comm, named, graph, {k: r for k, r in owners.items() if k not in values})
     if optimizer is not None:
         state = comm.bcast(optimizer.state_dict() if comm.rank == root else None, root, "optimiser state")
         if comm.rank != root:
@@ -559,7 +567,9 @@ class DistributedOptimizer:
         sync: broadcast and check the parameters now (as :func:`sync_parameters`).
 
     Raises:
-        TypeError: ``optimizer`` is not a vgraph optimiser, ``graph`` not a VirtualGraph.
+        TypeError: ``optimizer`` is not a vgraph optimiser, ``graph`` not a VirtualGraph,
+            ``count`` not an int or ``None`` (:class:`~vgraph.errors.ArgumentError`).
+        ArgumentValueError: a negative ``count`` (a ValueError).
         ParameterMismatchError: the ranks' models differ (on every rank, before any step).
     """
 
@@ -578,7 +588,7 @@ class DistributedOptimizer:
         self.optimizer = optimizer
         self.graph = graph
         self.comm = init() if comm is None else comm
-        self.count = None if count is None else _count_arg(count)
+        self.count = int_arg(count, "count", 0, optional=True)
         self._names: list[str] | None = None  # the agreed parameter names (sorted)
         self._signature = 0
         self._synced = False
@@ -630,12 +640,14 @@ class DistributedOptimizer:
                 default given at construction, or weight 1 for every rank.
 
         Raises:
+            ArgumentError: ``count`` is not an int (a TypeError). ArgumentValueError: it is
+                negative (a ValueError); nothing is communicated then.
             DistributedError: some ranks passed ``count`` and others did not, or gradients
                 exist but the counts add up to 0.
             ParameterMismatchError: the ranks' parameters differ (see :func:`sync_parameters`).
             CollectiveTimeoutError: a rank did not join within the timeout.
         """
-        count = self.count if count is None else _count_arg(count)
+        count = self.count if count is None else int_arg(count, "count", 0)
         comm = self.comm
         if comm.size == 1:  # one rank: the gradients are the combination (bit for bit)
             self._synced = True
@@ -760,12 +772,6 @@ class DistributedOptimizer:
         self.optimizer.step()
 
 
-def _count_arg(count: Any) -> int:
-    if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
-        raise ValueError(f"count must be an int >= 0 (the examples this rank's loss averages), got {count!r}")
-    return int(count)
-
-
 def _signature(names: Sequence[str]) -> int:
     digest = hashlib.blake2b("\0".join(names).encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
@@ -856,8 +862,9 @@ class ShardedData:
             above); ``None``: equal counts.
 
     Raises:
-        ValueError: ``batch_size`` < 1 or a negative ``seed``.
-        TypeError: ``cost`` is not callable.
+        ArgumentValueError: ``batch_size`` < 1 or a negative ``seed`` (a ValueError).
+        TypeError: ``cost`` is not callable; ``batch_size`` or ``seed`` not an int
+            (:class:`~vgraph.errors.ArgumentError`).
     """
 
     def __init__(
@@ -872,14 +879,10 @@ class ShardedData:
     ) -> None:
         if cost is not None and not callable(cost):
             raise TypeError(f"cost must be a function of an example, got {type(cost).__name__}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+        self.batch_size = int_arg(batch_size, "batch_size", 1)
+        self.seed = int_arg(seed, "seed", 0)
         self.data = data
         self.comm = init() if comm is None else comm
-        self.batch_size = int(batch_size)
-        self.seed = int(seed)
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
         self.cost = cost

@@ -2,9 +2,9 @@
 
 Every error a user can cause is a :class:`VGraphError`. Errors about a node name it by its
 ``<type,id,idx>`` key (and the user's display name, when there is one). Where a standard exception
-type fits too, the error also derives from it (``ShapeError`` and ``FeedError`` are
-``ValueError``s, ``ArgumentError`` a ``TypeError``, ``GraphStateError`` a ``RuntimeError``), so
-generic handlers keep working.
+type fits too, the error also derives from it (``ShapeError``, ``FeedError`` and
+``ArgumentValueError`` are ``ValueError``s, ``ArgumentError`` a ``TypeError``, ``GraphStateError``
+a ``RuntimeError``), so generic handlers keep working.
 """
 
 from __future__ import annotations
@@ -17,6 +17,11 @@ class VGraphError(Exception):
 class ArgumentError(VGraphError, TypeError):
     """An argument of the wrong type (``hoist="yes"`` where a bool is expected, a name where a
     node is expected); a ``TypeError`` too."""
+
+
+class ArgumentValueError(VGraphError, ValueError):
+    """An argument of the right type but a value it cannot take (``count=-1`` where an int >= 0
+    is expected); a ``ValueError`` too."""
 
 
 class ShapeError(VGraphError, ValueError):

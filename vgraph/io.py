@@ -34,6 +34,7 @@ import numpy as np
 from ._files import write_atomically
 from .compute import ComputeNode
 from .errors import CheckpointError, ShapeError
+from .modes import flag_arg, int_arg
 
 __all__ = ["load", "load_training_state", "read", "save", "save_training_state"]
 
@@ -147,11 +148,6 @@ def _check_graph(graph: Any) -> None:
         )
 
 
-def _check_flag(name: str, value: Any) -> None:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
-
-
 def _checked_params(graph: Any, state: dict[str, np.ndarray], path: str, cast: bool) -> dict[str, np.ndarray]:
     """The parameter arrays of a checkpoint after the dtype checks (cast if asked); names and
     shapes are checked by ``graph.load_state_dict``. Changes nothing.
@@ -213,8 +209,8 @@ def load(graph: Any, path: str | os.PathLike[str], strict: bool = True, cast: bo
     """
     _check_graph(graph)
     path = _fspath(path)
-    _check_flag("strict", strict)
-    _check_flag("cast", cast)
+    flag_arg(strict, "strict")
+    flag_arg(cast, "cast")
     state = read(path)
     if _training_meta(state) is not None:
         raise CheckpointError(
@@ -244,23 +240,6 @@ def _training_meta(arrays: Mapping[str, np.ndarray]) -> np.ndarray | None:
     if meta is not None and meta.dtype == np.uint8 and meta.ndim == 1:
         return meta
     return None
-
-
-def _check_count(what: str, value: Any, optional: bool = False) -> int | None:
-    """``value`` as an int >= 0 (or ``None`` if ``optional``): the one check of ``step`` and of
-    the build counter, for saving and for loading.
-
-    Raises:
-        TypeError: not an int. ValueError: negative.
-    """
-    expected = f"{what} must be an int >= 0{' or None' if optional else ''}"
-    if value is None and optional:
-        return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{expected}, got {type(value).__name__} {reprlib.repr(value)}")
-    if value < 0:
-        raise ValueError(f"{expected}, got {value}")
-    return int(value)
 
 
 def _at(path: str, key: str | int) -> str:
@@ -484,14 +463,14 @@ def save_training_state(
     _check_graph(graph)
     path = _fspath(path)
     _check_components(optimizer, scheduler, rng)
-    step = _check_count("step", step, optional=True)
+    step = int_arg(step, "step", 0, optional=True)
     extras_tree, extras_arrays = (None, {}) if extras is None else _encode_extras(extras)
     arrays: dict[str, np.ndarray] = {f"param/{k}": v for k, v in graph.params.state_dict().items()}
     meta: dict[str, Any] = {
         "format": _FORMAT,
         "version": _VERSION,
         "step": step,
-        "graph_builds": _check_count("graph_builds", graph.build_count),
+        "graph_builds": int_arg(graph.build_count, "graph_builds", 0),
         "optimizer": None,
         "scheduler": None if scheduler is None else scheduler.state_dict(),
         "rng": None if rng is None else _encode(rng.bit_generator.state),
@@ -612,7 +591,7 @@ def load_training_state(
     _check_graph(graph)
     path = _fspath(path)
     _check_components(optimizer, scheduler, rng)
-    _check_flag("strict", strict)
+    flag_arg(strict, "strict")
     if extras is not None and not isinstance(extras, MutableMapping):
         raise TypeError(f"extras must be a dict to fill (or None), got {type(extras).__name__}")
     arrays = read(path)
@@ -638,8 +617,8 @@ def load_training_state(
         raise fail(f"unknown members {unknown}")
     try:
         meta = _read_meta(raw)
-        step = _check_count("step", meta["step"], optional=True)
-        builds = _check_count("graph_builds", meta["graph_builds"])
+        step = int_arg(meta["step"], "step", 0, optional=True)
+        builds = int_arg(meta["graph_builds"], "graph_builds", 0)
         optim_sd = (
             None if meta["optimizer"] is None else _optimizer_state_dict(meta["optimizer"], groups["optim/"])
         )

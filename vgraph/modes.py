@@ -16,11 +16,11 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 
-from .errors import ArgumentError
+from .errors import ArgumentError, ArgumentValueError
 
 
 def flag_arg(flag: Any, what: str) -> bool:
@@ -36,6 +36,40 @@ def flag_arg(flag: Any, what: str) -> bool:
     if isinstance(flag, np.bool_):
         return bool(flag)
     raise ArgumentError(f"{what} must be True or False, got {type(flag).__name__} {flag!r:.80}")
+
+
+@overload
+def int_arg(
+    value: Any, what: str, minimum: int | None = None, *, optional: Literal[False] = False
+) -> int: ...
+@overload
+def int_arg(value: Any, what: str, minimum: int | None = None, *, optional: bool) -> int | None: ...
+def int_arg(value: Any, what: str, minimum: int | None = None, *, optional: bool = False) -> int | None:
+    """``value`` checked as an integer option and returned as a Python ``int`` (``what``: how the
+    message names it, e.g. ``"count"``); numpy's integers are accepted.
+
+    Args:
+        value: the argument.
+        what: its name in the message.
+        minimum: the smallest value allowed (``None``: any int).
+        optional: ``None`` is allowed too (and returned).
+
+    Raises:
+        ArgumentError: ``value`` is not an int (a bool, ``2.0`` or ``"3"`` are refused rather than
+            converted).
+        ArgumentValueError: ``value`` is less than ``minimum``.
+    """
+    if value is None and optional:
+        return None
+    bound = "" if minimum is None else f" >= {minimum}"
+    alternative = " or None" if optional else ""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ArgumentError(
+            f"{what} must be an int{bound}{alternative}, got {type(value).__name__} {value!r:.80}"
+        )
+    if minimum is not None and value < minimum:
+        raise ArgumentValueError(f"{what} must be an int{bound}{alternative}, got {value}")
+    return int(value)
 
 
 class _Modes(threading.local):

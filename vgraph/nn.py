@@ -48,6 +48,7 @@ from .init import (
     xavier_uniform,
     zeros,
 )
+from .modes import int_arg
 from .virtual import VirtualGraph, VirtualNode
 
 __all__ = [
@@ -105,11 +106,7 @@ def one_hot(indices: Any, num_classes: int) -> Any:
 
 def _size(n: Any, what: str) -> int:
     """A module size: a positive int (not a float, bool or str, which int() would accept)."""
-    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
-        raise TypeError(f"{what} must be an int, got {type(n).__name__} {n!r}")
-    if n < 1:
-        raise ValueError(f"{what} must be positive, got {n}")
-    return int(n)
+    return int_arg(n, what, 1)
 
 
 def _int_array(x: Any, what: str) -> np.ndarray:

@@ -33,6 +33,8 @@ from typing import IO, Any
 
 import numpy as np
 
+from .modes import int_arg
+
 __all__ = ["Progress", "TBPTTResult", "chunk_feeds", "chunks", "truncated_bptt"]
 
 # ---------------------------------------------------------------------------- progress
@@ -132,8 +134,9 @@ class Progress:
         unit: the name of one step (``"step"``, ``"chunk"``, ``"batch"`` …).
 
     Raises:
-        ValueError: an unknown ``mode``, a negative ``total`` or ``every < 1``.
-        TypeError: ``total``/``every`` not ints.
+        ValueError: an unknown ``mode``; a negative ``total`` or ``every < 1``
+            (:class:`~vgraph.errors.ArgumentValueError`).
+        ArgumentError: ``total``/``every`` not ints or ``None`` (a TypeError).
     """
 
     def __init__(
@@ -147,17 +150,11 @@ class Progress:
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"progress mode must be one of {', '.join(map(repr, _MODES))}, got {mode!r}")
-        for name, v in (("total", total), ("every", every)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
-                raise TypeError(f"{name} must be an int or None, got {type(v).__name__} {v!r}")
-        if total is not None and total < 0:
-            raise ValueError(f"total must be >= 0, got {total}")
-        if every is not None and every < 1:
-            raise ValueError(f"every must be >= 1, got {every}")
-        self.total = None if total is None else int(total)
+        self.total = int_arg(total, "total", 0, optional=True)
+        every = int_arg(every, "every", 1, optional=True)
         self.desc = desc
         self.unit = unit
-        self.every = int(every) if every is not None else max(1, (self.total or 1000) // 10)
+        self.every = every if every is not None else max(1, (self.total or 1000) // 10)
         self.count = 0
         self.metrics: dict[str, Any] = {}
         self._start = time.perf_counter()
@@ -261,12 +258,18 @@ def _progress(progress: Any, total: int | None, desc: str, unit: str) -> Progres
     return Progress(total, desc=desc, mode=progress, unit=unit)
 
 
-def _chunk_length(k: Any) -> int:
-    if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)):
-        raise TypeError(f"chunk length k must be an int, got {type(k).__name__} {k!r}")
-    if k < 1:
-        raise ValueError(f"chunk length k must be >= 1, got {k}")
-    return int(k)
+def _time_axis(axis: Any, shape: tuple[int, ...], what: str) -> int:
+    """``axis`` checked as the time axis of an array of ``shape`` (``what`` names the array).
+
+    Raises:
+        ArgumentError: ``axis`` is not an int. ValueError: a scalar, or an axis it does not have.
+    """
+    index = int_arg(axis, "axis")
+    if not shape:
+        raise ValueError(f"{what} must be a sequence (an array with a time axis), got a scalar")
+    if not -len(shape) <= index < len(shape):
+        raise ValueError(f"axis {index} is not an axis of {what}, of shape {shape}")
+    return index
 
 
 def chunks(xs: Any, k: int, axis: int = 0, drop_last: bool = False) -> Iterator[np.ndarray]:
@@ -283,15 +286,12 @@ def chunks(xs: Any, k: int, axis: int = 0, drop_last: bool = False) -> Iterator[
         Views of ``xs``, ``ceil(T / k)`` of them (``floor(T / k)`` with ``drop_last``).
 
     Raises:
-        TypeError: ``k`` is not an int.
+        TypeError: ``k`` or ``axis`` is not an int.
         ValueError: ``k < 1``, a scalar ``xs`` or an ``axis`` it does not have.
     """
-    k = _chunk_length(k)
+    k = int_arg(k, "chunk length k", 1)
     arr = np.asarray(xs)
-    if arr.ndim == 0:
-        raise ValueError(f"xs must be a sequence (an array with a time axis), got a scalar {xs!r}")
-    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -arr.ndim <= axis < arr.ndim:
-        raise ValueError(f"axis {axis!r} is not an axis of an array of shape {arr.shape}")
+    axis = _time_axis(axis, arr.shape, "xs")
     n = arr.shape[axis]
     for start in range(0, n, int(k)):
         stop = min(start + int(k), n)
@@ -335,12 +335,13 @@ def chunk_feeds(
         An iterator over the chunk feeds, with ``len()``.
 
     Raises:
-        TypeError: ``feed`` is not a mapping, ``sequences`` a string, ``k`` not an int.
-        ValueError: sequences of different lengths, an unknown name, or ``k < 1``.
+        TypeError: ``feed`` is not a mapping, ``sequences`` a string, ``k`` or ``axis`` not an int.
+        ValueError: sequences of different lengths, an unknown name, ``k < 1``, or a sequence
+            that is a scalar or lacks the axis ``axis``.
     """
     if not isinstance(feed, Mapping):
         raise TypeError(f"feed must be a mapping input name -> value, got {type(feed).__name__}")
-    k = _chunk_length(k)
+    k = int_arg(k, "chunk length k", 1)
     if isinstance(sequences, str):
         raise TypeError(
             f"sequences must be a list of input names, got the string {sequences!r} (use [{sequences!r}])"
@@ -349,7 +350,8 @@ def chunk_feeds(
     unknown = [n for n in names if n not in feed]
     if unknown:
         raise ValueError(f"sequence input(s) {unknown} not in the feed")
-    lengths = {n: np.shape(feed[n])[axis] for n in names}
+    shapes = {n: np.shape(feed[n]) for n in names}
+    lengths = {n: shape[_time_axis(axis, shape, f"sequence input {n!r}")] for n, shape in shapes.items()}
     if len(set(lengths.values())) > 1:
         raise ValueError(f"sequences to chunk have different lengths: {lengths}")
     n = next(iter(lengths.values())) if lengths else 0
@@ -454,12 +456,8 @@ def truncated_bptt(
             raise TypeError(f"{name} must be callable, got {type(f).__name__}")
     if set(state) != set(initial):
         raise ValueError(f"state names {sorted(state)} and initial names {sorted(initial)} differ")
-    if isinstance(start, (bool, np.bool_)) or not isinstance(start, (int, np.integer)):
-        raise TypeError(f"start must be an int (a chunk index), got {type(start).__name__} {start!r}")
-    start = int(start)
+    start = int_arg(start, "start", 0)
     total = len(feeds) if isinstance(feeds, Sized) else None
-    if start < 0:
-        raise ValueError(f"start must be >= 0 (a chunk index), got {start}")
     if total is not None and start > total:
         raise ValueError(f"start={start} is past the end of feeds ({total} chunks); nothing was run")
     if total is not None:

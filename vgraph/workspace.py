@@ -53,6 +53,8 @@ from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 
+from .modes import int_arg
+
 #: Arrays smaller than this are allocated as usual: malloc serves them from its free lists cheaply.
 MIN_BYTES = 1 << 17
 #: At most this many buffers are kept per thread (each request looks through them).
@@ -86,13 +88,10 @@ def set_limit(nbytes: int) -> None:
     Buffers over the new limit are forgotten at once (an array still using one keeps it alive).
 
     Raises:
-        TypeError: ``nbytes`` is not an int.
-        ValueError: ``nbytes`` is negative.
+        ArgumentError: ``nbytes`` is not an int (a TypeError).
+        ArgumentValueError: ``nbytes`` is negative (a ValueError).
     """
-    if not isinstance(nbytes, int) or isinstance(nbytes, bool):
-        raise TypeError(f"workspace.set_limit: nbytes must be an int, got {type(nbytes).__name__}")
-    if nbytes < 0:
-        raise ValueError(f"workspace.set_limit: nbytes must be >= 0, got {nbytes}")
+    nbytes = int_arg(nbytes, "workspace.set_limit: nbytes", 0)
     _limit[0] = nbytes
     _shrink(_pool, nbytes)
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..compute import ComputeGraph
 from ..errors import RenderError
+from ..modes import int_arg
 from ..virtual import UnrolledGraph, VirtualGraph
 from ..virtual.batch import BatchedBuild
 from .batch_view import _BatchView, _mark_groups
@@ -156,7 +157,7 @@ def _scene(
             )
         try:
             if not isinstance(iterations, range):  # a range answers `t in` without expanding
-                iterations = frozenset(_as_int(t) for t in iterations)
+                iterations = frozenset(int_arg(t, "iterations") for t in iterations)
         except (TypeError, ValueError):
             raise TypeError(
                 f"iterations must be a range or a collection of ints, got {iterations!r}"
@@ -224,13 +225,6 @@ def _scene(
     return scene
 
 
-def _as_int(value: Any) -> int:
-    """``value`` as an int, if it is an integer (``2.0`` and ``True`` are not)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"expected an int, got {type(value).__name__} {value!r}")
-    return int(value)
-
-
 def _check_fold(fold: Any) -> tuple[int, int] | None:
     """``fold`` as ``(first, last)`` or None; a TypeError or ValueError naming ``fold`` otherwise."""
     if fold is None:
@@ -240,7 +234,7 @@ def _check_fold(fold: Any) -> tuple[int, int] | None:
             f"fold must be (first, last) with non-negative ints, or None; got {type(fold).__name__}"
         )
     try:
-        first, last = (_as_int(v) for v in fold)
+        first, last = (int_arg(v, "fold") for v in fold)
     except (TypeError, ValueError):
         raise ValueError(
             f"fold must be (first, last) with non-negative ints, or None; got {fold!r}"

@@ -21,6 +21,7 @@ from ..compute import (
 )
 from ..errors import BuildError, ShapeError
 from ..functions import Operand
+from ..modes import int_arg
 from ..ops import OPS
 from .cache import BuildCache
 from .checkpoint import schedule_arg
@@ -81,7 +82,7 @@ class VirtualGraph:
         self.dtype = (
             float_dtype(dtype, "VirtualGraph(dtype=...)") if dtype is not None else get_default_dtype()
         )
-        self.seed = _seed_arg(seed, "VirtualGraph(seed=...)")
+        self.seed = int_arg(seed, "VirtualGraph(seed=...)", 0)
         self.name = name
         self.nodes: list[VirtualNode] = []  # in a topological order (declaration order)
         self.params = ParameterStore(self._untied_copy, self._declared_spec)
@@ -159,7 +160,7 @@ class VirtualGraph:
 
     @build_count.setter
     def build_count(self, count: int) -> None:
-        self._builds = _count_arg(count, "build_count")
+        self._builds = int_arg(count, "build_count", 0)
 
     @property
     def cache_size(self) -> int:
@@ -169,7 +170,7 @@ class VirtualGraph:
 
     @cache_size.setter
     def cache_size(self, size: int) -> None:
-        size = _count_arg(size, "cache_size")
+        size = int_arg(size, "cache_size", 0)
         with self._build_lock:  # (every thread's cache, none of them in use)
             self._cache.resize(size)
 
@@ -347,7 +348,7 @@ class VirtualGraph:
         if name in self._param_decls:
             raise BuildError(f"the graph already has a parameter named {name!r}")
         if seed is not None:
-            seed = _seed_arg(seed, f"parameter {name!r}: seed")
+            seed = int_arg(seed, f"parameter {name!r}: seed", 0)
         if isinstance(init, (np.ndarray, list, tuple)) or (np.isscalar(init) and not isinstance(init, str)):
             try:
                 value = np.array(_as_value(init, self.dtype), dtype=self.dtype)
@@ -446,27 +447,22 @@ class VirtualGraph:
                 Gradients are those of the plain unroll; ``None`` (default) keeps every value.
 
         Raises:
-            BuildError: ``times`` is not a non-negative int.
-            TypeError: ``while_`` or ``until`` is not callable, ``max_iters`` is not an int, or
-                ``checkpoint`` is not a schedule.
-            ValueError: ``max_iters`` is negative, ``on_limit`` is neither ``"raise"`` nor
+            TypeError: ``while_`` or ``until`` is not callable, ``times`` or ``max_iters`` is not
+                an int (:class:`~vgraph.errors.ArgumentError`), or ``checkpoint`` is not a schedule.
+            ValueError: ``times`` or ``max_iters`` is negative
+                (:class:`~vgraph.errors.ArgumentValueError`), ``on_limit`` is neither ``"raise"`` nor
                 ``"stop"``, or a schedule cannot work (``k <= 0``, ``s <= 0``, an unknown name).
         """
-        if times is not None and (
-            isinstance(times, bool) or not isinstance(times, (int, np.integer)) or times < 0
-        ):
-            raise BuildError(f"loop times= must be a non-negative int, got {times!r}")
+        times = int_arg(times, "loop times=", 0, optional=True)
         if while_ is not None and not callable(while_):
             raise TypeError(f"loop while_= must be callable as while_(t, state) -> bool, got {while_!r}")
         if until is not None and not callable(until):
             raise TypeError(f"loop until= must be callable as until(t, state) -> bool, got {until!r}")
         if on_limit not in ("raise", "stop"):
             raise ValueError(f"loop on_limit= must be 'raise' or 'stop', got {on_limit!r}")
-        max_iters = _count_arg(max_iters, "loop max_iters=")
+        max_iters = int_arg(max_iters, "loop max_iters=", 0)
         schedule = schedule_arg(checkpoint, f"g.loop() {self._next_loop(name)}")
-        loop = LoopNode(
-            self, None if times is None else int(times), while_, max_iters, name, checkpoint=schedule
-        )
+        loop = LoopNode(self, times, while_, max_iters, name, checkpoint=schedule)
         loop.until, loop.on_limit = until, on_limit
         return loop
 
@@ -582,7 +578,7 @@ class VirtualGraph:
                 parent (which includes cycles); the error names the structure node and the index.
         """
         structure = self._as_node(children)
-        max_nodes = _count_arg(max_nodes, "recurse max_nodes=")
+        max_nodes = int_arg(max_nodes, "recurse max_nodes=", 0)
         schedule = schedule_arg(checkpoint, f"g.recurse() {self._next_loop(name)}", recursion=True)
         return LoopNode(self, None, None, max_nodes, name, structure=structure, checkpoint=schedule)
 
@@ -753,24 +749,6 @@ def _name_arg(name: Any, what: str) -> None:
 
 def _int_like(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def _seed_arg(seed: Any, what: str) -> int:
-    if not _int_like(seed):
-        raise TypeError(f"{what} must be an int, got {type(seed).__name__} {seed!r}")
-    if seed < 0:
-        raise ValueError(
-            f"{what} must be non-negative (numpy's generators refuse negative seeds), got {seed}"
-        )
-    return int(seed)
-
-
-def _count_arg(n: Any, what: str) -> int:
-    if not _int_like(n):
-        raise TypeError(f"{what} must be an int, got {type(n).__name__} {n!r}")
-    if n < 0:
-        raise ValueError(f"{what} must be non-negative, got {n}")
-    return int(n)
 
 
 def _shape_arg(shape: Any, what: str, allow_none: bool = False) -> tuple[Any, ...]:

@@ -12,6 +12,7 @@ import numpy as np
 from ..compute import ComputeNode, NodeKey
 from ..errors import ArgumentError, BuildError
 from ..functions import Operand
+from ..modes import int_arg
 from ..ops import ALONG_AXIS, ELEMENTWISE, OPS, REDUCTION, Op
 
 if TYPE_CHECKING:
@@ -352,12 +353,9 @@ class LoopNode(VirtualNode):
             raise BuildError(f"{self.describe()} is not a recursion: child() reads a structure's children")
         if state.kind != "carry" or state.scope is not self:
             raise BuildError(f"{state.describe()} is not a state of {self.describe()}")
-        if isinstance(j, bool) or not isinstance(j, (int, np.integer)) or j < 0:
-            raise TypeError(
-                f"child(): j must be a non-negative int (a column of the children array), got {j!r}"
-            )
+        j = int_arg(j, "child(): j (a column of the children array)", 0)
         node = VirtualNode(
-            self.graph, "Child", "child", (state,), {"slot": int(j)}, name or f"{state.name}[{j}]", self
+            self.graph, "Child", "child", (state,), {"slot": j}, name or f"{state.name}[{j}]", self
         )
         self.children.append(node)
         return node
