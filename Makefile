@@ -26,8 +26,9 @@ bench: $(VENV)/.installed-examples,bench  ## the RNN training step against the t
 bench-gap: $(VENV)/.installed-examples  ## the benchmark's gap to the floor, split: vgraph's operations vs its bookkeeping
 	$(BIN)/python tools/bench_gap.py
 
-bench-dynamic: $(VENV)/.installed-examples,bench  ## dynamic tasks (LSTM LM, BiLSTM tagger, Tree-LSTM) against numpy floors and PyTorch eager
+bench-dynamic: $(VENV)/.installed-examples,bench  ## dynamic tasks (LSTM LM, BiLSTM tagger, Tree-LSTM, seq2seq with attention) against numpy floors and PyTorch eager
 	$(BIN)/python tools/bench_dynamic.py
+	$(BIN)/python tools/bench_seq2seq.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

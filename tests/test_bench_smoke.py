@@ -395,3 +395,119 @@ def test_the_paired_ab_tool_runs_both_versions_in_their_own_processes(tmp_path):
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert bad.returncode != 0 and "neither a directory nor a git revision" in bad.stderr
+
+
+# ---------------------------------------------------------------------------- tools/bench_seq2seq.py
+
+SEQ2SEQ = ROOT / "tools" / "bench_seq2seq.py"
+
+
+@pytest.fixture(scope="module")
+def seq2seq():
+    spec = importlib.util.spec_from_file_location("bench_seq2seq", SEQ2SEQ)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_seq2seq"] = module  # dataclasses look their module up while the class is made
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("bench_seq2seq", None)
+
+
+def test_seq2seq_pairs_have_their_own_lengths(seq2seq):
+    pairs = seq2seq.make_pairs(2000, 4000, seed=1)
+    src = np.array([len(p.tokens) for p in pairs])
+    tgt = np.array([p.words for p in pairs])
+    assert src.min() == 5 and src.max() == 40 and 16 <= src.mean() <= 20
+    assert tgt.min() >= 5 and tgt.max() <= 40 and len(set(zip(src, tgt))) > 300
+    for p in pairs[:50]:  # teacher forcing: the decoder reads the start symbol and the words before
+        assert p.tokens.shape == (len(p.tokens), 1) and p.tgt_in.shape == (p.words, 1)
+        assert p.tgt_in[0, 0] == 0 and p.tgt_out[-1] == 0 and (p.tokens > 0).all()
+        np.testing.assert_array_equal(p.tgt_in[1:, 0], p.tgt_out[:-1])
+
+
+def test_seq2seq_quick_json_run(tmp_path):
+    out = tmp_path / "seq2seq.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(SEQ2SEQ), "--quick", "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert data["config"]["quick"] is True and data["config"]["group"] == 32
+    assert len(data["machine"]["source"]["commit"]) == 40  # the commit measured (a git checkout)
+    check = data["correctness"]["seq2seq"]
+    assert check["gradcheck"] == "passed" and check["max_rel_err_batch"] <= 1e-12
+    assert check["max_rel_err_masked"] <= 1e-12
+    assert len({tuple(n) for n in check["lengths"]}) > 1  # build_batch was checked on different lengths
+    assert ("torch" in check) == HAVE_TORCH
+    if HAVE_TORCH:  # PyTorch = vgraph before any timing, one pair and a padded group
+        assert set(check["torch"]) == {"sparse_1", "sparse_3", "dense_1", "dense_3"}
+        assert all(e <= 1e-10 for e in check["torch"].values()), check["torch"]
+    rows = data["rows"]
+    assert [r["config"] for r in rows] == ["sparse", "dense"]
+    for r in rows:
+        batched = {"batch32", "batch32_masked"}
+        torch_columns = {"torch", "torch_batch32"} if HAVE_TORCH else set()
+        assert set(r["columns"]) == {"vgraph"} | batched | torch_columns
+        assert set(r["batch_speedup"]) == batched
+        assert all(sp["over"] == "vgraph" and sp["wall"] > 0 for sp in r["batch_speedup"].values())
+        assert r["batch_target_met"] == (r["batch_speedup"]["batch32"]["wall"] >= 3.0)
+        if HAVE_TORCH:
+            assert set(r["ratio_vs_torch"]) == {"vgraph"} | batched
+            for vg_name, vt in r["ratio_vs_torch"].items():
+                assert vt["wall"] == pytest.approx(
+                    r["columns"][vg_name]["ms_per_batch"] / r["columns"][vt["torch"]]["ms_per_batch"]
+                )
+            assert r["torch_batch_speedup"]["wall"] == pytest.approx(
+                r["columns"]["torch"]["ms_per_batch"] / r["columns"]["torch_batch32"]["ms_per_batch"]
+            )
+        for c in r["columns"].values():
+            assert c["words_per_s"] > 0 and math.isfinite(c["first_loss"]) and math.isfinite(c["last_loss"])
+            assert c["ms_per_batch"] == pytest.approx(sum(c["phase_ms_per_batch"].values()), rel=0.05)
+        summary = data["summary"][r["config"]]
+        assert summary["words_per_s"] == {n: c["words_per_s"] for n, c in r["columns"].items()}
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch is not installed")
+def test_a_wrong_seq2seq_torch_model_is_caught(seq2seq, monkeypatch):
+    """The padded PyTorch group must mask the padded source positions: without the mask its
+    attention reads padding, and the check before timing refuses it."""
+    torch = seq2seq.bd._torch()
+    real = torch.Tensor.masked_fill
+
+    def unmasked(self, mask, value):
+        return real(self, mask, 0.0) if value == float("-inf") else real(self, mask, value)
+
+    monkeypatch.setattr(torch.Tensor, "masked_fill", unmasked)
+    with pytest.raises(seq2seq.bd.BenchmarkMismatch, match=r"seq2seq torch \(sparse, 3 pair"):
+        seq2seq.check_torch_seq2seq()
+
+
+def test_seq2seq_runs_without_torch(tmp_path):
+    """With torch not importable, the seq2seq benchmark says so in one line and runs without its
+    columns."""
+    fake = tmp_path / "fake" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('torch hidden by the test')\n")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(fake.parent), str(ROOT), os.environ.get("PYTHONPATH")])
+        ),
+    }
+    out = tmp_path / "seq2seq.json"
+    proc = subprocess.run(
+        [sys.executable, str(SEQ2SEQ), "--quick", "--embeddings", "sparse", "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("PyTorch columns skipped: torch is not installed") == 1
+    data = json.loads(out.read_text())
+    (row,) = data["rows"]
+    assert set(row["columns"]) == {"vgraph", "batch32", "batch32_masked"} and "ratio_vs_torch" not in row
+    assert "torch" not in data["correctness"]["seq2seq"] and data["machine"]["torch"] is None
