@@ -42,6 +42,14 @@ def float64():
 
 
 @pytest.fixture
+def per_node():
+    """Builds run every loop node by node (the reference path; ``vg.body_programs(False)``): for
+    the tests of what that path does (hoisting, resizing cached graphs, compiled sweeps, …)."""
+    with vg.body_programs(False):
+        yield
+
+
+@pytest.fixture
 def defop():
     """``vg.defop`` that removes the ops it added after the test (the op table is global)."""
     added: list[str] = []

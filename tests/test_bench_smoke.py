@@ -134,7 +134,9 @@ def test_quick_json_run(tmp_path):
     assert data["config"]["quick"] is True and data["config"]["sizes"] == [list(SMALLEST)]
 
     rows = data["training"]
-    assert sorted(r["mode"] for r in rows) == ["rebuild", "rebuild-new", "rebuild-nocache", "reuse"]
+    assert sorted(r["mode"] for r in rows) == [
+        "programs-nocache", "rebuild", "rebuild-new", "rebuild-nocache", "reuse"
+    ]  # fmt: skip
     impls = ["vgraph", "numpy", "numpy_perstep"] + (["torch_loop", "torch_rnn"] if HAVE_TORCH else [])
     for r in rows:
         assert r["size"] == list(SMALLEST)
@@ -150,10 +152,10 @@ def test_quick_json_run(tmp_path):
                 assert r[f"ratio_vs_torch_{kind}"] == pytest.approx(
                     r["vgraph"]["median_ms"] / r[f"torch_{kind}"]["median_ms"]
                 )
-        target = {"reuse": 2.0, "rebuild": 2.5, "rebuild-new": 4.0, "rebuild-nocache": None}[r["mode"]]
+        target = {"reuse": 2.0, "rebuild": 2.5, "rebuild-new": 4.0}.get(r["mode"])  # (nocache: none)
         assert r["target"] == target and (r["pass"] is None) == (target is None)
         assert r["nodes"] > 0
-    for mode in ("rebuild-new", "rebuild-nocache"):
+    for mode in ("rebuild-new", "rebuild-nocache", "programs-nocache"):
         new = next(r for r in rows if r["mode"] == mode)
         assert len(new["lengths"]) == new["warmup"] + new["repeats"]
         assert all(45 <= n <= 55 for n in new["lengths"]) and len(set(new["lengths"])) > 1
@@ -368,7 +370,7 @@ def test_benchmarks_run_without_torch(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("PyTorch columns skipped: torch is not installed") == 1
     data = json.loads(out.read_text())
-    assert set(data["rows"][0]["columns"]) == {"vgraph", "sparse", "batch32"}
+    assert set(data["rows"][0]["columns"]) == {"vgraph", "sparse", "programs", "batch32"}
     assert "torch" not in data["correctness"]["tree_lstm"]
 
 

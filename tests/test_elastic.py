@@ -26,6 +26,8 @@ from vgraph.tape import set_tapes
 from vgraph.virtual import UnrolledGraph
 from vgraph.virtual.elastic import Elastic
 
+pytestmark = pytest.mark.usefixtures("per_node")  # tests/conftest.py: of the per-node path
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

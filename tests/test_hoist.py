@@ -38,7 +38,7 @@ def load(path: Path):
     return module
 
 
-pytestmark = pytest.mark.usefixtures("float64")  # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("float64", "per_node")  # tests/conftest.py: of the per-node path
 
 
 def run(g, feed, outputs, loss, hoist):

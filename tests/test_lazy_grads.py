@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 import vgraph as vg
 from vgraph import ops
 
+pytestmark = pytest.mark.usefixtures("per_node")  # tests/conftest.py: of the per-node path
+
 
 def as_dense(g):
     return g.dense() if isinstance(g, ops.LazyGrad) else g

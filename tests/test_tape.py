@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS = 4  # sweeps per run: the first is interpreted, the later ones run the tape
 
 
-pytestmark = pytest.mark.usefixtures("float64")  # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("float64", "per_node")  # tests/conftest.py: of the per-node path
 
 
 @contextlib.contextmanager

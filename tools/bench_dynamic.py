@@ -260,15 +260,17 @@ class VgraphRunner:
         loss: vg.VirtualNode,
         feed: Callable[[Any], dict[str, Any]],
         lazy: bool = False,
+        programs: bool = False,
     ):
         self.g, self.loss, self.feed = g, loss, feed
+        self.programs = programs  # loops run as body programs (g.build(..., programs=True))
         self.opt = optim.Adam(g.params, lr=LR, betas=BETAS, eps=EPS, lazy=lazy)
         self.nodes: list[int] = []
 
     def step(self, batch: Any) -> tuple[float, Phases]:
         feed = self.feed(batch)
         clock = _Clock()
-        cg = self.g.build(feed, self.loss)
+        cg = self.g.build(feed, self.loss, programs=self.programs)
         build = clock.lap()
         self.opt.zero_grad()
         value = cg.backward(cg.outputs[0])
@@ -698,6 +700,12 @@ def tagger_sparse(cfg: TaggerConfig, data: Any) -> VgraphRunner:
     return VgraphRunner(g, loss, tagger_feed, lazy=True)
 
 
+def tagger_programs(cfg: TaggerConfig, data: Any) -> VgraphRunner:
+    """The ``sparse`` column with its loops run as body programs."""
+    g, loss = make_bilstm_tagger(TaggerConfig(**{**vars(cfg), "sparse": True}))
+    return VgraphRunner(g, loss, tagger_feed, lazy=True, programs=True)
+
+
 # ---------------------------------------------------------------------------- task (c): Tree-LSTM
 
 
@@ -870,6 +878,12 @@ def tree_batched(cfg: TreeConfig, data: Any) -> VgraphRunner:
 def tagger_batched(cfg: TaggerConfig, data: Any) -> VgraphRunner:
     g, loss = make_bilstm_tagger(TaggerConfig(**{**vars(cfg), "sparse": cfg.sparse_updates}))
     return AutobatchRunner(g, loss, tagger_feed, len(data), lazy=cfg.sparse_updates)
+
+
+def tree_programs(cfg: TreeConfig, data: Any) -> VgraphRunner:
+    """The ``sparse`` column with its recursion run as a body program."""
+    g, loss = make_tree_lstm(TreeConfig(**{**vars(cfg), "sparse": True}))
+    return VgraphRunner(g, loss, tree_feed, lazy=True, programs=True)
 
 
 def tree_sparse(cfg: TreeConfig, data: Any) -> VgraphRunner:
@@ -1521,6 +1535,7 @@ TASKS: dict[str, Task] = {
         {
             "vgraph": (tagger_vgraph, _always),
             "sparse": (tagger_sparse, _always),
+            "programs": (tagger_programs, _always),
             "batch32": (tagger_batched, _always),
             "torch": (tagger_torch, _always),
             "torch_batch32": (tagger_torch_batched, _always),
@@ -1537,6 +1552,7 @@ TASKS: dict[str, Task] = {
         {
             "vgraph": (tree_vgraph, _always),
             "sparse": (tree_sparse, _always),
+            "programs": (tree_programs, _always),
             "batch32": (tree_batched, _always),
             "torch": (tree_torch, _always),
             "torch_batch32": (tree_torch_batched, _always),

@@ -13,7 +13,8 @@ vgraph step, mode "rebuild": ``g.build(feed, loss)`` (unrolls and computes the f
 step with a sequence of length T (the same structure every step).
 Mode "rebuild-new": the same, but the sequence length changes every step within T ± 10% (every
 length of the range in turn, shuffled: a new structure every step). Mode "rebuild-nocache": those
-lengths, each build with ``cache=False`` (every step unrolled as a structure never seen before).
+lengths, each build with ``cache=False`` (every step unrolled as a structure never seen before);
+mode "programs-nocache": the same with the loop run as a body program (``programs=True``).
 Mode "reuse": the UnrolledGraph is built once; each step ``cg.feed(new data)``, ``cg.forward()``
 (dirty-checked; everything is recomputed since inputs and parameters changed), backward and the
 same update.
@@ -56,7 +57,7 @@ Usage::
 
     PYTHONPATH=. python3 tools/bench_rnn.py [--quick] [--json out.json] [--repeats N] [--warmup N]
                                             [--sizes I,H,B,T ...]
-                                            [--modes reuse rebuild rebuild-new rebuild-nocache]
+                                            [--modes reuse rebuild rebuild-new rebuild-nocache programs-nocache]
                                             [--no-extras] [--strict] [--blas-threads N] [--no-torch]
 """
 
@@ -101,7 +102,7 @@ SIZES: list[tuple[int, int, int, int]] = [
     (64, 256, 64, 100),
     (8, 32, 1, 1000),
 ]
-MODES = ("reuse", "rebuild", "rebuild-new", "rebuild-nocache")
+MODES = ("reuse", "rebuild", "rebuild-new", "rebuild-nocache", "programs-nocache")
 #: Targets of issue 10: vgraph ms / tight-floor ms (medians) must be at most this.
 TARGETS: dict[str, dict[tuple[int, int, int, int], float]] = {
     "reuse": {(8, 32, 16, 50): 2.0, (32, 128, 32, 50): 1.1, (64, 256, 64, 100): 1.05, (8, 32, 1, 1000): 3.0},
@@ -319,13 +320,15 @@ class VgraphRebuild:
     """Mode "rebuild": a new UnrolledGraph from the VirtualGraph every step (``cache=False``: mode
     "rebuild-nocache", every build unrolled as a structure never seen before)."""
 
-    def __init__(self, g: vg.VirtualGraph, loss: vg.VirtualNode, cache: bool = True) -> None:
-        self.g, self.loss, self.cache = g, loss, cache
+    def __init__(
+        self, g: vg.VirtualGraph, loss: vg.VirtualNode, cache: bool = True, programs: bool = False
+    ) -> None:
+        self.g, self.loss, self.cache, self.programs = g, loss, cache, programs
         self.params = g.params.parameters()
         self.nodes: list[int] = []  # len(cg) of every build
 
     def step(self, x: np.ndarray, y: np.ndarray) -> float:
-        cg = self.g.build({"x": x, "y": y}, self.loss, cache=self.cache)
+        cg = self.g.build({"x": x, "y": y}, self.loss, cache=self.cache, programs=self.programs)
         self.nodes.append(len(cg))
         value = cg.backward(cg.outputs[0])
         for p in self.params:
@@ -602,14 +605,14 @@ def time_training(
     """
     I, H, B, T = size
     g, loss = make_model(I, H, B, seed)
-    varying = mode in ("rebuild-new", "rebuild-nocache")
+    varying = mode in ("rebuild-new", "rebuild-nocache", "programs-nocache")
     lengths = length_schedule(T, warmup + repeats) if varying else [T] * (warmup + repeats)
     data = make_data(I, B, max(lengths), seed=seed + 7)
     P0 = vgraph_param_values(g)
     runners: dict[str, Any] = {
         "vgraph": VgraphReuse(g, loss, *data[0])
         if mode == "reuse"
-        else VgraphRebuild(g, loss, cache=mode != "rebuild-nocache"),
+        else VgraphRebuild(g, loss, cache=not mode.endswith("nocache"), programs=mode.startswith("programs")),
         "numpy": NumpyTrainer(P0, numpy_grads),
         "numpy_perstep": NumpyTrainer(P0, numpy_grads_perstep),
     }

@@ -83,7 +83,14 @@ from .functions import (
     var,
     where,
 )
-from .modes import detect_anomaly, is_anomaly_enabled, is_grad_enabled, no_grad
+from .modes import (
+    body_programs,
+    detect_anomaly,
+    is_anomaly_enabled,
+    is_grad_enabled,
+    no_grad,
+    programs_enabled,
+)
 from .virtual import (
     BranchNode,
     Decision,
@@ -94,6 +101,7 @@ from .virtual import (
     VirtualNode,
     build_compute_graph,
 )
+from .virtual.program import show_program
 
 __version__ = "0.1.0"
 
@@ -133,6 +141,7 @@ __all__ = [
     "abs",
     "argmax",
     "argmin",
+    "body_programs",
     "build_compute_graph",
     "check_vjps",
     "clip",
@@ -163,10 +172,12 @@ __all__ = [
     "one_hot",
     "ops",
     "optim",
+    "programs_enabled",
     "relu",
     "render",
     "reshape",
     "set_default_dtype",
+    "show_program",
     "sigmoid",
     "sign",
     "softmax",

@@ -12,6 +12,7 @@ import numpy as np
 from .compute import ComputeGraph, ComputeNode, NodeKey
 from .errors import GradcheckError, GraphStateError, VGraphError
 from .ops import VJP, LazyGrad, Op, OpResultError, unbroadcast
+from .virtual import UnrolledGraph
 
 
 class GradcheckFailure(NamedTuple):
@@ -586,6 +587,16 @@ def _check_node(
     return NodeCheck(node.key, node.describe(), op.name, tuple(checks))
 
 
+def _per_node(target: ComputeGraph | ComputeNode) -> ComputeGraph | ComputeNode:
+    """``target`` in its graph as the per-node unroll makes it, if loops of that graph ran as body
+    programs (their nodes checked one by one, see :meth:`UnrolledGraph.per_node`)."""
+    graph = target if isinstance(target, ComputeGraph) else target.graph
+    if not isinstance(graph, UnrolledGraph) or not graph.programs:
+        return target
+    plain = graph.per_node()
+    return plain if isinstance(target, ComputeGraph) else plain.node(target.key)
+
+
 def check_vjps(
     target: ComputeGraph | ComputeNode,
     ops: str | Iterable[str] | None = None,
@@ -662,6 +673,7 @@ def check_vjps(
     except (TypeError, ValueError) as e:
         raise ValueError(f"check_vjps: seed {seed!r} is not a valid numpy seed ({e})") from None
 
+    target = _per_node(target)
     nodes = _op_nodes(target)
     if wanted is not None:
         present = {op.name for _, op in nodes}

@@ -78,6 +78,7 @@ class _Modes(threading.local):
 
     grad: bool = True
     anomaly: bool = False
+    programs: bool = False
 
 
 #: The calling thread's switches; read directly (``modes.state.grad``) where a function call per
@@ -157,3 +158,31 @@ _NOTHING: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
 def anomaly_scope(on: bool) -> contextlib.AbstractContextManager[None]:
     """``detect_anomaly()`` for a call that asked for it, else nothing (the thread's setting holds)."""
     return detect_anomaly() if on else _NOTHING
+
+
+@contextlib.contextmanager
+def body_programs(enabled: bool = True) -> Iterator[None]:
+    """Inside this block, builds that do not say (``build(programs=...)``) run loops as body
+    programs (``True``) or node by node (``False``, the default outside any block: the
+    reference path; see :mod:`vgraph.virtual.program`). The mode is the calling thread's, like
+    :func:`no_grad`.
+
+    Args:
+        enabled: whether loops run as body programs where they can.
+
+    Raises:
+        ArgumentError: ``enabled`` is not a bool (a TypeError).
+    """
+    enabled = flag_arg(enabled, "body_programs(enabled=...)")
+    modes = state
+    previous = modes.programs
+    modes.programs = enabled
+    try:
+        yield
+    finally:
+        modes.programs = previous
+
+
+def programs_enabled() -> bool:
+    """Whether builds in this thread run loops as body programs unless told otherwise."""
+    return state.programs

@@ -1292,6 +1292,8 @@ def _transposed(b: np.ndarray) -> np.ndarray:
 def _matmul_vjp_b(g: np.ndarray, ans: np.ndarray, a: np.ndarray, b: np.ndarray) -> Any:
     if a.ndim == 2 and b.ndim == 2:  # the hot path (see RowsProductGrad)
         return RowsProductGrad(a, g)
+    if a.ndim == 1 and b.ndim == 2:  # a vector times a weight (a tree node's state): one row
+        return RowsProductGrad(a[None, :], g[None, :])
     return _matmul_vjp(g, a, b, 1)
 
 

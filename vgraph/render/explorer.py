@@ -183,6 +183,10 @@ def explore_script_result(
 
 
 def _resolve(graph: Any, build: Any) -> tuple[VirtualGraph | None, ComputeGraph | None]:
+    if isinstance(graph, UnrolledGraph):  # loops run as body programs: explored node by node
+        graph = graph.per_node()
+    if isinstance(build, UnrolledGraph):
+        build = build.per_node()
     if isinstance(graph, VirtualGraph):
         if build is None:
             return graph, None

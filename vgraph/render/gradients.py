@@ -140,9 +140,12 @@ def retain_all_grads(cg: ComputeGraph) -> int:
     _check_graph(cg)
     count = 0
     for n in cg.nodes():
-        if n.op is not None and n.requires_grad:
+        if n.op is not None and n.requires_grad and n.key.type != "Loop":  # (a program's run: no array)
             n.retain_grad()
             count += 1
+    if isinstance(cg, UnrolledGraph):  # loops run as body programs: every iteration's body nodes
+        for instance in cg.programs.values():
+            count += instance.retain_all()
     return count
 
 
@@ -154,6 +157,8 @@ def gradient_norms(cg: ComputeGraph) -> dict[NodeKey, float]:
         TypeError: ``cg`` is not a ComputeGraph.
     """
     _check_graph(cg)
+    if isinstance(cg, UnrolledGraph):
+        cg = cg.per_node()  # (loops run as body programs: their nodes one by one)
     return {
         n.key: float(np.linalg.norm(np.asarray(n.grad, dtype=np.float64)))
         for n in cg.nodes()
@@ -234,6 +239,8 @@ def gradient_through_time(
         TypeError: ``cg``, ``param``, ``loop`` or ``plot`` of the wrong type.
     """
     _check_graph(cg)
+    if isinstance(cg, UnrolledGraph):
+        cg = cg.per_node()
     if loop is not None and not isinstance(loop, (LoopNode, str)):
         raise TypeError(f"loop must be a LoopNode, a loop's name or None, got {type(loop).__name__}")
     if plot is not None and not isinstance(plot, (str, os.PathLike)):

@@ -124,6 +124,10 @@ def _scene(
     batch_groups: bool = False,
 ) -> _Scene:
     """The scene for :func:`to_dot`'s options, validated (one place for every entry point)."""
+    if isinstance(graph, UnrolledGraph):  # loops run as body programs: drawn node by node
+        graph = graph.per_node()
+    if isinstance(build, UnrolledGraph):
+        build = build.per_node()
     if not isinstance(graph, (VirtualGraph, ComputeGraph, BatchedBuild)):
         raise TypeError(
             f"graph must be a VirtualGraph or a ComputeGraph (the result of g.build(...)), or a "

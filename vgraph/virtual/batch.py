@@ -43,9 +43,7 @@ from ..errors import (
     ArgumentError,
     BuildError,
     GraphStateError,
-    LoopLimitError,
     NonFiniteError,
-    ShapeError,
     VGraphError,
 )
 from ..modes import detect_anomaly as detect_anomaly_mode
@@ -55,6 +53,7 @@ from ..workspace import computing
 from .graph import one_build_at_a_time
 from .hoist import batched_attrs, check_rows, checks_rows, hoist_loop
 from .nodes import BranchNode, LoopNode, VirtualNode
+from .rules import at_limit, check_carry, run_cond, select_option
 from .unroll import (  # type: ignore[attr-defined]  # _ALL: the forward plans' "every node"
     _ALL,
     Decision,
@@ -66,10 +65,7 @@ from .unroll import (  # type: ignore[attr-defined]  # _ALL: the forward plans' 
     _Frame,
     _gc_paused,
     _iteration_views,
-    _run_cond,
-    _select,
     _stepped_sequences,
-    _widens,
 )
 
 _GATHER, _GETITEM, _STACK, _SUM, _MEAN = (
@@ -1016,7 +1012,7 @@ class BatchedBuild:
         for m in members:
             if branch.lead is None:
                 try:
-                    choice = _select(branch, m.idx, [m.env[k].value for k in branch.keys])
+                    choice = select_option(branch, m.idx, [m.env[k].value for k in branch.keys])
                 except VGraphError as e:
                     raise type(e)(f"input {m.job.inp}: {e}") from e
             else:
@@ -1059,22 +1055,17 @@ class BatchedBuild:
                 if j.trips is not None and t >= j.trips:
                     j.count = t
                     continue
-                if loop.cond is not None:
-                    try:
-                        go = _run_cond(loop, j.idx, t, names, [s._value for s in j.state])
-                    except VGraphError as e:
-                        raise type(e)(f"input {j.inp}: {e}") from e
-                    if not go:
+                try:
+                    if loop.cond is not None and not run_cond(
+                        loop, j.idx, t, names, [s._value for s in j.state]
+                    ):
                         j.count = t
                         continue
-                if t >= loop.max_iters:
-                    if loop.on_limit == "stop":
+                    if at_limit(loop, j.idx, t):
                         j.capped = j.count = t
                         continue
-                    raise LoopLimitError(
-                        f"input {j.inp}: {loop.describe(j.idx)} reached max_iters={loop.max_iters} and would "
-                        "go on; raise max_iters if that many iterations are intended, or check the loop's condition"
-                    )
+                except VGraphError as e:
+                    raise type(e)(f"input {j.inp}: {e}") from e
                 running.append(j)
             alive = running
             if not alive:
@@ -1126,14 +1117,10 @@ class BatchedBuild:
                 j.view._envs[(loop, (*j.idx, t))] = ienv
                 new_state = [ienv[u] for u in updates]
                 for name, old, new in zip(names, j.state, new_state):
-                    a, b = old._value, new._value
-                    if (a.shape != b.shape or a.dtype != b.dtype) and not (t == 0 and _widens(a, b)):
-                        raise ShapeError(
-                            f"input {j.inp}: {loop.describe(j.idx)}: carry {name!r} enters iteration {t} as "
-                            f"{a.dtype}{list(a.shape)} but is updated to {b.dtype}{list(b.shape)} by "
-                            f"{new.describe()}; a carry must keep its shape and dtype (to collect values of "
-                            "growing size, use loop.stack)"
-                        )
+                    try:
+                        check_carry(loop, j.idx, t, name, old._value, new._value, new)
+                    except VGraphError as e:
+                        raise type(e)(f"input {j.inp}: {e}") from e
                 j.state = new_state
                 j.collected.append([ienv[s.inputs[1]] for s in stacked])
             t += 1
@@ -1141,7 +1128,7 @@ class BatchedBuild:
                 still = []
                 for j in alive:
                     try:
-                        done = _run_cond(loop, j.idx, t - 1, names, [s._value for s in j.state], until=True)
+                        done = run_cond(loop, j.idx, t - 1, names, [s._value for s in j.state], until=True)
                     except VGraphError as e:
                         raise type(e)(f"input {j.inp}: {e}") from e
                     if done:
@@ -1536,13 +1523,7 @@ class _BatchBuilder(_Builder):
         previous = defaults
         for t in range(n):
             for name, old, new in zip(names, previous, history[t]):
-                a, b = old._value, new._value
-                if (a.shape != b.shape or a.dtype != b.dtype) and not (t == 0 and _widens(a, b)):
-                    raise ShapeError(
-                        f"{loop.describe(idx)}: carry {name!r} enters iteration {t} as {a.dtype}{list(a.shape)} "
-                        f"but is updated to {b.dtype}{list(b.shape)} by {new.describe()}; a carry must keep "
-                        "its shape and dtype (to collect values of growing size, use loop.stack)"
-                    )
+                check_carry(loop, idx, t, name, old._value, new._value, new)
             previous = history[t]
         cg.decisions.append(Decision(loop, idx, "iterations", n))
         env[loop] = None

@@ -611,12 +611,13 @@ class VirtualGraph:
         hoist: bool = True,
         cache: bool = True,
         detect_anomaly: bool = False,
+        programs: bool | None = None,
     ) -> UnrolledGraph:
         """Unroll for ``feed``; see :func:`build_compute_graph`."""
         from .unroll import build_compute_graph  # unrolling sits above declaring
 
         return build_compute_graph(
-            self, feed, outputs, hoist=hoist, cache=cache, detect_anomaly=detect_anomaly
+            self, feed, outputs, hoist=hoist, cache=cache, detect_anomaly=detect_anomaly, programs=programs
         )
 
     def state_dict(self) -> dict[str, np.ndarray]:

@@ -4,7 +4,7 @@ scope builds eagerly, in which order, and what each loop captures from outside i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from .hoist import hoistable
 from .nodes import BranchNode, LoopNode, _inside
@@ -163,6 +163,8 @@ class _Plan:
         self.stacked: dict[LoopNode, list[VirtualNode]] = {}
         self.finals: dict[LoopNode, list[VirtualNode]] = {}
         self.eager: dict[LoopNode | None, list[VirtualNode]] = {}
+        # Each loop's body program, or why it runs node by node (.program; made on first use).
+        self.programs: dict[LoopNode, Any] = {}
         needed: set[VirtualNode] = set()
         # Everything reachable from the outputs, through all branch options (for feed checks).
         stack = list(outputs)

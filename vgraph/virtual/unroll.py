@@ -30,14 +30,13 @@ from ..errors import (
     BuildError,
     FeedError,
     LoopLimitError,
-    SelectorError,
     ShapeError,
     StructureChangedError,
     StructureError,
     VGraphError,
 )
 from ..modes import anomaly_scope as _anomaly_scope
-from ..modes import is_anomaly_enabled, is_grad_enabled, no_grad
+from ..modes import is_anomaly_enabled, is_grad_enabled, no_grad, programs_enabled
 from ..ops import OPS, Op
 from ..tape import ForwardTape, tapes_enabled
 from ..workspace import computing
@@ -45,9 +44,11 @@ from .cache import SupersededGraph
 from .checkpoint import LoopRecord, Rematerializer
 from .elastic import Elastic, Trace, elastic_key
 from .graph import VirtualGraph, one_build_at_a_time
-from .hoist import RowSum, defer_unread, hoist_loop, row_sums
+from .hoist import RowSum, batched_attrs, defer_unread, hoist_loop, row_sums
 from .nodes import _NO_LOOP_VALUE, BranchNode, LoopNode, VirtualNode
 from .plan import _Plan
+from .program import BodyProgram, ProgramInstance, _seed_vjp, program_for, vjp_of
+from .rules import at_limit, check_carry, reached_end, run_cond, select_option
 from .store import _store_name
 
 _GETITEM, _STACK, _HOISTED, _BRANCH = OPS["GetItem"], OPS["Stack"], OPS["Hoisted"], OPS["Branch"]
@@ -105,9 +106,61 @@ class UnrolledGraph(ComputeGraph):
         self._replay_tape: ForwardTape | None = None
         # How to resize it for other lengths of its stepped sequences (vgraph.virtual.elastic).
         self._elastic: Elastic | None = None
+        # Loop instances run as body programs, by (loop, iteration path); loop instances that ran
+        # node by node although programs were asked for, with the reason (see .program).
+        self.programs: dict[tuple[LoopNode, tuple[int, ...]], ProgramInstance] = {}
+        self.interpreted: list[tuple[LoopNode, tuple[int, ...], str]] = []
+        # How it was built (for per_node): the declared outputs, options and build number.
+        self._declared_outputs: list[VirtualNode] = []
+        self._grad = True
+        self._build_number = 0
+
+    def per_node(self) -> UnrolledGraph:
+        """This graph as the plain per-node unroll makes it (``programs=False, hoist=False``): a
+        node per body node per iteration, with the same keys, values and decisions — what drawing, the explorer and
+        :func:`vgraph.check_vjps` read. Gradients are carried over: a leaf is the same object, and
+        another node gets the gradient its counterpart here retains (a view's included, see
+        :func:`vgraph.render.retain_all_grads`). Returns ``self`` if no loop ran as a program.
+
+        It is a new build of the current input values (parameters shared, the same sampled values),
+        kept by nobody: nothing of this graph changes.
+        """
+        if not self.programs:
+            return self
+        graph, plan = self.virtual, self.virtual._plan(self._declared_outputs)
+        values = {name: node.value for name, node in self.inputs.items()}
+        builder = _Builder(graph, values, plan, False, builds=self._build_number, programs=False)
+        top = _Frame(None, (), {}, None)
+        with (
+            contextlib.nullcontext() if self._grad else no_grad(),
+            _gc_paused(),
+        ):
+            builder.run_scope(top)
+        cg = builder.cg
+        cg._envs[(None, ())] = top.env
+        cg.outputs = [top.env[o] for o in self._declared_outputs]
+        cg._mark_fresh([_ALL])
+        views: dict[NodeKey, ComputeNode] = {}
+        for instance in self.programs.values():
+            for view in instance._views.values():
+                views[view.key] = view
+        for key, node in cg._nodes.items():
+            mine = self._nodes.get(key) or views.get(key)
+            if node.op is not None and mine is not None and mine.grad is not None:
+                node.grad = np.array(mine.grad)
+                node.retains_grad = True
+        return cg
 
     def _copies_of(self, v: VirtualNode) -> dict[tuple[int, ...], ComputeNode]:
-        return {idx: env[v] for (scope, idx), env in self._envs.items() if scope is v.scope and v in env}
+        found = {idx: env[v] for (scope, idx), env in self._envs.items() if scope is v.scope and v in env}
+        for (loop, idx), instance in self.programs.items():
+            if loop is v.scope:
+                run = cast(Any, instance.run)
+                for t in range(run.trips):
+                    if instance.built(v, t):
+                        at = (*idx, t)
+                        found[at] = instance.view(v, t)
+        return found
 
     def node(self, what: Any, idx: tuple[int, ...] = ()) -> ComputeNode:
         """The compute node for a key (as in ComputeGraph), or for virtual node ``what`` in
@@ -120,6 +173,10 @@ class UnrolledGraph(ComputeGraph):
             return super().node(what)
         idx = tuple(idx)
         env = self._envs.get((what.scope, idx))
+        if (env is None or what not in env) and idx and what.scope is not None:
+            instance = self.programs.get((what.scope, idx[:-1]))
+            if instance is not None:  # a body node of a loop run as a program: its view
+                return instance.view(what, idx[-1])
         if env is None or what not in env:
             raise BuildError(
                 f"{what.describe(idx)} was not built in this graph (not needed, or no such iteration)"
@@ -383,11 +440,15 @@ class _Builder:
         hoist: bool = True,
         cg: Any = None,
         builds: int | None = None,
+        programs: bool = False,
     ):
         """``cg``: where nodes go (an :class:`UnrolledGraph` by default; an input's view of a
         batched build in :mod:`.batch`); ``builds``: the build counter seeding sampled nodes."""
         self.graph = graph
         self.hoist = hoist
+        # Whether loops run as body programs where they can (.program): a plain build's own graph
+        # only (a batched build's scheduler groups its inputs' nodes itself).
+        self.programs = programs and cg is None
         # Whether the build may change how its own graph computes hoisted loops (see .hoist:
         # sums built row by row, copies computed when read): not an input's view of a batched build,
         # whose ops the scheduler groups as declared.
@@ -516,6 +577,19 @@ class _Builder:
 
     # -- control flow
     def run_loop(self, loop: LoopNode, frame: _Frame) -> None:
+        if self.programs:
+            program = (
+                "anomaly mode checks every node as it is made"
+                if is_anomaly_enabled()
+                else program_for(loop, self.plan)
+            )
+            if isinstance(program, BodyProgram):
+                failed = self.run_program(loop, frame, program)
+                if failed is None:
+                    return
+                # the per-node unroll raises the error naming the node (or, if it does not, runs)
+                program = f"its program raised {type(failed).__name__}: {failed}"
+            self.cg.interpreted.append((loop, frame.idx, program))
         cg = self.cg
         env = frame.env
         idx = frame.idx
@@ -578,25 +652,18 @@ class _Builder:
         t = 0
         start = len(cg._nodes) if groups and self.rewrite else 0  # (defer_unread below)
         while True:
-            if loop.times is not None and t >= loop.times:
-                break
-            if length is not None and t >= length:
+            if reached_end(loop, t, length):
                 break
             if loop.cond is not None:
-                go = _run_cond(loop, idx, t, names, [s.value for s in state])
+                go = run_cond(loop, idx, t, names, [s.value for s in state])
                 cg.guard(
                     state, _cond_check(loop, idx, t, names, go), NodeKey("LoopCheck", loop.id, (*idx, t))
                 )
                 if not go:
                     break
-            if t >= loop.max_iters:
-                if loop.on_limit == "stop":  # a cap, not an error: recorded with the trip count
-                    cg.decisions.append(Decision(loop, idx, "capped", t))
-                    break
-                raise LoopLimitError(
-                    f"{loop.describe(idx)} reached max_iters={loop.max_iters} and would go on; raise "
-                    "max_iters if that many iterations are intended, or check the loop's condition"
-                )
+            if at_limit(loop, idx, t):  # a cap, not an error: recorded with the trip count
+                cg.decisions.append(Decision(loop, idx, "capped", t))
+                break
             inner = _Frame(loop, (*idx, t), dict(captured), frame)
             ienv = inner.env
             for c, node in zip(loop.carries, state):
@@ -611,13 +678,7 @@ class _Builder:
             cg._envs[(loop, inner.idx)] = ienv
             new_state = [ienv[loop.updates[c]] for c in loop.carries]
             for c, old, new in zip(loop.carries, state, new_state):
-                a, b = old._value, new._value
-                if (a.shape != b.shape or a.dtype != b.dtype) and not (t == 0 and _widens(a, b)):
-                    raise ShapeError(
-                        f"{loop.describe(idx)}: carry {c.name!r} enters iteration {t} as {a.dtype}{list(a.shape)} "
-                        f"but is updated to {b.dtype}{list(b.shape)} by {new.describe()}; a carry must keep "
-                        "its shape and dtype (to collect values of growing size, use loop.stack)"
-                    )
+                check_carry(loop, idx, t, c.name, old._value, new._value, new)
             state = new_state
             if trace is not None:
                 trace.ends.append(len(cg._nodes))
@@ -630,7 +691,7 @@ class _Builder:
                 ckpt.end_iteration(t, new_state, [ienv[s.inputs[1]] for s in stacked])
             t += 1
             if loop.until is not None:  # do-while: checked on the updated state
-                done = _run_cond(loop, idx, t - 1, names, [s.value for s in state], until=True)
+                done = run_cond(loop, idx, t - 1, names, [s.value for s in state], until=True)
                 cg.guard(
                     state,
                     _cond_check(loop, idx, t - 1, names, done, until=True),
@@ -655,6 +716,138 @@ class _Builder:
         if trace is not None and trace.close(cg, [env[s] for s in stacked if s in env]):
             cast("list[Trace]", self.traces).append(trace)  # (a trace is made only when recording)
 
+    def run_program(self, loop: LoopNode, frame: _Frame, program: BodyProgram) -> Exception | None:
+        """Run ``loop`` in ``frame`` as its body program: one ``<Loop:id@idx>`` node whose value
+        is the run, and a node per output (see :mod:`.program`). Returns the exception the
+        program raised, having added no node, if it did (the caller then unrolls the loop)."""
+        cg, env, idx = self.cg, frame.env, frame.idx
+        init = [frame.owner(c.inputs[0]).env[c.inputs[0]] for c in loop.carries]
+        seqs, length = _stepped_sequences(loop, frame)
+        structure: list[ComputeNode] = []
+        if loop.structure is not None:
+            node = frame.owner(loop.structure).env[loop.structure]
+            kids = _check_structure(loop, idx, node.value, length)
+            length = len(kids)
+            structure = [node]
+        captured: list[ComputeNode] = []
+        for v in program.captured:
+            if v.scope is not loop:
+                captured.append(frame.owner(v).env[v])
+            elif v.kind == "parameter":
+                captured.append(cg.add_leaf(self.parameter(v, idx)))
+            else:
+                captured.append(cg.constant(v.attrs["value"], v.name, NodeKey("Constant", v.id, ())))
+        grad = is_grad_enabled()
+        needs: set[VirtualNode] = set()
+        if grad:
+            needs.update(c for c, n in zip(loop.carries, init) if n.requires_grad)
+            needs.update(i for i, n in zip(loop.items, seqs) if n.requires_grad)
+            needs.update(v for v, n in zip(program.captured, captured) if n.requires_grad)
+        try:
+            hoisted, hoisted_attrs, groups = self._program_hoists(
+                loop, program, seqs, length, captured, needs
+            )
+        except Exception as e:
+            return e
+        variant = program.variant(tuple(hoisted), frozenset(needs))
+        instance = ProgramInstance(
+            program, variant, idx, hoisted_attrs, [n.sparse_grad for n in captured], cg._weak_self
+        )
+        instance.captured_nodes, instance.init_nodes = captured, init
+        parents = (*init, *seqs, *structure, *captured)
+        values = [n.value for n in parents]
+        try:
+            run = instance.forward(*values, groups=groups)
+        except Exception as e:
+            return e
+        instance.run = run
+        if seqs:
+            cg.guard(seqs, _length_check(loop, idx, cast(int, length)), NodeKey("LengthCheck", loop.id, idx))
+        if structure:
+            cg.guard(structure, _structure_check(loop, idx, kids), NodeKey("StructureCheck", loop.id, idx))
+        for t, record in enumerate(run.records):
+            for branch, pos in variant.choice.items():
+                if record[pos] >= 0:
+                    cg.decisions.append(Decision(branch, (*idx, t), "option", record[pos]))
+        if run.capped:
+            cg.decisions.append(Decision(loop, idx, "capped", run.trips))
+        cg.decisions.append(Decision(loop, idx, "iterations", run.trips))
+        call = instance.vjp
+        vjps = [partial(call, i) if grad else None for i in range(len(init) + len(seqs))]
+        vjps += [None] * len(structure)
+        graded = variant.graded(run)
+        vjps += [
+            partial(call, len(vjps) + j) if v in needs and graded[j] else None
+            for j, v in enumerate(program.captured)
+        ]
+        op = Op("Loop", instance.rerun, tuple(vjps), arity=len(parents))
+        node = cg._add_op(op, parents, None, NodeKey("Loop", loop.id, idx), loop.name, value=run)
+        cg.programs[(loop, idx)] = instance
+        env[loop] = None  # the loop itself has no value; its outputs do
+        seed = _seed_vjp
+        for k, v in enumerate(program.finals):
+            c = loop.carries.index(v.inputs[1])
+            out = Op("LoopFinal", instance.final(c), (partial(seed, k),), arity=1)
+            env[v] = cg._add_op(out, (node,), None, NodeKey("Final", v.id, idx), v.name, value=run.finals[c])
+        caps = [n.value for n in captured]
+        for j, s in enumerate(program.stacked):
+            if not run.trips:  # an error only if the stack is used: see build_node
+                continue
+            out = Op(
+                "LoopStack", instance.stacked(j, caps), (partial(seed, len(program.finals) + j),), arity=1
+            )
+            env[s] = cg._add_op(out, (node,), None, NodeKey("Stack", s.id, idx), s.name)
+        return None
+
+    def _program_hoists(
+        self,
+        loop: LoopNode,
+        program: BodyProgram,
+        seqs: Sequence[ComputeNode],
+        length: int | None,
+        captured: Sequence[ComputeNode],
+        needs: set[VirtualNode],
+    ) -> tuple[list[VirtualNode], list[dict[str, Any]], list[Any]]:
+        """The body nodes a run of ``program`` computes once over all iterations (with their
+        grouped attributes and values): hoistable ones whose shapes allow it, when the trip
+        count is known before the loop starts. Adds those that need a gradient to ``needs``."""
+        if not self.hoist or loop.cond is not None or loop.until is not None or not program.hoistable:
+            return [], [], []
+        trips = min(n for n in (loop.times, length) if n is not None)
+        if not 1 < trips <= loop.max_iters:
+            return [], [], []
+        cap_of = dict(zip(program.captured, captured))
+        group_of: dict[VirtualNode, Any] = {}
+        for item, seq in zip(loop.items, seqs):
+            value = seq.value
+            group_of[item] = value[::-1][:trips] if item.attrs.get("reverse") else value[:trips]
+        hoisted, attrs_list, values = [], [], []
+        for v in program.hoistable:
+            xs, shapes, stacked = [], [], []
+            for u in v.inputs:
+                if u in group_of:
+                    xs.append(group_of[u])
+                    shapes.append(np.shape(group_of[u])[1:])
+                    stacked.append(True)
+                elif u in cap_of:
+                    xs.append(cap_of[u].value)
+                    shapes.append(cap_of[u].shape)
+                    stacked.append(False)
+                else:
+                    break
+            else:
+                op = cast(Op, v.op)
+                attrs = batched_attrs(op, v.attrs, shapes, stacked, trips)
+                if attrs is None:
+                    continue
+                group_of[v] = value = op.forward(*xs, **attrs)
+                hoisted.append(v)
+                attrs_list.append(attrs)
+                values.append(value)
+                if any(vjp_of(op, p) is not None and u in needs for p, u in enumerate(v.inputs)):
+                    needs.add(v)
+        return hoisted, attrs_list, values
+
     def checkpointing(
         self, loop: LoopNode, idx: tuple[int, ...], length: int | None, kids: Any
     ) -> LoopRecord | None:
@@ -673,7 +866,7 @@ class _Builder:
 
     def choose(self, branch: BranchNode, frame: _Frame) -> int:
         """Run ``branch``'s selector on its keys' values (built by now)."""
-        return _select(branch, frame.idx, [frame.owner(k).env[k].value for k in branch.keys])
+        return select_option(branch, frame.idx, [frame.owner(k).env[k].value for k in branch.keys])
 
     def finish_branch(self, branch: BranchNode, frame: _Frame, choice: int) -> None:
         """Add the branch node once its chosen option is built: it passes the option on and
@@ -691,7 +884,7 @@ class _Builder:
         self.cg.decisions.append(Decision(branch, idx, "option", choice))
 
         def forward(x: np.ndarray, *key_values: np.ndarray) -> np.ndarray:
-            now = _select(branch, idx, key_values)
+            now = select_option(branch, idx, key_values)
             if now != choice:
                 raise StructureChangedError(
                     f"{branch.describe(idx)} would now select option {now}, but this graph was built "
@@ -762,71 +955,11 @@ def _structure_check(loop: LoopNode, idx: tuple[int, ...], kids: np.ndarray) -> 
     return check
 
 
-def _widens(init: np.ndarray, first: np.ndarray) -> bool:
-    """Whether a carry's first update only broadcasts and safely casts its initial value (a
-    learnable ``(1, H)`` initial state becomes ``(B, H)`` after the first step)."""
-    try:
-        shape_ok = np.broadcast_shapes(init.shape, first.shape) == first.shape
-    except ValueError:
-        return False
-    return shape_ok and np.can_cast(init.dtype, first.dtype)
-
-
-def _select(branch: BranchNode, idx: tuple[int, ...], values: Sequence[np.ndarray]) -> int:
-    try:
-        choice = branch.selector(*values)
-    except Exception as e:
-        raise SelectorError(f"{branch.describe(idx)}: the selector raised {type(e).__name__}: {e}") from e
-    if isinstance(choice, (bool, np.bool_)):
-        choice = int(choice)
-    if not isinstance(choice, (int, np.integer)):
-        raise SelectorError(
-            f"{branch.describe(idx)}: the selector returned {choice!r} ({type(choice).__name__}); "
-            f"it must return an int in range({len(branch.options)})"
-        )
-    if not 0 <= choice < len(branch.options):
-        raise SelectorError(
-            f"{branch.describe(idx)}: the selector returned {choice}, but there are only "
-            f"{len(branch.options)} options (valid: 0..{len(branch.options) - 1})"
-        )
-    return int(choice)
-
-
-def _run_cond(
-    loop: LoopNode,
-    idx: tuple[int, ...],
-    t: int,
-    names: list[str | None],
-    values: list[np.ndarray],
-    until: bool = False,
-) -> bool:
-    """Run the loop's ``while_`` condition before iteration ``t`` (or ``until`` after it)."""
-    what = "until" if until else "while_"
-    try:
-        result = (loop.until if until else loop.cond)(t, dict(zip(names, values)))
-    except Exception as e:
-        raise BuildError(
-            f"{loop.describe(idx)}: the {what} condition raised {type(e).__name__}: {e} at iteration {t}"
-        ) from e
-    if not isinstance(result, (bool, int, np.bool_, np.integer, np.ndarray)):
-        raise BuildError(
-            f"{loop.describe(idx)}: the {what} condition returned {result!r} ({type(result).__name__}) at "
-            f"iteration {t}; it must return a bool (did it forget a return statement?)"
-        )
-    try:
-        return bool(result)
-    except ValueError:
-        raise BuildError(
-            f"{loop.describe(idx)}: the {what} condition returned an array of shape {np.shape(result)} at "
-            f"iteration {t}; it must return one bool (use .all() or .any())"
-        ) from None
-
-
 def _cond_check(
     loop: LoopNode, idx: tuple[int, ...], t: int, names: list[str | None], expected: bool, until: bool = False
 ) -> Callable[..., bool]:
     def check(*values: np.ndarray) -> bool:
-        now = _run_cond(loop, idx, t, names, list(values), until)
+        now = run_cond(loop, idx, t, names, list(values), until)
         if now != expected:
             raise StructureChangedError(
                 f"{loop.describe(idx)}: at iteration {t} the condition is now {now} (was {expected}), so the "
@@ -960,6 +1093,7 @@ def build_compute_graph(
     hoist: bool = True,
     cache: bool = True,
     detect_anomaly: bool = False,
+    programs: bool | None = None,
 ) -> UnrolledGraph:
     """Unroll ``graph`` for the values in ``feed`` into a new :class:`UnrolledGraph`.
 
@@ -988,6 +1122,11 @@ def build_compute_graph(
             for comparison and debugging. Same keys, values and gradients either way.
         detect_anomaly: raise :class:`~vgraph.errors.NonFiniteError` at the first NaN/Inf value
             (see :func:`vgraph.detect_anomaly`).
+        programs: run each loop whose body can be compiled as a body program (see
+            :mod:`vgraph.virtual.program`): one node per loop instance, its body's unrolled nodes
+            made on demand (``cg.node(v, idx)``); ``False`` is the per-node unroll, the reference.
+            Loops that cannot run so are listed with the reason in ``cg.interpreted``. ``None``
+            (the default): the thread's mode, off unless inside ``vg.body_programs()``.
 
     Returns:
         The unrolled graph; ``cg.outputs`` holds the outputs' compute nodes.
@@ -1002,6 +1141,7 @@ def build_compute_graph(
     hoist = flag_arg(hoist, "build(hoist=...)")
     cache = flag_arg(cache, "build(cache=...)")
     detect_anomaly = flag_arg(detect_anomaly, "build(detect_anomaly=...)")
+    programs = programs_enabled() if programs is None else flag_arg(programs, "build(programs=...)")
     outs, plan = _check_outputs(graph, outputs)
     values = _checked_feed(graph, plan, feed)
 
@@ -1010,7 +1150,7 @@ def build_compute_graph(
     # while both are alive. A weak reference restores it if this build fails (and it still exists).
     previous = weakref.ref(graph.latest_build) if graph.latest_build is not None else None
     graph.latest_build = None
-    base = (*outs, len(graph.nodes), graph.training, is_grad_enabled(), hoist)
+    base = (*outs, len(graph.nodes), graph.training, is_grad_enabled(), hoist, programs)
     key = (*base, *((n, a.shape, a.dtype.str) for n, a in values.items()))
     ekey = elastic_key(base, values)  # the key of a graph that resizes (vgraph.virtual.elastic)
     cached = (graph._cache.take(key) or graph._cache.take(ekey)) if cache else None
@@ -1025,12 +1165,13 @@ def build_compute_graph(
         except VGraphError:  # another structure (or an error a fresh build reports in context)
             cg = None
         if cg is not None:
+            cg._build_number = graph._builds
             graph._cache.put(ekey if cg._elastic is not None else key, cg, replayed=True)
             graph.latest_build = cg
             graph._builds += 1
             return cg
     try:
-        builder = _Builder(graph, values, plan, hoist)
+        builder = _Builder(graph, values, plan, hoist, programs=programs)
         if cache:
             builder.traces = []
         top = _Frame(None, (), {}, None)
@@ -1046,6 +1187,8 @@ def build_compute_graph(
     cg = builder.cg
     cg._envs[(None, ())] = top.env
     cg.outputs = [top.env[o] for o in outs]
+    cg._declared_outputs, cg._build_number = outs, builder._seed[1]
+    cg._grad = graph.training and is_grad_enabled()
     cg._mark_fresh([_ALL])  # every node was computed from its parents' current values
     for name, node in builder.new_params.items():  # commit only after success
         graph.params._add(name, node)

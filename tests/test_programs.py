@@ -1,0 +1,443 @@
+"""Body programs (vgraph.virtual.program): a loop or recursion run as one compiled body over its
+iterations gives what the per-node unroll gives.
+
+Identity tests: example models and random bodies, trees, branch choices and trip counts, built
+with ``programs=True`` and with the reference ``programs=False`` — the same loss, every parameter
+gradient, every unrolled node's value (views made on demand), every retained gradient and every
+decision (float64, 1e-12).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_hoist import loop_bodies, loop_body_model
+
+import vgraph as vg
+from vgraph import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+TOL = {"rtol": 1e-12, "atol": 1e-12}
+
+pytestmark = pytest.mark.usefixtures("float64")  # tests/conftest.py
+
+
+def load(path: Path):
+    spec = importlib.util.spec_from_file_location(f"programs_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(spec.name, None)
+    return module
+
+
+def decisions(cg):
+    return [(d.node, d.idx, d.kind, d.value) for d in cg.decisions]
+
+
+def unrolled_nodes(cg):
+    """``(virtual node, idx, compute node)`` of every node a per-node build made for a declared
+    node (not loops, not the group nodes of hoisting)."""
+    return [
+        (v, idx, n)
+        for (scope, idx), env in cg._envs.items()
+        for v, n in env.items()
+        if n is not None and v.scope is scope  # (a body's env also holds what it captures)
+    ]
+
+
+def run(g, feed, loss, programs, hoist=True, retain=None):
+    """Build, retain the gradients of ``retain`` (``(v, idx)`` pairs; ``None``: every node of the
+    build that needs one), backward; returns ``(cg, loss value, parameter gradients)``."""
+    cg = g.build(feed, loss, programs=programs, hoist=hoist, cache=False)
+    if retain is None:
+        retain = [(v, idx) for v, idx, n in unrolled_nodes(cg) if n.requires_grad]
+    for v, idx in retain:
+        node = cg.node(v, idx)
+        if node.requires_grad:
+            node.retain_grad()
+    g.params.zero_grad()
+    value = cg.backward(cg.outputs[0])
+    grads = {
+        k: np.array(p.grad.dense() if hasattr(p.grad, "dense") else p.grad)
+        for k, p in g.params.items()
+        if p.grad is not None
+    }
+    return cg, value, grads
+
+
+def assert_identical(g, feed, loss, hoist=True, expect_programs=True):
+    """The program build equals the per-node build (see the module docstring); returns both."""
+    plain, v_plain, g_plain = run(g, feed, loss, programs=False, hoist=hoist)
+    pairs = [(v, idx) for v, idx, n in unrolled_nodes(plain) if n.requires_grad]
+    prog, v_prog, g_prog = run(g, feed, loss, programs=True, hoist=hoist, retain=pairs)
+    assert bool(prog.programs) == expect_programs, prog.interpreted
+    np.testing.assert_allclose(v_prog, v_plain, **TOL)
+    assert g_prog.keys() == g_plain.keys()
+    for k in g_plain:
+        np.testing.assert_allclose(g_prog[k], g_plain[k], **TOL, err_msg=k)
+    assert decisions(prog) == decisions(plain)
+    for v, idx, n in unrolled_nodes(plain):
+        view = prog.node(v, idx)
+        if v.kind != "final":  # (a loop output is a node of its own: <Final:k>, not the last update)
+            assert view.key == n.key
+        np.testing.assert_allclose(view.value, n.value, **TOL, err_msg=str(n.key))
+        if n.grad is not None and n.op is not None:
+            np.testing.assert_allclose(view.grad, n.grad, **TOL, err_msg=str(n.key))
+    return plain, prog
+
+
+# ---------------------------------------------------------------------------- the example models
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "examples" / "models").glob("*.py")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("hoist", [True, False])
+def test_example_models_as_programs_equal_the_per_node_unroll(script, hoist):
+    g, feed, outputs = load(script).build()
+    assert_identical(g, feed, outputs[0], hoist=hoist)
+
+
+def test_the_flagship_rnn_as_a_program_equals_the_per_node_unroll():
+    g, outs = load(ROOT / "examples" / "rnn_bptt.py").build_model(vocab=5, hidden=4, seed=0)
+    rng = np.random.default_rng(0)
+    feed = {
+        "x": np.eye(5)[rng.integers(0, 5, (6, 3))],
+        "y": rng.integers(0, 5, (6, 3)),
+        "h0": np.zeros((3, 4)),
+    }
+    plain, prog = assert_identical(g, feed, outs["loss"])
+    assert len(prog) < len(plain) / 3  # one node per loop instance, not one per body node per step
+
+
+# ---------------------------------------------------------------------------- random bodies
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(loop_bodies(), st.booleans())
+def test_random_loop_bodies_as_programs_equal_the_per_node_unroll(body, hoist):
+    g, loss, feed = loop_body_model(body)
+    assert_identical(g, feed, loss, hoist=hoist)
+
+
+def branching_model(threshold: float):
+    """A loop whose body picks one of two options per iteration from its own values, with a
+    while_ condition on the carry: decisions per iteration, read between steps."""
+    g = vg.VirtualGraph(seed=2)
+    W = g.parameter("W", (3, 3), init="orthogonal")
+    U = g.parameter("U", (3, 3), init="orthogonal")
+    with g.loop(while_=lambda t, s: float(np.abs(s["h"]).sum()) < 50.0, max_iters=40) as L:
+        h = L.carry(np.full(3, 0.1), name="h")
+        c = L.carry(np.zeros(()), name="count")
+        a = vg.tanh(h @ W) + 0.5
+        b = vg.sigmoid(h @ U) * 2.0
+        chosen = g.branch(lambda v: int(float(v.sum()) > threshold), [a, b], keys=[h], name="pick")
+        L.update(h, chosen + h)
+        L.update(c, c + 1.0)
+    loss = vg.sum(L.final(h) ** 2) + vg.sum(L.stack(chosen))
+    return g, loss
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(st.floats(-2.0, 6.0))
+def test_branches_and_while_conditions_decide_per_iteration_as_in_the_per_node_unroll(threshold):
+    g, loss = branching_model(threshold)
+    _, prog = assert_identical(g, {}, loss)
+    assert any(d[2] == "option" for d in decisions(prog))
+
+
+@st.composite
+def trees(draw):
+    """A random binary tree in children-first order: ``(children, tokens, is_leaf)``."""
+    leaves = draw(st.integers(1, 7))
+    nodes: list[list[int]] = [[-1, -1] for _ in range(leaves)]
+    pool = list(range(leaves))
+    while len(pool) > 1:
+        i = draw(st.integers(0, len(pool) - 2))
+        left, right = pool[i], pool[i + 1]
+        nodes.append([left, right])
+        pool[i : i + 2] = [len(nodes) - 1]
+    tokens = [draw(st.integers(0, 9)) if k < leaves else 0 for k in range(len(nodes))]
+    return (
+        np.array(nodes),
+        np.array(tokens),
+        np.array([1.0 if k < leaves else 0.0 for k in range(len(nodes))]),
+    )
+
+
+def tree_model():
+    """A Tree-LSTM-like recursion: a leaf reads its word, an inner node its two children; the
+    branch between them is chosen per tree node."""
+    H = 3
+    g = vg.VirtualGraph(seed=4)
+    children = g.input("children", shape=(None, 2))
+    tokens = g.input("tokens", shape=(None,))
+    is_leaf = g.input("is_leaf", shape=(None,))
+    emb = nn.Embedding(g, 10, 4, "emb")
+    W = g.parameter("W", (4, H))
+    U = g.parameter("U", (2 * H, 2 * H))
+    with g.recurse(children, name="tree") as r:
+        leaf = r.step(is_leaf)
+        h = r.state(np.zeros(H), name="h")
+        c = r.state(np.zeros(H), name="c")
+        h_leaf = vg.tanh(emb(r.step(tokens)) @ W)
+        z = vg.concat([r.child(h, 0), r.child(h, 1)], axis=0) @ U
+        c_inner = vg.sigmoid(z[:H]) * r.child(c, 0) + vg.tanh(z[H:]) * r.child(c, 1)
+        h_inner = vg.tanh(c_inner)
+        h_new, c_new = g.branch(
+            lambda v: 0 if float(v) else 1,
+            [(h_leaf, h_leaf * 0.5), (h_inner, c_inner)],
+            keys=[leaf],
+            name="kind",
+        )
+        r.update(h, h_new)
+        r.update(c, c_new)
+    loss = vg.sum(r.stack(h_new) ** 2) + vg.sum(r.final(c))
+    return g, loss
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(trees())
+def test_random_trees_as_programs_equal_the_per_node_unroll(tree):
+    children, tokens, is_leaf = tree
+    g, loss = tree_model()
+    assert_identical(g, {"children": children, "tokens": tokens, "is_leaf": is_leaf}, loss)
+
+
+# ---------------------------------------------------------------------------- a program's graph
+
+
+def rnn(T=5):
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 2, 3))
+    W = g.parameter("W", (3, 4))
+    U = g.parameter("U", (4, 4), init="orthogonal")
+    with g.loop(name="rnn") as L:
+        x = L.step(xs)
+        h = L.carry(np.zeros((2, 4)), name="h")
+        h_new = vg.tanh(x @ W + h @ U)
+        L.update(h, h_new)
+    loss = vg.sum(L.stack(h_new) ** 2)
+    feed = {"xs": np.random.default_rng(T).normal(size=(T, 2, 3))}
+    return g, loss, feed, h_new, L
+
+
+def test_a_loop_run_as_a_program_is_one_node_and_its_outputs():
+    g, loss, feed, h_new, L = rnn()
+    cg = g.build(feed, loss, programs=True)
+    keys = {str(k) for k in cg._nodes}
+    assert "Loop:1" in keys and "Stack:1" in keys
+    assert not any(k.startswith("Tanh:1@") for k in keys)  # no node per iteration ...
+    view = cg.node(h_new, (3,))  # ... but each is there when asked for
+    assert str(view.key) == "Tanh:1@3"
+    assert cg.trip_count(L) == 5
+    with pytest.raises(vg.BuildError, match=r"<Tanh:1@5>.*not built"):
+        cg.node(h_new, (5,))
+
+
+def test_a_forward_after_feed_reruns_the_program_and_equals_a_fresh_build():
+    g, loss, feed, h_new, L = rnn()
+    cg = g.build(feed, loss, programs=True)
+    view = cg.node(h_new, (2,))
+    new = {"xs": np.random.default_rng(9).normal(size=(5, 2, 3))}
+    cg.feed(new)
+    value = cg.forward()
+    fresh = g.build(new, loss, programs=False, cache=False)
+    np.testing.assert_allclose(value, fresh.outputs[0].value, **TOL)
+    np.testing.assert_allclose(view.value, fresh.node(h_new, (2,)).value, **TOL)  # the view follows
+
+
+@pytest.mark.parametrize("programs", [False, True])
+def test_a_rerun_that_would_change_a_decision_raises_structure_changed(programs):
+    g, loss = branching_model(1.0)
+    cg = g.build({}, loss, programs=programs)
+    U = g.params["U"]
+    U.value = -U.value * 10.0  # other values: another trip count
+    with pytest.raises(vg.StructureChangedError, match=r"<Loop:1> 'L'|<Loop:1>.* iteration"):
+        cg.forward()
+
+
+def test_cached_structures_replay_programs_identically():
+    g, loss, feed, h_new, L = rnn()
+    for _ in range(3):  # the second build caches, the third replays
+        cg = g.build(feed, loss, programs=True)
+    value = cg.backward(cg.outputs[0])
+    grads = {k: np.array(p.grad) for k, p in g.params.items()}
+    g.params.zero_grad()
+    ref = g.build(feed, loss, programs=False, cache=False)
+    np.testing.assert_allclose(value, ref.backward(ref.outputs[0]), **TOL)
+    for k, p in g.params.items():
+        np.testing.assert_allclose(grads[k], p.grad, **TOL)
+
+
+def test_grad_of_a_program_equals_the_per_node_unroll():
+    g, loss, feed, h_new, L = rnn()
+    prog = g.build(feed, loss, programs=True, cache=False)
+    plain = g.build(feed, loss, programs=False, cache=False)
+    W, U = g.params["W"], g.params["U"]
+    for a, b in zip(prog.grad(prog.outputs[0], [W, U]), plain.grad(plain.outputs[0], [W, U])):
+        np.testing.assert_allclose(a, b, **TOL)
+
+
+def test_a_program_gradient_agrees_with_finite_differences():
+    g, loss, feed, h_new, L = rnn(T=4)
+    cg = g.build(feed, loss, programs=True)
+    vg.gradcheck(cg.outputs[0], cg.parameters())
+
+
+@pytest.mark.parametrize(
+    "what, reason",
+    [
+        ("checkpoint", "checkpointed"),
+        ("nested", "nested loop"),
+        ("dropout", "sampled"),
+        ("untied", "untied parameter"),
+    ],
+)
+def test_loops_a_program_cannot_run_fall_back_and_say_why(what, reason):
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 3))
+    W = g.parameter("W", (3, 3))
+    with g.loop(checkpoint=2 if what == "checkpoint" else None) as L:
+        x = L.step(xs)
+        h = L.carry(np.zeros(3), name="h")
+        z = x @ W + h
+        if what == "nested":
+            with g.loop(times=2) as inner:
+                k = inner.carry(z, name="k")
+                inner.update(k, vg.tanh(k))
+            z = inner.final(k)
+        elif what == "dropout":
+            z = nn.Dropout(g, 0.5)(z)
+        elif what == "untied":
+            z = z @ g.parameter("V", (3, 3), share=False)
+        L.update(h, vg.tanh(z))
+    loss = vg.sum(L.final(h) ** 2)
+    feed = {"xs": np.random.default_rng(0).normal(size=(4, 3))}
+    g.eval()  # (dropout's masks: the same in both builds)
+    cg = g.build(feed, loss, programs=True)
+    assert [r for loop, idx, r in cg.interpreted if loop is L and reason in r], cg.interpreted
+    ref = g.build(feed, loss, programs=False, cache=False)
+    np.testing.assert_allclose(cg.outputs[0].value, ref.outputs[0].value, **TOL)
+
+
+def test_a_program_step_error_names_the_node_and_iteration():
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 3))
+    with g.loop() as L:
+        x = L.step(xs)
+        h = L.carry(np.zeros(3), name="h")
+        L.update(h, vg.concat([h, x], axis=0))
+    with pytest.raises(
+        vg.ShapeError,
+        match=r"carry 'h' enters iteration 0 as float64\[3\] but is updated to float64\[6\] by <Concat:1@0>",
+    ):
+        g.build({"xs": np.ones((3, 3))}, vg.sum(L.final(h)), programs=True)
+
+
+def test_a_wrong_custom_vjp_in_a_program_is_named_by_its_node_iteration_and_input(defop):
+    """As in the per-node sweep (tests/test_custom_ops.py): the node, the op and the input, in
+    the iteration where it happened; no gradient half-added."""
+    from test_custom_ops import _feed, _loop_with, softsign
+
+    state = {"bad": False}
+
+    def vjp(g, ans, x):
+        d = g / (1 + np.abs(x)) ** 2
+        return d[:1] if state["bad"] else d
+
+    g, loss, xw, u = _loop_with(defop("Softsign", softsign, vjp))
+    cg = g.build(_feed(5), loss, programs=True, cache=False)
+    assert cg.programs
+    cg.backward(loss)
+    grads = {k: np.array(p.grad) for k, p in g.params.items()}
+    state["bad"] = True
+    cg.forward()
+    with pytest.raises(
+        vg.VJPShapeError,
+        match=rf"^<Softsign:{u.id}@4>: the VJP of Softsign for input 0 <MatMul:{xw.id}@4> returned "
+        r"a gradient of shape \(1, 4\); expected the input's shape \(2, 4\)$",
+    ):
+        cg.backward(loss)
+    assert all(np.array_equal(p.grad, grads[k]) for k, p in g.params.items())
+
+
+def test_an_error_in_a_program_step_is_the_per_node_unrolls_error():
+    """A failing step unrolls the loop node by node, which raises the error naming the node."""
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 3))
+    W = g.parameter("W", (4, 3))
+    with g.loop() as L:
+        h = L.carry(np.zeros(3), name="h")
+        L.update(h, vg.tanh(L.step(xs) @ W + h))  # (3,) @ (4, 3): not aligned
+    loss = vg.sum(L.final(h))
+    feed = {"xs": np.ones((2, 3))}
+    with pytest.raises(vg.ShapeError) as per_node:
+        g.build(feed, loss, programs=False)
+    with pytest.raises(vg.ShapeError) as program:
+        g.build(feed, loss, programs=True)
+    assert str(program.value) == str(per_node.value)
+    assert "<MatMul:1@0>" in str(program.value) or "<MatMul:1" in str(program.value)
+
+
+def test_a_program_graph_draws_and_checks_as_the_per_node_graph():
+    """Drawing, gradient norms and check_vjps read the per-node form of a program graph (the
+    same keys, values, decisions and retained gradients)."""
+    from vgraph import render
+
+    g, loss, feed, h_new, L = rnn(T=4)
+    graphs = {}
+    for programs in (False, True):  # (drawn as the plain unroll draws: hoisting left out)
+        cg = g.build(feed, loss, programs=programs, cache=False, hoist=False)
+        render.retain_all_grads(cg)
+        g.params.zero_grad()
+        cg.backward(cg.outputs[0])
+        graphs[programs] = cg
+    plain, prog = graphs[False], graphs[True]
+    assert render.to_dot(prog, gradients=True) == render.to_dot(plain, gradients=True)
+    norms, ref = render.gradient_norms(prog), render.gradient_norms(plain)
+    assert norms.keys() == ref.keys()
+    for k in ref:
+        assert norms[k] == pytest.approx(ref[k], rel=1e-12)
+    assert vg.check_vjps(prog).ok
+
+
+def test_body_programs_mode_makes_builds_run_programs_in_this_thread():
+    g, loss, feed, h_new, L = rnn()
+    assert not vg.programs_enabled()
+    assert not g.build(feed, loss, cache=False).programs
+    with vg.body_programs():
+        assert vg.programs_enabled()
+        assert g.build(feed, loss, cache=False).programs
+        assert not g.build(feed, loss, cache=False, programs=False).programs
+    assert not vg.programs_enabled()
+    with pytest.raises(vg.ArgumentError):
+        with vg.body_programs("yes"):
+            pass
+
+
+def test_a_no_grad_build_runs_the_program_without_gradients():
+    g, loss, feed, h_new, L = rnn()
+    with vg.no_grad():
+        cg = g.build(feed, loss, programs=True, cache=False)
+    ref = g.build(feed, loss, programs=False, cache=False)
+    np.testing.assert_allclose(cg.outputs[0].value, ref.outputs[0].value, **TOL)
+    assert not cg.outputs[0].requires_grad
+
+
+def test_show_program_prints_the_generated_steps_that_tracebacks_show():
+    g, loss, feed, h_new, L = rnn()
+    cg = g.build(feed, loss, programs=True)
+    text = vg.show_program(cg, L)
+    assert "def step(t" in text and "def back(KEEP" in text
+    assert "<Tanh:1>" in text and "<Parameter:2> 'U'" in text  # the legend: slots and captured values
+    plain = g.build(feed, loss, programs=False)
+    with pytest.raises(vg.BuildError, match=r"<Loop:1> 'rnn' did not run as a body program"):
+        vg.show_program(plain, L)

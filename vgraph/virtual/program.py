@@ -1,0 +1,1017 @@
+"""Body programs: a loop's or recursion's body compiled once, run over its iterations.
+
+The body of a loop is declared once and its unrolled copies differ only in their data. So instead
+of creating a compute node per body node per iteration, a build may compile the body — once per
+declared loop and plan — into two Python functions, generated as source and printable with
+:func:`vgraph.show_program`:
+
+- a **forward step** ``step(t, carries…, items…, children…, hoisted rows…)`` that computes one
+  iteration's body nodes (each op's forward called directly, a branch's selector run on this
+  iteration's values and only the chosen option computed) and returns them as one tuple, the
+  iteration's *record*;
+- a **backward step** that takes a record and the gradients reaching the iteration's outputs
+  (its carries' updates, its stacked values) and returns the gradients of its inputs, adding
+  those of values from outside the body (weights) into accumulators — lazily, so that a tied
+  weight's gradient over all iterations is one stacked product (``ops.RowsProductGrad``).
+
+A run (:class:`ProgramRun`) calls the forward step once per iteration under the loop's rules
+(:mod:`.rules`: the same code as the per-node unroll's) and keeps the records; body nodes that
+depend on no carried state run once over all iterations first (hoisting, with the rules of
+:func:`.hoist.batched_attrs`). In the compute graph the loop instance is one node
+``<Loop:id@idx>`` whose value is the run and whose VJP runs the backward steps, plus one node per
+loop output (``<Final:…>``, ``<Stack:…>``). A new length, tree or set of choices is a new run of
+the same program: no compilation, no per-iteration Python objects beyond the records.
+
+Every unrolled node stays reachable: ``cg.node(v, idx)`` makes a view node on demand whose value
+is the record's entry (:meth:`ProgramInstance.view`); a view asked to retain its gradient gets it
+from the next backward. Decisions (trip counts, branch choices) are recorded as a plain unroll
+records them, and a re-run (``cg.feed`` + ``cg.forward``, a cached structure's replay) checks
+that they did not change.
+
+What a program does not cover runs node by node, and says why (``cg.interpreted``):
+checkpointed loops, bodies with nested loops, samples (dropout) or untied parameters, batched
+builds, and anomaly mode (which checks every node's value as it is made).
+"""
+
+from __future__ import annotations
+
+import itertools
+import linecache
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+
+from ..compute import ComputeNode, NodeKey
+from ..errors import BackwardError, BuildError, StructureChangedError, VGraphError
+from ..ops import VJP, LazyGrad, Op, OpResultError, add_grads, add_grads_sparse, reduce_grad
+from .nodes import BranchNode, LoopNode, VirtualNode
+from .rules import at_limit, check_carry, reached_end, run_cond, select_option
+
+if TYPE_CHECKING:
+    from .plan import _Plan
+
+#: The body node kinds a program computes or takes as inputs; any other kind in a body (a nested
+#: loop and its outputs, a sample, an untied parameter) makes the loop run node by node.
+_INPUT_KINDS = ("carry", "item", "child")
+_COMPUTED_KINDS = ("op", "branch")
+_CAPTURED_KINDS = ("parameter", "constant")
+
+
+def why_not(loop: LoopNode, plan: _Plan) -> str | None:
+    """Why ``loop`` cannot run as a body program (``None``: it can)."""
+    if loop.checkpoint is not None:
+        return "checkpointed (checkpoint=): its values are recomputed by segment, node by node"
+    outer = loop.scope
+    while outer is not None:
+        if outer.checkpoint is not None:
+            return f"inside checkpointed {outer.describe()}, whose segments are recomputed node by node"
+        outer = outer.scope
+    for v in _body(loop, plan):
+        if v.kind in _INPUT_KINDS or v.kind in _COMPUTED_KINDS:
+            continue
+        if v.kind == "parameter" and not v.attrs["share"]:
+            return f"{v.describe()} is an untied parameter (one copy per iteration)"
+        if v.kind in _CAPTURED_KINDS:
+            continue
+        if v.kind == "sample":
+            return f"{v.describe()} is sampled in every iteration"
+        if v.kind in ("loop", "final", "stacked"):
+            return f"its body holds a nested loop ({v.describe()})"
+        return f"{v.describe()} is a {v.kind} node"
+    return None
+
+
+def program_for(loop: LoopNode, plan: _Plan) -> BodyProgram | str:
+    """``loop``'s body program for ``plan`` (compiled steps are made per run's needs), or why it
+    runs node by node; found once per plan."""
+    found = plan.programs.get(loop)
+    if found is None:
+        reason = why_not(loop, plan)
+        found = plan.programs[loop] = reason if reason is not None else BodyProgram(loop, plan)
+    return cast("BodyProgram | str", found)
+
+
+def _body(loop: LoopNode, plan: _Plan) -> list[VirtualNode]:
+    """The nodes declared directly in ``loop``'s body that a build of ``plan`` may reach, in
+    declaration order (a topological order)."""
+    return [v for v in loop.graph.nodes if v.scope is loop and v in plan.needed]
+
+
+class BodyProgram:
+    """The compiled body of one declared loop (for one plan): its inputs, the nodes it computes
+    and, per set of hoisted nodes and of inputs that need a gradient, its generated steps."""
+
+    def __init__(self, loop: LoopNode, plan: _Plan) -> None:
+        self.loop = loop
+        body = _body(loop, plan)
+        self.eager = set(plan.eager.get(loop, ()))
+        # What a body reads from outside: the loop's captures, then tied parameters and constants
+        # declared in the body (the same value in every iteration).
+        self.computed = [v for v in body if v.kind in _COMPUTED_KINDS]
+        self.stacked = plan.stacked.get(loop, [])
+        read: set[VirtualNode] = {*loop.updates.values(), *(s.inputs[1] for s in self.stacked)}
+        for v in self.computed:
+            read.update((*v.keys, *v.options) if isinstance(v, BranchNode) else v.inputs)
+        self.captured: list[VirtualNode] = [
+            v for v in (*plan.captures[loop], *(v for v in body if v.kind in _CAPTURED_KINDS)) if v in read
+        ]
+        self.hoistable = [v for v in plan.hoistable.get(loop, ()) if v in self.eager]
+        self.finals = plan.finals.get(loop, [])
+        self._variants: dict[tuple[Any, ...], _Variant] = {}
+
+    def variant(self, hoisted: tuple[VirtualNode, ...], needs: frozenset[VirtualNode]) -> _Variant:
+        """The steps for a run that hoists ``hoisted`` and needs gradients for the inputs and
+        captured values in ``needs`` (compiled on first use)."""
+        key = (hoisted, needs)
+        found = self._variants.get(key)
+        if found is None:
+            found = self._variants[key] = _Variant(self, hoisted, needs)
+        return found
+
+
+_counter = itertools.count()
+
+
+class _Variant:
+    """One compilation of a body: slot numbers, the generated source and the two steps."""
+
+    def __init__(self, program: BodyProgram, hoisted: tuple[VirtualNode, ...], needs: frozenset[VirtualNode]):
+        loop = program.loop
+        self.program = program
+        self.hoisted = hoisted
+        # Slots: the record's entries. Inputs first (carries, items, child reads, hoisted rows),
+        # then every computed node, then each lead branch's choice.
+        inputs: list[VirtualNode] = [*loop.carries, *loop.items, *loop.children, *hoisted]
+        hoisted_set = set(hoisted)
+        computed = [v for v in program.computed if v not in hoisted_set]
+        self.slot: dict[VirtualNode, int] = {}
+        for v in (*inputs, *computed):
+            self.slot[v] = len(self.slot)
+        self.choice: dict[BranchNode, int] = {}
+        for v in computed:
+            if isinstance(v, BranchNode) and v.lead is None:
+                self.choice[v] = len(self.slot) + len(self.choice)
+        self.size = len(self.slot) + len(self.choice)
+        self.inputs = inputs
+        self.computed = computed
+        self.captured = {v: j for j, v in enumerate(program.captured)}
+        # Per captured value, the slots that read it with a VJP; ``None``: read so in every
+        # iteration (an unconditional node, a carry's update, a stacked value, a hoisted node).
+        self.grad_readers: list[list[int] | None] = [[] for _ in program.captured]
+        sources = {*loop.updates.values(), *(s.inputs[1] for s in program.stacked)}
+        for u in sources:
+            if u in self.captured:
+                self.grad_readers[self.captured[u]] = None
+        for v in (*hoisted, *computed):
+            if isinstance(v, BranchNode):
+                reads = [(u, True) for u in v.options]
+            else:
+                op = cast(Op, v.op)
+                reads = [(u, vjp_of(op, p) is not None) for p, u in enumerate(v.inputs)]
+            for u, differentiable in reads:
+                j = self.captured.get(u)
+                readers = self.grad_readers[j] if j is not None else None
+                if not differentiable or readers is None:
+                    continue
+                if v in hoisted_set or v in program.eager:
+                    self.grad_readers[cast(int, j)] = None
+                else:
+                    readers.append(self.slot[v])
+        self.grad_captured = {v for v, j in self.captured.items() if self.grad_readers[j] != []}
+        self.needs = needs
+        self.grad_slots = self._grad_slots(needs)
+        self.forward_source, fwd_env = self._forward_source()
+        self.back_lines: dict[int, tuple[VirtualNode, int]] = {}
+        self.backward_source, bwd_env = self._backward_source()
+        self._make_step = _compile(self.forward_source, fwd_env, "make_step", loop)
+        self._make_back = _compile(self.backward_source, bwd_env, "make_back", loop)
+        self.back_file = self._make_back.__code__.co_filename
+
+    # -- analysis
+    def _grad_slots(self, needs: frozenset[VirtualNode]) -> set[VirtualNode]:
+        """The slots a gradient can reach an input that needs one through: those that depend on
+        a needing input or captured value along inputs with a VJP (carries, read in the next
+        iteration, to a fixed point)."""
+        loop = self.program.loop
+        grad: set[VirtualNode] = {v for v in self.inputs if v in needs}
+        changed = True
+        while changed:
+            changed = False
+            for v in self.computed:
+                if v in grad:
+                    continue
+                if self._reads_grad(v, grad, needs):
+                    grad.add(v)
+                    changed = True
+            for c in loop.carries:  # a carry needs one if its update does (the next iteration reads it)
+                u = loop.updates[c]
+                if c not in grad and (u in grad or u in needs):
+                    grad.add(c)
+                    changed = True
+            for r in loop.children:
+                if r not in grad and r.inputs[0] in grad:
+                    grad.add(r)
+                    changed = True
+        return grad
+
+    def _reads_grad(self, v: VirtualNode, grad: set[VirtualNode], needs: frozenset[VirtualNode]) -> bool:
+        if isinstance(v, BranchNode):
+            return any(o in grad or o in needs for o in v.options)
+        op = cast(Op, v.op)
+        return any(vjp_of(op, p) is not None and (u in grad or u in needs) for p, u in enumerate(v.inputs))
+
+    def graded(self, run: ProgramRun) -> list[bool]:
+        """Per captured value, whether ``run`` reads it where a gradient can flow back (an option
+        not chosen in any iteration does not read it, as in the per-node unroll)."""
+        out = []
+        for readers in self.grad_readers:
+            if readers is None:
+                out.append(run.trips > 0)
+            else:
+                out.append(any(r[i] is not None for i in readers for r in run.records))
+        return out
+
+    def _name(self, u: VirtualNode) -> str:
+        if u in self.slot:
+            return f"s{self.slot[u]}"
+        if u in self.captured:
+            return f"k{self.captured[u]}"
+        raise AssertionError(f"{u.describe()} is neither a slot nor captured")
+
+    # -- the forward step
+    def _forward_source(self) -> tuple[str, dict[str, Any]]:
+        env: dict[str, Any] = {}
+        loop = self.program.loop
+        args = ", ".join(f"s{self.slot[v]}" for v in self.inputs)
+        caps = ", ".join(f"k{j}" for j in range(len(self.captured)))
+        lines = [f"def make_step(SELECT, {caps}):" if caps else "def make_step(SELECT):"]
+        lines.append(f"    def step(t{', ' + args if args else ''}):")
+        eager = self.program.eager
+        later = [v for v in self.computed if v not in eager]
+        if later:
+            lines.append("        " + " = ".join(f"s{self.slot[v]}" for v in later) + " = None")
+        for ch in self.choice.values():
+            lines.append(f"        s{ch} = -1")
+        built: set[VirtualNode] = set(self.inputs)
+        for v in self.computed:
+            if v in eager:
+                self._emit(v, lines, env, "        ", built, guard=False)
+                built.add(v)
+        record = ", ".join(f"s{i}" for i in range(self.size))
+        lines.append(f"        return ({record},)")
+        lines.append("    return step")
+        del loop
+        return "\n".join(lines) + "\n", env
+
+    def _emit(
+        self,
+        v: VirtualNode,
+        lines: list[str],
+        env: dict[str, Any],
+        pad: str,
+        built: set[VirtualNode],
+        guard: bool,
+    ) -> None:
+        """Emit the computation of ``v`` (a guard ``if sN is None`` where it may be built already
+        in this iteration, by an option chosen before)."""
+        i = self.slot[v]
+        if guard:
+            lines.append(f"{pad}if s{i} is None:")
+            pad += "    "
+        if isinstance(v, BranchNode):
+            lead = v if v.lead is None else v.lead
+            ch = self.choice[lead]
+            if v.lead is None:
+                keys = ", ".join(self._name(k) for k in v.keys)
+                env[f"sel{i}"] = v
+                lines.append(f"{pad}s{ch} = SELECT(sel{i}, t, ({keys}{',' if v.keys else ''}))")
+            for k, option in enumerate(v.options):
+                lines.append(f"{pad}{'if' if k == 0 else 'elif'} s{ch} == {k}:")
+                for u in self._demand(option, built):
+                    self._emit(u, lines, env, pad + "    ", built, guard=True)
+                lines.append(f"{pad}    s{i} = {self._name(option)}")
+            return
+        op = cast(Op, v.op)
+        env[f"f{i}"] = partial(op.forward, **v.attrs) if v.attrs else op.forward
+        args = ", ".join(self._name(u) for u in v.inputs)
+        lines.append(f"{pad}s{i} = f{i}({args})")
+
+    def _demand(self, target: VirtualNode, built: set[VirtualNode]) -> list[VirtualNode]:
+        """The computed nodes ``target`` needs that are not built unconditionally, in
+        declaration order (the order of ``self.computed``)."""
+        need: set[VirtualNode] = set()
+        stack = [target]
+        while stack:
+            u = stack.pop()
+            if u in need or u in built or u not in self.slot or u in self.inputs:
+                continue
+            need.add(u)
+            if isinstance(u, BranchNode):
+                stack.extend(u.keys)
+                if u.lead is not None:
+                    stack.append(u.lead)
+                # options are demanded by the branch's own arms
+            else:
+                stack.extend(u.inputs)
+        return [v for v in self.computed if v in need]
+
+    # -- the backward step
+    def _backward_source(self) -> tuple[str, dict[str, Any]]:
+        """``back(record, g_updates…, g_stacked…)`` returns the gradients of the inputs' slots
+        (``None`` where none reached); captured values' gradients go to ``A<j>(g)``."""
+        loop = self.program.loop
+        env: dict[str, Any] = {
+            "LazyGrad": LazyGrad,
+            "ndarray": np.ndarray,
+            "ADD": add_grads,
+            "RED": _reduce,
+            "REDLEAF": _reduce_leaf,
+        }
+        grad = self.grad_slots
+        caps = ", ".join(
+            [*(f"k{j}" for j in range(len(self.captured))), *(f"A{j}" for j in range(len(self.captured)))]
+        )
+        seeds = [f"u{k}" for k in range(len(loop.carries))] + [
+            f"q{k}" for k in range(len(self.program.stacked))
+        ]
+        lines = [f"def make_back({caps}):" if caps else "def make_back():"]
+        lines.append(f"    def back(KEEP, r{', ' + ', '.join(seeds) if seeds else ''}):")
+        record = ", ".join(f"s{i}" for i in range(self.size))
+        lines.append(f"        ({record},) = r")
+        slots = [v for v in (*self.inputs, *self.computed) if v in grad]
+        if slots:
+            lines.append("        " + " = ".join(f"g{self.slot[v]}" for v in slots) + " = None")
+        # seeds: the gradient of each carry's update and of each stacked value
+        outs = [(loop.updates[c], f"u{k}") for k, c in enumerate(loop.carries)]
+        outs += [(s.inputs[1], f"q{k}") for k, s in enumerate(self.program.stacked)]
+        for u, g in outs:
+            self._route(u, g, lines, "        ", env)
+        for v in reversed(self.computed):
+            if v not in grad:
+                continue
+            i = self.slot[v]
+            lines.append(f"        if g{i} is not None:")
+            pad = "            "
+            if isinstance(v, BranchNode):
+                lead = v if v.lead is None else v.lead
+                ch = self.choice[lead]
+                for k, option in enumerate(v.options):
+                    lines.append(f"{pad}{'if' if k == 0 else 'elif'} s{ch} == {k}:")
+                    self._route(option, f"g{i}", lines, pad + "    ", env)
+                continue
+            lines.append(f"{pad}if type(g{i}) is not ndarray and isinstance(g{i}, LazyGrad):")
+            lines.append(f"{pad}    g{i} = g{i}.dense()")
+            op = cast(Op, v.op)
+            args = ", ".join(self._name(u) for u in v.inputs)
+            for p, u in enumerate(v.inputs):
+                f = vjp_of(op, p)
+                if f is None or not (u in grad or u in self.needs):
+                    continue
+                env[f"b{i}_{p}"] = partial(f, **v.attrs) if v.attrs else f
+                lines.append(f"{pad}d = b{i}_{p}(g{i}, s{i}, {args})")
+                lines.append(f"{pad}if d.shape != {self._name(u)}.shape:")
+                # a parameter's broadcast contributions are summed once, when all are in (as the
+                # per-node sweep sums a leaf's: ops.LeadingSumGrad)
+                red = "REDLEAF" if u.kind == "parameter" and not u.attrs.get("sparse_grad") else "RED"
+                lines.append(f"{pad}    d = {red}(d, {self._name(u)}.shape)")
+                for n in range(3):  # (1-based line numbers, for naming the node in an error)
+                    self.back_lines[len(lines) - n] = (v, p)
+                self._route(u, "d", lines, pad, env)
+        back = ", ".join(f"g{self.slot[v]}" if v in grad else "None" for v in self.inputs)
+        every = ", ".join(f"g{self.slot[v]}" if v in grad else "None" for v in (*self.inputs, *self.computed))
+        lines.append("        if KEEP:  # every slot's gradient too (views that retain theirs)")
+        lines.append(f"            return ({back}{',' if self.inputs else ''}), ({every},)")
+        lines.append(f"        return ({back}{',' if self.inputs else ''})")
+        lines.append("    return back")
+        return "\n".join(lines) + "\n", env
+
+    def _route(self, u: VirtualNode, g: str, lines: list[str], pad: str, env: dict[str, Any]) -> None:
+        """Add gradient ``g`` (a name; may be ``None`` at run time for a seed) to ``u``'s."""
+        if u in self.slot:
+            if u not in self.grad_slots:
+                return
+            i = self.slot[u]
+            if g.startswith(("u", "q")):  # a seed: may be None
+                lines.append(f"{pad}if {g} is not None:")
+                lines.append(f"{pad}    g{i} = {g} if g{i} is None else ADD(g{i}, {g})")
+            else:
+                lines.append(f"{pad}g{i} = {g} if g{i} is None else ADD(g{i}, {g})")
+        elif u in self.captured and u in self.needs:
+            j = self.captured[u]
+            if g.startswith(("u", "q")):
+                lines.append(f"{pad}if {g} is not None:")
+                lines.append(f"{pad}    A{j}({g})")
+            else:
+                lines.append(f"{pad}A{j}({g})")
+
+
+def vjp_of(op: Op, p: int) -> VJP | None:
+    """``op``'s VJP for input ``p`` as ``vjp(g, ans, *xs, **attrs)`` (a variadic op's shared VJP
+    bound to ``p``), or ``None`` if no gradient flows to that input."""
+    if op.variadic:
+        return partial(cast(VJP, op.vjps), p)
+    return cast("tuple[VJP | None, ...]", op.vjps)[p]
+
+
+def _reduce(g: Any, shape: tuple[int, ...]) -> Any:
+    return reduce_grad(g, shape, False)
+
+
+def _reduce_leaf(g: Any, shape: tuple[int, ...]) -> Any:
+    return reduce_grad(g, shape, True)
+
+
+def _compile(source: str, env: dict[str, Any], name: str, loop: LoopNode) -> Callable[..., Any]:
+    """Compile generated ``source`` (registered with :mod:`linecache`, so tracebacks show it)."""
+    filename = f"<vgraph program {next(_counter)}: {loop.describe()}>"
+    lines = source.splitlines(keepends=True)
+    linecache.cache[filename] = (len(source), None, lines, filename)
+    scope = dict(env)
+    exec(compile(source, filename, "exec"), scope)
+    return cast(Callable[..., Any], scope[name])
+
+
+class _Acc:
+    """The gradient of one captured value collected over a run's iterations, as the engine
+    collects a node's (lazy contributions kept lazy; an owned array added into in place)."""
+
+    __slots__ = ("g", "own", "sparse")
+
+    def __init__(self, sparse: bool) -> None:
+        self.g: Any = None
+        self.own = False
+        self.sparse = sparse
+
+    def add(self, pg: Any) -> None:
+        acc = self.g
+        if acc is None:
+            self.g = pg
+        elif self.own and type(acc) is np.ndarray:
+            if isinstance(pg, LazyGrad):
+                pg.add_into(acc)
+            else:
+                np.add(acc, pg, out=acc)
+        else:
+            self.g = add_grads_sparse(acc, pg) if self.sparse else add_grads(acc, pg)
+            self.own = True
+
+
+def _select_step(idx: tuple[int, ...]) -> Callable[[BranchNode, int, tuple[Any, ...]], int]:
+    def select(branch: BranchNode, t: int, values: tuple[Any, ...]) -> int:
+        return select_option(branch, (*idx, t), values)
+
+    return select
+
+
+class RunGrad(LazyGrad):
+    """The gradients reaching a program's loop node from its outputs in one backward sweep, by
+    output index; the loop node's VJP runs the backward steps once for all of them."""
+
+    __slots__ = ("seeds", "result")
+
+    def __init__(self, seeds: dict[int, Any]) -> None:
+        self.shape = ()
+        self.dtype = np.dtype(object)
+        self.seeds = seeds
+        self.result: list[Any] | None = None
+
+    def merge(self, other: LazyGrad) -> LazyGrad:
+        seeds = dict(self.seeds)
+        for k, g in cast(RunGrad, other).seeds.items():
+            seeds[k] = g if k not in seeds else add_grads(seeds[k], g)
+        return RunGrad(seeds)
+
+    def dense(self) -> Any:  # (what reaches the loop node stays a RunGrad: its VJP reads it)
+        return self
+
+    def add_into(self, acc: np.ndarray) -> None:
+        raise AssertionError("a loop node's gradient is never added into an array")
+
+
+class ProgramRun:
+    """One forward run of a loop instance's program: the records of its iterations and its
+    outputs. The value of the loop's compute node."""
+
+    __slots__ = ("records", "finals", "hoisted", "trips", "capped", "history", "kids", "shape", "dtype")
+
+    def __init__(self) -> None:
+        self.records: list[tuple[Any, ...]] = []
+        self.finals: list[Any] = []
+        self.hoisted: list[Any] = []  # each hoisted node's value for all iterations
+        self.trips = 0
+        self.capped = False
+        self.kids: list[list[int]] | None = None
+        self.shape = ()  # (read by the engine, which takes the loop node for an array)
+        self.dtype = np.dtype(object)
+
+
+class ProgramInstance:
+    """A loop instance of one build run as a program: the op of its ``<Loop:id@idx>`` node.
+
+    Parents of that node, in order: the carries' initial values, the stepped sequences, the
+    children array (a recursion), the captured values (see :class:`BodyProgram`)."""
+
+    def __init__(
+        self,
+        program: BodyProgram,
+        variant: _Variant,
+        idx: tuple[int, ...],
+        hoisted_attrs: list[dict[str, Any]],
+        sparse: list[bool],
+        graph_ref: Any,
+    ) -> None:
+        self.program = program
+        self.variant = variant
+        self.loop = program.loop
+        self.idx = idx
+        self.hoisted_attrs = hoisted_attrs
+        self.sparse = sparse  # per captured value: whether its gradient is kept row-sparse
+        self.run: ProgramRun | None = None
+        self.captured_nodes: list[ComputeNode] = []  # the loop node's captured parents
+        self.init_nodes: list[ComputeNode] = []  # and its carries' initial values
+        self._graph = graph_ref
+        self._views: dict[tuple[int, int], ComputeNode] = {}
+        self._select = _select_step(idx)
+        loop = self.loop
+        self.n_carries = len(loop.carries)
+        self.n_seqs = len(loop.sequences)
+        self.has_kids = loop.structure is not None
+        self.names = [c.name for c in loop.carries]
+        slot = variant.slot
+        # where each carry's update comes from: a slot of the record, or a captured value
+        self.update_src = [self._source(loop.updates[c]) for c in loop.carries]
+        self.stack_src = [self._source(s.inputs[1]) for s in program.stacked]
+        self.item_reverse = [bool(i.attrs.get("reverse")) for i in loop.items]
+        self.reads = [(loop.carries.index(r.inputs[0]), r.attrs["slot"]) for r in loop.children]
+        del slot
+
+    def _source(self, u: VirtualNode) -> tuple[bool, int]:
+        v = self.variant
+        return (True, v.slot[u]) if u in v.slot else (False, v.captured[u])
+
+    # -- forward
+    def forward(self, *values: Any, groups: list[Any] | None = None) -> ProgramRun:
+        """Run the program on the loop node's parents' values (at build time, and again when a
+        forward finds a parent changed): the loop rules between steps, the records kept.
+        ``groups``: the hoisted nodes' values, when the build has computed them already."""
+        loop, idx, nc, ns = self.loop, self.idx, self.n_carries, self.n_seqs
+        init = list(values[:nc])
+        seqs = values[nc : nc + ns]
+        kids_value = values[nc + ns] if self.has_kids else None
+        caps = values[nc + ns + (1 if self.has_kids else 0) :]
+        length = len(seqs[0]) if seqs else None
+        run = ProgramRun()
+        rows: list[list[int]] | None = None
+        if kids_value is not None:
+            rows = np.asarray(kids_value).tolist()
+            length = len(rows)
+            run.kids = rows
+        # hoisted nodes: once over all iterations
+        group_of: dict[VirtualNode, Any] = {}
+        if groups is not None:
+            run.hoisted = groups
+        elif self.variant.hoisted:
+            trips = min(n for n in (loop.times, length) if n is not None)
+            for item, seq, rev in zip(loop.items, seqs, self.item_reverse):
+                group_of[item] = seq[::-1][:trips] if rev else seq[:trips]
+            for v, attrs in zip(self.variant.hoisted, self.hoisted_attrs):
+                xs = [group_of[u] if u in group_of else caps[self.variant.captured[u]] for u in v.inputs]
+                group_of[v] = cast(Op, v.op).forward(*xs, **attrs)
+                run.hoisted.append(group_of[v])
+        hoisted_groups = run.hoisted
+        step = self.variant._make_step(self._select, *caps)
+        records = run.records
+        update_src, names = self.update_src, self.names
+        state = init
+        history: list[list[Any]] = []
+        reads = self.reads
+        t = 0
+        while True:
+            if reached_end(loop, t, length):
+                break
+            if loop.cond is not None and not run_cond(loop, idx, t, names, state):
+                break
+            if at_limit(loop, idx, t):
+                run.capped = True
+                break
+            args = list(state)
+            for seq, rev in zip(seqs, self.item_reverse):
+                args.append(seq[cast(int, length) - 1 - t] if rev else seq[t])
+            if rows is not None:
+                row = rows[t]
+                for k, slot in reads:
+                    c = row[slot]
+                    args.append(history[c][k] if c >= 0 else init[k])
+            for group in hoisted_groups:
+                args.append(group[t])
+            record = step(t, *args)
+            records.append(record)
+            new_state = [record[i] if in_record else caps[i] for in_record, i in update_src]
+            for k in range(nc):
+                old, new = state[k], new_state[k]
+                if old.shape != new.shape or old.dtype != new.dtype:
+                    check_carry(
+                        loop, idx, t, names[k], old, new, _Described(self, loop.updates[loop.carries[k]], t)
+                    )
+            state = new_state
+            if rows is not None:
+                history.append(new_state)
+            t += 1
+            if loop.until is not None and run_cond(loop, idx, t - 1, names, state, until=True):
+                break
+        run.trips = t
+        run.finals = state
+        return run
+
+    def rerun(self, *values: Any) -> ProgramRun:
+        """:meth:`forward` for a forward of the graph: the decisions must be those of the build
+        (else the graph no longer describes the inputs: :class:`StructureChangedError`)."""
+        old = cast(ProgramRun, self.run)
+        new = self.forward(*values)
+        where = self.loop.describe(self.idx)
+        if new.trips != old.trips or new.capped != old.capped:
+            raise StructureChangedError(
+                f"{where} would now run {new.trips} iterations (was {old.trips}); rebuild the compute "
+                "graph for the new inputs"
+            )
+        for pos in self.variant.choice.values():
+            for t, (a, b) in enumerate(zip(old.records, new.records)):
+                if a[pos] != b[pos]:
+                    branch = next(v for v, p in self.variant.choice.items() if p == pos)
+                    raise StructureChangedError(
+                        f"{branch.describe((*self.idx, t))} would now select option {b[pos]}, but this "
+                        f"graph was built with option {a[pos]}; rebuild the compute graph for the new inputs"
+                    )
+        self.run = new
+        for (slot, t), view in self._views.items():
+            view._value = new.records[t][slot]
+        return new
+
+    # -- outputs
+    def final(self, k: int) -> Callable[[ProgramRun], Any]:
+        def value(run: ProgramRun) -> Any:
+            return run.finals[k]
+
+        return value
+
+    def stacked(self, j: int, caps: Sequence[Any]) -> Callable[[ProgramRun], Any]:
+        in_record, i = self.stack_src[j]
+
+        def value(run: ProgramRun) -> Any:
+            if not run.records:
+                raise BuildError(f"{self.loop.describe(self.idx)} ran no iteration, nothing to stack")
+            return np.stack([r[i] for r in run.records] if in_record else [caps[i]] * run.trips)
+
+        return value
+
+    # -- backward
+    def vjp(self, i: int, g: RunGrad, run: ProgramRun, *values: Any) -> Any:
+        """The gradient of the loop node's parent ``i``: the backward steps run once per sweep
+        (on the first parent asked for) for all of them."""
+        if g.result is None:
+            g.result = self.backward(g, run, values)
+        out = g.result[i]
+        if out is None:
+            out = np.zeros(np.shape(values[i]), dtype=values[i].dtype)
+        return out
+
+    def backward(self, g: RunGrad, run: ProgramRun, values: Sequence[Any]) -> list[Any]:
+        loop, variant, nc, ns = self.loop, self.variant, self.n_carries, self.n_seqs
+        program = self.program
+        ncap = len(variant.captured)
+        first_cap = nc + ns + (1 if self.has_kids else 0)
+        caps = values[first_cap:]
+        seqs = values[nc : nc + ns]
+        accs = [_Acc(self.sparse[j]) for j in range(ncap)]
+        back = variant._make_back(*caps, *[a.add for a in accs])
+        T = run.trips
+        nf = len(program.finals)
+        # seeds: finals by carry, stacked values by row
+        final_seed: list[Any] = [None] * nc
+        for k, f in enumerate(program.finals):
+            s = g.seeds.get(k)
+            if s is not None:
+                c = loop.carries.index(f.inputs[1])
+                final_seed[c] = s if final_seed[c] is None else add_grads(final_seed[c], s)
+        stack_seed = [g.seeds.get(nf + j) for j in range(len(program.stacked))]
+        if isinstance(stack_seed, list):
+            stack_seed = [s.dense() if isinstance(s, LazyGrad) else s for s in stack_seed]
+        seq_grad: list[Any] = [None] * ns
+        items = loop.items
+        ni, nr, nh = len(items), len(loop.children), len(variant.hoisted)
+        hoisted_rows: list[list[Any]] = [[None] * T for _ in range(nh)]
+        rows = run.kids
+        init_grad: list[Any] = [None] * nc
+        pending: list[list[Any]] | None = None
+        if rows is not None:
+            pending = [[None] * nc for _ in range(T)]
+            if T:
+                pending[T - 1] = list(final_seed)
+            carry_in: list[Any] = [None] * nc
+        else:
+            carry_in = list(final_seed)
+        length = len(seqs[0]) if seqs else T
+        keep = self._retaining()
+        late = {variant.slot[v] for v in (*items, *variant.hoisted)}
+        for t in range(T - 1, -1, -1):
+            if pending is not None:
+                u = pending[t]
+                for k in range(nc):  # the carry reads of iteration t + 1 read iteration t's update
+                    if carry_in[k] is not None:
+                        u[k] = carry_in[k] if u[k] is None else add_grads(u[k], carry_in[k])
+            else:
+                u = carry_in
+            q = [None if s is None else s[t] for s in stack_seed]
+            try:
+                if keep is None:
+                    res = back(False, run.records[t], *u, *q)
+                else:
+                    res, every = back(True, run.records[t], *u, *q)
+            except VGraphError:
+                raise
+            except Exception as e:
+                raise self._vjp_error(e, t) from e
+            if keep is not None:
+                for slot, view in keep.get(t, ()):
+                    if slot not in late:  # (items' and hoisted nodes' are complete only later)
+                        _retain(view, every[slot])
+            carry_in = list(res[:nc])
+            for i in range(ni):
+                d = res[nc + i]
+                if d is None:
+                    continue
+                if seq_grad[i] is None:
+                    seq_grad[i] = np.zeros(np.shape(seqs[i]), dtype=_grad_dtype(seqs[i]))
+                at = length - 1 - t if self.item_reverse[i] else t
+                _add_row(seq_grad[i], at, d)
+            if rows is not None:
+                row = rows[t]
+                for r, (k, slot) in enumerate(self.reads):
+                    d = res[nc + ni + r]
+                    if d is None:
+                        continue
+                    c = row[slot]
+                    target = cast(list[list[Any]], pending)[c] if c >= 0 else init_grad
+                    target[k] = d if target[k] is None else add_grads(target[k], d)
+            for h in range(nh):
+                hoisted_rows[h][t] = res[nc + ni + nr + h]
+        for k in range(nc):  # what reaches iteration 0's carry reads: the initial values
+            if carry_in[k] is not None:
+                init_grad[k] = carry_in[k] if init_grad[k] is None else add_grads(init_grad[k], carry_in[k])
+        if nh:
+            self._backward_hoisted(run, hoisted_rows, seqs, caps, seq_grad, accs, keep)
+        if keep is not None:  # a stepped item's gradient is its row of the sequence's
+            for t, views in keep.items():
+                for slot, view in views:
+                    v = variant.inputs[slot] if slot < len(variant.inputs) else None
+                    if v in items:
+                        i = items.index(v)
+                        at = length - 1 - t if self.item_reverse[i] else t
+                        if seq_grad[i] is not None:
+                            _retain(view, seq_grad[i][at])
+        out: list[Any] = [*init_grad, *seq_grad]
+        if self.has_kids:
+            out.append(None)
+        out.extend(a.g for a in accs)
+        return out
+
+    def _vjp_error(self, e: Exception, t: int) -> Exception:
+        """The error for exception ``e`` raised by a VJP in iteration ``t``'s backward step, as
+        the per-node sweep words it: naming the node, its op and the input."""
+        variant = self.variant
+        where = None
+        tb = e.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == variant.back_file:
+                where = variant.back_lines.get(tb.tb_lineno)
+            tb = tb.tb_next
+        if where is None:  # not in a VJP: the program itself
+            return BackwardError(
+                f"{self.loop.describe((*self.idx, t))}: the backward step failed: {type(e).__name__}: {e}"
+            )
+        v, p = where
+        op = cast(Op, v.op)
+        node, parent = self.view(v, t).describe(), self.view(v.inputs[p], t).describe()
+        if isinstance(e, OpResultError):  # refused by a vgraph.defop op's CheckedVJP
+            return e.error(f"{node}: the VJP of {op.name} for input {e.position} {parent} {e}")
+        return BackwardError(
+            f"{node}: the VJP of {op.name} with respect to its input {parent} failed: {type(e).__name__}: {e}"
+        )
+
+    def _retaining(self) -> dict[int, list[tuple[int, ComputeNode]]] | None:
+        """The views that retain their gradient, by iteration (``None``: none do)."""
+        found: dict[int, list[tuple[int, ComputeNode]]] = {}
+        for (slot, t), view in self._views.items():
+            if view.retains_grad:
+                found.setdefault(t, []).append((slot, view))
+        return found or None
+
+    def _backward_hoisted(
+        self,
+        run: ProgramRun,
+        rows: list[list[Any]],
+        seqs: Sequence[Any],
+        caps: Sequence[Any],
+        seq_grad: list[Any],
+        accs: list[_Acc],
+        keep: dict[int, list[tuple[int, ComputeNode]]] | None,
+    ) -> None:
+        """The hoisted nodes' VJPs, each once over all iterations, last hoisted first."""
+        variant, loop = self.variant, self.loop
+        hoisted = list(variant.hoisted)
+        trips = run.trips
+        grads: dict[VirtualNode, Any] = {}
+        for v, value, per_row in zip(hoisted, run.hoisted, rows):
+            if any(r is not None for r in per_row):
+                buf = np.zeros(np.shape(value), dtype=_grad_dtype(value))
+                for t, r in enumerate(per_row):
+                    if r is not None:
+                        _add_row(buf, t, r)
+                grads[v] = buf
+        group_of: dict[VirtualNode, Any] = {}
+        for item, seq, rev in zip(loop.items, seqs, self.item_reverse):
+            group_of[item] = seq[::-1][:trips] if rev else seq[:trips]
+        for v, value in zip(hoisted, run.hoisted):
+            group_of[v] = value
+        for v, attrs, value in reversed(list(zip(hoisted, self.hoisted_attrs, run.hoisted))):
+            gv = grads.pop(v, None)
+            if gv is None:
+                continue
+            if keep is not None:  # a hoisted node's gradient is its row of the group's
+                slot = variant.slot[v]
+                for t, views in keep.items():
+                    for s, view in views:
+                        if s == slot:
+                            _retain(view, gv[t])
+            op = cast(Op, v.op)
+            xs = [group_of[u] if u in group_of else caps[variant.captured[u]] for u in v.inputs]
+            for p, u in enumerate(v.inputs):
+                f = vjp_of(op, p)
+                if f is None or not (u in variant.grad_slots or u in variant.needs):
+                    continue
+                d = f(gv, value, *xs, **attrs)
+                shape = np.shape(xs[p])
+                if d.shape != shape:
+                    d = reduce_grad(d, shape, False)
+                if u in loop.items:
+                    i = loop.items.index(u)
+                    if seq_grad[i] is None:
+                        seq_grad[i] = np.zeros(np.shape(seqs[i]), dtype=_grad_dtype(seqs[i]))
+                    rows_of = seq_grad[i][::-1][:trips] if self.item_reverse[i] else seq_grad[i][:trips]
+                    if isinstance(d, LazyGrad):
+                        d.add_into(rows_of)
+                    else:
+                        rows_of += d
+                elif u in grads or u in variant.hoisted:
+                    grads[u] = d if u not in grads else add_grads(grads[u], d)
+                elif u in variant.captured:
+                    accs[variant.captured[u]].add(d)
+
+    # -- views: the unrolled nodes, made when asked for
+    def view(self, v: VirtualNode, t: int) -> ComputeNode:
+        """The compute node of body node ``v`` in iteration ``t``: a view of the record's entry,
+        made on first request.
+
+        Raises:
+            BuildError: no such iteration, or ``v`` was not computed in it (an option not chosen).
+        """
+        run = cast(ProgramRun, self.run)
+        variant = self.variant
+        where = v.describe((*self.idx, t))
+        loop = self.loop
+        while 0 <= t < run.trips:  # what a read of a carry or a child is: the node it reads
+            if v in variant.captured:  # a tied parameter or a constant of the body, or from outside
+                return self.captured_nodes[variant.captured[v]]
+            if v.kind == "child":
+                k = loop.carries.index(v.inputs[0])
+                c = cast(list[list[int]], run.kids)[t][v.attrs["slot"]]
+                if c < 0:
+                    return self.init_nodes[k]
+                v, t = loop.updates[v.inputs[0]], c
+            elif v.kind == "carry":
+                if t == 0:
+                    return self.init_nodes[loop.carries.index(v)]
+                v, t = loop.updates[v], t - 1
+            else:
+                break
+        if v not in variant.slot or not 0 <= t < run.trips:
+            raise BuildError(f"{where} was not built in this graph (not needed, or no such iteration)")
+        slot = variant.slot[v]
+        found = self._views.get((slot, t))
+        if found is not None:
+            return found
+        value = run.records[t][slot]
+        if value is None:
+            raise BuildError(f"{where} was not built in this graph (its branch option was not chosen)")
+        node = ComputeNode(
+            NodeKey(v.type, v.id, (*self.idx, t)), value, None, (), None, v in variant.grad_slots, v.name
+        )
+        node._graph = self._graph
+        self._views[(slot, t)] = node
+        return node
+
+    def retain_all(self) -> int:
+        """Make and retain the gradient of every body node of every iteration that needs one
+        (what :func:`vgraph.render.retain_all_grads` does to a per-node graph); returns how many."""
+        run = cast(ProgramRun, self.run)
+        count = 0
+        for v in self.variant.computed:
+            if v not in self.variant.grad_slots:
+                continue
+            for t in range(run.trips):
+                if run.records[t][self.variant.slot[v]] is not None:
+                    self.view(v, t).retain_grad()
+                    count += 1
+        return count
+
+    def built(self, v: VirtualNode, t: int) -> bool:
+        """Whether body node ``v`` has a value in iteration ``t``."""
+        run = self.run
+        if v in self.variant.captured and v.scope is self.loop:
+            return run is not None and 0 <= t < run.trips
+        return (
+            run is not None
+            and v in self.variant.slot
+            and 0 <= t < run.trips
+            and run.records[t][self.variant.slot[v]] is not None
+        )
+
+
+class _Described:
+    """Describes a body node in an iteration for an error message, without making its view."""
+
+    def __init__(self, instance: ProgramInstance, v: VirtualNode, t: int) -> None:
+        self.text = v.describe((*instance.idx, t))
+
+    def describe(self) -> str:
+        return self.text
+
+
+def _retain(view: ComputeNode, g: Any) -> None:
+    """Add ``g`` (``None``: nothing reached it) to the gradient a view retains."""
+    if g is None:
+        return
+    g = g.dense() if isinstance(g, LazyGrad) else np.array(g)
+    view.grad = g if view.grad is None else view.grad + g
+    graph = view.graph
+    if graph is not None:
+        graph._graded.add(view)
+
+
+def _grad_dtype(x: Any) -> Any:
+    dtype = np.asarray(x).dtype
+    return dtype if dtype.kind in "fc" else np.float64
+
+
+def _add_row(buf: np.ndarray, t: int, d: Any) -> None:
+    if isinstance(d, LazyGrad):
+        d.add_into(buf[t])
+    else:
+        buf[t] += d
+
+
+def _seed_vjp(k: int, g: Any, ans: Any, run: ProgramRun) -> RunGrad:
+    """The VJP of a program's output ``k``: its gradient, handed to the loop node."""
+    return RunGrad({k: g})
+
+
+def show_program(cg: Any, loop: LoopNode, idx: tuple[int, ...] = ()) -> str:
+    """The generated source of the body program that ran ``loop`` in iteration path ``idx`` of
+    build ``cg``: its forward step and its backward step (tracebacks through them show the same
+    lines), with what its slots ``sN`` and captured values ``kN`` are.
+
+    Args:
+        cg: an unrolled graph (``g.build(..., programs=True)``).
+        loop: the loop (or recursion) node.
+        idx: the iteration path of the loop instance (``()`` for a top-level loop).
+
+    Returns:
+        The source, as text (``print(vg.show_program(cg, loop))``).
+
+    Raises:
+        BuildError: that loop instance did not run as a program (``cg.interpreted`` says why).
+    """
+    instance = getattr(cg, "programs", {}).get((loop, tuple(idx)))
+    if instance is None:
+        why = [r for lp, i, r in getattr(cg, "interpreted", ()) if lp is loop and i == tuple(idx)]
+        reason = f": {why[0]}" if why else " (built with programs=False, or not built)"
+        raise BuildError(f"{loop.describe(tuple(idx))} did not run as a body program{reason}")
+    variant = instance.variant
+    legend = [f"#   s{i} = {v.describe()}" for v, i in variant.slot.items()]
+    legend += [f"#   s{i} = the option {b.describe()} chose" for b, i in variant.choice.items()]
+    legend += [f"#   k{j} = {v.describe()}" for v, j in variant.captured.items()]
+    if variant.hoisted:
+        legend.append(
+            "# computed once over all iterations: " + ", ".join(v.describe() for v in variant.hoisted)
+        )
+    return "\n".join(
+        [
+            f"# body program of {loop.describe(tuple(idx))}",
+            *legend,
+            "",
+            variant.forward_source,
+            variant.backward_source,
+        ]
+    )
