@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     "functions": 1,
     "compute": 2,
     "tape": 2,
+    "higher": 2,  # gradients recorded as nodes (second order): on ops and compute
     "virtual": 3,
     "nn": 4,
     "losses": 4,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 # Imported last: it draws both graph kinds and gives them Jupyter display (_repr_svg_).
 from . import (
+    higher,
     init,
     io,
     losses,
@@ -15,7 +16,7 @@ from . import (
     tbptt,
     workspace,
 )
-from .check import check_vjps, gradcheck, jacobian
+from .check import check_vjps, gradcheck, gradgradcheck, jacobian
 from .compute import (
     ComputeGraph,
     ComputeNode,
@@ -38,6 +39,7 @@ from .errors import (
     NonFiniteError,
     OpDefinitionError,
     RenderError,
+    SecondOrderError,
     SelectorError,
     ShapeError,
     StructureChangedError,
@@ -83,6 +85,7 @@ from .functions import (
     var,
     where,
 )
+from .higher import gnvp, hvp, hvp_operator
 from .modes import (
     body_programs,
     detect_anomaly,
@@ -129,6 +132,7 @@ __all__ = [
     "OpDefinitionError",
     "ParameterStore",
     "RenderError",
+    "SecondOrderError",
     "SelectorError",
     "ShapeError",
     "StructureChangedError",
@@ -152,7 +156,12 @@ __all__ = [
     "detect_anomaly",
     "exp",
     "get_default_dtype",
+    "gnvp",
     "gradcheck",
+    "gradgradcheck",
+    "higher",
+    "hvp",
+    "hvp_operator",
     "init",
     "io",
     "is_anomaly_enabled",

@@ -11,6 +11,7 @@ import numpy as np
 
 from .compute import ComputeGraph, ComputeNode, NodeKey
 from .errors import GradcheckError, GraphStateError, VGraphError
+from .higher import rule_mismatches
 from .ops import VJP, LazyGrad, Op, OpResultError, unbroadcast
 from .virtual import UnrolledGraph
 
@@ -235,6 +236,138 @@ def gradcheck(
             + where
         )
     return result
+
+
+def gradgradcheck(
+    output: ComputeNode,
+    wrt: Sequence[ComputeNode],
+    eps: float = 1e-6,
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+    raise_on_failure: bool = True,
+    seed: int = 0,
+) -> GradcheckResult:
+    """Compare second derivatives recorded as nodes (``create_graph=True``) with central finite
+    differences of first-order gradients.
+
+    With ``f = sum(output * r)`` (``r`` a fixed random projection; ``f = output`` for a scalar)
+    and a fixed random direction ``u`` over ``wrt``, the Hessian-vector product ``H u`` is
+    computed by reverse over reverse — the gradient of ``f`` recorded as nodes, its inner product
+    with ``u`` differentiated by an ordinary backward — and compared element by element with
+    ``(grad f(x + eps e_j) - grad f(x - eps e_j)) . u / (2 eps)``, the gradients from the
+    ordinary (numpy) backward. Run it in float64. Leaves are restored and ``.grad`` untouched;
+    the recorded gradient's nodes stay in the graph.
+
+    When they disagree, every op node the output depends on has its differentiable VJP compared
+    with its numpy VJP (:func:`vgraph.higher.rule_mismatches`), and the error names the first that
+    disagrees.
+
+    Args:
+        output: the node to differentiate twice.
+        wrt: leaf nodes (inputs with ``requires_grad=True`` or parameters).
+        eps: the finite-difference step.
+        atol, rtol: an element passes if ``|analytic - numeric| <= atol + rtol * |numeric|``.
+        raise_on_failure: raise :class:`GradcheckError` instead of returning a failing result.
+        seed: seeds ``r`` and ``u``.
+
+    Returns:
+        A :class:`GradcheckResult` (its ``failures`` name the leaf and element of ``H u``).
+
+    Raises:
+        GradcheckError: second derivatives disagree (names the worst elements and, where it can,
+            the node whose differentiable VJP is wrong).
+        SecondOrderError: a node whose gradient cannot be recorded (names it).
+        VGraphError: the graph is not float64, or a ``wrt`` node is not a leaf.
+        TypeError, ValueError: as :func:`gradcheck`.
+    """
+    if not isinstance(output, ComputeNode):
+        raise TypeError(f"gradgradcheck: output must be a ComputeNode, got {type(output).__name__}")
+    wrt = [wrt] if isinstance(wrt, ComputeNode) else list(wrt)
+    for i, x in enumerate(wrt):
+        if not isinstance(x, ComputeNode):
+            raise TypeError(f"gradgradcheck: wrt[{i}] must be a ComputeNode, got {type(x).__name__}")
+    _check_tolerances(eps, atol, rtol)
+    eps, atol, rtol = float(eps), float(atol), float(rtol)
+    graph = output.graph
+    if graph is None:
+        raise VGraphError(f"{output.describe()} belongs to no ComputeGraph")
+    for x in (output, *wrt):
+        if x.dtype != np.float64:
+            raise VGraphError(
+                f"gradgradcheck needs float64 values, {x.describe()} is {x.dtype}: build the graph "
+                "with dtype=np.float64"
+            )
+        if x is not output and x.op is not None:
+            raise VGraphError(f"gradgradcheck perturbs leaves; {x.describe()} is computed by {x.op.name}")
+    rng = np.random.default_rng(seed)
+    projection = None if np.size(output.value) == 1 else rng.standard_normal(np.shape(output.value))
+    directions = [rng.standard_normal(x.shape) for x in wrt]
+    graph.forward(output)
+    grads = graph.grad(output, wrt, seeds=projection, retain_graph=True, allow_unused=True, create_graph=True)
+    dot = None
+    for g, u in zip(grads, directions):
+        if g is not None:
+            term = (g * u).sum()
+            dot = term if dot is None else dot + term
+    if dot is not None and dot.requires_grad:
+        found = graph.grad(dot, wrt, retain_graph=True, allow_unused=True)
+    else:
+        found = [None] * len(wrt)
+    analytic = [np.zeros(x.shape) if a is None else a for a, x in zip(found, wrt)]
+
+    def directional() -> float:
+        graph.forward(output)
+        gs = graph.grad(output, wrt, seeds=projection, retain_graph=True, allow_unused=True)
+        return float(sum(np.sum(g * u) for g, u in zip(gs, directions) if g is not None))
+
+    failures = []
+    max_abs = max_rel = 0.0
+    checked = 0
+    for x, a in zip(wrt, analytic):
+        original = np.array(x.value, copy=True)
+        try:
+            for i in np.ndindex(original.shape):
+                bumped = original.copy()
+                bumped[i] += eps
+                x.value = bumped
+                f_plus = directional()
+                bumped[i] = original[i] - eps
+                x.value = bumped
+                f_minus = directional()
+                numeric = (f_plus - f_minus) / (2 * eps)
+                err = abs(float(a[i]) - numeric)
+                rel = err / max(abs(numeric), atol)
+                max_abs, max_rel = max(max_abs, err), max(max_rel, rel)
+                checked += 1
+                if err > atol + rtol * abs(numeric):
+                    failures.append(GradcheckFailure(x.describe(), i, float(a[i]), numeric, err, rel))
+        finally:
+            x.value = original
+            graph.forward(output)
+    failures.sort(key=lambda f: -f.abs_error)
+    result = GradcheckResult(max_abs, max_rel, checked, failures[:10])
+    if not failures or not raise_on_failure:
+        return result
+    wrong = rule_mismatches(output, seed=seed)
+    if wrong:
+        node, position, err = wrong[0]
+        where = (
+            f"The differentiable VJP of {node.describe()} (op {node.op.name if node.op else '?'}) for "
+            f"input {position} {node.parents[position].describe()} disagrees with its numpy VJP "
+            f"(max abs difference {err:.3g})"
+        )
+    else:
+        where = (
+            "Every differentiable VJP agrees with its numpy VJP here; the difference comes from "
+            "the graph (a non-differentiable point, or an eps that changes its structure)"
+        )
+    raise GradcheckError(
+        f"{len(failures)} of {checked} second-derivative elements (H u) of {output.describe()} "
+        f"disagree (atol={atol}, rtol={rtol}), worst first:\n  "
+        + "\n  ".join(str(f) for f in result.failures)
+        + "\n"
+        + where
+    )
 
 
 # ---------------------------------------------------------------------------- localised check

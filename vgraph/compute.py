@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Reversible, S
 from dataclasses import dataclass, field
 from functools import partial
 from operator import attrgetter
-from typing import Any, NamedTuple, NoReturn, Protocol, cast
+from typing import Any, Literal, NamedTuple, NoReturn, Protocol, cast, overload
 
 import numpy as np
 
@@ -275,11 +275,15 @@ class ComputeNode(Operand):
             every use of the parameter is a row look-up (``take``, ``W[rows]``, ``W[a:b]``); see
             docs/training.md, "Sparse embedding gradients". Set it through
             ``parameter(..., sparse_grad=True)``.
+        grad_node: after ``backward(loss, create_graph=True)``: the gradient of that backward
+            as a node of the graph (differentiable again, see docs/second_order.md); ``.grad``
+            holds its value, added as usual. ``None`` until such a backward reaches the node.
     """
 
     __slots__ = (
         "key", "name", "op", "parents", "attrs", "vjps", "_value", "version",
         "requires_grad", "grad", "retains_grad", "_graph", "serial", "_g", "_gown", "sparse_grad",
+        "grad_node",
     )  # fmt: skip
 
     def __init__(
@@ -319,6 +323,7 @@ class ComputeNode(Operand):
         self._g: Any = None  # gradient being accumulated during one backward pass
         self._gown = False  # whether _g is an array this pass allocated (safe to add into)
         self.sparse_grad = False
+        self.grad_node: ComputeNode | None = None
 
     @property
     def graph(self) -> ComputeGraph | None:
@@ -1272,7 +1277,9 @@ class ComputeGraph:
             )
 
     # -- backward
-    def backward(self, loss: ComputeNode, seed: Any = None, *, detect_anomaly: bool = False) -> float | None:
+    def backward(
+        self, loss: ComputeNode, seed: Any = None, *, detect_anomaly: bool = False, create_graph: bool = False
+    ) -> float | None:
         """Backpropagate from ``loss`` and accumulate gradients into the leaves' ``.grad``.
 
         Shorthand for ``backward_ex(loss, seed, retain_graph=False)``. Gradients accumulate across
@@ -1287,6 +1294,11 @@ class ComputeGraph:
             seed: the gradient of the final objective with respect to ``loss`` (shape of ``loss``);
                 required when ``loss`` is not a scalar.
             detect_anomaly: raise at the first NaN/Inf gradient (see :func:`detect_anomaly`).
+            create_graph: record the gradient computation as nodes of this graph (see
+                docs/second_order.md): each leaf's gradient is then also a node, in its
+                ``.grad_node``, that can be used in a further loss and differentiated again;
+                ``.grad`` gets its value, as usual. ``seed`` may then be a node. The graph is not
+                released (as with ``retain_graph=True``).
 
         Returns:
             The loss value as a float (``None`` for a non-scalar ``loss``).
@@ -1299,29 +1311,81 @@ class ComputeGraph:
                 out of date (names the node and what changed).
             BackwardError: a VJP raised (names the node); no ``.grad`` was changed.
             NonFiniteError: with anomaly detection, the first NaN/Inf gradient.
+            SecondOrderError: with ``create_graph``, a node whose gradient cannot be recorded
+                (an op without a differentiable VJP; names the node); nothing was changed.
         """
         detect_anomaly = flag_arg(detect_anomaly, "backward(detect_anomaly=...)")
-        return self.backward_ex(loss, seed, retain_graph=False, detect_anomaly=detect_anomaly)
+        return self.backward_ex(
+            loss, seed, retain_graph=False, detect_anomaly=detect_anomaly, create_graph=create_graph
+        )
 
     @computing
     def backward_ex(
-        self, loss: ComputeNode, seed: Any = None, retain_graph: bool = False, *, detect_anomaly: bool = False
+        self,
+        loss: ComputeNode,
+        seed: Any = None,
+        retain_graph: bool = False,
+        *,
+        detect_anomaly: bool = False,
+        create_graph: bool = False,
     ) -> float | None:
         """Like :meth:`backward`; with ``retain_graph=True`` the graph can be backpropagated again
         without a new forward (e.g. to accumulate the gradients of several losses)."""
         loss = self._node_arg(loss, "loss", "backward")
         retain_graph = flag_arg(retain_graph, "backward_ex(retain_graph=...)")
         detect_anomaly = flag_arg(detect_anomaly, "backward_ex(detect_anomaly=...)")
-        self._check_can_backward(loss)
-        g = self._seed(loss, seed)
-        self._check_values_fresh((loss,), "backward")
-        with _sweep_lock, _anomaly_scope(detect_anomaly), sweep_scope(), self._values_for_sweep([loss]):
-            self._backprop(self._sweep_plan([loss]), [(loss, g)], accumulate=True)
-        self._released = not retain_graph
+        if create_graph is not False and flag_arg(create_graph, "backward(create_graph=...)"):
+            self._backward_recorded(loss, seed, detect_anomaly)
+        else:
+            self._check_can_backward(loss)
+            g = self._seed(loss, seed)
+            self._check_values_fresh((loss,), "backward")
+            with _sweep_lock, _anomaly_scope(detect_anomaly), sweep_scope(), self._values_for_sweep([loss]):
+                self._backprop(self._sweep_plan([loss]), [(loss, g)], accumulate=True)
+            self._released = not retain_graph
         value = loss._value if loss._value is not None else loss.value  # checkpointed: recomputed
         if type(value) is np.ndarray:  # (the common case, without numpy's Python-level wrappers)
             return float(value.reshape(())) if value.size == 1 else None
         return float(np.reshape(value, ())) if np.size(value) == 1 else None
+
+    @overload
+    def grad(
+        self,
+        outputs: ComputeNode | Sequence[ComputeNode],
+        inputs: ComputeNode | Sequence[ComputeNode],
+        seeds: Any = None,
+        retain_graph: bool = False,
+        allow_unused: bool = False,
+        *,
+        detect_anomaly: bool = False,
+        create_graph: Literal[False] = False,
+    ) -> list[np.ndarray | None]: ...
+
+    @overload
+    def grad(
+        self,
+        outputs: ComputeNode | Sequence[ComputeNode],
+        inputs: ComputeNode | Sequence[ComputeNode],
+        seeds: Any = None,
+        retain_graph: bool = False,
+        allow_unused: bool = False,
+        *,
+        detect_anomaly: bool = False,
+        create_graph: Literal[True],
+    ) -> list[ComputeNode | None]: ...
+
+    @overload
+    def grad(
+        self,
+        outputs: ComputeNode | Sequence[ComputeNode],
+        inputs: ComputeNode | Sequence[ComputeNode],
+        seeds: Any = None,
+        retain_graph: bool = False,
+        allow_unused: bool = False,
+        *,
+        detect_anomaly: bool = False,
+        create_graph: bool,
+    ) -> list[np.ndarray | None] | list[ComputeNode | None]: ...
 
     @computing
     def grad(
@@ -1333,7 +1397,8 @@ class ComputeGraph:
         allow_unused: bool = False,
         *,
         detect_anomaly: bool = False,
-    ) -> list[np.ndarray | None]:
+        create_graph: bool = False,
+    ) -> list[np.ndarray | None] | list[ComputeNode | None]:
         """Gradients of ``outputs`` with respect to ``inputs``, returned and not accumulated.
 
         Like ``torch.autograd.grad``: no ``.grad`` is touched. Inputs may be leaves or
@@ -1347,16 +1412,19 @@ class ComputeGraph:
             allow_unused: give ``None`` for an input the outputs do not depend on (differentiably)
                 instead of raising.
             detect_anomaly: raise at the first NaN/Inf gradient (see :func:`detect_anomaly`).
+            create_graph: record the gradient computation as nodes of this graph and return the
+                gradients as nodes, which can be used in a further loss and differentiated again
+                (see docs/second_order.md). Seeds may then be nodes too. The graph is not released.
 
         Returns:
             One array per input, shaped like the input's value (``None`` for an unused input with
-            ``allow_unused=True``).
+            ``allow_unused=True``); with ``create_graph``, one node per input instead.
 
         Raises:
             TypeError: an output or input is not a node.
             GraphStateError: an input does not require gradients, is not used by the outputs
                 (without ``allow_unused``), the graph was released, or a value is out of date.
-            BackwardError, NonFiniteError: as for :meth:`backward`.
+            BackwardError, NonFiniteError, SecondOrderError: as for :meth:`backward`.
         """
         outs = self._nodes_arg(outputs, "outputs", "grad")
         ins = self._nodes_arg(inputs, "inputs", "grad")
@@ -1378,6 +1446,11 @@ class ComputeGraph:
         self._check_fresh()
         if self._released:
             self._raise_released(outs[0])
+        if create_graph is not False and flag_arg(create_graph, "grad(create_graph=...)"):
+            from . import higher  # (the same layer; higher builds on this module)
+
+            with _sweep_lock, _anomaly_scope(detect_anomaly):
+                return higher.grad(self, outs, ins, seeds, allow_unused)
         roots = [(o, self._seed(o, s)) for o, s in zip(outs, seeds) if o.requires_grad]
         if roots:
             self._check_values_fresh([o for o, _ in roots], "grad")
@@ -1402,6 +1475,17 @@ class ComputeGraph:
             )
         self._released = not retain_graph
         return [found.get(x) for x in ins]
+
+    def _backward_recorded(self, loss: ComputeNode, seed: Any, detect_anomaly: bool) -> None:
+        """``backward(loss, seed, create_graph=True)`` (see :mod:`vgraph.higher`)."""
+        from . import higher  # (the same layer; higher builds on this module)
+
+        self._check_can_backward(loss)
+        if not isinstance(seed, ComputeNode):
+            self._seed(loss, seed)
+        self._check_values_fresh((loss,), "backward")
+        with _sweep_lock, _anomaly_scope(detect_anomaly):
+            higher.backward(self, loss, seed)
 
     def _values_for_sweep(self, roots: Sequence[ComputeNode]) -> contextlib.AbstractContextManager[None]:
         """While a backward sweep runs from nodes computed when read, they and the nodes computed

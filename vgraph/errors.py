@@ -103,3 +103,11 @@ class OpDefinitionError(VGraphError, TypeError, ValueError):
 
 class NonFiniteError(VGraphError, FloatingPointError):
     """Anomaly detection found the first NaN or Inf: names the unrolled node that produced it."""
+
+
+class SecondOrderError(VGraphError):
+    """A gradient recorded as graph nodes (``create_graph=True``) met a node it cannot
+    differentiate that way: an op with no differentiable VJP (a :func:`vgraph.defop` op defined
+    without ``node_vjps``, a loop run as one body program), or a structure the recorded gradient
+    does not support yet (checkpointed loops, nodes computed when read). Names the node and says
+    what to do instead. Nothing was added to the graph's gradients (``.grad`` is unchanged)."""

@@ -628,6 +628,7 @@ def defop(
     variadic: bool = False,
     replace: bool = False,
     elementwise: bool = False,
+    node_vjps: Sequence[Callable[..., Any] | None] | None = None,
 ) -> OpFunction:
     """Add a primitive with its own VJPs, and get the function that applies it to nodes.
 
@@ -669,6 +670,12 @@ def defop(
             that breaks it computes wrong values on those paths, and under
             :func:`vgraph.detect_anomaly` the build compares one row with the op run alone and
             raises (see docs/custom_ops.md).
+        node_vjps: the VJPs again, written with vgraph operations on nodes so that they can be
+            differentiated (second order, ``create_graph=True``; see docs/second_order.md): one
+            ``vjp(g, ans, *xs, **attrs)`` (or ``None`` where ``vjps`` has ``None``) per VJP, that
+            gets ``g``, ``ans`` and the inputs as compute nodes and returns the gradient as a node.
+            Without them the op is first-order only: differentiating its gradient raises
+            :class:`~vgraph.errors.SecondOrderError`.
 
     Returns:
         An :class:`OpFunction`: call it on nodes, ``f(*inputs, **attrs)``.
@@ -680,7 +687,8 @@ def defop(
             exactly one for a variadic op; ``forward`` or a VJP cannot take the inputs the VJPs
             imply (a VJP takes ``g, ans`` and every input; a variadic op's forward takes ``*xs``
             and its VJP ``i, g, ans, *xs``), or needs a parameter no call can give (one forward
-            or another VJP cannot take as an attribute); ``elementwise`` is not a bool.
+            or another VJP cannot take as an attribute); ``elementwise`` is not a bool;
+            ``node_vjps`` is not one callable per VJP (``None`` exactly where the VJP is).
 
     The op's nodes then raise, naming the node: :class:`~vgraph.errors.DTypeError` when the
     forward returns complex or object values; in backward, :class:`~vgraph.errors.VJPShapeError`
@@ -700,7 +708,10 @@ def defop(
     if not isinstance(elementwise, bool):
         raise OpDefinitionError(f"defop: elementwise must be a bool, got {type(elementwise).__name__}")
     kind = _ops.ELEMENTWISE if elementwise else None
-    op = _ops.defop(name, forward, *vjps, variadic=variadic, replace=replace, user=True, kind=kind)
+    op = _ops.defop(
+        name, forward, *vjps, variadic=variadic, replace=replace, user=True, kind=kind,
+        node_vjps=node_vjps,
+    )  # fmt: skip
     _USER_OPS.add(op.name)
     return OpFunction(op.name)
 

@@ -30,7 +30,7 @@ import operator
 import re
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
@@ -60,6 +60,11 @@ class Op:
     #: and by the optimisations that run many copies of a node as one call (hoisting,
     #: autobatching, rows of different lengths concatenated).
     kind: str | None = None
+    #: Differentiable VJPs (``defop(..., node_vjps=...)``): the VJPs written with vgraph
+    #: operations on nodes, which gradients recorded as nodes (``create_graph=True``, see
+    #: :mod:`vgraph.higher`) use; ``None``: the op is first-order only. One per input (or
+    #: ``None``), or one ``vjp(i, g, ans, *xs, **attrs)`` for a variadic op.
+    node_vjps: tuple[VJP | None, ...] | VJP | None = None
 
 
 #: The kinds an op may declare (``Op.kind``), each a promise about its forward and VJPs:
@@ -275,6 +280,7 @@ def defop(
     replace: bool = False,
     user: bool = False,
     kind: str | None = None,
+    node_vjps: Sequence[VJP | None] | None = None,
 ) -> Op:
     """Register a primitive in the table and return it.
 
@@ -292,6 +298,10 @@ def defop(
             what they return (:class:`CheckedForward`, :class:`CheckedVJP`). Built-in ops are
             trusted (and tested): they run unwrapped, at no cost.
         kind: what the op promises about its elements and axes (:data:`KINDS`), or ``None``.
+        node_vjps: differentiable VJPs, for gradients recorded as nodes (``create_graph=True``):
+            one ``vjp(g, ans, *xs, **attrs)`` (or ``None``) per input, as ``vjps``, that gets
+            ``g``, ``ans`` and the inputs as graph nodes and returns the gradient as a node built
+            with vgraph operations (one function for a variadic op). ``None``: first-order only.
 
     Returns:
         The registered :class:`Op`.
@@ -302,9 +312,13 @@ def defop(
             callable; no VJP given, or not exactly one for a variadic op; ``forward`` or a VJP
             cannot take the inputs the VJPs imply (a VJP takes ``g, ans`` and every input; a
             variadic op's forward ``*xs`` and its VJP ``i, g, ans, *xs``), or needs a parameter
-            that no call can give; ``kind`` is not one of :data:`KINDS` (or ``None``).
+            that no call can give; ``kind`` is not one of :data:`KINDS` (or ``None``);
+            ``node_vjps`` is not a tuple of one callable (or ``None``) per VJP.
     """
     op = _validated_op(name, forward, vjps, variadic, kind)
+    if node_vjps is not None:
+        node_vjps = _validated_node_vjps(name, vjps, node_vjps)
+        op = Op(op.name, op.forward, op.vjps, op.variadic, op.arity, op.user, op.kind, node_vjps)
     if name in OPS and not replace:
         raise OpDefinitionError(f"op {name!r} is already defined")
     if user:  # wrapped in the checks of their results (built-in ops run unwrapped)
@@ -312,9 +326,35 @@ def defop(
             checked: Any = CheckedVJP(name, cast(VJP, vjps[0]), None)
         else:
             checked = tuple(None if f is None else CheckedVJP(name, f, i) for i, f in enumerate(vjps))
-        op = Op(name, CheckedForward(name, forward), checked, variadic, op.arity, user=True, kind=kind)
+        op = Op(
+            name, CheckedForward(name, forward), checked, variadic, op.arity, user=True, kind=kind,
+            node_vjps=op.node_vjps,
+        )  # fmt: skip
     OPS[name] = op
     return op
+
+
+def _validated_node_vjps(name: str, vjps: tuple[Any, ...], node_vjps: Any) -> tuple[VJP | None, ...]:
+    """``node_vjps`` of :func:`defop` checked against ``vjps``: a tuple (or list) with one callable
+    or ``None`` per VJP, ``None`` exactly where the VJP is ``None`` (no gradient either way)."""
+    if not isinstance(node_vjps, (tuple, list)):
+        raise OpDefinitionError(
+            f"{name}: node_vjps must be a tuple with one differentiable VJP (or None) per VJP, got "
+            f"{type(node_vjps).__name__}"
+        )
+    if len(node_vjps) != len(vjps):
+        raise OpDefinitionError(f"{name}: {len(node_vjps)} node_vjps for {len(vjps)} VJPs; give one per VJP")
+    for i, (f, vjp) in enumerate(zip(node_vjps, vjps)):
+        if f is not None and not callable(f):
+            raise OpDefinitionError(
+                f"{name}: node_vjps[{i}] must be callable or None, got {type(f).__name__}"
+            )
+        if (f is None) != (vjp is None):
+            raise OpDefinitionError(
+                f"{name}: node_vjps[{i}] is {'None' if f is None else 'a function'} but VJP {i} is "
+                f"{'None' if vjp is None else 'a function'}: both say whether a gradient flows"
+            )
+    return tuple(node_vjps)
 
 
 # ---------------------------------------------------------------------------- checks of defop's ops
