@@ -441,3 +441,29 @@ def test_show_program_prints_the_generated_steps_that_tracebacks_show():
     plain = g.build(feed, loss, programs=False)
     with pytest.raises(vg.BuildError, match=r"<Loop:1> 'rnn' did not run as a body program"):
         vg.show_program(plain, L)
+
+
+def test_a_body_node_of_a_program_is_found_by_its_key_too():
+    g, loss, feed, h_new, L = rnn()
+    cg = g.build(feed, loss, programs=True)
+    view = cg.node("Tanh:1@3")
+    assert view is cg.node(h_new, (3,)) and view is cg[vg.NodeKey("Tanh", 1, (3,))]
+    assert "Tanh:1@3" in cg and "Tanh:1@5" not in cg and "Tanh:9@3" not in cg
+    with pytest.raises(vg.VGraphError, match=r"the graph has no node <Tanh:1@5>"):
+        cg.node("Tanh:1@5")
+
+
+def test_a_rerun_of_an_until_loop_says_its_condition_changed():
+    g = vg.VirtualGraph(seed=0)
+    a = g.input("a", ())
+    with g.loop(until=lambda t, s: float(s["x"]) < 1.5, max_iters=100) as L:
+        x = L.carry(a, name="x")
+        L.update(x, x * 0.5)
+    cg = g.build({"a": np.array(10.0)}, vg.sum(L.final(x)), programs=True)
+    assert cg.trip_count(L) == 3
+    cg.feed({"a": np.array(100.0)})
+    with pytest.raises(
+        vg.StructureChangedError,
+        match=r"<Loop:1> would now run 7 iterations, not 3 \(its until condition changed at iteration 2\)",
+    ):
+        cg.forward()

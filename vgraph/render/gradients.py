@@ -145,7 +145,7 @@ def retain_all_grads(cg: ComputeGraph) -> int:
             count += 1
     if isinstance(cg, UnrolledGraph):  # loops run as body programs: every iteration's body nodes
         for instance in cg.programs.values():
-            count += instance.retain_all()
+            count += instance.retain_all(cg)
     return count
 
 

@@ -506,6 +506,9 @@ class ProgramRun:
         self.shape = ()  # (read by the engine, which takes the loop node for an array)
         self.dtype = np.dtype(object)
 
+    def __repr__(self) -> str:
+        return f"ProgramRun({self.trips} iterations{', capped' if self.capped else ''})"
+
 
 class ProgramInstance:
     """A loop instance of one build run as a program: the op of its ``<Loop:id@idx>`` node.
@@ -520,7 +523,6 @@ class ProgramInstance:
         idx: tuple[int, ...],
         hoisted_attrs: list[dict[str, Any]],
         sparse: list[bool],
-        graph_ref: Any,
     ) -> None:
         self.program = program
         self.variant = variant
@@ -531,7 +533,6 @@ class ProgramInstance:
         self.run: ProgramRun | None = None
         self.captured_nodes: list[ComputeNode] = []  # the loop node's captured parents
         self.init_nodes: list[ComputeNode] = []  # and its carries' initial values
-        self._graph = graph_ref
         self._views: dict[tuple[int, int], ComputeNode] = {}
         self._select = _select_step(idx)
         loop = self.loop
@@ -632,9 +633,14 @@ class ProgramInstance:
         new = self.forward(*values)
         where = self.loop.describe(self.idx)
         if new.trips != old.trips or new.capped != old.capped:
+            loop = self.loop
+            which = "until" if loop.until is not None else "while_" if loop.cond is not None else None
+            # the first check that answered otherwise: before iteration t (while_), after it (until)
+            t = min(new.trips, old.trips) - (1 if which == "until" else 0)
+            why = f" (its {which} condition changed at iteration {t})" if which else ""
             raise StructureChangedError(
-                f"{where} would now run {new.trips} iterations (was {old.trips}); rebuild the compute "
-                "graph for the new inputs"
+                f"{where} would now run {new.trips} iterations, not {old.trips}{why}; rebuild the "
+                "compute graph for the new inputs"
             )
         for pos in self.variant.choice.values():
             for t, (a, b) in enumerate(zip(old.records, new.records)):
@@ -793,7 +799,7 @@ class ProgramInstance:
             )
         v, p = where
         op = cast(Op, v.op)
-        node, parent = self.view(v, t).describe(), self.view(v.inputs[p], t).describe()
+        node, parent = self.describe(v, t), self.describe(v.inputs[p], t)
         if isinstance(e, OpResultError):  # refused by a vgraph.defop op's CheckedVJP
             return e.error(f"{node}: the VJP of {op.name} for input {e.position} {parent} {e}")
         return BackwardError(
@@ -870,18 +876,12 @@ class ProgramInstance:
                     accs[variant.captured[u]].add(d)
 
     # -- views: the unrolled nodes, made when asked for
-    def view(self, v: VirtualNode, t: int) -> ComputeNode:
-        """The compute node of body node ``v`` in iteration ``t``: a view of the record's entry,
-        made on first request.
-
-        Raises:
-            BuildError: no such iteration, or ``v`` was not computed in it (an option not chosen).
-        """
+    def _resolve(self, v: VirtualNode, t: int) -> ComputeNode | tuple[VirtualNode, int]:
+        """What body node ``v`` is in iteration ``t``: the node a carry or child read reads (an
+        initial value, a captured value), or the computed node and iteration it comes from."""
         run = cast(ProgramRun, self.run)
-        variant = self.variant
-        where = v.describe((*self.idx, t))
-        loop = self.loop
-        while 0 <= t < run.trips:  # what a read of a carry or a child is: the node it reads
+        variant, loop = self.variant, self.loop
+        while 0 <= t < run.trips:
             if v in variant.captured:  # a tied parameter or a constant of the body, or from outside
                 return self.captured_nodes[variant.captured[v]]
             if v.kind == "child":
@@ -896,25 +896,56 @@ class ProgramInstance:
                 v, t = loop.updates[v], t - 1
             else:
                 break
+        return v, t
+
+    def describe(self, v: VirtualNode, t: int) -> str:
+        """How an error names body node ``v`` in iteration ``t`` (no view is made)."""
+        found = self._resolve(v, t)
+        if isinstance(found, ComputeNode):
+            return found.describe()
+        u, s = found
+        return u.describe((*self.idx, s))
+
+    def view(self, v: VirtualNode, t: int, graph: Any) -> ComputeNode:
+        """The compute node of body node ``v`` in iteration ``t`` of ``graph`` (the loop node's
+        graph): a view of the record's entry, made on first request.
+
+        Raises:
+            BuildError: no such iteration, or ``v`` was not computed in it (an option not chosen).
+        """
+        run = cast(ProgramRun, self.run)
+        variant = self.variant
+        where = v.describe((*self.idx, t))
+        found = self._resolve(v, t)
+        if isinstance(found, ComputeNode):
+            return found
+        v, t = found
         if v not in variant.slot or not 0 <= t < run.trips:
             raise BuildError(f"{where} was not built in this graph (not needed, or no such iteration)")
         slot = variant.slot[v]
-        found = self._views.get((slot, t))
-        if found is not None:
-            return found
+        view = self._views.get((slot, t))
+        if view is not None:
+            return view
         value = run.records[t][slot]
         if value is None:
             raise BuildError(f"{where} was not built in this graph (its branch option was not chosen)")
-        node = ComputeNode(
-            NodeKey(v.type, v.id, (*self.idx, t)), value, None, (), None, v in variant.grad_slots, v.name
+        view = ComputeNode(
+            NodeKey(v.type, v.id, (*self.idx, t)),
+            value,
+            None,
+            (),
+            None,
+            v in variant.grad_slots,
+            v.name,
+            graph,
         )
-        node._graph = self._graph
-        self._views[(slot, t)] = node
-        return node
+        self._views[(slot, t)] = view
+        return view
 
-    def retain_all(self) -> int:
+    def retain_all(self, graph: Any) -> int:
         """Make and retain the gradient of every body node of every iteration that needs one
-        (what :func:`vgraph.render.retain_all_grads` does to a per-node graph); returns how many."""
+        (what :func:`vgraph.render.retain_all_grads` does to a per-node graph) in ``graph`` (the
+        loop node's); returns how many."""
         run = cast(ProgramRun, self.run)
         count = 0
         for v in self.variant.computed:
@@ -922,9 +953,16 @@ class ProgramInstance:
                 continue
             for t in range(run.trips):
                 if run.records[t][self.variant.slot[v]] is not None:
-                    self.view(v, t).retain_grad()
+                    self.view(v, t, graph).retain_grad()
                     count += 1
         return count
+
+    def body_node(self, type_: str, id_: int) -> VirtualNode | None:
+        """The node of this loop's body (computed, or read per iteration) with that type and id."""
+        for v in self.variant.slot:
+            if v.type == type_ and v.id == id_:
+                return v
+        return None
 
     def built(self, v: VirtualNode, t: int) -> bool:
         """Whether body node ``v`` has a value in iteration ``t``."""
@@ -943,7 +981,7 @@ class _Described:
     """Describes a body node in an iteration for an error message, without making its view."""
 
     def __init__(self, instance: ProgramInstance, v: VirtualNode, t: int) -> None:
-        self.text = v.describe((*instance.idx, t))
+        self.text = instance.describe(v, t)
 
     def describe(self) -> str:
         return self.text
@@ -954,10 +992,7 @@ def _retain(view: ComputeNode, g: Any) -> None:
     if g is None:
         return
     g = g.dense() if isinstance(g, LazyGrad) else np.array(g)
-    view.grad = g if view.grad is None else view.grad + g
-    graph = view.graph
-    if graph is not None:
-        graph._graded.add(view)
+    view.grad = g if view.grad is None else view.grad + g  # (retain_grad() noted it in its graph)
 
 
 def _grad_dtype(x: Any) -> Any:

@@ -159,7 +159,7 @@ class UnrolledGraph(ComputeGraph):
                 for t in range(run.trips):
                     if instance.built(v, t):
                         at = (*idx, t)
-                        found[at] = instance.view(v, t)
+                        found[at] = instance.view(v, t, self)
         return found
 
     def node(self, what: Any, idx: tuple[int, ...] = ()) -> ComputeNode:
@@ -170,13 +170,17 @@ class UnrolledGraph(ComputeGraph):
             BuildError: ``what`` was not built at ``idx`` in this graph.
         """
         if not isinstance(what, VirtualNode):
+            if self.programs:  # a key of a body node of a loop run as a program: its view
+                view = self._view_by_key(what)
+                if view is not None:
+                    return view
             return super().node(what)
         idx = tuple(idx)
         env = self._envs.get((what.scope, idx))
         if (env is None or what not in env) and idx and what.scope is not None:
             instance = self.programs.get((what.scope, idx[:-1]))
             if instance is not None:  # a body node of a loop run as a program: its view
-                return instance.view(what, idx[-1])
+                return instance.view(what, idx[-1], self)
         if env is None or what not in env:
             raise BuildError(
                 f"{what.describe(idx)} was not built in this graph (not needed, or no such iteration)"
@@ -184,6 +188,22 @@ class UnrolledGraph(ComputeGraph):
         return env[what]
 
     _NODE_ARG = "a ComputeNode of this graph or a VirtualNode it was built from"
+
+    def _view_by_key(self, key: Any) -> ComputeNode | None:
+        """The view of the body node a key (or its printed form) names, if a loop run as a
+        program computed it (``None`` otherwise: the key is looked up among the graph's nodes)."""
+        try:
+            k = NodeKey.parse(key) if isinstance(key, str) else key
+        except ValueError:
+            return None
+        if not isinstance(k, NodeKey) or not k.idx or k in self._nodes:
+            return None
+        for (_loop, idx), instance in self.programs.items():
+            if idx == k.idx[:-1]:
+                v = instance.body_node(k.type, k.id)
+                if v is not None and instance.built(v, k.idx[-1]):
+                    return instance.view(v, k.idx[-1], self)
+        return None
 
     def _succeed(self) -> UnrolledGraph:
         """A new graph object that owns this one's nodes; this one becomes a
@@ -337,7 +357,7 @@ class UnrolledGraph(ComputeGraph):
         """Whether a key names a node of this graph, or a virtual node has a copy in it."""
         if isinstance(what, VirtualNode):
             return bool(self._copies_of(what))
-        return super().__contains__(what)
+        return super().__contains__(what) or (bool(self.programs) and self._view_by_key(what) is not None)
 
     def forward(self, target: Any = None, explain: bool = False, detect_anomaly: bool = False) -> Any:
         """:meth:`ComputeGraph.forward`; ``target`` defaults to the build's outputs (one value for a
@@ -750,9 +770,7 @@ class _Builder:
         except Exception as e:
             return e
         variant = program.variant(tuple(hoisted), frozenset(needs))
-        instance = ProgramInstance(
-            program, variant, idx, hoisted_attrs, [n.sparse_grad for n in captured], cg._weak_self
-        )
+        instance = ProgramInstance(program, variant, idx, hoisted_attrs, [n.sparse_grad for n in captured])
         instance.captured_nodes, instance.init_nodes = captured, init
         parents = (*init, *seqs, *structure, *captured)
         values = [n.value for n in parents]
