@@ -9,15 +9,13 @@ decision (float64, 1e-12).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_hoist import loop_bodies, loop_body_model
+from test_hoist import load, loop_bodies, loop_body_model
 
 import vgraph as vg
 from vgraph import nn
@@ -26,17 +24,6 @@ ROOT = Path(__file__).resolve().parent.parent
 TOL = {"rtol": 1e-12, "atol": 1e-12}
 
 pytestmark = pytest.mark.usefixtures("float64")  # tests/conftest.py
-
-
-def load(path: Path):
-    spec = importlib.util.spec_from_file_location(f"programs_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.modules.pop(spec.name, None)
-    return module
 
 
 def decisions(cg):
@@ -467,3 +454,22 @@ def test_a_rerun_of_an_until_loop_says_its_condition_changed():
         match=r"<Loop:1> would now run 7 iterations, not 3 \(its until condition changed at iteration 2\)",
     ):
         cg.forward()
+
+
+def test_the_explorer_shows_a_program_graph_node_by_node():
+    """The explorer's page of a program graph has every node key of the per-node graph, with the
+    values and retained gradients of the program's views."""
+    from test_explorer import number, page_data
+
+    from vgraph import render
+
+    g, loss, feed, h_new, L = rnn(T=6)
+    cg = g.build(feed, loss, programs=True, hoist=False)
+    render.retain_all_grads(cg)
+    cg.backward(loss)
+    cols = page_data(render.explore(g, build=cg))["unrolled"]["nodes"]
+    assert sorted(cols["key"]) == sorted(str(n.key) for n in cg.per_node().nodes())
+    i = cols["key"].index("Tanh:1@4")
+    view = cg.node("Tanh:1@4")
+    assert number(cols["grad"][i]) == pytest.approx(float(np.linalg.norm(view.grad)), rel=1e-5)
+    assert number(cols["stats"][i][1]) == pytest.approx(float(view.value.max()), rel=1e-5)
