@@ -455,7 +455,7 @@ def test_seq2seq_quick_json_run(tmp_path):
     for r in rows:
         batched = {"batch32", "batch32_masked"}
         torch_columns = {"torch", "torch_batch32"} if HAVE_TORCH else set()
-        assert set(r["columns"]) == {"vgraph"} | batched | torch_columns
+        assert set(r["columns"]) == {"vgraph", "programs"} | batched | torch_columns
         assert set(r["batch_speedup"]) == batched
         assert all(sp["over"] == "vgraph" and sp["wall"] > 0 for sp in r["batch_speedup"].values())
         assert r["batch_target_met"] == (r["batch_speedup"]["batch32"]["wall"] >= 3.0)
@@ -511,5 +511,6 @@ def test_seq2seq_runs_without_torch(tmp_path):
     assert proc.stdout.count("PyTorch columns skipped: torch is not installed") == 1
     data = json.loads(out.read_text())
     (row,) = data["rows"]
-    assert set(row["columns"]) == {"vgraph", "batch32", "batch32_masked"} and "ratio_vs_torch" not in row
+    assert set(row["columns"]) == {"vgraph", "programs", "batch32", "batch32_masked"}
+    assert "ratio_vs_torch" not in row
     assert "torch" not in data["correctness"]["seq2seq"] and data["machine"]["torch"] is None

@@ -351,6 +351,12 @@ def seq2seq_vgraph(cfg: Seq2seqConfig, data: Any) -> bd.VgraphRunner:
     return bd.VgraphRunner(g, loss, seq2seq_feed, lazy=cfg.sparse_updates)
 
 
+def seq2seq_programs(cfg: Seq2seqConfig, data: Any) -> bd.VgraphRunner:
+    """One pair per build, its loops run as body programs (``programs=True``)."""
+    g, loss = make_seq2seq(cfg)
+    return bd.VgraphRunner(g, loss, seq2seq_feed, lazy=cfg.sparse_updates, programs=True)
+
+
 def seq2seq_batched(cfg: Seq2seqConfig, data: Any) -> bd.VgraphRunner:
     g, loss = make_seq2seq(cfg)
     return bd.AutobatchRunner(g, loss, seq2seq_feed, len(data), GROUP, lazy=cfg.sparse_updates)
@@ -507,6 +513,7 @@ def task(embeddings: str = "both", vocab: int | None = None) -> bd.Task:
         _data,
         {
             "vgraph": (seq2seq_vgraph, _always),
+            "programs": (seq2seq_programs, _always),
             "batch32": (seq2seq_batched, _always),
             "batch32_masked": (seq2seq_masked, _always),
             "torch": (seq2seq_torch, _always),
