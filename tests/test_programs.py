@@ -473,3 +473,37 @@ def test_the_explorer_shows_a_program_graph_node_by_node():
     view = cg.node("Tanh:1@4")
     assert number(cols["grad"][i]) == pytest.approx(float(np.linalg.norm(view.grad)), rel=1e-5)
     assert number(cols["stats"][i][1]) == pytest.approx(float(view.value.max()), rel=1e-5)
+
+
+@pytest.mark.parametrize("case", ["captured update", "reversed step", "no iteration", "one tree node"])
+def test_corner_cases_of_loops_as_programs_equal_the_per_node_unroll(case):
+    """A carry updated from outside the body or by itself, a stacked item, a reversed step, a
+    loop that runs no iteration (its finals are its initial values), a tree of one node."""
+    g = vg.VirtualGraph(seed=0)
+    W = g.parameter("W", (3, 3), init="orthogonal")
+    b = g.parameter("b", (3,), init=vg.nn.init.normal(0.5))
+    feed: dict = {"xs": np.random.default_rng(3).normal(size=(4, 3))}
+    xs = g.input("xs", (None, 3))
+    if case == "one tree node":
+        children = g.input("children", (None, 2))
+        feed = {"children": np.array([[-1, -1]])}
+        with g.recurse(children) as r:
+            h = r.state(np.full(3, 0.2), name="h")
+            r.update(h, vg.tanh((r.child(h, 0) + r.child(h, 1)) @ W + b))
+        loss = vg.sum(r.final(h) ** 2) + vg.sum(r.stack(h))
+    else:
+        outside = b * 2.0
+        first = b * 1.0
+        with g.loop(times=0 if case == "no iteration" else None) as L:
+            x = L.step(xs, reverse=case == "reversed step")
+            h = L.carry(first, name="h")
+            k = L.carry(np.zeros(3), name="k")
+            c = L.carry(np.ones(3), name="c")
+            L.update(h, vg.tanh(x @ W + h))
+            L.update(k, outside)
+            L.update(c, c)
+            seen = h * 1.0
+        loss = vg.sum(L.final(h) ** 2) + vg.sum(L.final(k) * L.final(c))
+        if case != "no iteration":
+            loss = loss + vg.sum(L.stack(x) * L.stack(seen))
+    assert_identical(g, feed, loss)
