@@ -507,3 +507,34 @@ def test_corner_cases_of_loops_as_programs_equal_the_per_node_unroll(case):
         if case != "no iteration":
             loss = loss + vg.sum(L.stack(x) * L.stack(seen))
     assert_identical(g, feed, loss)
+
+
+def test_anomaly_mode_names_the_body_node_and_iteration_of_a_program():
+    """Built as a program (no anomaly at build), a re-run forward and a backward under anomaly
+    mode name the first body node, and its iteration, whose value or gradient is not finite."""
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 3))
+    with g.loop() as L:
+        h = L.carry(np.ones(3), name="h")
+        h_new = vg.log(h + L.step(xs))
+        L.update(h, h_new)
+    loss = vg.sum(L.final(h))
+    fine = np.full((4, 3), 2.0)
+    cg = g.build({"xs": fine}, loss, programs=True)
+    bad = fine.copy()
+    bad[2, 1] = -50.0  # log of a negative number in iteration 2
+    cg.feed({"xs": bad})
+    with pytest.raises(vg.NonFiniteError, match=r"NaN first appears at <Log:1@2>"):
+        cg.forward(detect_anomaly=True)
+
+    g2 = vg.VirtualGraph(seed=0)
+    xs2 = g2.input("xs", (None, 3), requires_grad=True)
+    with g2.loop() as L2:
+        c = L2.carry(np.ones(3), name="c")
+        r = vg.sqrt(L2.step(xs2) * 1.0)  # sqrt at 0: an infinite gradient
+        L2.update(c, c + r)
+    zeros_at_1 = np.ones((3, 3))
+    zeros_at_1[1] = 0.0
+    cg2 = g2.build({"xs": zeros_at_1}, vg.sum(L2.final(c)), programs=True, hoist=False)
+    with pytest.raises(vg.NonFiniteError, match=r"Inf first appears in the gradient of <Mul:1@1>"):
+        cg2.backward(cg2.outputs[0], detect_anomaly=True)

@@ -44,7 +44,8 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from ..compute import ComputeNode, NodeKey
-from ..errors import BackwardError, BuildError, StructureChangedError, VGraphError
+from ..errors import BackwardError, BuildError, NonFiniteError, StructureChangedError, VGraphError
+from ..modes import is_anomaly_enabled
 from ..ops import VJP, LazyGrad, Op, OpResultError, add_grads, add_grads_sparse, reduce_grad
 from .nodes import BranchNode, LoopNode, VirtualNode
 from .rules import at_limit, check_carry, reached_end, run_cond, select_option
@@ -631,6 +632,8 @@ class ProgramInstance:
         (else the graph no longer describes the inputs: :class:`StructureChangedError`)."""
         old = cast(ProgramRun, self.run)
         new = self.forward(*values)
+        if is_anomaly_enabled():
+            self._check_values(new)
         where = self.loop.describe(self.idx)
         if new.trips != old.trips or new.capped != old.capped:
             loop = self.loop
@@ -720,6 +723,9 @@ class ProgramInstance:
             carry_in = list(final_seed)
         length = len(seqs[0]) if seqs else T
         keep = self._retaining()
+        check = is_anomaly_enabled()
+        if check and keep is None:
+            keep = {}  # (every slot's gradient, to check)
         late = {variant.slot[v] for v in (*items, *variant.hoisted)}
         for t in range(T - 1, -1, -1):
             if pending is not None:
@@ -743,6 +749,8 @@ class ProgramInstance:
                 for slot, view in keep.get(t, ()):
                     if slot not in late:  # (items' and hoisted nodes' are complete only later)
                         _retain(view, every[slot])
+                if check:
+                    self._check_grads(every, t)
             carry_in = list(res[:nc])
             for i in range(ni):
                 d = res[nc + i]
@@ -782,6 +790,41 @@ class ProgramInstance:
             out.append(None)
         out.extend(a.g for a in accs)
         return out
+
+    def _check_values(self, run: ProgramRun) -> None:
+        """Anomaly mode on a re-run: the first NaN or Inf a body node computed, by iteration and
+        declaration order (as the per-node forward would meet it).
+
+        Raises:
+            NonFiniteError: naming the body node, its iteration and its op.
+        """
+        for t, record in enumerate(run.records):
+            for v in self.variant.computed:
+                value = record[self.variant.slot[v]]
+                if value is not None and not _finite(value):
+                    op = "a branch" if isinstance(v, BranchNode) else cast(Op, v.op).name
+                    raise NonFiniteError(
+                        f"{_kind(value)} first appears at {self.describe(v, t)} ({op}), in the body "
+                        f"program of {self.loop.describe(self.idx)}; for its inputs' ranges, build "
+                        "with programs=False and detect_anomaly=True"
+                    )
+
+    def _check_grads(self, grads: Sequence[Any], t: int) -> None:
+        """Anomaly mode in backward: the first NaN or Inf gradient of iteration ``t``, in the order
+        the backward step computed them (last body node first).
+
+        Raises:
+            NonFiniteError: naming the body node whose gradient it is.
+        """
+        variant = self.variant
+        for v in (*reversed(variant.computed), *reversed(variant.inputs)):
+            g = grads[variant.slot[v]]
+            if g is not None and not _finite(g):
+                raise NonFiniteError(
+                    f"{_kind(g)} first appears in the gradient of {self.describe(v, t)}, in the "
+                    f"backward step of the body program of {self.loop.describe(self.idx)}; for "
+                    "the VJP that produced it, build with programs=False and detect_anomaly=True"
+                )
 
     def _vjp_error(self, e: Exception, t: int) -> Exception:
         """The error for exception ``e`` raised by a VJP in iteration ``t``'s backward step, as
@@ -985,6 +1028,16 @@ class _Described:
 
     def describe(self) -> str:
         return self.text
+
+
+def _finite(x: Any) -> bool:
+    arr = x.dense() if isinstance(x, LazyGrad) else np.asarray(x)
+    return arr.dtype.kind not in "fc" or bool(np.isfinite(arr).all())
+
+
+def _kind(x: Any) -> str:
+    arr = x.dense() if isinstance(x, LazyGrad) else np.asarray(x)
+    return "NaN" if np.isnan(arr).any() else "Inf"
 
 
 def _retain(view: ComputeNode, g: Any) -> None:
