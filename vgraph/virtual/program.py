@@ -244,7 +244,6 @@ class _Variant:
     # -- the forward step
     def _forward_source(self) -> tuple[str, dict[str, Any]]:
         env: dict[str, Any] = {}
-        loop = self.program.loop
         args = ", ".join(f"s{self.slot[v]}" for v in self.inputs)
         caps = ", ".join(f"k{j}" for j in range(len(self.captured)))
         lines = [f"def make_step(SELECT, {caps}):" if caps else "def make_step(SELECT):"]
@@ -263,7 +262,6 @@ class _Variant:
         record = ", ".join(f"s{i}" for i in range(self.size))
         lines.append(f"        return ({record},)")
         lines.append("    return step")
-        del loop
         return "\n".join(lines) + "\n", env
 
     def _emit(
@@ -541,13 +539,11 @@ class ProgramInstance:
         self.n_seqs = len(loop.sequences)
         self.has_kids = loop.structure is not None
         self.names = [c.name for c in loop.carries]
-        slot = variant.slot
         # where each carry's update comes from: a slot of the record, or a captured value
         self.update_src = [self._source(loop.updates[c]) for c in loop.carries]
         self.stack_src = [self._source(s.inputs[1]) for s in program.stacked]
         self.item_reverse = [bool(i.attrs.get("reverse")) for i in loop.items]
         self.reads = [(loop.carries.index(r.inputs[0]), r.attrs["slot"]) for r in loop.children]
-        del slot
 
     def _source(self, u: VirtualNode) -> tuple[bool, int]:
         v = self.variant
@@ -705,8 +701,7 @@ class ProgramInstance:
                 c = loop.carries.index(f.inputs[1])
                 final_seed[c] = s if final_seed[c] is None else add_grads(final_seed[c], s)
         stack_seed = [g.seeds.get(nf + j) for j in range(len(program.stacked))]
-        if isinstance(stack_seed, list):
-            stack_seed = [s.dense() if isinstance(s, LazyGrad) else s for s in stack_seed]
+        stack_seed = [s.dense() if isinstance(s, LazyGrad) else s for s in stack_seed]  # (rows read)
         seq_grad: list[Any] = [None] * ns
         items = loop.items
         ni, nr, nh = len(items), len(loop.children), len(variant.hoisted)
