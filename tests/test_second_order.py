@@ -3,10 +3,13 @@ Gauss-Newton-vector products, ``gradgradcheck``, and the errors where they are n
 
 Every rule is checked against finite differences of first-order gradients (float64), through
 ``gradgradcheck``; loops, branches, ``while_`` loops and recursions against finite differences of
-the gradient; RNNs and LSTMs against PyTorch's double backward when torch is installed.
+the gradient; an Elman RNN, an LSTM and a Tree-LSTM against PyTorch's double backward (Hessian-vector
+products and gradient penalties) when torch is installed.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -234,6 +237,23 @@ def test_third_order_through_the_helper_ops():
     np.testing.assert_allclose(g3, 2 * counts * np.array([0.5, -1.0, 2.0]), rtol=1e-12)
 
 
+@pytest.mark.parametrize("leaf", [True, False])
+def test_third_order_through_a_matrix_product(leaf):
+    # The gradient of W1 goes through the VJP of h @ W2 with respect to h (a MatMulT node, whose
+    # own rule the gradient of the penalty records), with W2 a leaf or computed.
+    cg = ComputeGraph(dtype=np.float64)
+    r = rng0(15)
+    x = cg.input(r.standard_normal((2, 3)))
+    W1 = cg.parameter(r.standard_normal((3, 4)) * 0.5)
+    W2 = cg.parameter(r.standard_normal((4, 2)) * 0.5)
+    h = vg.tanh(x @ W1)
+    loss = vg.sum(vg.tanh(h @ (W2 if leaf else W2 * 1.5)) ** 2)
+    g1, g2 = cg.grad(loss, [W1, W2], create_graph=True)
+    assert any(n.key.type == "MatMulT" for n in cg.nodes())
+    penalty = vg.sum(g1 * g1) + vg.sum(g2 * g1[:2, :2].sum())
+    assert vg.gradgradcheck(penalty, [W1, W2], atol=1e-6, rtol=1e-5).ok
+
+
 # ---------------------------------------------------------------------------- the API
 
 
@@ -388,6 +408,75 @@ def test_hvp_equals_the_exact_hessian_times_v():
         op([np.zeros(4)])
 
 
+def test_hvp_checks_v_before_recording_anything():
+    cg = ComputeGraph(dtype=np.float64)
+    x = cg.parameter(np.array([1.0, 2.0]))
+    loss = vg.sum(vg.tanh(x) ** 2)
+    n = len(cg)
+    with pytest.raises(ShapeError, match=r"v for .*Parameter:1.*\(3,\).*expected \(2,\)|part of v"):
+        vg.hvp(loss, [x], [np.zeros(3)])
+    with pytest.raises(vg.errors.ArgumentError, match="one per parameter"):
+        vg.hvp(loss, [x], [np.zeros(2), np.zeros(2)])
+    assert len(cg) == n  # a failed call changes nothing
+
+
+def test_a_recorded_gradient_goes_stale_when_a_parameter_changes():
+    cg = ComputeGraph(dtype=np.float64)
+    x = cg.parameter(np.array([0.5, -1.0]))
+    loss = vg.sum(vg.tanh(x) ** 3)
+    (gx,) = cg.grad(loss, [x], create_graph=True)
+    cg.grad(gx, [x], seeds=np.ones(2), retain_graph=True)  # up to date: no forward needed
+    x.value = x.value * 2
+    with pytest.raises(GraphStateError, match="out-of-date"):
+        cg.grad(gx, [x], seeds=np.ones(2), retain_graph=True)
+    cg.forward(gx)
+    (h,) = cg.grad(gx, [x], seeds=np.ones(2), retain_graph=True)
+    t = np.tanh(x.value)  # d/dx (3 t^2 (1 - t^2)) = (6 t - 12 t^3)(1 - t^2)
+    np.testing.assert_allclose(h, (6 * t - 12 * t**3) * (1 - t**2), rtol=1e-12)
+
+
+def test_hvp_when_parameters_share_their_gradient_node():
+    # loss = sum(tanh(a + b)): Add's VJP sends one node to both, so the product is a backward from
+    # that node seeded twice; H v has both blocks equal to diag(f''(a + b)) (v_a + v_b).
+    cg = ComputeGraph(dtype=np.float64)
+    a = cg.parameter(np.array([0.3, -0.7]))
+    b = cg.parameter(np.array([0.5, 0.1]))
+    loss = vg.sum(vg.tanh(a + b))
+    ga, gb = cg.grad(loss, [a, b], create_graph=True)
+    assert ga is gb
+    va, vb = np.array([1.0, 2.0]), np.array([-0.5, 3.0])
+    t = np.tanh(a.value + b.value)
+    expected = -2 * t * (1 - t**2) * (va + vb)
+    for hv in (vg.hvp(loss, [a, b], [va, vb]), vg.hvp_operator(loss, [a, b])([va, vb])):
+        np.testing.assert_allclose(hv[0], expected, rtol=1e-12)
+        np.testing.assert_allclose(hv[1], expected, rtol=1e-12)
+
+
+def test_recording_an_rnn_gradient_adds_two_nodes_per_iteration():
+    """The recorded gradient of a tanh RNN step ``h = tanh(x_t W_x + h W_h + b)`` is two nodes:
+    ``g W_h^T`` (one ``MatMulT``, no transpose or reshape nodes per step) and ``TanhGrad``; the
+    weights' gradients are one product each over the stacked rows."""
+
+    def added(T):
+        g = vg.VirtualGraph(dtype=np.float64, seed=0)
+        x = g.input("x", shape=(None, None, 3))
+        W_x, W_h, b = g.parameter("W_x", (3, 4)), g.parameter("W_h", (4, 4)), g.parameter("b", (4,))
+        with g.loop(name="time") as loop:
+            h = loop.carry(np.zeros((2, 4)), name="h")
+            loop.update(h, vg.tanh(loop.step(x) @ W_x + h @ W_h + b))
+        loss = vg.sum(loop.final(h) ** 2)
+        cg = g.build({"x": np.ones((T, 2, 3))}, loss, programs=False)
+        before = set(cg.nodes())
+        cg.grad(cg.outputs[0], cg.parameters(), create_graph=True)
+        return [n for n in cg.nodes() if n not in before]
+
+    long = Counter(n.key.type for n in added(10))
+    assert long - Counter(n.key.type for n in added(5)) == Counter({"MatMulT": 5, "TanhGrad": 5})
+    # the steps' gradients stacked once: the rows of the hoisted x_t W_x + b and, reshaped, the
+    # rows of W_h's product; the states h_t concatenated once, for W_h's product
+    assert long["Stack"] == 1 and long["Concat"] == 1
+
+
 def test_gauss_newton_vector_product_against_explicit_jacobians():
     cg = ComputeGraph(dtype=np.float64)
     r = rng0(6)
@@ -521,6 +610,13 @@ def test_hvp_through_a_recursion():
 
 
 # ---------------------------------------------------------------------------- against PyTorch
+# Each model is written twice, in vgraph and as the plain PyTorch loop a user would write, from the
+# same weights; second derivatives are compared with torch.autograd.grad(..., create_graph=True)
+# (float64, 1e-9): a Hessian-vector product, and the gradient of a gradient-penalised loss.
+
+
+def _fixed(value):
+    return lambda shape, rng, dtype: value.copy()
 
 
 def _torch_hvp(torch, loss_fn, params, v):
@@ -531,9 +627,30 @@ def _torch_hvp(torch, loss_fn, params, v):
     return [h.detach().numpy() for h in torch.autograd.grad(dot, ps)]
 
 
-@pytest.mark.parametrize("kind", ["elman", "lstm"])
-def test_hvp_matches_torch_double_backward(kind):
-    torch = pytest.importorskip("torch")
+def _torch_penalised_grad(torch, loss_fn, params, wrt, weight):
+    """The gradient in ``params`` of ``loss + weight * |d loss / d wrt|^2`` (``wrt``: indices of
+    ``params``)."""
+    ps = [torch.tensor(p, dtype=torch.float64, requires_grad=True) for p in params]
+    loss = loss_fn(*ps)
+    grads = torch.autograd.grad(loss, [ps[i] for i in wrt], create_graph=True)
+    total = loss + weight * sum((g * g).sum() for g in grads)
+    return [h.detach().numpy() for h in torch.autograd.grad(total, ps)]
+
+
+def _penalised_grad(cg, loss, params, wrt, weight):
+    """vgraph's: the gradient of ``wrt`` recorded (create_graph=True), then an ordinary gradient
+    of the penalised loss."""
+    penalty = None
+    for gn in cg.grad(loss, wrt, create_graph=True):
+        term = vg.sum(gn * gn)
+        penalty = term if penalty is None else penalty + term
+    return cg.grad(loss + weight * penalty, params)
+
+
+def _recurrent(torch, kind):
+    """An Elman RNN or an LSTM over ``x`` (which takes a gradient), ``loss = sum(h_T^2)``: the
+    vgraph build, its parameters and input as nodes, the initial values, and the torch loss
+    ``f(W_x, W_h, b, x)``."""
     I, H, B, T = 3, 5, 2, 6
     r = rng0(10)
     xs = r.standard_normal((T, B, I))
@@ -544,10 +661,8 @@ def test_hvp_matches_torch_double_backward(kind):
         "b": r.standard_normal(n * H) * 0.1,
     }
     g = vg.VirtualGraph(dtype=np.float64)
-    x = g.input("x", shape=(T, B, I))
-    W_x, W_h, b = (
-        g.parameter(k, v.shape, init=lambda shape, rng, dtype, v=v: v.copy()) for k, v in init.items()
-    )
+    x = g.input("x", shape=(T, B, I), requires_grad=True)
+    W_x, W_h, b = (g.parameter(k, v.shape, init=_fixed(v)) for k, v in init.items())
     zero = np.zeros((B, H))
     with g.loop(name="time") as loop:
         h = loop.carry(zero, name="h")
@@ -561,15 +676,12 @@ def test_hvp_matches_torch_double_backward(kind):
             loop.update(c, s[1])
     loss = vg.sum(loop.final(h) ** 2)
     cg = g.build({"x": xs}, loss, programs=False)
-    params = [cg.node(W_x), cg.node(W_h), cg.node(b)]
-    v = [r.standard_normal(p.shape) for p in params]
-    ours = vg.hvp(cg.outputs[0], params, v)
 
-    def torch_loss(Wx, Wh, bb):
+    def torch_loss(Wx, Wh, bb, xx):
         hh = torch.zeros(B, H, dtype=torch.float64)
         cc = torch.zeros(B, H, dtype=torch.float64)
         for t in range(T):
-            z = torch.tensor(xs[t]) @ Wx + hh @ Wh + bb
+            z = xx[t] @ Wx + hh @ Wh + bb
             if kind == "elman":
                 hh = torch.tanh(z)
             else:
@@ -578,9 +690,142 @@ def test_hvp_matches_torch_double_backward(kind):
                 hh = torch.sigmoid(o) * torch.tanh(cc)
         return (hh**2).sum()
 
-    theirs = _torch_hvp(torch, torch_loss, [init["W_x"], init["W_h"], init["b"]], v)
+    nodes = [cg.node(W_x), cg.node(W_h), cg.node(b), cg.node(x)]
+    return cg, nodes, [*init.values(), xs], torch_loss
+
+
+@pytest.mark.parametrize("kind", ["elman", "lstm"])
+def test_hvp_matches_torch_double_backward(kind):
+    torch = pytest.importorskip("torch")
+    cg, nodes, values, torch_loss = _recurrent(torch, kind)
+    v = [rng0(11).standard_normal(p.shape) for p in nodes[:3]]
+    ours = vg.hvp(cg.outputs[0], nodes[:3], v)
+    theirs = _torch_hvp(torch, lambda *ps: torch_loss(*ps, torch.tensor(values[3])), values[:3], v)
     for a, t in zip(ours, theirs):
         np.testing.assert_allclose(a, t, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("wrt", ["input", "parameters"])
+@pytest.mark.parametrize("kind", ["elman", "lstm"])
+def test_gradient_penalty_matches_torch_double_backward(kind, wrt):
+    """``loss + 0.3 |d loss / d x|^2`` (an input-gradient penalty, as WGAN-GP's) or with the
+    parameters' gradients: its gradient in the parameters and the input."""
+    torch = pytest.importorskip("torch")
+    cg, nodes, values, torch_loss = _recurrent(torch, kind)
+    which = [3] if wrt == "input" else [0, 1, 2]
+    ours = _penalised_grad(cg, cg.outputs[0], nodes, [nodes[i] for i in which], 0.3)
+    theirs = _torch_penalised_grad(torch, torch_loss, values, which, 0.3)
+    for a, t in zip(ours, theirs):
+        np.testing.assert_allclose(a, t, rtol=1e-9, atol=1e-9)
+
+
+# A Tree-LSTM classifying every node of a tree (as tools/bench_dynamic.py's): a recursion over the
+# children array with a branch per node, a leaf's cell reading its word's embedding, an inner
+# node's its two children's states; cross-entropy over every node's label.
+E, H_TREE, VOCAB, LABELS = 4, 3, 8, 5
+# post-order, children first: ((w0 w1) w2) (w3 w4), word 3 twice
+CHILDREN = np.array([[-1, -1], [-1, -1], [0, 1], [-1, -1], [2, 3], [-1, -1], [-1, -1], [5, 6], [4, 7]])
+TOKENS = np.array([3, 5, 0, 3, 0, 1, 6, 0, 0])
+
+
+def _tree_lstm(hoist):
+    H = H_TREE
+    r = rng0(12)
+    init = {
+        "emb.W": r.standard_normal((VOCAB, E)) * 0.5,
+        "leaf.W": r.standard_normal((E, 3 * H)) * 0.5,
+        "leaf.b": r.standard_normal(3 * H) * 0.1,
+        "inner.U": r.standard_normal((2 * H, 5 * H)) * 0.5,
+        "inner.b": r.standard_normal(5 * H) * 0.1,
+        "head.W": r.standard_normal((H, LABELS)) * 0.5,
+        "head.b": r.standard_normal(LABELS) * 0.1,
+    }
+    labels = r.integers(0, LABELS, len(TOKENS))
+    g = vg.VirtualGraph(dtype=np.float64)
+    children = g.input("children", shape=(None, 2))
+    tokens = g.input("tokens", shape=(None,))
+    is_leaf = g.input("is_leaf", shape=(None,))
+    y = g.input("labels", shape=(None,))
+    emb = nn.Embedding(g, VOCAB, E, "emb", init=_fixed(init["emb.W"]))
+    W_leaf, b_leaf, U, b, W_o, b_o = (
+        g.parameter(k, v.shape, init=_fixed(v)) for k, v in init.items() if k != "emb.W"
+    )
+    zeros = np.zeros(H)
+    with g.recurse(children, name="tree") as rec:
+        leaf = rec.step(is_leaf, name="is_leaf")
+        h, c = rec.state(zeros, name="h"), rec.state(zeros, name="c")
+        z = emb(rec.step(tokens, name="token")) @ W_leaf + b_leaf
+        gl = vg.sigmoid(z[: 2 * H])
+        c_leaf = gl[:H] * vg.tanh(z[2 * H :])
+        h_leaf = gl[H:] * vg.tanh(c_leaf)
+        zi = vg.concat([rec.child(h, 0), rec.child(h, 1)], axis=0) @ U + b
+        gi = vg.sigmoid(zi[: 4 * H])
+        c_inner = (
+            gi[:H] * vg.tanh(zi[4 * H :])
+            + gi[H : 2 * H] * rec.child(c, 0)
+            + gi[2 * H : 3 * H] * rec.child(c, 1)
+        )
+        h_inner = gi[3 * H :] * vg.tanh(c_inner)
+        h_new, c_new = g.branch(
+            lambda s: 0 if int(s) else 1, [(h_leaf, c_leaf), (h_inner, c_inner)], keys=[leaf], name="kind"
+        )
+        rec.update(h, h_new)
+        rec.update(c, c_new)
+    loss = losses.cross_entropy(rec.stack(h_new) @ W_o + b_o, y)
+    feed = {
+        "children": CHILDREN,
+        "tokens": TOKENS,
+        "is_leaf": (CHILDREN[:, 0] < 0).astype(int),
+        "labels": labels,
+    }
+    cg = g.build(feed, loss, programs=False, hoist=hoist)
+    params = [cg.node(p) for p in (emb.W, W_leaf, b_leaf, U, b, W_o, b_o)]
+    return cg, params, list(init.values()), labels
+
+
+def _torch_tree_loss(torch, labels):
+    H, sig, tanh = H_TREE, torch.sigmoid, torch.tanh
+
+    def loss(emb, W_leaf, b_leaf, U, b, W_o, b_o):
+        h, c = [None] * len(TOKENS), [None] * len(TOKENS)
+        for t, (a, d) in enumerate(CHILDREN.tolist()):
+            if a < 0:
+                z = emb[int(TOKENS[t])] @ W_leaf + b_leaf
+                gl = sig(z[: 2 * H])
+                c[t] = gl[:H] * tanh(z[2 * H :])
+                h[t] = gl[H:] * tanh(c[t])
+            else:
+                z = torch.cat([h[a], h[d]]) @ U + b
+                gi = sig(z[: 4 * H])
+                c[t] = gi[:H] * tanh(z[4 * H :]) + gi[H : 2 * H] * c[a] + gi[2 * H : 3 * H] * c[d]
+                h[t] = gi[3 * H :] * tanh(c[t])
+        logits = torch.stack(h) @ W_o + b_o
+        return torch.nn.functional.cross_entropy(logits, torch.tensor(labels))
+
+    return loss
+
+
+@pytest.mark.parametrize("hoist", [True, False])
+def test_tree_lstm_hvp_matches_torch_double_backward(hoist):
+    torch = pytest.importorskip("torch")
+    cg, params, values, labels = _tree_lstm(hoist)
+    v = [rng0(13).standard_normal(p.shape) for p in params]
+    ours = vg.hvp(cg.outputs[0], params, v)
+    theirs = _torch_hvp(torch, _torch_tree_loss(torch, labels), values, v)
+    for p, a, t in zip(params, ours, theirs):
+        np.testing.assert_allclose(a, t, rtol=1e-9, atol=1e-9, err_msg=p.describe())
+    assert np.abs(ours[0][[2, 4, 7]]).max() == 0  # (rows of words not in the tree)
+
+
+@pytest.mark.parametrize("hoist", [True, False])
+def test_tree_lstm_gradient_penalty_matches_torch_double_backward(hoist):
+    """``loss + 0.3 |d loss / d params|^2``: its gradient in the parameters."""
+    torch = pytest.importorskip("torch")
+    cg, params, values, labels = _tree_lstm(hoist)
+    ours = _penalised_grad(cg, cg.outputs[0], params, params, 0.3)
+    theirs = _torch_penalised_grad(torch, _torch_tree_loss(torch, labels), values, range(len(values)), 0.3)
+    for p, a, t in zip(params, ours, theirs):
+        np.testing.assert_allclose(a, t, rtol=1e-9, atol=1e-9, err_msg=p.describe())
 
 
 # ---------------------------------------------------------------------------- errors
@@ -775,9 +1020,14 @@ def test_the_helper_primitives_first_order_vjps_against_finite_differences():
     ]
     y = vg.tanh(rows[0])
     parts.append(cg.apply(HELPERS["TanhGrad"], [x, y]) + cg.apply(HELPERS["SigmoidGrad"], [x, y]))
-    out = vg.tanh(parts[0] + parts[1] + parts[2] + parts[3] + parts[4] + parts[5])
+    W = cg.input(r.standard_normal((4, 4)), requires_grad=True)
+    stacked = cg.apply(HELPERS["BroadcastTo"], [x], {"shape": (2, 3, 4)}) * rows[:, None, :]
+    parts.append(
+        cg.apply(HELPERS["MatMulT"], [x, W]) + vg.sum(cg.apply(HELPERS["MatMulT"], [stacked, W]), axis=0)
+    )
+    out = vg.tanh(parts[0] + parts[1] + parts[2] + parts[3] + parts[4] + parts[5] + parts[6])
     assert vg.check_vjps(out).ok
-    assert vg.gradcheck(out, [x, rows]).ok
+    assert vg.gradcheck(out, [x, rows, W]).ok
 
 
 # ---------------------------------------------------------------------------- the example

@@ -13,8 +13,9 @@ Measured, medians over the repeats (the data change every repeat):
 - ``gradient``: ``cg.backward(loss)`` on the built graph (the first-order sweep);
 - ``record``: ``vg.hvp_operator(loss, params)``: the gradient recorded as graph nodes with its
   inner product with ``v`` (once per graph);
-- ``product``: one call of that operator, ``H v`` (a forward of what changed, then an ordinary
-  backward through the recorded gradient and the model) — what conjugate gradient repeats;
+- ``product``: one call of that operator, ``H v``: one ordinary backward from the recorded
+  gradient, seeded with ``v``, through the recorded nodes and the model — what conjugate gradient
+  repeats;
 - ``hvp``: ``vg.hvp(loss, params, v)`` (record + product) on a fresh build.
 
 Ratios: ``product / gradient`` (the repeated cost in a truncated-Newton step), ``hvp / gradient``

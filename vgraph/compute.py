@@ -408,6 +408,10 @@ class ComputeNode(Operand):
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape of the value."""
+        v = self._value
+        if type(v) is np.ndarray:  # (the common case, without np.shape's dispatch)
+            shape: tuple[int, ...] = v.shape
+            return shape
         return np.shape(self._described())
 
     @property

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
@@ -37,7 +38,18 @@ import numpy as np
 
 from .compute import ComputeGraph, ComputeNode, next_version
 from .errors import ArgumentError, GraphStateError, SecondOrderError, ShapeError, VGraphError
-from .ops import LSTM_GATES, OPS, Op, _broadcasts_to, _tanh_vjp, _tie_share, _validated_op, unbroadcast
+from .ops import (
+    LSTM_GATES,
+    OPS,
+    Op,
+    RowsProductGrad,
+    _broadcasts_to,
+    _matmul,
+    _tanh_vjp,
+    _tie_share,
+    _validated_op,
+    unbroadcast,
+)
 
 # ---------------------------------------------------------------------------- helper primitives
 # The differentiable VJPs need a few operations the table lacks — the adjoints of indexing and of
@@ -101,6 +113,20 @@ def _sigmoid_grad(g: np.ndarray, ans: np.ndarray) -> np.ndarray:
     return out
 
 
+def _matmul_t(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b.T`` (``b`` a matrix, ``a`` rows of any batch shape): the gradient of ``a @ b``
+    with respect to ``a`` as one node. With a ``Transpose`` node of ``b`` instead, the gradient
+    of ``b`` through the recorded gradient would come back as one dense array, and the
+    products of rows that ``b``'s other uses (every iteration of a loop) send could no longer
+    be stacked into one product; this op sends its own such product (its second VJP)."""
+    return _matmul(a, b.T)
+
+
+def _matmul_t_vjp_b(g: np.ndarray, ans: np.ndarray, a: np.ndarray, b: np.ndarray) -> RowsProductGrad:
+    """``g^T a`` over the rows of ``g`` and ``a``, collected with the other uses of ``b``."""
+    return RowsProductGrad(g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1]))
+
+
 def _label_one_hot(labels: np.ndarray, logits: np.ndarray) -> np.ndarray:
     """One-hot rows of ``labels`` (negative labels count from the end) shaped and typed as
     ``logits``."""
@@ -133,6 +159,7 @@ HELPERS: dict[str, Op] = {
         _validated_op("InsideMask", _inside, (None,), False),
         _validated_op("ExtremeShare", _extreme_share, (None, None), False),
         _validated_op("LabelOneHot", _label_one_hot, (None, None), False),
+        _validated_op("MatMulT", _matmul_t, (lambda g, ans, a, b: _matmul(g, b), _matmul_t_vjp_b), False),
         # The VJPs of tanh and sigmoid as one node each instead of three or four: a recurrent
         # loop has one per step, and the second differentiation goes through every node.
         _validated_op(
@@ -155,12 +182,13 @@ HELPERS: dict[str, Op] = {
 
 
 class _Sweep(threading.local):
-    """Per thread: the graph the running recorded sweep adds its nodes to, and the transposes it
+    """Per thread: the graph the running recorded sweep adds its nodes to, the transposes it
     made (a weight used in every iteration of a loop is transposed once per sweep, not once per
-    use; values do not change during a sweep)."""
+    use; values do not change during a sweep), and the rows it stacked (see :func:`_gathered`)."""
 
     graph: ComputeGraph | None = None
     swapped: dict[ComputeNode, ComputeNode] | None = None
+    stacks: dict[tuple[ComputeNode, ...], ComputeNode] | None = None
 
 
 _current = _Sweep()
@@ -193,7 +221,12 @@ def _neg(a: Any) -> ComputeNode:
 
 
 def _reshape(x: ComputeNode, shape: tuple[int, ...]) -> ComputeNode:
-    return x if x.shape == tuple(shape) else _ap("Reshape", x, shape=tuple(shape))
+    shape = tuple(shape)
+    if -1 in shape:  # resolved, so that a reshape that changes nothing adds no node
+        known = math.prod(d for d in shape if d != -1)
+        if known:
+            shape = tuple(math.prod(x.shape) // known if d == -1 else d for d in shape)
+    return x if x.shape == shape else _ap("Reshape", x, shape=shape)
 
 
 def _item(x: ComputeNode, index: Any) -> ComputeNode:
@@ -271,7 +304,8 @@ def _matmul_grads(need: Sequence[bool], g: ComputeNode, a: ComputeNode, b: Compu
     g2 = _reshape(g, gs)
 
     def da() -> ComputeNode:
-        return _reshape(sum_to(_ap("MatMul", g2, _swap(b2)), a2.shape), sa)
+        prod = _ap("MatMulT", g2, b2) if len(b2.shape) == 2 else _ap("MatMul", g2, _swap(b2))
+        return _reshape(sum_to(prod, a2.shape), sa)
 
     def db() -> Any:
         if len(b2.shape) == 2 and len(a2.shape) >= 2 and b.op is None and len(sb) == 2:
@@ -286,6 +320,19 @@ def _matmul_grads(need: Sequence[bool], g: ComputeNode, a: ComputeNode, b: Compu
         return _reshape(prod, sb)
 
     return _each(need, da, db)
+
+
+def _matmul_t_grads(need: Sequence[bool], g: ComputeNode, a: ComputeNode, b: ComputeNode) -> Grads:
+    """The gradients of ``a`` and ``b`` in ``g = a @ b.T`` (``b`` a matrix)."""
+    k, n = b.shape
+
+    def db() -> Any:
+        rows_g, rows_a = _reshape(g, (-1, k)), _reshape(a, (-1, n))
+        if b.op is None:  # a leaf weight: one product over all its uses, at its turn (_Pending)
+            return _Product(rows_g, rows_a)
+        return _ap("MatMul", _swap(rows_g), rows_a)
+
+    return _each(need, lambda: _ap("MatMul", g, b), db)
 
 
 def _concat_rule(
@@ -462,6 +509,7 @@ RULES: dict[str, Rule] = {
         None,
     ],
     "BroadcastTo": lambda need, g, ans, x, shape: [sum_to(g, x.shape)],
+    "MatMulT": lambda need, g, ans, a, b: _matmul_t_grads(need, g, a, b),
     "TanhGrad": lambda need, G, ans, g, y: _each(
         need, lambda: _ap("TanhGrad", G, y), lambda: _mul(_mul(_mul(G, g), y), -2.0)
     ),
@@ -655,8 +703,8 @@ def _sweep(
     found: dict[ComputeNode, ComputeNode] = {}
     pending: dict[ComputeNode, Any] = {}
     start = next_version()
-    outer = (_current.graph, _current.swapped)
-    _current.graph, _current.swapped = cg, {}
+    outer = (_current.graph, _current.swapped, _current.stacks)
+    _current.graph, _current.swapped, _current.stacks = cg, {}, {}
     try:
         for r, s in roots:
             if r in reach:
@@ -700,7 +748,7 @@ def _sweep(
         _rollback(cg, start)
         raise
     finally:
-        _current.graph, _current.swapped = outer
+        _current.graph, _current.swapped, _current.stacks = outer
     return found
 
 
@@ -772,6 +820,20 @@ def _add_row(pending: dict[ComputeNode, Any], p: ComputeNode, t: int, g: Compute
     acc.rows[t] = g if old is None else _add(old, g)
 
 
+def _joined(parts: list[ComputeNode], stack: bool) -> ComputeNode:
+    """``parts`` stacked along a new first axis (``stack``) or concatenated along the first axis.
+    The same parts are joined once per sweep, the other way being a reshape of that node: a
+    loop's step gradients are often both the rows of a hoisted group's gradient and the rows of
+    a tied weight's product (as the first-order sweep shares their stack, ops._rows_stack)."""
+    memo = cast("dict[tuple[ComputeNode, ...], ComputeNode]", _current.stacks)
+    key = tuple(parts)
+    made = memo.get(key)
+    if made is None:
+        made = memo[key] = _ap("Stack" if stack else "Concat", *parts, axis=0)
+        return made
+    return _reshape(made, (len(parts), *parts[0].shape) if stack else (-1, *parts[0].shape[1:]))
+
+
 def _gathered(n: ComputeNode, acc: Any) -> ComputeNode:
     """The pending gradient of ``n`` as one node (rows stacked, products of stacked rows)."""
     if not isinstance(acc, _Pending):
@@ -788,12 +850,12 @@ def _gathered(n: ComputeNode, acc: Any) -> ComputeNode:
                     zero = graph.constant(np.zeros(n.shape[1:], dtype=n.dtype))
                 row = zero
             parts.append(row)
-        stacked = _ap("Stack", *parts, axis=0)
+        stacked = _joined(parts, stack=True)
         total = stacked if total is None else _add(total, stacked)
     if acc.products:
         pairs = acc.products[::-1]  # first use first
-        a = pairs[0][0] if len(pairs) == 1 else _ap("Concat", *(a for a, _ in pairs), axis=0)
-        g = pairs[0][1] if len(pairs) == 1 else _ap("Concat", *(g for _, g in pairs), axis=0)
+        a = pairs[0][0] if len(pairs) == 1 else _joined([a for a, _ in pairs], stack=False)
+        g = pairs[0][1] if len(pairs) == 1 else _joined([g for _, g in pairs], stack=False)
         product = _ap("MatMul", _swap(a), g)
         total = product if total is None else _add(total, product)
     total = cast(ComputeNode, total)
@@ -844,6 +906,11 @@ def grad(
         cg._check_values_fresh([o for o, _ in live], "grad")
     with _gc_paused():
         found = _sweep(cg, live, ins, allow_unused) if live else {}
+    if found and all(not isinstance(s, ComputeNode) or s.op is None for _, s in live):
+        # The outputs' values were checked up to date above, and every node recorded was computed
+        # from them (or from leaves) just now: a backward from the gradients (a Hessian-vector
+        # product) needs no check of the whole graph.
+        cg._mark_fresh(found.values())
     if not live and not allow_unused:
         names = ", ".join(x.describe() for x in ins)
         raise GraphStateError(
@@ -867,26 +934,8 @@ def _graph_of(loss: Any, params: Any, fn: str) -> tuple[ComputeGraph, list[Compu
     return cg, params
 
 
-def _vector_inputs(cg: ComputeGraph, like: Sequence[ComputeNode], what: str) -> list[ComputeNode]:
-    return [cg.input(np.zeros(p.shape, dtype=p.dtype), name=f"{what} for <{p.key}>") for p in like]
-
-
-def _dot(parts: Sequence[tuple[ComputeNode | None, ComputeNode]]) -> ComputeNode | None:
-    """``sum_i <a_i, b_i>`` as a node, over the pairs whose ``a_i`` is not ``None``."""
-    total: ComputeNode | None = None
-    for a, b in parts:
-        if a is not None:
-            term = _graph_apply(a, "Sum", _graph_apply(a, "Mul", a, b))
-            total = term if total is None else _graph_apply(a, "Add", total, term)
-    return total
-
-
-def _graph_apply(like: ComputeNode, op: str, *xs: Any) -> ComputeNode:
-    return cast(ComputeGraph, like.graph).apply(op, xs)
-
-
-def _set_vector(inputs: Sequence[ComputeNode], v: Any, params: Sequence[ComputeNode], fn: str) -> None:
-    """Give ``inputs`` the parts of ``v`` (one array per parameter, of its shape)."""
+def _vector(v: Any, params: Sequence[ComputeNode], fn: str) -> list[Any]:
+    """``v`` checked: one array per parameter, of its shape."""
     if isinstance(v, np.ndarray) and len(params) == 1:
         v = [v]
     if not isinstance(v, (list, tuple)) or len(v) != len(params):
@@ -899,15 +948,30 @@ def _set_vector(inputs: Sequence[ComputeNode], v: Any, params: Sequence[ComputeN
             raise ShapeError(
                 f"{fn}: the part of v for {p.describe()} has shape {np.shape(part)}, expected {p.shape}"
             )
-    for x, part in zip(inputs, v):
-        x.set_value(part)
+    return list(v)
+
+
+def _vjp(
+    cg: ComputeGraph, outs: Sequence[ComputeNode | None], seeds: Sequence[Any], wrt: Sequence[ComputeNode]
+) -> list[np.ndarray]:
+    """``sum_i seeds_i . d outs_i / d wrt`` by one ordinary backward from ``outs`` (brought up to
+    date first if a leaf changed) seeded with ``seeds``: zeros for a node of ``wrt`` that no
+    output depends on, and no output where ``outs`` has ``None``."""
+    live = [(o, s) for o, s in zip(outs, seeds) if o is not None and o.requires_grad]
+    found: list[np.ndarray | None] = [None] * len(wrt)
+    if live:
+        roots = [o for o, _ in live]
+        if not cg._known_fresh(roots):
+            cg.forward(roots)
+        found = cg.grad(roots, list(wrt), seeds=[s for _, s in live], retain_graph=True, allow_unused=True)
+    return [np.zeros(p.shape, dtype=p.dtype) if g is None else g for g, p in zip(found, wrt)]
 
 
 class HessianVectorProduct:
     """``v -> H v``, ``H`` the Hessian of a scalar ``loss`` with respect to ``params``, by
-    reverse-over-reverse: the gradient is recorded once as nodes (``create_graph=True``) with its
-    inner product with ``v`` (``v`` an input of the graph); each product is a forward of what
-    changed and one ordinary (first-order) backward through the recorded gradient — about 2-4
+    reverse-over-reverse: the gradient ``g`` is recorded once as nodes (``create_graph=True``);
+    each product, the gradient of ``<g, v>``, is one ordinary (first-order) backward from those
+    nodes seeded with ``v`` (after a forward of what changed, if a leaf changed) — about 3-4
     gradients' work. Build one per graph and call it many times (conjugate gradient).
 
     Args:
@@ -923,9 +987,7 @@ class HessianVectorProduct:
         cg, self.params = _graph_of(loss, params, "hvp")
         self.graph = cg
         self.loss = loss
-        grads = cg.grad(loss, self.params, create_graph=True, allow_unused=True)
-        self._v = _vector_inputs(cg, self.params, "v")
-        self._dot = _dot(list(zip(grads, self._v)))
+        self._grads = cg.grad(loss, self.params, create_graph=True, allow_unused=True)
 
     def __call__(self, v: Sequence[np.ndarray]) -> list[np.ndarray]:
         """``H v``: one array per parameter.
@@ -936,17 +998,7 @@ class HessianVectorProduct:
         Raises:
             ArgumentError, ShapeError: ``v`` is not one array of each parameter's shape.
         """
-        _set_vector(self._v, v, self.params, "hvp")
-        return _products(self.graph, self._dot, self.params)
-
-
-def _products(cg: ComputeGraph, dot: ComputeNode | None, params: Sequence[ComputeNode]) -> list[np.ndarray]:
-    """The gradient of ``dot`` (brought up to date) with respect to ``params`` (zeros where none)."""
-    if dot is None or not dot.requires_grad:
-        return [np.zeros(p.shape, dtype=p.dtype) for p in params]
-    cg.forward(dot)
-    found = cg.grad(dot, list(params), retain_graph=True, allow_unused=True)
-    return [np.zeros(p.shape, dtype=p.dtype) if g is None else g for g, p in zip(found, params)]
+        return _vjp(self.graph, self._grads, _vector(v, self.params, "hvp"), self.params)
 
 
 def hvp(loss: ComputeNode, params: Sequence[ComputeNode], v: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -970,7 +1022,9 @@ def hvp(loss: ComputeNode, params: Sequence[ComputeNode], v: Sequence[np.ndarray
         ArgumentError, ShapeError: bad ``loss``, ``params`` or ``v``.
         SecondOrderError: a node whose gradient cannot be recorded (names it).
     """
-    return HessianVectorProduct(loss, params)(v)
+    params = _graph_of(loss, params, "hvp")[1]
+    parts = _vector(v, params, "hvp")  # (checked before anything is recorded)
+    return HessianVectorProduct(loss, params)(parts)
 
 
 def hvp_operator(loss: ComputeNode, params: Sequence[ComputeNode]) -> HessianVectorProduct:
@@ -985,8 +1039,9 @@ class GaussNewtonVectorProduct:
     cross-entropy), what Hessian-free optimisation (Martens, 2010) multiplies by.
 
     ``J v`` comes from reverse over reverse (the gradient ``J^T u`` recorded as nodes for an input
-    ``u``, differentiated with respect to ``u``), ``H_L (J v)`` from the loss's recorded gradient,
-    and ``J^T (H_L J v)`` from an ordinary backward from ``output``.
+    ``u``, differentiated with respect to ``u`` by a backward seeded with ``v``), ``H_L (J v)``
+    from the loss's recorded gradient (a backward seeded with ``J v``), and ``J^T (H_L J v)`` from
+    an ordinary backward from ``output``.
 
     Args:
         loss: a scalar node computed from ``output``.
@@ -1003,23 +1058,16 @@ class GaussNewtonVectorProduct:
         self.output = cg._node_arg(output, "output", "gnvp")
         u = cg.input(np.zeros(self.output.shape, dtype=self.output.dtype), name="u", requires_grad=True)
         self._u = u
-        jt_u = cg.grad(self.output, self.params, seeds=u, create_graph=True, allow_unused=True)
-        self._v = _vector_inputs(cg, self.params, "v")
-        self._jv = _dot(list(zip(jt_u, self._v)))  # u . J v: its gradient in u is J v
-        (gz,) = cg.grad(loss, self.output, create_graph=True)
-        self._w = _vector_inputs(cg, [self.output], "J v")[0]
-        self._hw = _dot([(gz, self._w)])  # its gradient in output is H_L w
+        self._jt_u = cg.grad(self.output, self.params, seeds=u, create_graph=True, allow_unused=True)
+        self._gz = cg.grad(loss, self.output, create_graph=True)[0]
 
     def __call__(self, v: Sequence[np.ndarray]) -> list[np.ndarray]:
         """``J^T H_L J v``: one array per parameter (``v``: one array per parameter)."""
         cg = self.graph
-        _set_vector(self._v, v, self.params, "gnvp")
-        (jv,) = _products(cg, self._jv, [self._u])
-        self._w.set_value(jv)
-        (hjv,) = _products(cg, self._hw, [self.output])
-        cg.forward(self.output)
-        found = cg.grad(self.output, self.params, seeds=hjv, retain_graph=True, allow_unused=True)
-        return [np.zeros(p.shape, dtype=p.dtype) if g is None else g for g, p in zip(found, self.params)]
+        parts = _vector(v, self.params, "gnvp")
+        (jv,) = _vjp(cg, self._jt_u, parts, [self._u])
+        (hjv,) = _vjp(cg, [self._gz], [jv], [self.output])
+        return _vjp(cg, [self.output], [hjv], self.params)
 
 
 def gnvp(
