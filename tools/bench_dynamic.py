@@ -614,6 +614,12 @@ def lm_vgraph(cfg: LMConfig, data: Any) -> VgraphRunner:
     return VgraphRunner(g, loss, lm_feed(cfg))
 
 
+def lm_programs(cfg: LMConfig, data: Any) -> VgraphRunner:
+    """The ``vgraph`` column with its loop run as a body program."""
+    g, loss = make_lstm_lm(cfg)
+    return VgraphRunner(g, loss, lm_feed(cfg), programs=True)
+
+
 def lm_numpy(cfg: LMConfig, data: Any) -> NumpyLM:
     g, _ = make_lstm_lm(cfg)  # the same initial weights as the vgraph column (same seed)
     return NumpyLM({k: g.params.value(k) for k in LM_PARAMS})
@@ -1520,6 +1526,7 @@ TASKS: dict[str, Task] = {
         _lm_data,
         {
             "vgraph": (lm_vgraph, _always),
+            "programs": (lm_programs, _always),
             "numpy": (lm_numpy, lambda cfg: cfg.mb >= 4),
             "batch": (lm_batched, lambda cfg: cfg.mb >= 4),
             "torch": (lm_torch, lambda cfg: cfg.mb >= 4),
