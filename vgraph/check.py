@@ -146,29 +146,9 @@ def gradcheck(
         TypeError, ValueError: ``output``/``wrt`` are not compute nodes, or a tolerance is not a
             non-negative number (``eps`` positive).
     """
-    if not isinstance(output, ComputeNode):
-        raise TypeError(f"gradcheck: output must be a ComputeNode, got {type(output).__name__}")
-    if isinstance(wrt, ComputeNode):
-        wrt = [wrt]
-    wrt = list(wrt)
-    for i, x in enumerate(wrt):
-        if not isinstance(x, ComputeNode):
-            raise TypeError(f"gradcheck: wrt[{i}] must be a ComputeNode, got {type(x).__name__}")
-    _check_tolerances(eps, atol, rtol)
+    wrt, graph = _checked_leaves("gradcheck", output, wrt, eps, atol, rtol)
     # Plain floats in, plain floats out: the result's repr shows 1e-11, not np.float64(1e-11).
     eps, atol, rtol = float(eps), float(atol), float(rtol)
-    graph = output.graph
-    if graph is None:
-        raise VGraphError(f"{output.describe()} belongs to no ComputeGraph")
-    for x in (output, *wrt):
-        if x.dtype != np.float64:
-            raise VGraphError(
-                f"gradcheck needs float64 values, {x.describe()} is {x.dtype}: build the graph "
-                "with dtype=np.float64 (finite differences in float32 are mostly rounding noise)"
-            )
-    for x in wrt:
-        if x.op is not None:
-            raise VGraphError(f"gradcheck perturbs leaves; {x.describe()} is computed by {x.op.name}")
     projection = None
     if np.size(output.value) != 1:
         projection = np.random.default_rng(seed).standard_normal(np.shape(output.value))
@@ -238,6 +218,38 @@ def gradcheck(
     return result
 
 
+def _checked_leaves(
+    what: str, output: Any, wrt: Any, eps: Any, atol: Any, rtol: Any
+) -> tuple[list[ComputeNode], ComputeGraph]:
+    """The arguments of a finite-difference check, checked: ``wrt`` as a list of leaves, with
+    ``output``, of one float64 graph (returned), and the tolerances.
+
+    Raises:
+        TypeError, ValueError: ``output``/``wrt`` are not compute nodes; a bad tolerance.
+        VGraphError: no graph, not float64, or a ``wrt`` node computed by an op.
+    """
+    if not isinstance(output, ComputeNode):
+        raise TypeError(f"{what}: output must be a ComputeNode, got {type(output).__name__}")
+    wrt = [wrt] if isinstance(wrt, ComputeNode) else list(wrt)
+    for i, x in enumerate(wrt):
+        if not isinstance(x, ComputeNode):
+            raise TypeError(f"{what}: wrt[{i}] must be a ComputeNode, got {type(x).__name__}")
+    _check_tolerances(eps, atol, rtol)
+    graph = output.graph
+    if graph is None:
+        raise VGraphError(f"{output.describe()} belongs to no ComputeGraph")
+    for x in (output, *wrt):
+        if x.dtype != np.float64:
+            raise VGraphError(
+                f"{what} needs float64 values, {x.describe()} is {x.dtype}: build the graph "
+                "with dtype=np.float64 (finite differences in float32 are mostly rounding noise)"
+            )
+    for x in wrt:
+        if x.op is not None:
+            raise VGraphError(f"{what} perturbs leaves; {x.describe()} is computed by {x.op.name}")
+    return wrt, graph
+
+
 def gradgradcheck(
     output: ComputeNode,
     wrt: Sequence[ComputeNode],
@@ -280,25 +292,8 @@ def gradgradcheck(
         VGraphError: the graph is not float64, or a ``wrt`` node is not a leaf.
         TypeError, ValueError: as :func:`gradcheck`.
     """
-    if not isinstance(output, ComputeNode):
-        raise TypeError(f"gradgradcheck: output must be a ComputeNode, got {type(output).__name__}")
-    wrt = [wrt] if isinstance(wrt, ComputeNode) else list(wrt)
-    for i, x in enumerate(wrt):
-        if not isinstance(x, ComputeNode):
-            raise TypeError(f"gradgradcheck: wrt[{i}] must be a ComputeNode, got {type(x).__name__}")
-    _check_tolerances(eps, atol, rtol)
+    wrt, graph = _checked_leaves("gradgradcheck", output, wrt, eps, atol, rtol)
     eps, atol, rtol = float(eps), float(atol), float(rtol)
-    graph = output.graph
-    if graph is None:
-        raise VGraphError(f"{output.describe()} belongs to no ComputeGraph")
-    for x in (output, *wrt):
-        if x.dtype != np.float64:
-            raise VGraphError(
-                f"gradgradcheck needs float64 values, {x.describe()} is {x.dtype}: build the graph "
-                "with dtype=np.float64"
-            )
-        if x is not output and x.op is not None:
-            raise VGraphError(f"gradgradcheck perturbs leaves; {x.describe()} is computed by {x.op.name}")
     rng = np.random.default_rng(seed)
     projection = None if np.size(output.value) == 1 else rng.standard_normal(np.shape(output.value))
     directions = [rng.standard_normal(x.shape) for x in wrt]
