@@ -1034,18 +1034,11 @@ def test_the_helper_primitives_first_order_vjps_against_finite_differences():
 
 
 def test_the_hessian_free_example_runs_and_learns(tmp_path):
-    import importlib.util
-    import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "hessian_free.py"
-    spec = importlib.util.spec_from_file_location("vgraph_example_hessian_free", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.modules.pop(spec.name, None)
+    from test_hoist import load  # (the examples' loader)
+
+    module = load(Path(__file__).resolve().parents[1] / "examples" / "hessian_free.py")
     r = module.main(
         ["--seq", "6", "--hidden", "6", "--hf-steps", "12", "--adam-steps", "30", "--hf-batch", "128",
          "--cg-iters", "15", "--out", str(tmp_path), "--progress", "off"]

@@ -27,11 +27,9 @@ copies: build with ``hoist=False``).
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -50,6 +48,7 @@ from .ops import (
     _validated_op,
     unbroadcast,
 )
+from .workspace import gc_paused
 
 # ---------------------------------------------------------------------------- helper primitives
 # The differentiable VJPs need a few operations the table lacks — the adjoints of indexing and of
@@ -641,20 +640,6 @@ def _check_supported(cg: ComputeGraph, plan: list[ComputeNode], reach: set[Compu
             _rule_of(n)
 
 
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while a sweep adds nodes (restored on exit, also on
-    errors): as while unrolling (docs/decisions.md), the many new long-lived objects would trigger
-    collections that traverse the whole graph and find nothing — half the time of a sweep."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def _sweep(
     cg: ComputeGraph,
     roots: list[tuple[ComputeNode, Any]],
@@ -883,7 +868,7 @@ def backward(cg: ComputeGraph, loss: ComputeNode, seed: Any) -> None:
     that requires one (and of every node that retains its gradient) recorded as a node, set as
     its ``.grad_node``, and its value added to its ``.grad``."""
     wanted = [n for n in cg._sweep_plan([loss]) if (n.op is None or n.retains_grad) and n not in cg._deferred]
-    with _gc_paused():
+    with gc_paused():
         found = _sweep(cg, [(loss, seed)], wanted)
     cg._commit([(n, np.array(g.value), True) for n, g in found.items()])
     for n, g in found.items():
@@ -904,7 +889,7 @@ def grad(
     live = [(o, s) for o, s in zip(outs, seeds) if o.requires_grad]
     if live:
         cg._check_values_fresh([o for o, _ in live], "grad")
-    with _gc_paused():
+    with gc_paused():
         found = _sweep(cg, live, ins, allow_unused) if live else {}
     if found and all(not isinstance(s, ComputeNode) or s.op is None for _, s in live):
         # The outputs' values were checked up to date above, and every node recorded was computed

@@ -45,10 +45,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
@@ -247,3 +248,20 @@ def computing(fn: Callable[_P, _R]) -> Callable[_P, _R]:
             return fn(*args, **kwargs)
 
     return run
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while a build or a recording sweep adds nodes.
+
+    They allocate many long-lived objects, which would trigger repeated collections that traverse
+    the whole growing graph and find nothing: compute graphs hold no reference cycles (nodes refer
+    to their graph weakly). Restored on exit, also on errors.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

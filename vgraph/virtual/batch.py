@@ -49,7 +49,7 @@ from ..errors import (
 from ..modes import detect_anomaly as detect_anomaly_mode
 from ..modes import no_grad
 from ..ops import ALONG_AXIS, CELL, ELEMENTWISE, OPS, Op, row_at
-from ..workspace import computing
+from ..workspace import computing, gc_paused
 from .graph import one_build_at_a_time
 from .hoist import batched_attrs, check_rows, checks_rows, hoist_loop
 from .nodes import BranchNode, LoopNode, VirtualNode
@@ -63,7 +63,6 @@ from .unroll import (  # type: ignore[attr-defined]  # _ALL: the forward plans' 
     _check_structure,
     _checked_feed,
     _Frame,
-    _gc_paused,
     _iteration_views,
     _stepped_sequences,
 )
@@ -649,7 +648,7 @@ class BatchedBuild:
         graph = self.virtual
         builder = _Builder(graph, self._values[i], self.virtual_plan, self._hoist, builds=self._builds + i)
         top = _Frame(None, (), {}, None)
-        with contextlib.nullcontext() if graph.training else no_grad(), _gc_paused():
+        with contextlib.nullcontext() if graph.training else no_grad(), gc_paused():
             builder.run_scope(top)
         cg = builder.cg
         cg._envs[(None, ())] = top.env
@@ -1572,7 +1571,7 @@ def build_batch(
         b.new_params = new_params  # an untied copy two inputs reach is created once
         builders.append(b)
         tops.append(_Frame(None, (), {}, None))
-    with contextlib.nullcontext() if graph.training else no_grad(), _gc_paused():
+    with contextlib.nullcontext() if graph.training else no_grad(), gc_paused():
         batch._run(builders, tops, greenlet.greenlet)
     for view, top in zip(batch.inputs, tops):
         view._envs[(None, ())] = top.env

@@ -5,9 +5,8 @@ and branch selectors see real data."""
 from __future__ import annotations
 
 import contextlib
-import gc
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, cast
@@ -39,7 +38,7 @@ from ..modes import anomaly_scope as _anomaly_scope
 from ..modes import is_anomaly_enabled, is_grad_enabled, no_grad, programs_enabled
 from ..ops import OPS, Op
 from ..tape import ForwardTape, tapes_enabled
-from ..workspace import computing
+from ..workspace import computing, gc_paused
 from .cache import SupersededGraph
 from .checkpoint import LoopRecord, Rematerializer
 from .elastic import Elastic, Trace, elastic_key
@@ -133,7 +132,7 @@ class UnrolledGraph(ComputeGraph):
         top = _Frame(None, (), {}, None)
         with (
             contextlib.nullcontext() if self._grad else no_grad(),
-            _gc_paused(),
+            gc_paused(),
         ):
             builder.run_scope(top)
         cg = builder.cg
@@ -1045,23 +1044,6 @@ def _stepped_sequences(loop: LoopNode, frame: _Frame) -> tuple[list[ComputeNode]
     return seqs, length
 
 
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while unrolling.
-
-    A build allocates many long-lived objects, which would trigger repeated collections that
-    traverse the whole growing graph and find nothing: compute graphs hold no reference cycles
-    (nodes refer to their graph weakly). Restored on exit, also on errors.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def _check_outputs(graph: VirtualGraph, outputs: Any) -> tuple[list[VirtualNode], _Plan]:
     """The outputs as a list, checked, and the plan for them."""
     outs = [outputs] if isinstance(outputs, VirtualNode) else list(outputs)
@@ -1196,7 +1178,7 @@ def build_compute_graph(
         with (
             contextlib.nullcontext() if graph.training else no_grad(),
             _anomaly_scope(detect_anomaly),
-            _gc_paused(),
+            gc_paused(),
         ):
             builder.run_scope(top)
     except BaseException:
