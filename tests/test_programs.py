@@ -219,6 +219,7 @@ def rnn(T=5):
 def test_a_loop_run_as_a_program_is_one_node_and_its_outputs():
     g, loss, feed, h_new, L = rnn()
     cg = g.build(feed, loss, programs=True)
+    assert "1 loop instance(s) ran as body programs" in repr(cg)
     keys = {str(k) for k in cg._nodes}
     assert "Loop:1" in keys and "Stack:1" in keys
     assert not any(k.startswith("Tanh:1@") for k in keys)  # no node per iteration ...
@@ -311,6 +312,7 @@ def test_loops_a_program_cannot_run_fall_back_and_say_why(what, reason):
     g.eval()  # (dropout's masks: the same in both builds)
     cg = g.build(feed, loss, programs=True)
     assert [r for loop, idx, r in cg.interpreted if loop is L and reason in r], cg.interpreted
+    assert f"{L.describe()} ran node by node: " in repr(cg) and reason in repr(cg)
     ref = g.build(feed, loss, programs=False, cache=False)
     np.testing.assert_allclose(cg.outputs[0].value, ref.outputs[0].value, **TOL)
 

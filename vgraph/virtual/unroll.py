@@ -384,7 +384,8 @@ class UnrolledGraph(ComputeGraph):
             self.inputs[name]._set(arr, copy=False)
 
     def __repr__(self) -> str:
-        """Node count, outputs, and the data-dependent decisions (trip counts, branch choices)."""
+        """Node count, outputs, the data-dependent decisions (trip counts, branch choices), and
+        (built with ``programs=True``) how many loops ran as body programs and which did not, why."""
         name = f" of {self.virtual.name!r}" if self.virtual.name else ""
         outputs = ", ".join(o.describe() for o in self.outputs) or "none"
         lines = [f"UnrolledGraph{name}: {len(self._nodes)} nodes ({self.dtype}), outputs {outputs}"]
@@ -395,6 +396,12 @@ class UnrolledGraph(ComputeGraph):
             lines.append(f"  {where} {what.get(d.kind, f'{d.kind} at {d.value}')}")
         if len(self.decisions) > shown:
             lines.append(f"  … {len(self.decisions) - shown} more decisions (cg.decisions)")
+        if self.programs:
+            lines.append(f"  {len(self.programs)} loop instance(s) ran as body programs (vg.show_program)")
+        for loop, idx, reason in self.interpreted[:shown]:
+            lines.append(f"  {loop.describe(idx)} ran node by node: {reason}")
+        if len(self.interpreted) > shown:
+            lines.append(f"  … {len(self.interpreted) - shown} more ran node by node (cg.interpreted)")
         return "\n".join(lines)
 
     def capped(self, loop: LoopNode, idx: tuple[int, ...] = ()) -> bool:
