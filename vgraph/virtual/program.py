@@ -585,6 +585,11 @@ class ProgramInstance:
         state = init
         history: list[list[Any]] = []
         reads = self.reads
+        # Each iteration's rows of the stepped sequences (in step order) and hoisted values, split
+        # once (a C loop) rather than indexed per iteration.
+        items = [list(seq[::-1] if rev else seq) for seq, rev in zip(seqs, self.item_reverse)]
+        stepped = [*items, *(list(group) for group in hoisted_groups)]
+        n_items = len(items)
         t = 0
         while True:
             if reached_end(loop, t, length):
@@ -594,17 +599,13 @@ class ProgramInstance:
             if at_limit(loop, idx, t):
                 run.capped = True
                 break
-            args = list(state)
-            for seq, rev in zip(seqs, self.item_reverse):
-                args.append(seq[cast(int, length) - 1 - t] if rev else seq[t])
-            if rows is not None:
+            if rows is None:
+                record = step(t, *state, *[s[t] for s in stepped])
+            else:
                 row = rows[t]
-                for k, slot in reads:
-                    c = row[slot]
-                    args.append(history[c][k] if c >= 0 else init[k])
-            for group in hoisted_groups:
-                args.append(group[t])
-            record = step(t, *args)
+                kids = [history[c][k] if (c := row[slot]) >= 0 else init[k] for k, slot in reads]
+                at = [s[t] for s in stepped]
+                record = step(t, *state, *at[:n_items], *kids, *at[n_items:])
             records.append(record)
             new_state = [record[i] if in_record else caps[i] for in_record, i in update_src]
             for k in range(nc):
