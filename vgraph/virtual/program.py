@@ -22,15 +22,17 @@ depend on no carried state run once over all iterations first (hoisting, with th
 loop output (``<Final:…>``, ``<Stack:…>``). A new length, tree or set of choices is a new run of
 the same program: no compilation, no per-iteration Python objects beyond the records.
 
-Every unrolled node stays reachable: ``cg.node(v, idx)`` makes a view node on demand whose value
-is the record's entry (:meth:`ProgramInstance.view`); a view asked to retain its gradient gets it
-from the next backward. Decisions (trip counts, branch choices) are recorded as a plain unroll
-records them, and a re-run (``cg.feed`` + ``cg.forward``, a cached structure's replay) checks
-that they did not change.
+Every unrolled node stays reachable: ``cg.node(v, idx)`` (or its key) makes a view node on demand
+whose value is the record's entry (:meth:`ProgramInstance.view`); a view asked to retain its
+gradient gets it from the next backward; drawings, the explorer and ``check_vjps`` read
+``cg.per_node()``, the same build node by node. Decisions (trip counts, branch choices) are
+recorded as a plain unroll records them, and a re-run (``cg.feed`` + ``cg.forward``, a cached
+structure's replay) checks that they did not change. A step that raises makes the loop unroll node
+by node (which raises the per-node error); a VJP that raises is named from the generated line.
 
-What a program does not cover runs node by node, and says why (``cg.interpreted``):
-checkpointed loops, bodies with nested loops, samples (dropout) or untied parameters, batched
-builds, and anomaly mode (which checks every node's value as it is made).
+What a program does not cover runs node by node, and says why (``cg.interpreted``, ``repr(cg)``):
+checkpointed loops and loops inside them, bodies with nested loops, samples (dropout) or untied
+parameters, batched builds, and builds in anomaly mode (which checks every value as it is made).
 """
 
 from __future__ import annotations
