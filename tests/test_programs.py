@@ -248,7 +248,12 @@ def test_a_rerun_that_would_change_a_decision_raises_structure_changed(programs)
     cg = g.build({}, loss, programs=programs)
     U = g.params["U"]
     U.value = -U.value * 10.0  # other values: another trip count
-    with pytest.raises(vg.StructureChangedError, match=r"<Loop:1> 'L'|<Loop:1>.* iteration"):
+    expected = (
+        r"<Loop:1> would now run \d+ iterations, not 12 \(its while_ condition changed at iteration 12\)"
+        if programs
+        else r"<Loop:1>: at iteration 12 the condition is now True \(was False\)"
+    )
+    with pytest.raises(vg.StructureChangedError, match=expected):
         cg.forward()
 
 
@@ -373,7 +378,7 @@ def test_an_error_in_a_program_step_is_the_per_node_unrolls_error():
     with pytest.raises(vg.ShapeError) as program:
         g.build(feed, loss, programs=True)
     assert str(program.value) == str(per_node.value)
-    assert "<MatMul:1@0>" in str(program.value) or "<MatMul:1" in str(program.value)
+    assert str(program.value).startswith("<MatMul:1@0> ")
 
 
 def test_a_program_graph_draws_and_checks_as_the_per_node_graph():
