@@ -16,7 +16,9 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,12 +30,22 @@ SMALLEST = (8, 32, 16, 50)
 PARAMS = {"Wx", "Wh", "b", "Wo"}
 
 
+def _tool(path: Path) -> Iterator[Any]:
+    """A module-scoped fixture's body: the tool at ``path`` imported under its own name (dataclasses
+    look their module up while the class is made), removed from ``sys.modules`` after."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(path.stem, None)
+
+
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_rnn", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    yield from _tool(BENCH)
 
 
 def test_gradients_match_the_numpy_reference(bench):
@@ -191,14 +203,7 @@ DYNAMIC = ROOT / "tools" / "bench_dynamic.py"
 
 @pytest.fixture(scope="module")
 def dynamic():
-    spec = importlib.util.spec_from_file_location("bench_dynamic", DYNAMIC)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_dynamic"] = module  # dataclasses look their module up while the class is made
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop("bench_dynamic", None)
+    yield from _tool(DYNAMIC)
 
 
 def test_generated_sentences_look_like_ptb(dynamic):
@@ -406,14 +411,7 @@ SEQ2SEQ = ROOT / "tools" / "bench_seq2seq.py"
 
 @pytest.fixture(scope="module")
 def seq2seq():
-    spec = importlib.util.spec_from_file_location("bench_seq2seq", SEQ2SEQ)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_seq2seq"] = module  # dataclasses look their module up while the class is made
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop("bench_seq2seq", None)
+    yield from _tool(SEQ2SEQ)
 
 
 def test_seq2seq_pairs_have_their_own_lengths(seq2seq):

@@ -356,23 +356,26 @@ def test_unused_inputs_with_create_graph():
     assert gz is None and gx.value[0] == 2.0
 
 
-def test_first_order_gradients_are_bitwise_unchanged():
-    def model():
-        g = vg.VirtualGraph(dtype=np.float64, seed=0)
-        x = g.input("x", shape=(None, None, 3))
-        h0 = g.input("h0", shape=(None, 4))
-        cell = nn.RNNCell(g, 3, 4, name="rnn")
-        with g.loop(name="time") as loop:
-            h = loop.carry(h0, name="h")
-            h_new = cell(loop.step(x), h)
-            loop.update(h, h_new)
-        return g, vg.sum(loop.stack(h_new) ** 2)
+def _rnn_cell_model():
+    """``(g, loss)``: an ``nn.RNNCell`` over a stepped ``x`` (T, B, 3) from ``h0`` (B, 4), the sum
+    of the squared states as the loss, float64."""
+    g = vg.VirtualGraph(dtype=np.float64, seed=0)
+    x = g.input("x", shape=(None, None, 3))
+    h0 = g.input("h0", shape=(None, 4))
+    cell = nn.RNNCell(g, 3, 4, name="rnn")
+    with g.loop(name="time") as loop:
+        h = loop.carry(h0, name="h")
+        h_new = cell(loop.step(x), h)
+        loop.update(h, h_new)
+    return g, vg.sum(loop.stack(h_new) ** 2)
 
+
+def test_first_order_gradients_are_bitwise_unchanged():
     r = rng0(4)
     feed = {"x": r.standard_normal((6, 2, 3)), "h0": np.zeros((2, 4))}
     runs = []
     for recorded in (False, True):
-        g, loss = model()
+        g, loss = _rnn_cell_model()
         cg = g.build(feed, loss, programs=False, cache=False)
         if recorded:  # the recorded sweep first, on the same graph: then an ordinary backward
             cg.grad(cg.outputs[0], cg.parameters(), create_graph=True)
@@ -908,15 +911,7 @@ def test_a_rule_returning_a_wrong_shape_is_named():
 
 
 def test_a_loop_run_as_a_body_program_says_to_build_with_programs_false():
-    g = vg.VirtualGraph(dtype=np.float64, seed=0)
-    x = g.input("x", shape=(None, None, 3))
-    h0 = g.input("h0", shape=(None, 4))
-    cell = nn.RNNCell(g, 3, 4, name="rnn")
-    with g.loop(name="time") as loop:
-        h = loop.carry(h0, name="h")
-        h_new = cell(loop.step(x), h)
-        loop.update(h, h_new)
-    loss = vg.sum(loop.stack(h_new) ** 2)
+    g, loss = _rnn_cell_model()
     feed = {"x": rng0(11).standard_normal((3, 2, 3)), "h0": np.zeros((2, 4))}
     cg = g.build(feed, loss, programs=True)
     assert any(n.op is not None and n.op.name == "Loop" for n in cg.nodes())
