@@ -1472,11 +1472,7 @@ class ComputeGraph:
             )
         unused = [x for x in ins if x not in found]
         if unused and not allow_unused:
-            names = ", ".join(x.describe() for x in unused)
-            raise GraphStateError(
-                f"grad(): the outputs do not depend (differentiably) on {names}; pass allow_unused=True "
-                "to get None for such inputs"
-            )
+            raise not_reached(unused)
         self._released = not retain_graph
         return [found.get(x) for x in ins]
 
@@ -1719,6 +1715,15 @@ class ComputeGraph:
         """Clear ``.grad`` of every node of this graph (sets it to ``None``)."""
         for n in self._nodes.values():
             n.grad = None
+
+
+def not_reached(inputs: Sequence[ComputeNode]) -> GraphStateError:
+    """The error of ``grad()`` for inputs the outputs do not depend on (without ``allow_unused``)."""
+    names = ", ".join(x.describe() for x in inputs)
+    return GraphStateError(
+        f"grad(): the outputs do not depend (differentiably) on {names}; pass allow_unused=True "
+        "to get None for such inputs"
+    )
 
 
 def backward_order(nodes: Reversible[ComputeNode], deferred: Mapping[ComputeNode, Any]) -> list[ComputeNode]:

@@ -34,7 +34,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from .compute import ComputeGraph, ComputeNode, next_version
+from .compute import ComputeGraph, ComputeNode, next_version, not_reached
 from .errors import ArgumentError, GraphStateError, SecondOrderError, ShapeError, VGraphError
 from .ops import (
     LSTM_GATES,
@@ -678,11 +678,7 @@ def _sweep(
     reach &= below
     unused = [x for x in wanted if x not in reach]
     if unused and not allow_unused:
-        names = ", ".join(x.describe() for x in unused)
-        raise GraphStateError(
-            f"grad(): the outputs do not depend (differentiably) on {names}; pass allow_unused=True "
-            "to get None for such inputs"
-        )
+        raise not_reached(unused)
     _check_supported(cg, plan, reach)
     wanted_set = set(wanted)
     found: dict[ComputeNode, ComputeNode] = {}
@@ -897,11 +893,7 @@ def grad(
         # product) needs no check of the whole graph.
         cg._mark_fresh(found.values())
     if not live and not allow_unused:
-        names = ", ".join(x.describe() for x in ins)
-        raise GraphStateError(
-            f"grad(): the outputs do not depend (differentiably) on {names}; pass allow_unused=True "
-            "to get None for such inputs"
-        )
+        raise not_reached(ins)
     return [found.get(x) for x in ins]
 
 
