@@ -43,6 +43,33 @@ def _tool(path: Path) -> Iterator[Any]:
         sys.modules.pop(path.stem, None)
 
 
+def _run_tool(
+    path: Path, *args: str, out: Path, hide_torch: Path | None = None, timeout: int = 300
+) -> tuple[str, Any]:
+    """Run a benchmark tool as a user would (``python tools/….py ARGS --json OUT``) with this
+    checkout on the path (and, with ``hide_torch``, a ``torch`` that cannot be imported: see
+    :func:`_hidden_torch`); it must succeed. Returns its printed output and its JSON."""
+    paths = [str(hide_torch)] if hide_torch is not None else []
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [*paths, str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(path), *args, "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout, json.loads(out.read_text())
+
+
+def _hidden_torch(tmp_path: Path) -> Path:
+    """A directory whose ``torch`` package raises ImportError: first on the path, it hides torch."""
+    fake = tmp_path / "fake" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('torch hidden by the test')\n")
+    return fake.parent
+
+
 @pytest.fixture(scope="module")
 def bench():
     yield from _tool(BENCH)
@@ -123,19 +150,10 @@ def test_a_wrong_reference_gradient_is_caught(bench, monkeypatch):
 
 
 def test_quick_json_run(tmp_path):
-    out = tmp_path / "bench.json"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
     size = ",".join(map(str, SMALLEST))
-    proc = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--sizes", size, "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr  # failing targets do not fail without --strict
-    assert "PASS" in proc.stdout or "FAIL" in proc.stdout  # the table was printed
-    data = json.loads(out.read_text())
+    # (failing targets do not fail without --strict)
+    stdout, data = _run_tool(BENCH, "--quick", "--sizes", size, out=tmp_path / "bench.json", timeout=900)
+    assert "PASS" in stdout or "FAIL" in stdout  # the table was printed
 
     assert {"benchmark", "date", "machine", "config", "correctness", "training", "extras", "all_pass"} <= set(
         data
@@ -252,17 +270,7 @@ def test_a_wrong_lm_floor_is_caught(dynamic, monkeypatch):
 
 
 def test_dynamic_quick_json_run(tmp_path):
-    out = tmp_path / "dynamic.json"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    proc = subprocess.run(
-        [sys.executable, str(DYNAMIC), "--quick", "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    data = json.loads(out.read_text())
+    _, data = _run_tool(DYNAMIC, "--quick", out=tmp_path / "dynamic.json")
     assert data["config"]["quick"] is True
     assert set(data["correctness"]) == {"lstm_lm", "bilstm_tagger", "tree_lstm", "adaptive_loop"}
     for task in ("lstm_lm", "bilstm_tagger", "tree_lstm"):  # PyTorch = vgraph before any timing
@@ -348,33 +356,16 @@ def test_torch_sparse_adam_is_checked_against_lazy_adam(dynamic, monkeypatch):
 
 def test_benchmarks_run_without_torch(tmp_path):
     """With torch not importable, both benchmarks say so in one line and run without its columns."""
-    fake = tmp_path / "fake" / "torch"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("raise ImportError('torch hidden by the test')\n")
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(fake.parent), str(ROOT), os.environ.get("PYTHONPATH")])
-        ),
-    }
-    out = tmp_path / "rnn.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--sizes", ",".join(map(str, SMALLEST)), "--modes", "rebuild",
-         "--no-extras", "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("PyTorch columns skipped: torch is not installed") == 1
-    (row,) = json.loads(out.read_text())["training"]
+    hidden = _hidden_torch(tmp_path)
+    size = ",".join(map(str, SMALLEST))
+    args = ("--quick", "--sizes", size, "--modes", "rebuild", "--no-extras")
+    stdout, data = _run_tool(BENCH, *args, out=tmp_path / "rnn.json", hide_torch=hidden)
+    assert stdout.count("PyTorch columns skipped: torch is not installed") == 1
+    (row,) = data["training"]
     assert not [k for k in row if "torch" in k]
-    out = tmp_path / "dynamic.json"
-    proc = subprocess.run(
-        [sys.executable, str(DYNAMIC), "--quick", "--tasks", "tree_lstm", "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("PyTorch columns skipped: torch is not installed") == 1
-    data = json.loads(out.read_text())
+    args = ("--quick", "--tasks", "tree_lstm")
+    stdout, data = _run_tool(DYNAMIC, *args, out=tmp_path / "dynamic.json", hide_torch=hidden)
+    assert stdout.count("PyTorch columns skipped: torch is not installed") == 1
     assert set(data["rows"][0]["columns"]) == {"vgraph", "sparse", "programs", "batch32"}
     assert "torch" not in data["correctness"]["tree_lstm"]
 
@@ -427,17 +418,7 @@ def test_seq2seq_pairs_have_their_own_lengths(seq2seq):
 
 
 def test_seq2seq_quick_json_run(tmp_path):
-    out = tmp_path / "seq2seq.json"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    proc = subprocess.run(
-        [sys.executable, str(SEQ2SEQ), "--quick", "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    data = json.loads(out.read_text())
+    _, data = _run_tool(SEQ2SEQ, "--quick", out=tmp_path / "seq2seq.json")
     assert data["config"]["quick"] is True and data["config"]["group"] == 32
     assert len(data["machine"]["source"]["commit"]) == 40  # the commit measured (a git checkout)
     check = data["correctness"]["seq2seq"]
@@ -491,23 +472,11 @@ def test_a_wrong_seq2seq_torch_model_is_caught(seq2seq, monkeypatch):
 def test_seq2seq_runs_without_torch(tmp_path):
     """With torch not importable, the seq2seq benchmark says so in one line and runs without its
     columns."""
-    fake = tmp_path / "fake" / "torch"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("raise ImportError('torch hidden by the test')\n")
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(fake.parent), str(ROOT), os.environ.get("PYTHONPATH")])
-        ),
-    }
-    out = tmp_path / "seq2seq.json"
-    proc = subprocess.run(
-        [sys.executable, str(SEQ2SEQ), "--quick", "--embeddings", "sparse", "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("PyTorch columns skipped: torch is not installed") == 1
-    data = json.loads(out.read_text())
+    args = ("--quick", "--embeddings", "sparse")
+    stdout, data = _run_tool(
+        SEQ2SEQ, *args, out=tmp_path / "seq2seq.json", hide_torch=_hidden_torch(tmp_path)
+    )
+    assert stdout.count("PyTorch columns skipped: torch is not installed") == 1
     (row,) = data["rows"]
     assert set(row["columns"]) == {"vgraph", "programs", "batch32", "batch32_masked"}
     assert "ratio_vs_torch" not in row
