@@ -1632,6 +1632,7 @@ class ComputeGraph:
                         ) from e
                     if check and not _finite(pg):
                         raise _backward_anomaly(n, p, vjp, g, ans, pg, values)
+                    # (the accumulation rule, inlined here; vgraph.virtual.program._Acc repeats it)
                     acc = p._g
                     if acc is None:
                         p._g = pg

@@ -436,7 +436,9 @@ def _compile(source: str, env: dict[str, Any], name: str, loop: LoopNode) -> Cal
 
 class _Acc:
     """The gradient of one captured value collected over a run's iterations, as the engine
-    collects a node's (lazy contributions kept lazy; an owned array added into in place)."""
+    collects a node's (lazy contributions kept lazy; an owned array added into in place). The
+    rule is written out here and in ``ComputeGraph._backprop``, whose hot loop inlines it: keep
+    them alike."""
 
     __slots__ = ("g", "own", "sparse")
 
