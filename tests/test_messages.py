@@ -176,25 +176,33 @@ def _sqrt_loop() -> tuple[vg.VirtualGraph, vg.VirtualNode]:
     return g, vg.sum(L.final(h))
 
 
+# How the two paths say a node is computed for every iteration at once (see vgraph.virtual.hoist
+# and vgraph.virtual.program): both name the iteration's node.
+HOISTED = {
+    False: r" \(hoisted: computed for every iteration by <{}\*:1>\)",
+    True: r" \(computed for every iteration at once in the body program of <Loop:1>\)",
+}
 SQRT_AT_6 = (
-    r"Inf first appears in backward at <Pow:1@6> \(hoisted: computed for every iteration by <Pow\*:1>\): "
+    r"Inf first appears in backward at <Pow:1@6>{}: "
     r"the VJP of Pow gave a non-finite gradient for its input <Mul:1@6> from a finite incoming gradient\n"
     r"  incoming gradient: shape \(2,\), finite"
 )
 
 
-def test_an_anomaly_in_hoisted_backward_names_the_iteration():
+@pytest.mark.parametrize("programs", [False, True])
+def test_an_anomaly_in_hoisted_backward_names_the_iteration(programs):
     g, loss = _sqrt_loop()
     xs = np.ones((9, 2))
     xs[6, 1] = 0.0
-    cg = g.build({"xs": xs}, loss)
-    assert any(k.type == "Pow*" for k in cg._nodes)  # hoisted
-    with pytest.raises(vg.NonFiniteError, match="^" + SQRT_AT_6):
+    cg = g.build({"xs": xs}, loss, programs=programs)
+    assert programs or any(k.type == "Pow*" for k in cg._nodes)  # hoisted
+    with pytest.raises(vg.NonFiniteError, match="^" + SQRT_AT_6.format(HOISTED[programs].format("Pow"))):
         cg.backward(cg.outputs[0], detect_anomaly=True)
     assert g.params["w"].grad is None
 
 
-def test_an_anomaly_for_a_weight_of_a_hoisted_group_names_the_iteration():
+@pytest.mark.parametrize("programs", [False, True])
+def test_an_anomaly_for_a_weight_of_a_hoisted_group_names_the_iteration(programs):
     # x_t @ W overflows in backward at t = 4 only: W's gradient is the sum over iterations, so
     # the iteration is found by each row's VJP alone.
     g = vg.VirtualGraph(dtype=np.float64, seed=0)
@@ -212,8 +220,10 @@ def test_an_anomaly_for_a_weight_of_a_hoisted_group_names_the_iteration():
         r"  incoming gradient: shape \(2,\), finite, min 1e\+200, max 1e\+200\n"
         r"  input <Item:1@4>: shape \(2,\), finite, min 1e\+200"
     )
-    for hoist, note in [(True, r" \(hoisted: computed for every iteration by <MatMul\*:1>\)"), (False, "")]:
-        cg = g.build({"xs": big, "ss": big}, loss, hoist=hoist)
+    for hoist, note in [(True, HOISTED[programs].format("MatMul")), (False, "")]:
+        if programs and not hoist:  # (a program without hoisting: the body's own backward step)
+            continue
+        cg = g.build({"xs": big, "ss": big}, loss, hoist=hoist, programs=programs)
         with pytest.raises(vg.NonFiniteError, match=expected.format(note)):
             cg.backward(cg.outputs[0], detect_anomaly=True)
 
@@ -291,11 +301,7 @@ def test_an_anomaly_in_a_batched_backward_names_the_input_and_its_unrolled_node(
     good, bad = np.ones((9, 2)), np.ones((9, 2))
     bad[6, 1] = 0.0
     batch = g.build_batch([{"xs": good}, {"xs": good}, {"xs": bad}], loss, hoist=hoist)
-    at = (
-        SQRT_AT_6
-        if hoist
-        else SQRT_AT_6.replace(r" \(hoisted: computed for every iteration by <Pow\*:1>\)", "")
-    )
+    at = SQRT_AT_6.format(HOISTED[False].format("Pow") if hoist else "")  # (batched: node by node)
     with vg.detect_anomaly(), pytest.raises(vg.NonFiniteError, match="^input 2: " + at):
         batch.backward()
     with pytest.raises(vg.NonFiniteError, match="^input 2: " + at):

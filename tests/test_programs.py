@@ -463,6 +463,36 @@ def test_a_rerun_of_an_until_loop_says_its_condition_changed():
         cg.forward()
 
 
+@pytest.mark.parametrize("script", sorted((ROOT / "examples" / "models").glob("*.py")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("hoist", [True, False])
+def test_every_example_model_is_drawn_and_explored_as_its_per_node_graph(script, hoist):
+    """A program graph (hoisting on or off) is drawn, explored and coloured by gradient exactly
+    as the plain per-node unroll of the same feed, every iteration's gradient retained —
+    hoisted body nodes' included (their gradient is their row of one product's)."""
+    from test_explorer import page_data
+
+    from vgraph import render
+
+    g, feed, outputs = load(script).build()
+    graphs = {}
+    for programs in (False, True):
+        cg = g.build(feed, outputs[0], programs=programs, cache=False, hoist=hoist and programs)
+        render.retain_all_grads(cg)
+        g.params.zero_grad()
+        cg.backward(cg.outputs[0])
+        graphs[programs] = cg
+    plain, prog = graphs[False], graphs[True]
+    assert prog.programs
+    norms, ref = render.gradient_norms(prog), render.gradient_norms(plain)
+    assert norms.keys() == ref.keys()
+    for k in ref:
+        assert norms[k] == pytest.approx(ref[k], rel=1e-12, abs=1e-300), k
+    # (the drawings' numbers are printed to 3 digits: equal to them)
+    assert render.to_dot(prog, gradients=True) == render.to_dot(plain, gradients=True)
+    pages = [page_data(render.explore(g, build=cg))["unrolled"]["nodes"] for cg in (prog, plain)]
+    assert sorted(pages[0]["key"]) == sorted(pages[1]["key"])
+
+
 def test_the_explorer_shows_a_program_graph_node_by_node():
     """The explorer's page of a program graph has every node key of the per-node graph, with the
     values and retained gradients of the program's views."""

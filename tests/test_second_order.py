@@ -910,17 +910,45 @@ def test_a_rule_returning_a_wrong_shape_is_named():
         vg.undefop("WrongShapeRule")
 
 
-def test_a_loop_run_as_a_body_program_says_to_build_with_programs_false():
+def test_products_on_a_graph_whose_loops_ran_as_body_programs_use_its_per_node_form():
+    """A program's VJP is numpy, so a gradient through it cannot be recorded: cg.grad(...,
+    create_graph=True) says how to build instead, and vg.hvp / hvp_operator / gnvp work on the
+    graph's per-node form themselves — the products of a per-node build, the graph unchanged."""
     g, loss = _rnn_cell_model()
     feed = {"x": rng0(11).standard_normal((3, 2, 3)), "h0": np.zeros((2, 4))}
     cg = g.build(feed, loss, programs=True)
     assert any(n.op is not None and n.op.name == "Loop" for n in cg.nodes())
     n = len(cg)
     with pytest.raises(SecondOrderError, match=r"<Stack:1>.*body program.*programs=False"):
-        vg.hvp(cg.outputs[0], cg.parameters(), [np.zeros(p.shape) for p in cg.parameters()])
+        cg.grad(cg.outputs[0], cg.parameters(), create_graph=True)
     assert len(cg) == n
-    cg = g.build(feed, loss, programs=False)
-    _check_hvp(cg, cg.outputs[0], cg.parameters())
+    plain = g.build(feed, loss, programs=False, cache=False)
+    assert [p.key for p in plain.parameters()] == [p.key for p in cg.parameters()]
+    r = rng0(12)
+    v = [r.standard_normal(p.shape) for p in cg.parameters()]
+    products = [
+        (vg.hvp(c.outputs[0], c.parameters(), v), vg.hvp_operator(c.outputs[0], c.parameters())(v))
+        for c in (cg, plain)
+    ]
+    for a, b in zip([*products[0][0], *products[0][1]], [*products[1][0], *products[1][1]]):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+    assert len(cg) == n  # (recorded in the per-node form, a graph of its own)
+    _check_hvp(plain, plain.outputs[0], plain.parameters())
+    # a loop's final state: a node of its own in the program graph, the last update per node
+    g = vg.VirtualGraph(dtype=np.float64, seed=0)
+    x = g.input("x", shape=(None, None, 3))
+    W = g.parameter("W", (3, 4))
+    with g.loop(name="time") as loop:
+        h = loop.carry(np.zeros((2, 4)), name="h")
+        loop.update(h, vg.tanh(loop.step(x) @ W + h))
+    out = loop.final(h)
+    feed = {"x": rng0(13).standard_normal((4, 2, 3))}
+    cg, plain = (g.build(feed, vg.sum(out**2), programs=p, cache=False) for p in (True, False))
+    assert cg.node(out).key.type == "Final" and plain.node(out).key.type == "Tanh"
+    v = [rng0(14).standard_normal((3, 4))]
+    gn = vg.gnvp(cg.outputs[0], cg.node(out), [cg.node(W)], v)
+    for a, b in zip(gn, vg.gnvp(plain.outputs[0], plain.node(out), [plain.node(W)], v)):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
 
 
 def test_a_hand_made_body_program_node_is_refused_naming_it():

@@ -49,8 +49,8 @@ def feed(seed=0, T=5, B=3):
     return {"tok": rng.integers(0, V // 2, (T, B)), "h0": np.zeros((B, H))}  # repeats, half unused
 
 
-def grads_of(g, loss, fd, hoist=True, times=1):
-    cg = g.build(fd, loss, hoist=hoist)
+def grads_of(g, loss, fd, hoist=True, times=1, programs=None):
+    cg = g.build(fd, loss, hoist=hoist, programs=programs)
     for _ in range(times):
         cg.backward_ex(loss, retain_graph=True)
     return {k: p.grad for k, p in g.params.items()}
@@ -59,12 +59,13 @@ def grads_of(g, loss, fd, hoist=True, times=1):
 # --- the gradient ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("programs", [True, False])
 @pytest.mark.parametrize("hoist", [True, False])
 @pytest.mark.parametrize("twice", [False, True])
-def test_sparse_gradient_equals_dense_bit_for_bit(hoist, twice):
+def test_sparse_gradient_equals_dense_bit_for_bit(hoist, twice, programs):
     fd = feed()
-    dense = grads_of(*tagger(False, twice=twice), fd, hoist=hoist)
-    sparse = grads_of(*tagger(True, twice=twice), fd, hoist=hoist)
+    dense = grads_of(*tagger(False, twice=twice), fd, hoist=hoist, programs=programs)
+    sparse = grads_of(*tagger(True, twice=twice), fd, hoist=hoist, programs=programs)
     gs = sparse["emb.W"]
     assert isinstance(gs, RowSparseGrad)
     used = np.unique(np.concatenate([fd["tok"].ravel()]))

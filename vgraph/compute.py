@@ -123,7 +123,7 @@ def _finite(x: Any) -> bool:
     return arr.dtype.kind not in "fc" or bool(np.isfinite(arr).all())
 
 
-def _summary(x: Any) -> str:
+def value_summary(x: Any) -> str:
     """Shape, finite status and range of an array, for anomaly messages."""
     arr = np.asarray(x)
     text = f"shape {arr.shape}"
@@ -954,6 +954,15 @@ class ComputeGraph:
 
     def __len__(self) -> int:
         return len(self._nodes)
+
+    def per_node(self) -> ComputeGraph:
+        """This graph with a node of its own for every unrolled node: the graph itself (an
+        UnrolledGraph whose loops ran as body programs returns its per-node form)."""
+        return self
+
+    def _counterpart(self, graph: ComputeGraph, node: ComputeNode) -> ComputeNode:
+        """``node`` of this graph in ``graph``, its :meth:`per_node` form (the node itself here)."""
+        return node
 
     def nodes(self) -> list[ComputeNode]:
         """All nodes, in creation (topological) order."""
@@ -1838,8 +1847,8 @@ def _forward_anomaly(node: ComputeNode, values: Sequence[Any], result: Any) -> N
             with contextlib.suppress(Exception):
                 reason = hint(*values)
         head = f"{kind} first appears at {where}: " + (reason or f"{op.name} of finite inputs gave {kind}")
-    lines = [head, *(f"  input {n}: {_summary(v)}" for n, v in zip(names, values))]
-    lines.append(f"  output: {_summary(result)}")
+    lines = [head, *(f"  input {n}: {value_summary(v)}" for n, v in zip(names, values))]
+    lines.append(f"  output: {value_summary(result)}")
     return NonFiniteError("\n".join(lines))
 
 
@@ -1882,8 +1891,8 @@ def _backward_anomaly(
     lines = [
         f"{_first_kind(pg)} first appears in backward at {where}: the VJP of {op.name} "
         f"gave a non-finite gradient for its input {about} from a finite incoming gradient",
-        f"  incoming gradient: {_summary(g)}",
-        *(f"  input {n}: {_summary(v)}" for n, v in zip(names, values)),
-        f"  output: {_summary(ans)}",
+        f"  incoming gradient: {value_summary(g)}",
+        *(f"  input {n}: {value_summary(v)}" for n, v in zip(names, values)),
+        f"  output: {value_summary(ans)}",
     ]
     return NonFiniteError("\n".join(lines))

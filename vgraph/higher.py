@@ -541,8 +541,9 @@ def _rule_of(node: ComputeNode) -> Rule:
     if name in _PROGRAM_OPS and OPS.get(name) is not op:
         why = (
             "it belongs to a loop instance run as one body program, whose VJP is plain numpy; "
-            "build with programs=False (g.build(..., programs=False), outside vg.body_programs()) "
-            "to unroll the loop node by node for second order"
+            "build with programs=False (g.build(..., programs=False), or inside "
+            "vg.body_programs(False)) to unroll the loop node by node for second order "
+            "(vg.hvp, vg.hvp_operator and vg.gnvp do so themselves)"
         )
     elif name in _NOT_SUPPORTED:
         why = _NOT_SUPPORTED[name]
@@ -911,6 +912,14 @@ def _graph_of(loss: Any, params: Any, fn: str) -> tuple[ComputeGraph, list[Compu
     return cg, params
 
 
+def _per_node(cg: ComputeGraph, nodes: Sequence[ComputeNode]) -> tuple[ComputeGraph, list[ComputeNode]]:
+    """``cg``'s per-node form and ``nodes`` in it: the products below record gradients as nodes,
+    which a loop run as a body program cannot (its VJP is numpy), so they work on the loop
+    unrolled node by node — a build of the same values and parameters (the leaves are shared)."""
+    graph = cg.per_node()
+    return graph, [cg._counterpart(graph, n) for n in nodes]
+
+
 def _vector(v: Any, params: Sequence[ComputeNode], fn: str) -> list[Any]:
     """``v`` checked: one array per parameter, of its shape."""
     if isinstance(v, np.ndarray) and len(params) == 1:
@@ -961,7 +970,8 @@ class HessianVectorProduct:
     """
 
     def __init__(self, loss: ComputeNode, params: Sequence[ComputeNode]) -> None:
-        cg, self.params = _graph_of(loss, params, "hvp")
+        cg, params = _graph_of(loss, params, "hvp")
+        cg, (loss, *self.params) = _per_node(cg, [loss, *params])
         self.graph = cg
         self.loss = loss
         self._grads = cg.grad(loss, self.params, create_graph=True, allow_unused=True)
@@ -1030,9 +1040,10 @@ class GaussNewtonVectorProduct:
     """
 
     def __init__(self, loss: ComputeNode, output: ComputeNode, params: Sequence[ComputeNode]) -> None:
-        cg, self.params = _graph_of(loss, params, "gnvp")
-        self.graph, self.loss = cg, loss
-        self.output = cg._node_arg(output, "output", "gnvp")
+        cg, params = _graph_of(loss, params, "gnvp")
+        output = cg._node_arg(output, "output", "gnvp")
+        cg, (loss, output, *self.params) = _per_node(cg, [loss, output, *params])
+        self.graph, self.loss, self.output = cg, loss, output
         u = cg.input(np.zeros(self.output.shape, dtype=self.output.dtype), name="u", requires_grad=True)
         self._u = u
         self._jt_u = cg.grad(self.output, self.params, seeds=u, create_graph=True, allow_unused=True)

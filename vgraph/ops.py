@@ -832,6 +832,11 @@ def add_grads_sparse(acc: Any, g: Any) -> Any:
         chunks.indices.append(first[0])
         chunks.values.append(first[1])
         acc = chunks
+    if type(g) is _RowChunks:  # collected elsewhere (a loop run as a body program): summed
+        rows = g.rows()  # first, as a dense gradient adds that sum (the same bits)
+        acc.indices.append(rows.indices)
+        acc.values.append(rows.values)
+        return acc
     parts = _row_parts(g, acc.shape)
     if parts is None:
         return add_grads(acc, g)

@@ -37,6 +37,7 @@ parameters, batched builds, and builds in anomaly mode (which checks every value
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import linecache
 from collections.abc import Callable, Sequence
@@ -45,7 +46,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from ..compute import ComputeNode, NodeKey
+from ..compute import ComputeNode, NodeKey, value_summary
 from ..errors import BackwardError, BuildError, NonFiniteError, StructureChangedError, VGraphError
 from ..modes import is_anomaly_enabled
 from ..ops import VJP, LazyGrad, Op, OpResultError, add_grads, add_grads_sparse, reduce_grad
@@ -849,6 +850,45 @@ class ProgramInstance:
             f"{node}: the VJP of {op.name} with respect to its input {parent} failed: {type(e).__name__}: {e}"
         )
 
+    def _hoisted_anomaly(
+        self,
+        v: VirtualNode,
+        p: int,
+        vjp: VJP,
+        g: Any,
+        ans: Any,
+        xs: Sequence[Any],
+        stepped: Sequence[bool],
+        d: Any,
+    ) -> NonFiniteError:
+        """Anomaly mode: the error for the non-finite gradient ``d`` that the VJP of hoisted node
+        ``v`` (run once over every iteration) gave its input ``p`` from a finite ``g``, naming the
+        first iteration whose row alone gives one, with that row's values, as the per-node sweep
+        names its node. Each row's VJP is computed alone, on this error path only."""
+        attrs = self.hoisted_attrs[self.variant.hoisted.index(v)]
+        where = f"{v.describe(self.idx)}, summed over every iteration (no iteration alone gives it)"
+        rows = [
+            (self.describe(u, 0) if not s else f"{u.describe(self.idx)}", x)
+            for u, x, s in zip(v.inputs, xs, stepped)
+        ]
+        for t in range(len(ans)):
+            cut = [x[t : t + 1] if s else x for x, s in zip(xs, stepped)]
+            with contextlib.suppress(Exception):  # (a VJP that needs every row: none to name)
+                row = vjp(g[t : t + 1], ans[t : t + 1], *cut, **attrs)
+                if not _finite(row):
+                    where, d, g, ans = self.describe(v, t), row, g[t], ans[t]
+                    rows = [(self.describe(u, t), x[t] if s else x) for u, x, s in zip(v.inputs, xs, stepped)]
+                    break
+        lines = [
+            f"{_kind(d)} first appears in backward at {where} (computed for every iteration at once "
+            f"in the body program of {self.loop.describe(self.idx)}): the VJP of {cast(Op, v.op).name} "
+            f"gave a non-finite gradient for its input {rows[p][0]} from a finite incoming gradient",
+            f"  incoming gradient: {value_summary(g)}",
+            *(f"  input {name}: {value_summary(x)}" for name, x in rows),
+            f"  output: {value_summary(ans)}",
+        ]
+        return NonFiniteError("\n".join(lines))
+
     def _retaining(self) -> dict[int, list[tuple[int, ComputeNode]]] | None:
         """The views that retain their gradient, by iteration (``None``: none do)."""
         found: dict[int, list[tuple[int, ComputeNode]]] = {}
@@ -869,6 +909,7 @@ class ProgramInstance:
     ) -> None:
         """The hoisted nodes' VJPs, each once over all iterations, last hoisted first."""
         variant, loop = self.variant, self.loop
+        check = is_anomaly_enabled()
         hoisted = list(variant.hoisted)
         trips = run.trips
         grads: dict[VirtualNode, Any] = {}
@@ -904,6 +945,8 @@ class ProgramInstance:
                 shape = np.shape(xs[p])
                 if d.shape != shape:
                     d = reduce_grad(d, shape, False)
+                if check and not _finite(d) and _finite(gv):
+                    raise self._hoisted_anomaly(v, p, f, gv, value, xs, [u in group_of for u in v.inputs], d)
                 if u in loop.items:
                     i = loop.items.index(u)
                     if seq_grad[i] is None:
@@ -991,7 +1034,7 @@ class ProgramInstance:
         loop node's); returns how many."""
         run = cast(ProgramRun, self.run)
         count = 0
-        for v in self.variant.computed:
+        for v in (*self.loop.items, *self.variant.hoisted, *self.variant.computed):
             if v not in self.variant.grad_slots:
                 continue
             for t in range(run.trips):

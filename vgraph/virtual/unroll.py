@@ -145,10 +145,21 @@ class UnrolledGraph(ComputeGraph):
                 views[view.key] = view
         for key, node in cg._nodes.items():
             mine = self._nodes.get(key) or views.get(key)
-            if node.op is not None and mine is not None and mine.grad is not None:
+            if node.op is not None and node.requires_grad and mine is not None and mine.grad is not None:
                 node.grad = np.array(mine.grad)
                 node.retains_grad = True
         return cg
+
+    def _counterpart(self, graph: ComputeGraph, node: ComputeNode) -> ComputeNode:
+        """``node`` in ``graph``, this graph's :meth:`per_node` form: the node with its key, or
+        for a loop's output ``<Final:k@idx>`` the node it stands for there (the last update)."""
+        if graph is self or node.key in graph:
+            return graph.node(node.key)
+        k = node.key
+        v = next((v for v in self.virtual.nodes if v.type == k.type and v.id == k.id), None)
+        if v is None or not isinstance(graph, UnrolledGraph):
+            raise BuildError(f"{node.describe()} has no counterpart in the per-node form of its graph")
+        return graph.node(v, k.idx)
 
     def _copies_of(self, v: VirtualNode) -> dict[tuple[int, ...], ComputeNode]:
         found = {idx: env[v] for (scope, idx), env in self._envs.items() if scope is v.scope and v in env}
