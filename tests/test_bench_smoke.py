@@ -165,7 +165,7 @@ def test_quick_json_run(tmp_path):
 
     rows = data["training"]
     assert sorted(r["mode"] for r in rows) == [
-        "programs-nocache", "rebuild", "rebuild-new", "rebuild-nocache", "reuse"
+        "per-node-nocache", "rebuild", "rebuild-new", "rebuild-nocache", "reuse"
     ]  # fmt: skip
     impls = ["vgraph", "numpy", "numpy_perstep"] + (["torch_loop", "torch_rnn"] if HAVE_TORCH else [])
     for r in rows:
@@ -185,7 +185,7 @@ def test_quick_json_run(tmp_path):
         target = {"reuse": 2.0, "rebuild": 2.5, "rebuild-new": 4.0}.get(r["mode"])  # (nocache: none)
         assert r["target"] == target and (r["pass"] is None) == (target is None)
         assert r["nodes"] > 0
-    for mode in ("rebuild-new", "rebuild-nocache", "programs-nocache"):
+    for mode in ("rebuild-new", "rebuild-nocache", "per-node-nocache"):
         new = next(r for r in rows if r["mode"] == mode)
         assert len(new["lengths"]) == new["warmup"] + new["repeats"]
         assert all(45 <= n <= 55 for n in new["lengths"]) and len(set(new["lengths"])) > 1

@@ -80,6 +80,7 @@ def test_the_superseded_graph_says_so_when_used():
     assert "superseded" in repr(cg1)
 
 
+@pytest.mark.usefixtures("per_node")  # (resizing a kept graph: the per-node path's)
 def test_another_shape_is_another_entry_and_cache_false_keeps_graphs_apart():
     g, loss = rnn()
     short = g.build({"xs": np.ones((3, 2, 3))}, loss)  # seen once: not kept
@@ -254,21 +255,22 @@ def test_a_fed_array_changed_by_the_caller_afterwards_does_not_reach_the_graph(h
     # again): the caller's array stays the caller's, on every path a value enters a cached graph.
     g, loss = rnn()
     rng = np.random.default_rng(5)
-    for _ in range(2):  # the second build is kept: the next one replays (or resizes) it
-        cg = g.build({"xs": rng.normal(size=(6, 2, 3))}, loss)
-    xs = rng.normal(size=(4 if how == "resized build" else 6, 2, 3))
-    if how == "feed":
-        cg.feed({"xs": xs})
-        cg.forward(cg.outputs[0])
-    else:
-        kept = cg.node("Tanh:1@0")
-        cg = g.build({"xs": xs}, loss)
-        assert cg.node("Tanh:1@0") is kept  # the cached graph, not a fresh unroll
-        assert ("Tanh:1@5" in cg) == (how != "resized build")
-    want = np.array(cg.outputs[0].value)
-    fed = cg.inputs["xs"]
-    assert not np.shares_memory(fed.value, xs)
-    xs[...] = 0.0  # the caller re-uses its buffer
-    assert np.all(fed.value != 0.0)
-    cg.inputs["xs"].set_value(np.array(fed.value))  # a forward that must recompute from the graph's copy
-    np.testing.assert_allclose(cg.forward(cg.outputs[0]), want, rtol=1e-15)
+    with vg.body_programs(how != "resized build"):  # (resizing a kept graph: the per-node path)
+        for _ in range(2):  # the second build is kept: the next one replays (or resizes) it
+            cg = g.build({"xs": rng.normal(size=(6, 2, 3))}, loss)
+        xs = rng.normal(size=(4 if how == "resized build" else 6, 2, 3))
+        if how == "feed":
+            cg.feed({"xs": xs})
+            cg.forward(cg.outputs[0])
+        else:
+            kept = cg.node("Tanh:1@0")
+            cg = g.build({"xs": xs}, loss)
+            assert cg.node("Tanh:1@0") is kept  # the cached graph, not a fresh unroll
+            assert ("Tanh:1@5" in cg) == (how != "resized build")
+        want = np.array(cg.outputs[0].value)
+        fed = cg.inputs["xs"]
+        assert not np.shares_memory(fed.value, xs)
+        xs[...] = 0.0  # the caller re-uses its buffer
+        assert np.all(fed.value != 0.0)
+        cg.inputs["xs"].set_value(np.array(fed.value))  # a forward that must recompute from the graph's copy
+        np.testing.assert_allclose(cg.forward(cg.outputs[0]), want, rtol=1e-15)

@@ -24,6 +24,8 @@ from vgraph.render import to_dot
 from vgraph.tbptt import chunk_feeds, truncated_bptt
 from vgraph.virtual.checkpoint import binomial_positions, binomial_split
 
+pytestmark = pytest.mark.usefixtures("per_node")  # (conftest) checkpointed loops run node by node
+
 ROOT = Path(__file__).resolve().parent.parent
 TOL = {"rtol": 1e-12, "atol": 1e-12}
 SCHEDULES = [1, 2, 3, 7, 1000, "sqrt", ("binomial", 1), ("binomial", 2), ("binomial", 5)]

@@ -187,7 +187,7 @@ def test_check_vjps_pinpoints_a_wrong_custom_vjp_in_every_iteration(defop):
     first = result.first_failure
     assert first.inputs[0].ok and not first.inputs[1].ok and first.inputs[1].failed == 4
     assert first.inputs[1].analytic != pytest.approx(first.inputs[1].numeric, rel=1e-3)
-    assert cg.node(first.key).parents[1] is g.params["scale"]
+    assert cg.per_node().node(first.key).parents[1] is g.params["scale"]  # (the graph checked)
     assert all(n.ok for n in result.nodes if n.op != "BadHypot")
 
 
@@ -519,6 +519,7 @@ def _feed(steps, seed=0):
     return {"xs": np.random.default_rng(seed).standard_normal((steps, 2, 3))}
 
 
+@pytest.mark.usefixtures("per_node")  # hoisting, compiled sweeps, resizing: the per-node path
 @pytest.mark.parametrize("hoist", [True, False])
 @pytest.mark.parametrize("taped", [True, False])
 def test_a_custom_vjp_in_a_loop_body_is_checked_in_the_interpreted_and_the_compiled_sweep(
@@ -559,6 +560,7 @@ def test_a_custom_vjp_in_a_loop_body_is_checked_in_the_interpreted_and_the_compi
     assert all(np.array_equal(p.grad, grads[k]) for k, p in g.params.items())  # nothing half-added
 
 
+@pytest.mark.usefixtures("per_node")  # hoisting, compiled sweeps, resizing: the per-node path
 def test_a_custom_vjp_in_a_loop_resized_from_a_cached_build_is_checked(defop):
     """A cached graph resized to a shorter sequence sweeps with the tapes it keeps per part."""
     g, loss, xw, u = _loop_with(
@@ -608,6 +610,7 @@ def _built(g, feed, loss, hoist):
     return cg, value, {k: np.array(p.grad) for k, p in g.params.items()}
 
 
+@pytest.mark.usefixtures("per_node")  # hoisting, compiled sweeps, resizing: the per-node path
 @pytest.mark.parametrize("declared", [True, False])
 def test_a_custom_elementwise_op_is_hoisted_and_equals_the_plain_unroll(defop, float64, declared):
     defop("Softsign", softsign, softsign_vjp, elementwise=declared)

@@ -27,6 +27,8 @@ from vgraph import render as R
 from vgraph.compute import ComputeGraph
 from vgraph.render import ExplorerPage, explore, explore_script_result
 
+pytestmark = pytest.mark.usefixtures("per_node")  # (conftest) per-node pages; of programs: test_programs
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "examples" / "models"
 
@@ -412,7 +414,8 @@ def browser():
 @pytest.fixture(scope="module")
 def rnn50_page(browser, tmp_path_factory):
     """The 50-step Elman RNN's page, loaded; returns (driver, cg)."""
-    g, cg = elman(50)
+    with vg.body_programs(False):  # (a module's fixture: made before the tests' per_node)
+        g, cg = elman(50)
     path = tmp_path_factory.mktemp("explorer") / "rnn50.html"
     explore(g, path, build=cg)
     return browser, cg, path.as_uri()

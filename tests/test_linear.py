@@ -79,6 +79,7 @@ def loop_model(fused):
     return g, vg.sum(L.final(h) ** 2)
 
 
+@pytest.mark.usefixtures("per_node")  # hoisting: the per-node path
 @pytest.mark.parametrize("tapes", [True, False])
 def test_in_a_loop_it_is_hoisted_and_equals_the_plain_unroll(tapes):
     xs = np.random.default_rng(3).normal(size=(7, 2, 3))

@@ -9,6 +9,7 @@ decision (float64, 1e-12).
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -403,15 +404,31 @@ def test_a_program_graph_draws_and_checks_as_the_per_node_graph():
     assert vg.check_vjps(prog).ok
 
 
-def test_body_programs_mode_makes_builds_run_programs_in_this_thread():
+def test_by_default_a_loop_runs_as_a_program_unless_a_cached_build_knows_its_structure_by_shapes():
+    """``programs=None`` (the default mode): a cached build runs node by node a loop whose
+    structure the feed's shapes fix, and everything else as programs; the mode is per thread."""
     g, loss, feed, h_new, L = rnn()
-    assert not vg.programs_enabled()
-    assert not g.build(feed, loss, cache=False).programs
-    with vg.body_programs():
-        assert vg.programs_enabled()
-        assert g.build(feed, loss, cache=False).programs
-        assert not g.build(feed, loss, cache=False, programs=False).programs
-    assert not vg.programs_enabled()
+    assert vg.programs_mode() is None  # the default
+    assert not g.build(feed, loss).programs  # a sequence loop, cached: node by node
+    assert g.build(feed, loss, cache=False).programs  # not cached: as a program
+    gw = vg.VirtualGraph(seed=0, dtype=np.float64)  # a while_ loop: its trip count is the data's
+    x = gw.input("x", (3,))
+    with gw.loop(while_=lambda t, st: float(np.abs(st["s"]).max()) > 1.0, max_iters=50) as W:
+        s = W.carry(x, name="s")
+        W.update(s, s * 0.5)
+    assert gw.build({"x": np.full(3, 9.0)}, vg.sum(W.final(s))).programs
+    with vg.body_programs(False):
+        assert vg.programs_mode() is False
+        assert not g.build(feed, loss, cache=False).programs
+        assert g.build(feed, loss, cache=False, programs=True).programs
+        with vg.body_programs():
+            assert g.build(feed, loss).programs  # True: cached builds too
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(vg.programs_mode()))
+        thread.start()
+        thread.join()
+        assert seen == [None]  # another thread keeps its own (the default)
+    assert vg.programs_mode() is None
     with pytest.raises(vg.ArgumentError):
         with vg.body_programs("yes"):
             pass

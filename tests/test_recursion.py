@@ -99,17 +99,21 @@ def check_against_reference(children, seed=0, hoist=True):
     return g, cg, h_new
 
 
-def test_a_small_tree_matches_the_recursive_reference():
+@pytest.mark.parametrize("programs", [True, False])
+def test_a_small_tree_matches_the_recursive_reference(programs):
     #        4
     #      /   \
     #     2     3
     #    / \   /
     #   0   1 -
     children = np.array([[-1, -1], [-1, -1], [0, 1], [-1, -1], [2, 3]])
-    g, cg, h_new = check_against_reference(children)
+    with vg.body_programs(programs):
+        g, cg, h_new = check_against_reference(children)
     assert cg.trip_count(next(v for v in g.nodes if v.kind == "loop")) == 5
     tanh = cg.node(h_new, (4,))
     assert str(tanh.key) == f"Tanh:{h_new.id}@4"  # <Tanh:k@4>: the tanh at structure node 4
+    if programs:
+        return
     # the child read at node 4, slot 0 *is* node 2's value: node 4 multiplies it by U_l directly
     left = cg.node(h_new, (2,))
     # (the product is computed by the sum that reads it, see vgraph.virtual.hoist.RowSum)
@@ -147,6 +151,7 @@ def test_parameters_in_a_recursion_body_are_tied_by_default():
     assert sorted(k for k in g2.params if k.startswith("W")) == ["W@0", "W@1"]
 
 
+@pytest.mark.usefixtures("per_node")  # the per-node path's nodes and hoisting
 def test_child_independent_work_is_hoisted_and_identical():
     children = random_tree(np.random.default_rng(3), 7)
     g, cg, _ = check_against_reference(children, hoist=True)
@@ -265,15 +270,19 @@ def test_a_deep_chain_needs_no_recursion():
     assert np.isfinite(g.params["W"].grad).all()
 
 
-def test_cached_builds_recheck_the_structure():
+@pytest.mark.parametrize("programs", [True, False])
+def test_cached_builds_recheck_the_structure(programs):
     """A second build with a same-shaped but different tree must not reuse the first tree's graph."""
     g, loss, _, h_new = tree_rnn()
     a = np.array([[-1, -1], [-1, -1], [0, 1]])
     b = np.array([[-1, -1], [0, -1], [1, -1]])  # a chain: same shape, another structure
     xs = np.random.default_rng(0).normal(size=(3, D))
-    g.build({"children": a, "xs": xs}, loss)
-    cached = g.build({"children": b, "xs": xs}, loss)
-    fresh = g.build({"children": b, "xs": xs}, loss, cache=False)
+    with vg.body_programs(programs):
+        g.build({"children": a, "xs": xs}, loss)
+        cached = g.build({"children": b, "xs": xs}, loss)
+        fresh = g.build({"children": b, "xs": xs}, loss, cache=False)
     np.testing.assert_allclose(cached.forward(), fresh.forward(), rtol=1e-12)
+    if programs:
+        return
     left = [n for n in cached.nodes() if n.key.idx == (2,) and cached.node(h_new, (1,)) in n.parents]
     assert left  # node 2 reads node 1 (the chain), not node 0 and 1 (the first tree)

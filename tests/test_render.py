@@ -24,6 +24,8 @@ from vgraph.cli import main
 from vgraph.compute import ComputeGraph, NodeKey
 from vgraph.errors import GraphStateError, RenderError, VGraphError
 
+pytestmark = pytest.mark.usefixtures("per_node")  # (conftest) per-node drawings; of programs: test_programs
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "examples" / "models"
 

@@ -12,6 +12,8 @@ from vgraph import render as R
 from vgraph.cli import main
 from vgraph.errors import VGraphError
 
+pytestmark = pytest.mark.usefixtures("per_node")  # (conftest) per-node drawings; of programs: test_programs
+
 MODEL_NAMES = sorted(p.stem for p in MODELS.glob("*.py"))
 
 

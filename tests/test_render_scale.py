@@ -15,6 +15,8 @@ import vgraph as vg
 from vgraph import render as R
 from vgraph.cli import main
 
+pytestmark = pytest.mark.usefixtures("per_node")  # (conftest) per-node drawings; of programs: test_programs
+
 NAN_COLOR, INF_COLOR = "#7b3294", "#000000"  # the documented colours, written out
 
 

@@ -62,14 +62,19 @@ def train(g, feeds, loss, outputs=None, *, cache=True):
         if step:
             cg.feed(feed)
             cg.forward()
-        for n in cg.nodes():
-            if n.requires_grad and n.op is not None:
-                n.retain_grad()
+        vg.render.retain_all_grads(cg)  # (and of the body nodes of loops run as programs: views)
+        views = [view for instance in cg.programs.values() for view in instance._views.values()]
+        for n in [*cg.nodes(), *views]:
+            if n.op is not None or n in views:
                 n.grad = None
         g.params.zero_grad()
         value = cg.backward(cg.node(loss) if not isinstance(loss, vg.VirtualNode) else loss)
         params = {k: np.array(p.grad) for k, p in g.params.items() if p.grad is not None}
-        nodes = {k: (value_of(n), None if n.grad is None else np.array(n.grad)) for k, n in cg._nodes.items()}
+        nodes = {
+            n.key: (value_of(n), None if n.grad is None else np.array(n.grad))
+            for n in [*cg._nodes.values(), *views]
+            if n.key.type != "Loop"  # (its value is the run: the views hold its values)
+        }
         record.append((value, params, nodes))
         for _, p in g.params.items():
             if p.grad is not None:

@@ -22,7 +22,8 @@ graph, new data fed every step):
   transposed ``W_h`` copied from its second use in a sweep when the product is large enough; the
   update's new arrays) — written as a plain numpy loop with no graph: what vgraph would cost if
   its bookkeeping were free;
-- **vgraph**: ``bench_rnn.VgraphReuse``'s step, timed by phase.
+- **vgraph**: ``bench_rnn.VgraphReuse``'s step, timed by phase, with the loop unrolled node by node
+  (``vg.body_programs(False)``: the per-node engine these operations describe).
 
 So ``operations / floor`` is what only a change of what vgraph computes and keeps can remove, and
 ``vgraph - operations`` (per phase, and per loop step) what only less Python per node can. The
@@ -176,7 +177,7 @@ def check(size: tuple[int, int, int, int]) -> float:
     ref_loss, ref = br.numpy_grads({k: np.array(p) for k, p in P.items()}, x, y)
     br._check_loss(f"loss, operations {size}", value, ref_loss)
     br._compare(f"gradients, operations {size}", ops_trainer.grads, ref)
-    cg = g.build({"x": x, "y": y}, loss)
+    cg = g.build({"x": x, "y": y}, loss, programs=False)  # (the per-node engine's operations)
     cg.backward(cg.outputs[0])
     return max(float(np.max(np.abs(g.params[k].grad - ops_trainer.grads[k]))) for k in br.PARAM_NAMES)
 
@@ -191,7 +192,7 @@ def measure(size: tuple[int, int, int, int], repeats: int = REPEATS, warmup: int
     steps = {
         "floor": floor.step,
         "operations": operations.step,
-        "vgraph": br.VgraphReuse(g, loss, *data[0]).step,
+        "vgraph": br.VgraphReuse(g, loss, *data[0], programs=False).step,
     }
     times: dict[str, list[list[float]]] = {name: [] for name in steps}
     gc.collect()

@@ -14,7 +14,8 @@ step with a sequence of length T (the same structure every step).
 Mode "rebuild-new": the same, but the sequence length changes every step within T ± 10% (every
 length of the range in turn, shuffled: a new structure every step). Mode "rebuild-nocache": those
 lengths, each build with ``cache=False`` (every step unrolled as a structure never seen before);
-mode "programs-nocache": the same with the loop run as a body program (``programs=True``).
+mode "per-node-nocache": the same with the loop unrolled node by node (``programs=False``, the
+reference path; every other mode runs it as a body program, the default).
 Mode "reuse": the UnrolledGraph is built once; each step ``cg.feed(new data)``, ``cg.forward()``
 (dirty-checked; everything is recomputed since inputs and parameters changed), backward and the
 same update.
@@ -57,7 +58,7 @@ Usage::
 
     PYTHONPATH=. python3 tools/bench_rnn.py [--quick] [--json out.json] [--repeats N] [--warmup N]
                                             [--sizes I,H,B,T ...]
-                                            [--modes reuse rebuild rebuild-new rebuild-nocache programs-nocache]
+                                            [--modes reuse rebuild rebuild-new rebuild-nocache per-node-nocache]
                                             [--no-extras] [--strict] [--blas-threads N] [--no-torch]
 """
 
@@ -102,7 +103,7 @@ SIZES: list[tuple[int, int, int, int]] = [
     (64, 256, 64, 100),
     (8, 32, 1, 1000),
 ]
-MODES = ("reuse", "rebuild", "rebuild-new", "rebuild-nocache", "programs-nocache")
+MODES = ("reuse", "rebuild", "rebuild-new", "rebuild-nocache", "per-node-nocache")
 #: Targets of issue 10: vgraph ms / tight-floor ms (medians) must be at most this.
 TARGETS: dict[str, dict[tuple[int, int, int, int], float]] = {
     "reuse": {(8, 32, 16, 50): 2.0, (32, 128, 32, 50): 1.1, (64, 256, 64, 100): 1.05, (8, 32, 1, 1000): 3.0},
@@ -321,7 +322,7 @@ class VgraphRebuild:
     "rebuild-nocache", every build unrolled as a structure never seen before)."""
 
     def __init__(
-        self, g: vg.VirtualGraph, loss: vg.VirtualNode, cache: bool = True, programs: bool = False
+        self, g: vg.VirtualGraph, loss: vg.VirtualNode, cache: bool = True, programs: bool | None = None
     ) -> None:
         self.g, self.loss, self.cache, self.programs = g, loss, cache, programs
         self.params = g.params.parameters()
@@ -340,9 +341,16 @@ class VgraphRebuild:
 class VgraphReuse:
     """Mode "reuse": one UnrolledGraph; each step feeds new data and runs forward again."""
 
-    def __init__(self, g: vg.VirtualGraph, loss: vg.VirtualNode, x0: np.ndarray, y0: np.ndarray) -> None:
+    def __init__(
+        self,
+        g: vg.VirtualGraph,
+        loss: vg.VirtualNode,
+        x0: np.ndarray,
+        y0: np.ndarray,
+        programs: bool | None = None,
+    ) -> None:
         self.g = g
-        self.cg = g.build({"x": x0, "y": y0}, loss)
+        self.cg = g.build({"x": x0, "y": y0}, loss, programs=programs)
         self.loss_node = self.cg.outputs[0]
         self.params = g.params.parameters()
 
@@ -605,14 +613,19 @@ def time_training(
     """
     I, H, B, T = size
     g, loss = make_model(I, H, B, seed)
-    varying = mode in ("rebuild-new", "rebuild-nocache", "programs-nocache")
+    varying = mode in ("rebuild-new", "rebuild-nocache", "per-node-nocache")
     lengths = length_schedule(T, warmup + repeats) if varying else [T] * (warmup + repeats)
     data = make_data(I, B, max(lengths), seed=seed + 7)
     P0 = vgraph_param_values(g)
     runners: dict[str, Any] = {
         "vgraph": VgraphReuse(g, loss, *data[0])
         if mode == "reuse"
-        else VgraphRebuild(g, loss, cache=not mode.endswith("nocache"), programs=mode.startswith("programs")),
+        else VgraphRebuild(
+            g,
+            loss,
+            cache=not mode.endswith("nocache"),
+            programs=False if mode.startswith("per-node") else None,
+        ),
         "numpy": NumpyTrainer(P0, numpy_grads),
         "numpy_perstep": NumpyTrainer(P0, numpy_grads_perstep),
     }

@@ -92,7 +92,7 @@ from .modes import (
     is_anomaly_enabled,
     is_grad_enabled,
     no_grad,
-    programs_enabled,
+    programs_mode,
 )
 from .virtual import (
     BranchNode,
@@ -181,7 +181,7 @@ __all__ = [
     "one_hot",
     "ops",
     "optim",
-    "programs_enabled",
+    "programs_mode",
     "relu",
     "render",
     "reshape",

@@ -78,7 +78,7 @@ class _Modes(threading.local):
 
     grad: bool = True
     anomaly: bool = False
-    programs: bool = False
+    programs: bool | None = None
 
 
 #: The calling thread's switches; read directly (``modes.state.grad``) where a function call per
@@ -161,19 +161,22 @@ def anomaly_scope(on: bool) -> contextlib.AbstractContextManager[None]:
 
 
 @contextlib.contextmanager
-def body_programs(enabled: bool = True) -> Iterator[None]:
+def body_programs(enabled: bool | None = True) -> Iterator[None]:
     """Inside this block, builds that do not say (``build(programs=...)``) run loops as body
-    programs (``True``) or node by node (``False``, the default outside any block: the
-    reference path; see :mod:`vgraph.virtual.program`). The mode is the calling thread's, like
-    :func:`no_grad`.
+    programs where they can (``True``), node by node (``False``: the reference path, whose graph
+    has a node per body node per iteration), or choose per loop (``None``, the default outside any
+    block: as a program, except a loop whose structure the feed's shapes fix in a cached build;
+    see :func:`vgraph.build_compute_graph`). The mode is the calling thread's, like
+    :func:`no_grad`: a new thread starts with ``None``.
 
     Args:
-        enabled: whether loops run as body programs where they can.
+        enabled: ``True``, ``False`` or ``None`` as above.
 
     Raises:
-        ArgumentError: ``enabled`` is not a bool (a TypeError).
+        ArgumentError: ``enabled`` is not a bool or None (a TypeError).
     """
-    enabled = flag_arg(enabled, "body_programs(enabled=...)")
+    if enabled is not None:
+        enabled = flag_arg(enabled, "body_programs(enabled=...)")
     modes = state
     previous = modes.programs
     modes.programs = enabled
@@ -183,6 +186,7 @@ def body_programs(enabled: bool = True) -> Iterator[None]:
         modes.programs = previous
 
 
-def programs_enabled() -> bool:
-    """Whether builds in this thread run loops as body programs unless told otherwise."""
+def programs_mode() -> bool | None:
+    """How builds in this thread run loops unless told otherwise: ``True`` (as body programs),
+    ``False`` (node by node) or ``None`` (chosen per loop, the default); see :func:`body_programs`."""
     return state.programs

@@ -165,6 +165,8 @@ class _Plan:
         self.eager: dict[LoopNode | None, list[VirtualNode]] = {}
         # Each loop's body program, or why it runs node by node (.program; made on first use).
         self.programs: dict[LoopNode, Any] = {}
+        # Whether a loop's structure follows from the feed's shapes alone (.program.fixed_by_shapes).
+        self.fixed: dict[LoopNode, bool] = {}
         needed: set[VirtualNode] = set()
         # Everything reachable from the outputs, through all branch options (for feed checks).
         stack = list(outputs)

@@ -87,6 +87,27 @@ def why_not(loop: LoopNode, plan: _Plan) -> str | None:
     return None
 
 
+def fixed_by_shapes(loop: LoopNode, plan: _Plan) -> bool:
+    """Whether ``loop``'s structure — its trip count and what each iteration computes — follows
+    from the shapes it steps through alone: no ``while_``/``until`` condition, no recursion, no
+    branch in its body or in a nested loop's. A cached build runs such a loop node by node when
+    programs are left to choose (``programs=None``): its structure comes back with the shapes, and
+    the cache re-runs the per-node unroll faster than a program (docs/decisions.md). Found once
+    per plan."""
+    found = plan.fixed.get(loop)
+    if found is None:
+        found = loop.cond is None and loop.until is None and loop.structure is None
+        for v in loop.body:
+            if not found:
+                break
+            if isinstance(v, BranchNode):
+                found = False
+            elif isinstance(v, LoopNode):
+                found = fixed_by_shapes(v, plan)
+        plan.fixed[loop] = found
+    return found
+
+
 def program_for(loop: LoopNode, plan: _Plan) -> BodyProgram | str:
     """``loop``'s body program for ``plan`` (compiled steps are made per run's needs), or why it
     runs node by node; found once per plan."""

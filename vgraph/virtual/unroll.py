@@ -35,7 +35,7 @@ from ..errors import (
     VGraphError,
 )
 from ..modes import anomaly_scope as _anomaly_scope
-from ..modes import is_anomaly_enabled, is_grad_enabled, no_grad, programs_enabled
+from ..modes import is_anomaly_enabled, is_grad_enabled, no_grad, programs_mode
 from ..ops import OPS, Op
 from ..tape import ForwardTape, tapes_enabled
 from ..workspace import computing, gc_paused
@@ -46,7 +46,7 @@ from .graph import VirtualGraph, one_build_at_a_time
 from .hoist import RowSum, batched_attrs, defer_unread, hoist_loop, row_sums
 from .nodes import _NO_LOOP_VALUE, BranchNode, LoopNode, VirtualNode
 from .plan import _Plan
-from .program import BodyProgram, ProgramInstance, _seed_vjp, program_for, vjp_of
+from .program import BodyProgram, ProgramInstance, _seed_vjp, fixed_by_shapes, program_for, vjp_of
 from .rules import at_limit, check_carry, reached_end, run_cond, select_option
 from .store import _store_name
 
@@ -477,15 +477,18 @@ class _Builder:
         hoist: bool = True,
         cg: Any = None,
         builds: int | None = None,
-        programs: bool = False,
+        programs: bool | None = False,
+        cached: bool = False,
     ):
         """``cg``: where nodes go (an :class:`UnrolledGraph` by default; an input's view of a
-        batched build in :mod:`.batch`); ``builds``: the build counter seeding sampled nodes."""
+        batched build in :mod:`.batch`); ``builds``: the build counter seeding sampled nodes;
+        ``programs``: as :func:`build_compute_graph`'s, ``cached`` saying whether the build is."""
         self.graph = graph
         self.hoist = hoist
-        # Whether loops run as body programs where they can (.program): a plain build's own graph
-        # only (a batched build's scheduler groups its inputs' nodes itself).
-        self.programs = programs and cg is None
+        # Whether loops run as body programs where they can (.program), None: chosen per loop: a
+        # plain build's own graph only (a batched build's scheduler groups its inputs' nodes itself).
+        self.programs = programs if cg is None else False
+        self.cached = cached
         # Whether the build may change how its own graph computes hoisted loops (see .hoist:
         # sums built row by row, copies computed when read): not an input's view of a batched build,
         # whose ops the scheduler groups as declared.
@@ -614,7 +617,10 @@ class _Builder:
 
     # -- control flow
     def run_loop(self, loop: LoopNode, frame: _Frame) -> None:
-        if self.programs:
+        programs = self.programs
+        if programs is None:  # chosen per loop: see build_compute_graph
+            programs = not (self.cached and fixed_by_shapes(loop, self.plan))
+        if programs:
             program = (
                 "anomaly mode checks every node as it is made"
                 if is_anomaly_enabled()
@@ -1140,11 +1146,15 @@ def build_compute_graph(
             for comparison and debugging. Same keys, values and gradients either way.
         detect_anomaly: raise :class:`~vgraph.errors.NonFiniteError` at the first NaN/Inf value
             (see :func:`vgraph.detect_anomaly`).
-        programs: run each loop whose body can be compiled as a body program (see
-            :mod:`vgraph.virtual.program`): one node per loop instance, its body's unrolled nodes
-            made on demand (``cg.node(v, idx)``); ``False`` is the per-node unroll, the reference.
-            Loops that cannot run so are listed with the reason in ``cg.interpreted``. ``None``
-            (the default): the thread's mode, off unless inside ``vg.body_programs()``.
+        programs: ``True`` runs each loop whose body can be compiled as a body program (see
+            :mod:`vgraph.virtual.program`): one ``<Loop:id@idx>`` node per loop instance, its
+            body's unrolled nodes made on demand (``cg.node(v, idx)``, ``cg.per_node()``); loops
+            that cannot run so are listed with the reason in ``cg.interpreted``. ``False`` is the
+            per-node unroll, the reference. ``None`` (the default; ``vg.body_programs`` sets
+            another for a block): as ``True``, except that a cached build (``cache=True``) runs
+            node by node a loop whose structure the feed's shapes fix (no ``while_``/``until``,
+            recursion or branch inside: :func:`~.program.fixed_by_shapes`) — that structure
+            comes back, and the cache re-runs the per-node unroll of a known structure faster.
 
     Returns:
         The unrolled graph; ``cg.outputs`` holds the outputs' compute nodes.
@@ -1159,7 +1169,7 @@ def build_compute_graph(
     hoist = flag_arg(hoist, "build(hoist=...)")
     cache = flag_arg(cache, "build(cache=...)")
     detect_anomaly = flag_arg(detect_anomaly, "build(detect_anomaly=...)")
-    programs = programs_enabled() if programs is None else flag_arg(programs, "build(programs=...)")
+    programs = programs_mode() if programs is None else flag_arg(programs, "build(programs=...)")
     outs, plan = _check_outputs(graph, outputs)
     values = _checked_feed(graph, plan, feed)
 
@@ -1189,7 +1199,7 @@ def build_compute_graph(
             graph._builds += 1
             return cg
     try:
-        builder = _Builder(graph, values, plan, hoist, programs=programs)
+        builder = _Builder(graph, values, plan, hoist, programs=programs, cached=cache)
         if cache:
             builder.traces = []
         top = _Frame(None, (), {}, None)
