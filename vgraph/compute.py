@@ -554,7 +554,7 @@ class ComputeGraph:
         self._remat: DroppedValues | None = None
         # Op nodes computed when read (see computed_when_read): no sweep computes them and their
         # value is None. Each with the node whose gradient is its own, or None (a hoisted copy's
-        # is a row of its group's, see vgraph.virtual.unroll).
+        # is a row of its group's, see vgraph.virtual.unrolled).
         self._deferred: dict[ComputeNode, ComputeNode | None] = {}
 
     @property
@@ -1524,7 +1524,7 @@ class ComputeGraph:
         self, nodes: Iterable[ComputeNode]
     ) -> dict[ComputeNode, list[tuple[ComputeNode, int | None]]]:
         """The nodes whose gradients give those of some of ``nodes``, which the sweep does not
-        compute (see vgraph.virtual.unroll): none in a graph that was not built from a virtual one."""
+        compute (see vgraph.virtual.unrolled): none in a graph that was not built from a virtual one."""
         return {}
 
     def _check_can_backward(self, loss: ComputeNode) -> None:

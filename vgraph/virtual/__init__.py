@@ -18,7 +18,8 @@ from __future__ import annotations
 from .graph import VirtualGraph
 from .nodes import BranchNode, LoopNode, VirtualNode
 from .store import ParameterStore
-from .unroll import Decision, UnrolledGraph, build_compute_graph
+from .unroll import build_compute_graph
+from .unrolled import Decision, UnrolledGraph
 
 __all__ = [
     "BranchNode",

@@ -38,7 +38,7 @@ from typing import Any, NoReturn, cast
 
 import numpy as np
 
-from ..compute import ComputeGraph, ComputeNode, NodeKey, flag_arg
+from ..compute import _ALL, ComputeGraph, ComputeNode, NodeKey, flag_arg
 from ..errors import (
     ArgumentError,
     BuildError,
@@ -50,22 +50,13 @@ from ..modes import detect_anomaly as detect_anomaly_mode
 from ..modes import no_grad
 from ..ops import ALONG_AXIS, CELL, ELEMENTWISE, OPS, Op, row_at
 from ..workspace import computing, gc_paused
+from .builder import _Builder, _check_structure, _Frame, _iteration_views, _stepped_sequences
 from .graph import one_build_at_a_time
 from .hoist import batched_attrs, check_rows, checks_rows, hoist_loop
 from .nodes import BranchNode, LoopNode, VirtualNode
 from .rules import at_limit, check_carry, run_cond, select_option
-from .unroll import (  # type: ignore[attr-defined]  # _ALL: the forward plans' "every node"
-    _ALL,
-    Decision,
-    UnrolledGraph,
-    _Builder,
-    _check_outputs,
-    _check_structure,
-    _checked_feed,
-    _Frame,
-    _iteration_views,
-    _stepped_sequences,
-)
+from .unroll import _check_outputs, _checked_feed
+from .unrolled import Decision, UnrolledGraph
 
 _GATHER, _GETITEM, _STACK, _SUM, _MEAN = (
     OPS["GatherRows"],

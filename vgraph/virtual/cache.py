@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import GraphStateError
 
 if TYPE_CHECKING:
-    from .unroll import UnrolledGraph
+    from .unrolled import UnrolledGraph
 
 DEFAULT_CACHE_SIZE = 4
 

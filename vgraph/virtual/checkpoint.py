@@ -58,7 +58,7 @@ from ..errors import GraphStateError
 from ..ops import LazyGrad
 
 if TYPE_CHECKING:
-    from .unroll import UnrolledGraph
+    from .unrolled import UnrolledGraph
 
 #: Node types whose values are never dropped (structure guards: tiny, and re-running them would
 #: call the user's condition again).

@@ -46,7 +46,7 @@ from ..tape import BackwardTape, Call, ForwardTape, backward_calls, forward_call
 
 if TYPE_CHECKING:
     from .nodes import LoopNode, VirtualNode
-    from .unroll import UnrolledGraph
+    from .unrolled import UnrolledGraph
 
 _GETITEM = OPS["GetItem"]
 Env = dict["VirtualNode", Any]

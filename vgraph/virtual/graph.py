@@ -30,7 +30,7 @@ from .plan import _Plan
 from .store import ParameterStore, _is_iteration_path, _store_name
 
 if TYPE_CHECKING:
-    from .unroll import UnrolledGraph
+    from .unrolled import UnrolledGraph
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")

@@ -38,8 +38,8 @@ from ..modes import is_anomaly_enabled
 from ..ops import ALONG_AXIS, CELL, ELEMENTWISE, OPS, REDUCTION, Op
 
 if TYPE_CHECKING:
+    from .builder import _Builder, _Frame
     from .nodes import LoopNode, VirtualNode
-    from .unroll import _Builder, _Frame
 
 _HOISTED, _GETITEM, _ADD_ROW, _MATMUL_ADD_ROW, _MATMUL = (
     OPS["Hoisted"],

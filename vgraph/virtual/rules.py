@@ -1,5 +1,5 @@
 """The rules of a loop that every way of running one obeys — the per-node unroll
-(:mod:`.unroll`) and body programs (:mod:`.program`): when it stops (``times=``, the stepped
+(:mod:`.builder`) and body programs (:mod:`.program`): when it stops (``times=``, the stepped
 sequences' length, ``while_``, ``until``, ``max_iters`` with ``on_limit``) and what a carry may
 become (its shape and dtype kept, a first update that only widens it allowed)."""
 
