@@ -434,6 +434,27 @@ def test_by_default_a_loop_runs_as_a_program_unless_a_cached_build_knows_its_str
             pass
 
 
+@pytest.mark.parametrize(
+    "script, as_programs",
+    [("elman_rnn", False), ("stacked_rnn", False), ("branching", True), ("tree_lstm", True)],
+)
+def test_by_default_each_example_model_runs_the_way_its_loops_call_for(script, as_programs):
+    """The default build of each example model: sequence loops (the shapes fix their structure)
+    node by node in a cached build; a loop with a branch in its body or a recursion as programs;
+    every model as programs with ``cache=False`` — each equal to its per-node build."""
+    g, feed, outputs = load(ROOT / "examples" / "models" / f"{script}.py").build()
+    cached = g.build(feed, outputs[0])
+    assert bool(cached.programs) == as_programs, cached
+    fresh = g.build(feed, outputs[0], cache=False)
+    assert fresh.programs
+    # (only the stacked RNN's loop over layers, whose weights are untied, runs node by node)
+    assert all("untied" in why for _, _, why in fresh.interpreted)
+    plain = g.build(feed, outputs[0], cache=False, programs=False, hoist=False)
+    for cg in (cached, fresh):
+        np.testing.assert_allclose(cg.forward(), plain.forward(), **TOL)
+        assert decisions(cg) == decisions(plain)
+
+
 def test_a_no_grad_build_runs_the_program_without_gradients():
     g, loss, feed, h_new, L = rnn()
     with vg.no_grad():
