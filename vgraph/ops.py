@@ -1600,6 +1600,17 @@ def _getitem_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray, index: Any) -> I
 defop("GetItem", lambda x, index: x[index], _getitem_vjp)
 
 
+def basic_view_index(op: Op, attrs: dict[str, Any]) -> Any:
+    """The index of a node that is a basic-index view of its one input (``x[index]``, each element
+    picked at most once), or ``None`` for any other node. Such a node's VJP places ``g`` at
+    ``index`` of a zero array of the input's shape: a caller that owns a zero-initialised
+    gradient buffer of the input may add ``g`` in there instead (``buf[index] += g``)."""
+    if op.name != "GetItem" or op.user:
+        return None
+    index = attrs["index"]
+    return index if _is_basic_index(index) else None
+
+
 def _take_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray, indices: np.ndarray) -> IndexedGrad:
     return IndexedGrad(x.shape, g.dtype, indices, g, False)  # repeated rows accumulate
 
@@ -1917,6 +1928,19 @@ class _SharedVJP:
     def vjps(self, n: int) -> tuple[VJP, ...]:
         """``n`` per-input VJPs in the table's convention ``vjp(g, ans, *xs, **attrs)``."""
         return tuple(_Nth(self, i) for i in range(n))
+
+
+def joint_vjp(op: Op) -> Callable[..., tuple[Any, ...]] | None:
+    """``joint(g, ans, *xs, **attrs)`` giving every input's gradient in one call, for an op whose
+    per-input VJPs are served from one joint computation (the fused cells), else ``None``. A caller
+    that needs several inputs' gradients calls it once instead of each VJP in turn."""
+    vjps = op.vjps
+    if op.variadic or op.user or not isinstance(vjps, tuple) or not vjps:
+        return None
+    first = vjps[0]
+    if type(first) is not _Nth or any(type(f) is not _Nth or f.shared is not first.shared for f in vjps):
+        return None
+    return first.shared.joint
 
 
 class _Nth:

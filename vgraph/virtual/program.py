@@ -48,7 +48,17 @@ import numpy as np
 from ..compute import ComputeNode, NodeKey
 from ..errors import BackwardError, BuildError, NonFiniteError, StructureChangedError, VGraphError
 from ..modes import is_anomaly_enabled
-from ..ops import VJP, LazyGrad, Op, OpResultError, add_grads, add_grads_sparse, reduce_grad
+from ..ops import (
+    VJP,
+    LazyGrad,
+    Op,
+    OpResultError,
+    add_grads,
+    add_grads_sparse,
+    basic_view_index,
+    joint_vjp,
+    reduce_grad,
+)
 from .nodes import BranchNode, LoopNode, VirtualNode
 from .rules import at_limit, check_carry, reached_end, run_cond, select_option
 
@@ -329,6 +339,7 @@ class _Variant:
             "ADD": add_grads,
             "RED": _reduce,
             "REDLEAF": _reduce_leaf,
+            "ZEROS": np.zeros,
         }
         grad = self.grad_slots
         caps = ", ".join(
@@ -349,6 +360,7 @@ class _Variant:
         outs += [(s.inputs[1], f"q{k}") for k, s in enumerate(self.program.stacked)]
         for u, g in outs:
             self._route(u, g, lines, "        ", env)
+        buffered = self._buffered(outs)
         for v in reversed(self.computed):
             if v not in grad:
                 continue
@@ -365,13 +377,35 @@ class _Variant:
             lines.append(f"{pad}if type(g{i}) is not ndarray and isinstance(g{i}, LazyGrad):")
             lines.append(f"{pad}    g{i} = g{i}.dense()")
             op = cast(Op, v.op)
+            index = basic_view_index(op, v.attrs)
+            if index is not None and v.inputs[0] in buffered:  # its gradient added into the buffer
+                k = self.slot[v.inputs[0]]
+                env[f"x{i}"] = index
+                lines.append(f"{pad}if g{k} is None:")
+                lines.append(f"{pad}    g{k} = ZEROS(s{k}.shape, g{i}.dtype)")
+                lines.append(f"{pad}g{k}[x{i}] += g{i}")
+                for n in range(3):
+                    self.back_lines[len(lines) - n] = (v, 0)
+                continue
             args = ", ".join(self._name(u) for u in v.inputs)
-            for p, u in enumerate(v.inputs):
-                f = vjp_of(op, p)
-                if f is None or not (u in grad or u in self.needs):
-                    continue
-                env[f"b{i}_{p}"] = partial(f, **v.attrs) if v.attrs else f
-                lines.append(f"{pad}d = b{i}_{p}(g{i}, s{i}, {args})")
+            wanted = [
+                p
+                for p, u in enumerate(v.inputs)
+                if vjp_of(op, p) is not None and (u in grad or u in self.needs)
+            ]
+            joint = joint_vjp(op) if len(wanted) > 1 else None
+            if joint is not None:  # one call for all the inputs' gradients
+                env[f"j{i}"] = partial(joint, **v.attrs) if v.attrs else joint
+                lines.append(f"{pad}J = j{i}(g{i}, s{i}, {args})")
+                self.back_lines[len(lines)] = (v, wanted[0])
+            for p in wanted:
+                u = v.inputs[p]
+                f = cast(VJP, vjp_of(op, p))
+                if joint is not None:
+                    lines.append(f"{pad}d = J[{p}]")
+                else:
+                    env[f"b{i}_{p}"] = partial(f, **v.attrs) if v.attrs else f
+                    lines.append(f"{pad}d = b{i}_{p}(g{i}, s{i}, {args})")
                 lines.append(f"{pad}if d.shape != {self._name(u)}.shape:")
                 # a parameter's broadcast contributions are summed once, when all are in (as the
                 # per-node sweep sums a leaf's: ops.LeadingSumGrad)
@@ -387,6 +421,29 @@ class _Variant:
         lines.append(f"        return ({back}{',' if self.inputs else ''})")
         lines.append("    return back")
         return "\n".join(lines) + "\n", env
+
+    def _buffered(self, seeds: list[tuple[VirtualNode, str]]) -> set[VirtualNode]:
+        """The computed slots whose gradient comes only from basic-index views of them
+        (``ops.basic_view_index``: the outputs of a fused cell, ``h'`` and ``c'``): the backward
+        step adds those views' gradients into one zero buffer it allocates, instead of
+        collecting lazy indexed gradients and laying them into zeros when the slot's turn comes
+        (the same additions, in the same order)."""
+        grad = self.grad_slots
+        views: set[VirtualNode] = set()
+        other = {u for u, _ in seeds}
+        for v in self.computed:
+            if v not in grad:
+                continue
+            if isinstance(v, BranchNode):
+                other.update(v.options)
+                continue
+            op = cast(Op, v.op)
+            view = basic_view_index(op, v.attrs) is not None
+            for p, u in enumerate(v.inputs):
+                if vjp_of(op, p) is not None and u in grad:
+                    (views if view else other).add(u)
+        computed = set(self.computed)
+        return {u for u in views - other if u in computed}
 
     def _route(self, u: VirtualNode, g: str, lines: list[str], pad: str, env: dict[str, Any]) -> None:
         """Add gradient ``g`` (a name; may be ``None`` at run time for a seed) to ``u``'s."""
