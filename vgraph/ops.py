@@ -1978,6 +1978,9 @@ def _cell_shapes(op: str, n_gates: int, state: np.ndarray, **pre: np.ndarray) ->
 def _gate_major(x: np.ndarray, n_gates: int, H: int, batch_ndim: int) -> np.ndarray:
     """``(..., n * H)`` columns [gate 0 | gate 1 | …] seen as ``(n, ..., H)`` (a view), with
     ``...`` left-padded to ``batch_ndim`` axes so that it broadcasts against the state."""
+    if x.ndim == 2 and batch_ndim == 1:  # the hot path: (B, n * H) rows
+        rows: np.ndarray = x.reshape(x.shape[0], n_gates, H).transpose(1, 0, 2)
+        return rows
     shape = (1,) * (batch_ndim - x.ndim + 1) + x.shape[:-1]
     nb = len(shape)
     view: np.ndarray = x.reshape((*shape, n_gates, H)).transpose((nb, *range(nb), nb + 1))
@@ -1993,21 +1996,46 @@ def _sigmoid_into(out: np.ndarray, x: np.ndarray | None = None) -> None:
     out *= 0.5
 
 
+#: Per (dtype, batch axes): the LSTM gates' ``(scale, shift)`` as ``(4, 1, …, 1)`` arrays, so that
+#: one pass over the four activation slabs computes sigmoid for i, f, o and tanh for g:
+#: ``(tanh(scale * z) + shift) * scale`` is ``(tanh(z / 2) + 1) / 2`` (the Sigmoid op's arithmetic)
+#: where scale = 1/2, shift = 1, and ``tanh(z)`` exactly where scale = 1, shift = 0.
+_LSTM_AFFINE: dict[tuple[np.dtype[Any], int], tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _lstm_affine(dtype: np.dtype[Any], batch_ndim: int) -> tuple[np.ndarray, np.ndarray]:
+    key = (dtype, batch_ndim)
+    found = _LSTM_AFFINE.get(key)
+    if found is None:
+        shape = (4,) + (1,) * (batch_ndim + 1)
+        scale = np.array([0.5, 0.5, 1.0, 0.5], dtype=dtype).reshape(shape)
+        shift = np.array([1.0, 1.0, 0.0, 1.0], dtype=dtype).reshape(shape)
+        scale.flags.writeable = shift.flags.writeable = False
+        found = _LSTM_AFFINE[key] = (scale, shift)
+    return found
+
+
 def _lstm_cell(
     xw: np.ndarray, hw: np.ndarray, b: np.ndarray, c: np.ndarray, gates: tuple[str, ...] = LSTM_GATES
 ) -> np.ndarray:
-    batch, H = _cell_shapes("LSTMCell", 4, c, xw=xw, hw=hw, b=b)
+    if c.ndim == 2 and xw.shape == hw.shape == (c.shape[0], 4 * c.shape[1]) and b.shape == xw.shape[1:]:
+        batch, H = c.shape[:1], c.shape[1]  # the hot path: (B, H) rows and a bias vector
+    else:
+        batch, H = _cell_shapes("LSTMCell", 4, c, xw=xw, hw=hw, b=b)
     s = np.empty((6, *batch, H), dtype=np.result_type(xw, hw, b, c))
     z = xw + hw
     z = np.add(z, b, out=z) if b.ndim == 1 or b.shape[:-1] == z.shape[:-1] else z + b
-    # The activations go gate-major into their slabs: each first pass reads z's columns.
-    zg = _gate_major(z, 4, H, len(batch))
+    # The activations go gate-major into their slabs, all four in each pass (see _LSTM_AFFINE).
+    act = s[2:]
+    scale, shift = _lstm_affine(s.dtype, len(batch))
+    np.multiply(_gate_major(z, 4, H, len(batch)), scale, out=act)
+    np.tanh(act, out=act)
+    act += shift
+    act *= scale
     i, f, g, o = s[2], s[3], s[4], s[5]
-    _sigmoid_into(s[2:4], zg[0:2])
-    np.tanh(zg[2], out=g)
-    _sigmoid_into(o, zg[3])
     np.multiply(f, c, out=s[1])
-    s[1] += i * g
+    np.multiply(i, g, out=s[0])  # (h's slab as scratch)
+    s[1] += s[0]
     np.tanh(s[1], out=s[0])
     s[0] *= o
     return s
@@ -2018,25 +2046,25 @@ def _lstm_cell_grads(
     gates: tuple[str, ...] = LSTM_GATES,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
     H = s.shape[-1]
-    c_new, i, f, g, o = s[1], s[2], s[3], s[4], s[5]
+    c_new, f, o = s[1], s[3], s[5]
+    act = s[2:]
     dh = gs[0]
     tc = np.tanh(c_new)
     dc = dh * o
     dc *= 1 - tc * tc
     dc += gs[1]  # the total gradient of c'
     # Gradients of the activations i, f, g, o (plus any that reached their slabs) …
-    da = np.empty(s[2:].shape, dtype=s.dtype)
-    np.multiply(dc, g, out=da[0])
+    da = np.empty(act.shape, dtype=s.dtype)
+    np.multiply(dc, s[4:1:-2], out=da[0:3:2])  # di = dc g, dg = dc i
     np.multiply(dc, c, out=da[1])
-    np.multiply(dc, i, out=da[2])
     np.multiply(dh, tc, out=da[3])
     da += gs[2:]
-    # … times their derivatives, a (1 - a) for the sigmoids and 1 - g^2 for the tanh, written in
-    # z's column layout.
-    slope = np.subtract(1, s[2:])
-    slope[0:2] *= s[2:4]
-    slope[3] *= o
-    slope[2] *= 1 + g  # 1 - g^2 = (1 - g)(1 + g)
+    # … times their derivatives, a (1 - a) for the sigmoids and 1 - g^2 = (1 - g)(1 + g) for the
+    # tanh, written in z's column layout.
+    slope = np.subtract(1, act)
+    other = act.copy()
+    other[2] += 1
+    slope *= other
     dz = np.empty((*s.shape[1:-1], 4 * H), dtype=s.dtype)
     np.multiply(da, slope, out=_gate_major(dz, 4, H, dz.ndim - 1))
     return dz, dz, dz, dc * f
