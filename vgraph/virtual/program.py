@@ -305,6 +305,11 @@ class _Variant:
                 lines.append(f"{pad}    s{i} = {self._name(option)}")
             return
         op = cast(Op, v.op)
+        index = basic_view_index(op, v.attrs)
+        if index is not None:  # a view (what GetItem's forward does, without the call)
+            env[f"x{i}"] = index
+            lines.append(f"{pad}s{i} = {self._name(v.inputs[0])}[x{i}]")
+            return
         env[f"f{i}"] = partial(op.forward, **v.attrs) if v.attrs else op.forward
         args = ", ".join(self._name(u) for u in v.inputs)
         lines.append(f"{pad}s{i} = f{i}({args})")
@@ -931,7 +936,13 @@ class ProgramInstance:
         grads: dict[VirtualNode, Any] = {}
         for v, value, per_row in zip(hoisted, run.hoisted, rows):
             if any(r is not None for r in per_row):
-                buf = np.zeros(np.shape(value), dtype=_grad_dtype(value))
+                shape, dtype = np.shape(value), _grad_dtype(value)
+                if len(per_row) == shape[0] and all(
+                    type(r) is np.ndarray and r.shape == shape[1:] and r.dtype == dtype for r in per_row
+                ):  # a gradient for every row: stacked (what adding them into zeros gives)
+                    grads[v] = np.stack(per_row)
+                    continue
+                buf = np.zeros(shape, dtype=dtype)
                 for t, r in enumerate(per_row):
                     if r is not None:
                         _add_row(buf, t, r)
