@@ -622,3 +622,19 @@ def test_a_fused_cells_backward_step_buffers_its_views_and_calls_its_joint_vjp_o
     # h', c' (and the two reads of raw[0:2]) are views of the cell's value: their gradients go into one buffer, unless
     # the value is also read otherwise (then the views' gradients stay lazy, as node by node)
     assert source.count("] += g") == {None: 2, "view": 4, "value": 0}[extra]
+
+
+@pytest.mark.parametrize("block_bytes", [1, 1000, 1 << 22])
+def test_a_split_vjps_record_part_is_computed_by_blocks_of_iterations(block_bytes, monkeypatch):
+    """The LSTM cell's VJP reads its output alone for the activations' slopes: a program computes
+    that part over blocks of iterations (one iteration, a few, all) and gets the per-node
+    gradients."""
+    from vgraph.virtual import program
+
+    monkeypatch.setattr(program._Parts, "BLOCK_BYTES", block_bytes)
+    g, loss = cell_model("lstm", True, "view", (2, 3, 4))
+    rng = np.random.default_rng(5)
+    feed = {"xs": rng.standard_normal((7, 2, 3)), "ys": rng.integers(0, 3, 14)}
+    _, prog = assert_identical(g, feed, loss)
+    source = vg.show_program(prog, next(iter(prog.programs))[0])
+    assert "if p0 is None else w" in source  # the step takes its iteration's part

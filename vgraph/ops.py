@@ -1913,11 +1913,16 @@ class _SharedVJP:
     held between backward passes. The three are one tuple, read and replaced in one step.
     """
 
-    __slots__ = ("joint", "memo")
+    __slots__ = ("joint", "memo", "split")
 
-    def __init__(self, joint: Callable[..., tuple[Any, ...]]) -> None:
+    def __init__(
+        self,
+        joint: Callable[..., tuple[Any, ...]],
+        split: tuple[Callable[..., tuple[np.ndarray, ...]], Callable[..., tuple[Any, ...]]] | None = None,
+    ) -> None:
         self.joint = joint
         self.memo: tuple[Any, Any, tuple[Any, ...]] = (None, None, ())
+        self.split = split  # (prep, joint_with): see split_vjp
 
     def vjp(self, i: int, g: Any, ans: Any, *xs: Any, **attrs: Any) -> Any:
         memo = self.memo
@@ -1941,6 +1946,20 @@ def joint_vjp(op: Op) -> Callable[..., tuple[Any, ...]] | None:
     if type(first) is not _Nth or any(type(f) is not _Nth or f.shared is not first.shared for f in vjps):
         return None
     return first.shared.joint
+
+
+def split_vjp(op: Op) -> tuple[Callable[..., tuple[np.ndarray, ...]], Callable[..., tuple[Any, ...]]] | None:
+    """``(prep, joint_with)`` for an op whose joint VJP splits into a part that reads only its
+    output and a part that reads the gradient (the LSTM cell: the activations' slopes, and their
+    products with ``g``), else ``None``. ``prep(answers)`` takes the outputs of several calls
+    stacked on a new axis 0 and returns arrays whose rows (axis 0) are each call's part;
+    ``joint_with(part, g, ans, *xs, **attrs)`` is the joint VJP given that call's rows. A loop
+    runs ``prep`` once over its iterations' outputs instead of once per iteration; the joint VJP
+    is ``joint_with`` of ``prep`` of one output, so both give the same gradients."""
+    vjps = op.vjps
+    if joint_vjp(op) is None:
+        return None
+    return cast(_Nth, cast(tuple[Any, ...], vjps)[0]).shared.split
 
 
 class _Nth:
@@ -2041,33 +2060,48 @@ def _lstm_cell(
     return s
 
 
-def _lstm_cell_grads(
-    gs: np.ndarray, s: np.ndarray, xw: np.ndarray, hw: np.ndarray, b: np.ndarray, c: np.ndarray,
-    gates: tuple[str, ...] = LSTM_GATES,
+def _lstm_cell_prep(states: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What the LSTM cell's VJP reads of its outputs alone, for outputs stacked on axis 0
+    (``(T, 6, *batch, H)``): ``tanh(c')``, ``1 - tanh(c')^2`` and the activations' slopes
+    ``(T, 4, *batch, H)``: a (1 - a) for the sigmoids, 1 - g^2 = (1 - g)(1 + g) for the tanh."""
+    tc = np.tanh(states[:, 1])
+    dtc = 1 - tc * tc
+    act = states[:, 2:]
+    slope = np.subtract(1, act)
+    other = act.copy()
+    other[:, 2] += 1
+    slope *= other
+    return tc, dtc, slope
+
+
+def _lstm_cell_grads_with(
+    part: tuple[np.ndarray, np.ndarray, np.ndarray], gs: np.ndarray, s: np.ndarray, xw: np.ndarray,
+    hw: np.ndarray, b: np.ndarray, c: np.ndarray, gates: tuple[str, ...] = LSTM_GATES,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    tc, dtc, slope = part
     H = s.shape[-1]
-    c_new, f, o = s[1], s[3], s[5]
-    act = s[2:]
     dh = gs[0]
-    tc = np.tanh(c_new)
-    dc = dh * o
-    dc *= 1 - tc * tc
+    dc = dh * s[5]
+    dc *= dtc
     dc += gs[1]  # the total gradient of c'
     # Gradients of the activations i, f, g, o (plus any that reached their slabs) …
-    da = np.empty(act.shape, dtype=s.dtype)
+    da = np.empty(s[2:].shape, dtype=s.dtype)
     np.multiply(dc, s[4:1:-2], out=da[0:3:2])  # di = dc g, dg = dc i
     np.multiply(dc, c, out=da[1])
     np.multiply(dh, tc, out=da[3])
     da += gs[2:]
-    # … times their derivatives, a (1 - a) for the sigmoids and 1 - g^2 = (1 - g)(1 + g) for the
-    # tanh, written in z's column layout.
-    slope = np.subtract(1, act)
-    other = act.copy()
-    other[2] += 1
-    slope *= other
+    # … times their slopes, written in z's column layout.
     dz = np.empty((*s.shape[1:-1], 4 * H), dtype=s.dtype)
     np.multiply(da, slope, out=_gate_major(dz, 4, H, dz.ndim - 1))
-    return dz, dz, dz, dc * f
+    return dz, dz, dz, dc * s[3]
+
+
+def _lstm_cell_grads(
+    gs: np.ndarray, s: np.ndarray, xw: np.ndarray, hw: np.ndarray, b: np.ndarray, c: np.ndarray,
+    gates: tuple[str, ...] = LSTM_GATES,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    tc, dtc, slope = _lstm_cell_prep(s[None])
+    return _lstm_cell_grads_with((tc[0], dtc[0], slope[0]), gs, s, xw, hw, b, c)
 
 
 def _gru_cell(
@@ -2120,7 +2154,12 @@ def _gru_cell_grads(
     return dgx, dgh, dgx, dgh, dh * z
 
 
-defop("LSTMCell", _lstm_cell, *_SharedVJP(_lstm_cell_grads).vjps(4), kind=CELL)
+defop(
+    "LSTMCell",
+    _lstm_cell,
+    *_SharedVJP(_lstm_cell_grads, (_lstm_cell_prep, _lstm_cell_grads_with)).vjps(4),
+    kind=CELL,
+)
 defop("GRUCell", _gru_cell, *_SharedVJP(_gru_cell_grads).vjps(5), kind=CELL)
 
 

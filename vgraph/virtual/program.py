@@ -58,6 +58,7 @@ from ..ops import (
     basic_view_index,
     joint_vjp,
     reduce_grad,
+    split_vjp,
 )
 from .nodes import BranchNode, LoopNode, VirtualNode
 from .rules import at_limit, check_carry, reached_end, run_cond, select_option
@@ -353,6 +354,17 @@ class _Variant:
         seeds = [f"u{k}" for k in range(len(loop.carries))] + [
             f"q{k}" for k in range(len(self.program.stacked))
         ]
+        # Per slot whose op's joint VJP splits (ops.split_vjp), the part read from the records
+        # alone, computed once over the iterations (ProgramInstance.backward) and handed in as an
+        # argument p<n> (None: not computed; the step then calls the joint VJP whole).
+        self.prepped: list[tuple[int, Callable[..., tuple[np.ndarray, ...]]]] = []
+        prep_arg: dict[VirtualNode, str] = {}
+        for v in self.computed:
+            split = split_vjp(cast(Op, v.op)) if v in grad and not isinstance(v, BranchNode) else None
+            if split is not None and len(self._wanted(v)) > 1:
+                prep_arg[v] = f"p{len(self.prepped)}"
+                self.prepped.append((self.slot[v], split[0]))
+        seeds += prep_arg.values()
         lines = [f"def make_back({caps}):" if caps else "def make_back():"]
         lines.append(f"    def back(KEEP, r{', ' + ', '.join(seeds) if seeds else ''}):")
         record = ", ".join(f"s{i}" for i in range(self.size))
@@ -393,15 +405,19 @@ class _Variant:
                     self.back_lines[len(lines) - n] = (v, 0)
                 continue
             args = ", ".join(self._name(u) for u in v.inputs)
-            wanted = [
-                p
-                for p, u in enumerate(v.inputs)
-                if vjp_of(op, p) is not None and (u in grad or u in self.needs)
-            ]
+            wanted = self._wanted(v)
             joint = joint_vjp(op) if len(wanted) > 1 else None
             if joint is not None:  # one call for all the inputs' gradients
                 env[f"j{i}"] = partial(joint, **v.attrs) if v.attrs else joint
-                lines.append(f"{pad}J = j{i}(g{i}, s{i}, {args})")
+                if v in prep_arg:
+                    with_part = cast(tuple[Any, Callable[..., Any]], split_vjp(op))[1]
+                    env[f"w{i}"] = partial(with_part, **v.attrs) if v.attrs else with_part
+                    part = prep_arg[v]
+                    lines.append(
+                        f"{pad}J = j{i}(g{i}, s{i}, {args}) if {part} is None else w{i}({part}, g{i}, s{i}, {args})"
+                    )
+                else:
+                    lines.append(f"{pad}J = j{i}(g{i}, s{i}, {args})")
                 self.back_lines[len(lines)] = (v, wanted[0])
             for p in wanted:
                 u = v.inputs[p]
@@ -426,6 +442,15 @@ class _Variant:
         lines.append(f"        return ({back}{',' if self.inputs else ''})")
         lines.append("    return back")
         return "\n".join(lines) + "\n", env
+
+    def _wanted(self, v: VirtualNode) -> list[int]:
+        """The inputs of op node ``v`` whose gradient the backward step computes."""
+        op = cast(Op, v.op)
+        return [
+            p
+            for p, u in enumerate(v.inputs)
+            if vjp_of(op, p) is not None and (u in self.grad_slots or u in self.needs)
+        ]
 
     def _buffered(self, seeds: list[tuple[VirtualNode, str]]) -> set[VirtualNode]:
         """The computed slots whose gradient comes only from basic-index views of them
@@ -521,6 +546,41 @@ class _Acc:
         else:
             self.g = add_grads_sparse(acc, pg) if self.sparse else add_grads(acc, pg)
             self.own = True
+
+
+class _Parts:
+    """For one slot whose op's joint VJP splits (``ops.split_vjp``), the part its backward reads
+    from the records alone, computed by ``prep`` over a block of iterations at a time as the
+    backward sweep reaches them (last first): one call per block instead of one per iteration,
+    and at most a block held. ``None`` for the iterations of a block whose values cannot be
+    stacked (an option not chosen): their steps call the joint VJP whole."""
+
+    __slots__ = ("records", "slot", "prep", "lo", "rows")
+
+    #: The most bytes of one slot's values stacked for one ``prep`` call.
+    BLOCK_BYTES = 1 << 22
+
+    def __init__(
+        self, records: list[tuple[Any, ...]], slot: int, prep: Callable[..., tuple[np.ndarray, ...]]
+    ):
+        self.records, self.slot, self.prep = records, slot, prep
+        self.lo = len(records)  # rows holds iterations lo, lo + 1, ... of the current block
+        self.rows: list[Any] = []
+
+    def at(self, t: int) -> Any:
+        if t < self.lo:
+            first = self.records[t][self.slot]
+            size = first.nbytes if type(first) is np.ndarray else 1
+            lo = max(0, t + 1 - max(1, self.BLOCK_BYTES // max(1, size)))
+            values = [r[self.slot] for r in self.records[lo : t + 1]]
+            if type(first) is np.ndarray and all(
+                type(x) is np.ndarray and x.shape == first.shape and x.dtype == first.dtype for x in values
+            ):
+                self.rows = list(zip(*self.prep(np.stack(values))))
+            else:
+                self.rows = [None] * len(values)
+            self.lo = lo
+        return self.rows[t - self.lo]
 
 
 def _select_step(idx: tuple[int, ...]) -> Callable[[BranchNode, int, tuple[Any, ...]], int]:
@@ -789,6 +849,7 @@ class ProgramInstance:
         if check and keep is None:
             keep = {}  # (every slot's gradient, to check)
         late = {variant.slot[v] for v in (*items, *variant.hoisted)}
+        parts = [_Parts(run.records, slot, prep) for slot, prep in variant.prepped]
         for t in range(T - 1, -1, -1):
             if pending is not None:
                 u = pending[t]
@@ -798,11 +859,12 @@ class ProgramInstance:
             else:
                 u = carry_in
             q = [None if s is None else s[t] for s in stack_seed]
+            p = [part.at(t) for part in parts]
             try:
                 if keep is None:
-                    res = back(False, run.records[t], *u, *q)
+                    res = back(False, run.records[t], *u, *q, *p)
                 else:
-                    res, every = back(True, run.records[t], *u, *q)
+                    res, every = back(True, run.records[t], *u, *q, *p)
             except VGraphError:
                 raise
             except Exception as e:
