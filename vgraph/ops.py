@@ -1911,6 +1911,8 @@ class _SharedVJP:
     kept, with the ``g`` and ``ans`` it belongs to (held, so that comparing identities is safe),
     until a call with another ``g`` or ``ans`` replaces it: at most one node's gradients are
     held between backward passes. The three are one tuple, read and replaced in one step.
+    ``split``: ``(prep, joint_with)`` when ``joint`` is ``joint_with`` of ``prep`` (see
+    :func:`split_vjp`), so that a loop can run ``prep`` over many outputs at once.
     """
 
     __slots__ = ("joint", "memo", "split")
