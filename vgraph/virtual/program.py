@@ -364,7 +364,7 @@ class _Variant:
             if split is not None and len(self._wanted(v)) > 1:
                 prep_arg[v] = f"p{len(self.prepped)}"
                 self.prepped.append((self.slot[v], split[0]))
-        seeds += prep_arg.values()
+        seeds += [f"{name}=None" for name in prep_arg.values()]  # (a caller may leave them out)
         lines = [f"def make_back({caps}):" if caps else "def make_back():"]
         lines.append(f"    def back(KEEP, r{', ' + ', '.join(seeds) if seeds else ''}):")
         record = ", ".join(f"s{i}" for i in range(self.size))
