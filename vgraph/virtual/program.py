@@ -336,8 +336,10 @@ class _Variant:
 
     # -- the backward step
     def _backward_source(self) -> tuple[str, dict[str, Any]]:
-        """``back(record, g_updates…, g_stacked…)`` returns the gradients of the inputs' slots
-        (``None`` where none reached); captured values' gradients go to ``A<j>(g)``."""
+        """``back(KEEP, record, g_updates…, g_stacked…, parts…)`` returns the gradients of the
+        inputs' slots (``None`` where none reached); captured values' gradients go to ``A<j>(g)``.
+        ``parts``: per slot of :attr:`prepped`, this iteration's records-only part of its split
+        VJP (``None`` or left out: the joint VJP is called whole)."""
         loop = self.program.loop
         env: dict[str, Any] = {
             "LazyGrad": LazyGrad,
