@@ -613,3 +613,96 @@ def test_anomaly_mode_names_the_body_node_and_iteration_of_a_program():
     cg2 = g2.build({"xs": zeros_at_1}, vg.sum(L2.final(c)), programs=True, hoist=False)
     with pytest.raises(vg.NonFiniteError, match=r"Inf first appears in the gradient of <Mul:1@1>"):
         cg2.backward(cg2.outputs[0], detect_anomaly=True)
+
+
+# ---------------------------------------------------------------------------- recurrent cells
+
+
+def cell_model(kind: str, reverse: bool, extra: str | None, sizes: tuple[int, int, int]):
+    """A tagger-shaped body: a cell over a stepped sequence (reversed with ``reverse``), a
+    per-step scoring of its output, the mean of a cross-entropy over the steps. ``kind``: a fused
+    LSTM cell (``h'`` and ``c'`` basic-index views of its value), the unfused one (gates as column
+    slices), a fused GRU cell. ``extra``: the cell's value is also read by another view that
+    overlaps ``h'`` (``"view"``) or by a node that is not a view of it (``"value"``)."""
+    B, I, H = sizes
+    g = vg.VirtualGraph(seed=B * 100 + I * 10 + H)
+    xs = g.input("xs", (None, B, I))
+    ys = g.input("ys", (None,))
+    zeros = g.constant(np.zeros((B, H)), name="zeros")
+    out = nn.Linear(g, H, 3, "out")
+    if kind == "gru":
+        gru = nn.GRUCell(g, I, H, "cell")
+    else:
+        lstm = nn.LSTMCell(g, I, H, "cell", fused=kind == "lstm")
+    with g.loop() as L:
+        x_t = L.step(xs, reverse=reverse)
+        h = L.carry(zeros, name="h")
+        if kind == "gru":
+            h_new = raw = gru(x_t, h)
+        else:
+            c = L.carry(zeros, name="c")
+            if kind == "lstm":
+                raw = vg.functions.lstm_cell(x_t @ lstm.W_x, h @ lstm.W_h, lstm.b, c)
+                h_new, c_new = raw[0], raw[1]
+            else:
+                h_new, c_new = lstm(x_t, (h, c))
+                raw = h_new
+            L.update(c, c_new)
+        L.update(h, h_new)
+        feature = vg.tanh(h_new)
+        if extra == "view":
+            feature = feature + vg.sum(raw[0:2] * raw[0:2]) * 0.1
+        elif extra == "value":
+            feature = feature + vg.sum(raw * raw) * 0.1
+    scores = out(L.stack(feature)).reshape(-1, 3)  # (T * B, 3)
+    loss = vg.losses.cross_entropy(scores, ys)
+    return g, loss
+
+
+@settings(max_examples=24, deadline=None, derandomize=True)
+@given(
+    st.sampled_from(["lstm", "lstm-unfused", "gru"]),
+    st.booleans(),
+    st.sampled_from([None, "view", "value"]),
+    st.integers(1, 6),
+    st.tuples(st.integers(1, 3), st.integers(1, 4), st.integers(1, 4)),
+    st.integers(0, 1000),
+)
+def test_random_recurrent_cells_as_programs_equal_the_per_node_unroll(kind, reverse, extra, T, sizes, seed):
+    """The backward step adds a cell's view gradients into one buffer and calls a fused cell's
+    joint VJP once: the same loss, gradients, values and retained gradients as node by node."""
+    g, loss = cell_model(kind, reverse, extra, sizes)
+    B, I, _ = sizes
+    rng = np.random.default_rng(seed)
+    feed = {"xs": rng.standard_normal((T, B, I)) * 2.0, "ys": rng.integers(0, 3, T * B)}
+    assert_identical(g, feed, loss)
+    assert_identical(g, feed, loss, hoist=False)
+
+
+@pytest.mark.parametrize("extra", [None, "view", "value"])
+def test_a_fused_cells_backward_step_buffers_its_views_and_calls_its_joint_vjp_once(extra):
+    g, loss = cell_model("lstm", False, extra, (1, 2, 3))
+    feed = {"xs": np.ones((3, 1, 2)), "ys": np.zeros(3, dtype=int)}
+    cg = g.build(feed, loss, programs=True)
+    source = vg.show_program(cg, next(iter(cg.programs))[0])
+    assert source.count("J = j") == 1  # the cell's four input gradients from one call
+    assert "d = b" in source  # (the other ops' VJPs, one call per input)
+    # h', c' (and the two reads of raw[0:2]) are views of the cell's value: their gradients go into one buffer, unless
+    # the value is also read otherwise (then the views' gradients stay lazy, as node by node)
+    assert source.count("] += g") == {None: 2, "view": 4, "value": 0}[extra]
+
+
+@pytest.mark.parametrize("block_bytes", [1, 1000, 1 << 22])
+def test_a_split_vjps_record_part_is_computed_by_blocks_of_iterations(block_bytes, monkeypatch):
+    """The LSTM cell's VJP reads its output alone for the activations' slopes: a program computes
+    that part over blocks of iterations (one iteration, a few, all) and gets the per-node
+    gradients."""
+    from vgraph.virtual import program
+
+    monkeypatch.setattr(program._Parts, "BLOCK_BYTES", block_bytes)
+    g, loss = cell_model("lstm", True, "view", (2, 3, 4))
+    rng = np.random.default_rng(5)
+    feed = {"xs": rng.standard_normal((7, 2, 3)), "ys": rng.integers(0, 3, 14)}
+    _, prog = assert_identical(g, feed, loss)
+    source = vg.show_program(prog, next(iter(prog.programs))[0])
+    assert "if p0 is None else w" in source  # the step takes its iteration's part

@@ -564,3 +564,39 @@ def test_bench_dynamic_tree_task_check_and_data():
     assert lengths.min() >= 1 and lengths.max() <= 50 and 17 <= lengths.mean() <= 21
     assert {"vgraph", "sparse"} <= set(bench.TASKS["tree_lstm"].columns)
     assert {"vgraph", "sparse"} <= set(bench.TASKS["bilstm_tagger"].columns)
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda p: optim.SGD(p, lr=0.1),
+        lambda p: optim.Adagrad(p, lr=0.1),
+        lambda p: optim.Adam(p, lr=0.05, lazy=True),
+    ],
+    ids=["sgd", "adagrad", "lazy-adam"],
+)
+def test_row_updates_write_in_place_only_when_no_read_value_is_alive(make_opt):
+    """A row-sparse update writes its rows into the table's array when nothing else refers to
+    it (no copy of a large table per step), with the same result as the copying update; an
+    array read from ``p.value`` before the step is never changed, and graphs see the new version."""
+    results = []
+    for hold in (False, True):
+        cg = vg.ComputeGraph(np.float64)
+        W = cg.parameter(np.arange(12.0).reshape(6, 2), name="W", sparse_grad=True)
+        y = vg.functions.sum(W[np.array([1, 4])] * 2.0)
+        opt = make_opt([W])
+        r = np.random.default_rng(3)
+        for rows in ([1, 4], [0, 4, 5], [4]):
+            held = W.value if hold else None
+            snapshot = np.array(held) if hold else None
+            before, version = id(W._value), W.version  # (an id: a reference would be a reader)
+            W.grad = RowSparseGrad(np.array(rows), r.standard_normal((len(rows), 2)), (6, 2))
+            opt.step()
+            assert W.version > version
+            assert (id(W._value) == before) is (not hold)  # in place exactly when nothing held it
+            if hold:
+                np.testing.assert_array_equal(held, snapshot)
+            del held
+            np.testing.assert_array_equal(cg.forward(y), 2.0 * W.value[[1, 4]].sum())
+        results.append(np.array(W.value))
+    np.testing.assert_array_equal(results[0], results[1])

@@ -1605,6 +1605,17 @@ def _getitem_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray, index: Any) -> I
 defop("GetItem", lambda x, index: x[index], _getitem_vjp)
 
 
+def basic_view_index(op: Op, attrs: dict[str, Any]) -> Any:
+    """The index of a node that is a basic-index view of its one input (``x[index]``, each element
+    picked at most once), or ``None`` for any other node. Such a node's VJP places ``g`` at
+    ``index`` of a zero array of the input's shape: a caller that owns a zero-initialised
+    gradient buffer of the input may add ``g`` in there instead (``buf[index] += g``)."""
+    if op.name != "GetItem" or op.user:
+        return None
+    index = attrs["index"]
+    return index if _is_basic_index(index) else None
+
+
 def _take_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray, indices: np.ndarray) -> IndexedGrad:
     return IndexedGrad(x.shape, g.dtype, indices, g, False)  # repeated rows accumulate
 
@@ -1905,13 +1916,20 @@ class _SharedVJP:
     kept, with the ``g`` and ``ans`` it belongs to (held, so that comparing identities is safe),
     until a call with another ``g`` or ``ans`` replaces it: at most one node's gradients are
     held between backward passes. The three are one tuple, read and replaced in one step.
+    ``split``: ``(prep, joint_with)`` when ``joint`` is ``joint_with`` of ``prep`` (see
+    :func:`split_vjp`), so that a loop can run ``prep`` over many outputs at once.
     """
 
-    __slots__ = ("joint", "memo")
+    __slots__ = ("joint", "memo", "split")
 
-    def __init__(self, joint: Callable[..., tuple[Any, ...]]) -> None:
+    def __init__(
+        self,
+        joint: Callable[..., tuple[Any, ...]],
+        split: tuple[Callable[..., tuple[np.ndarray, ...]], Callable[..., tuple[Any, ...]]] | None = None,
+    ) -> None:
         self.joint = joint
         self.memo: tuple[Any, Any, tuple[Any, ...]] = (None, None, ())
+        self.split = split  # (prep, joint_with): see split_vjp
 
     def vjp(self, i: int, g: Any, ans: Any, *xs: Any, **attrs: Any) -> Any:
         memo = self.memo
@@ -1922,6 +1940,33 @@ class _SharedVJP:
     def vjps(self, n: int) -> tuple[VJP, ...]:
         """``n`` per-input VJPs in the table's convention ``vjp(g, ans, *xs, **attrs)``."""
         return tuple(_Nth(self, i) for i in range(n))
+
+
+def joint_vjp(op: Op) -> Callable[..., tuple[Any, ...]] | None:
+    """``joint(g, ans, *xs, **attrs)`` giving every input's gradient in one call, for an op whose
+    per-input VJPs are served from one joint computation (the fused cells), else ``None``. A caller
+    that needs several inputs' gradients calls it once instead of each VJP in turn."""
+    vjps = op.vjps
+    if op.variadic or op.user or not isinstance(vjps, tuple) or not vjps:
+        return None
+    first = vjps[0]
+    if type(first) is not _Nth or any(type(f) is not _Nth or f.shared is not first.shared for f in vjps):
+        return None
+    return first.shared.joint
+
+
+def split_vjp(op: Op) -> tuple[Callable[..., tuple[np.ndarray, ...]], Callable[..., tuple[Any, ...]]] | None:
+    """``(prep, joint_with)`` for an op whose joint VJP splits into a part that reads only its
+    output and a part that reads the gradient (the LSTM cell: the activations' slopes, and their
+    products with ``g``), else ``None``. ``prep(answers)`` takes the outputs of several calls
+    stacked on a new axis 0 and returns arrays whose rows (axis 0) are each call's part;
+    ``joint_with(part, g, ans, *xs, **attrs)`` is the joint VJP given that call's rows. A loop
+    runs ``prep`` once over its iterations' outputs instead of once per iteration; the joint VJP
+    is ``joint_with`` of ``prep`` of one output, so both give the same gradients."""
+    vjps = op.vjps
+    if joint_vjp(op) is None:
+        return None
+    return cast(_Nth, cast(tuple[Any, ...], vjps)[0]).shared.split
 
 
 class _Nth:
@@ -1959,6 +2004,9 @@ def _cell_shapes(op: str, n_gates: int, state: np.ndarray, **pre: np.ndarray) ->
 def _gate_major(x: np.ndarray, n_gates: int, H: int, batch_ndim: int) -> np.ndarray:
     """``(..., n * H)`` columns [gate 0 | gate 1 | …] seen as ``(n, ..., H)`` (a view), with
     ``...`` left-padded to ``batch_ndim`` axes so that it broadcasts against the state."""
+    if x.ndim == 2 and batch_ndim == 1:  # the hot path: (B, n * H) rows
+        rows: np.ndarray = x.reshape(x.shape[0], n_gates, H).transpose(1, 0, 2)
+        return rows
     shape = (1,) * (batch_ndim - x.ndim + 1) + x.shape[:-1]
     nb = len(shape)
     view: np.ndarray = x.reshape((*shape, n_gates, H)).transpose((nb, *range(nb), nb + 1))
@@ -1974,53 +2022,93 @@ def _sigmoid_into(out: np.ndarray, x: np.ndarray | None = None) -> None:
     out *= 0.5
 
 
+#: Per (dtype, batch axes): the LSTM gates' ``(scale, shift)`` as ``(4, 1, …, 1)`` arrays, so that
+#: one pass over the four activation slabs computes sigmoid for i, f, o and tanh for g:
+#: ``(tanh(scale * z) + shift) * scale`` is ``(tanh(z / 2) + 1) / 2`` (the Sigmoid op's arithmetic)
+#: where scale = 1/2, shift = 1, and ``tanh(z)`` exactly where scale = 1, shift = 0.
+_LSTM_AFFINE: dict[tuple[np.dtype[Any], int], tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _lstm_affine(dtype: np.dtype[Any], batch_ndim: int) -> tuple[np.ndarray, np.ndarray]:
+    key = (dtype, batch_ndim)
+    found = _LSTM_AFFINE.get(key)
+    if found is None:
+        shape = (4,) + (1,) * (batch_ndim + 1)
+        scale = np.array([0.5, 0.5, 1.0, 0.5], dtype=dtype).reshape(shape)
+        shift = np.array([1.0, 1.0, 0.0, 1.0], dtype=dtype).reshape(shape)
+        scale.flags.writeable = shift.flags.writeable = False
+        found = _LSTM_AFFINE[key] = (scale, shift)
+    return found
+
+
 def _lstm_cell(
     xw: np.ndarray, hw: np.ndarray, b: np.ndarray, c: np.ndarray, gates: tuple[str, ...] = LSTM_GATES
 ) -> np.ndarray:
-    batch, H = _cell_shapes("LSTMCell", 4, c, xw=xw, hw=hw, b=b)
+    if c.ndim == 2 and xw.shape == hw.shape == (c.shape[0], 4 * c.shape[1]) and b.shape == xw.shape[1:]:
+        batch, H = c.shape[:1], c.shape[1]  # the hot path: (B, H) rows and a bias vector
+    else:
+        batch, H = _cell_shapes("LSTMCell", 4, c, xw=xw, hw=hw, b=b)
     s = np.empty((6, *batch, H), dtype=np.result_type(xw, hw, b, c))
     z = xw + hw
     z = np.add(z, b, out=z) if b.ndim == 1 or b.shape[:-1] == z.shape[:-1] else z + b
-    # The activations go gate-major into their slabs: each first pass reads z's columns.
-    zg = _gate_major(z, 4, H, len(batch))
+    # The activations go gate-major into their slabs, all four in each pass (see _LSTM_AFFINE).
+    act = s[2:]
+    scale, shift = _lstm_affine(s.dtype, len(batch))
+    np.multiply(_gate_major(z, 4, H, len(batch)), scale, out=act)
+    np.tanh(act, out=act)
+    act += shift
+    act *= scale
     i, f, g, o = s[2], s[3], s[4], s[5]
-    _sigmoid_into(s[2:4], zg[0:2])
-    np.tanh(zg[2], out=g)
-    _sigmoid_into(o, zg[3])
     np.multiply(f, c, out=s[1])
-    s[1] += i * g
+    np.multiply(i, g, out=s[0])  # (h's slab as scratch)
+    s[1] += s[0]
     np.tanh(s[1], out=s[0])
     s[0] *= o
     return s
+
+
+def _lstm_cell_prep(states: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What the LSTM cell's VJP reads of its outputs alone, for outputs stacked on axis 0
+    (``(T, 6, *batch, H)``): ``tanh(c')``, ``1 - tanh(c')^2`` and the activations' slopes
+    ``(T, 4, *batch, H)``: a (1 - a) for the sigmoids, 1 - g^2 = (1 - g)(1 + g) for the tanh."""
+    tc = np.tanh(states[:, 1])
+    dtc = 1 - tc * tc
+    act = states[:, 2:]
+    slope = np.subtract(1, act)
+    other = act.copy()
+    other[:, 2] += 1
+    slope *= other
+    return tc, dtc, slope
+
+
+def _lstm_cell_grads_with(
+    part: tuple[np.ndarray, np.ndarray, np.ndarray], gs: np.ndarray, s: np.ndarray, xw: np.ndarray,
+    hw: np.ndarray, b: np.ndarray, c: np.ndarray, gates: tuple[str, ...] = LSTM_GATES,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    tc, dtc, slope = part
+    H = s.shape[-1]
+    dh = gs[0]
+    dc = dh * s[5]
+    dc *= dtc
+    dc += gs[1]  # the total gradient of c'
+    # Gradients of the activations i, f, g, o (plus any that reached their slabs) …
+    da = np.empty(s[2:].shape, dtype=s.dtype)
+    np.multiply(dc, s[4:1:-2], out=da[0:3:2])  # di = dc g, dg = dc i
+    np.multiply(dc, c, out=da[1])
+    np.multiply(dh, tc, out=da[3])
+    da += gs[2:]
+    # … times their slopes, written in z's column layout.
+    dz = np.empty((*s.shape[1:-1], 4 * H), dtype=s.dtype)
+    np.multiply(da, slope, out=_gate_major(dz, 4, H, dz.ndim - 1))
+    return dz, dz, dz, dc * s[3]
 
 
 def _lstm_cell_grads(
     gs: np.ndarray, s: np.ndarray, xw: np.ndarray, hw: np.ndarray, b: np.ndarray, c: np.ndarray,
     gates: tuple[str, ...] = LSTM_GATES,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
-    H = s.shape[-1]
-    c_new, i, f, g, o = s[1], s[2], s[3], s[4], s[5]
-    dh = gs[0]
-    tc = np.tanh(c_new)
-    dc = dh * o
-    dc *= 1 - tc * tc
-    dc += gs[1]  # the total gradient of c'
-    # Gradients of the activations i, f, g, o (plus any that reached their slabs) …
-    da = np.empty(s[2:].shape, dtype=s.dtype)
-    np.multiply(dc, g, out=da[0])
-    np.multiply(dc, c, out=da[1])
-    np.multiply(dc, i, out=da[2])
-    np.multiply(dh, tc, out=da[3])
-    da += gs[2:]
-    # … times their derivatives, a (1 - a) for the sigmoids and 1 - g^2 for the tanh, written in
-    # z's column layout.
-    slope = np.subtract(1, s[2:])
-    slope[0:2] *= s[2:4]
-    slope[3] *= o
-    slope[2] *= 1 + g  # 1 - g^2 = (1 - g)(1 + g)
-    dz = np.empty((*s.shape[1:-1], 4 * H), dtype=s.dtype)
-    np.multiply(da, slope, out=_gate_major(dz, 4, H, dz.ndim - 1))
-    return dz, dz, dz, dc * f
+    tc, dtc, slope = _lstm_cell_prep(s[None])
+    return _lstm_cell_grads_with((tc[0], dtc[0], slope[0]), gs, s, xw, hw, b, c)
 
 
 def _gru_cell(
@@ -2073,7 +2161,12 @@ def _gru_cell_grads(
     return dgx, dgh, dgx, dgh, dh * z
 
 
-defop("LSTMCell", _lstm_cell, *_SharedVJP(_lstm_cell_grads).vjps(4), kind=CELL)
+defop(
+    "LSTMCell",
+    _lstm_cell,
+    *_SharedVJP(_lstm_cell_grads, (_lstm_cell_prep, _lstm_cell_grads_with)).vjps(4),
+    kind=CELL,
+)
 defop("GRUCell", _gru_cell, *_SharedVJP(_gru_cell_grads).vjps(5), kind=CELL)
 
 

@@ -16,7 +16,10 @@ What an optimiser updates (``params``):
 Parameters whose ``.grad`` is ``None`` are skipped (their state does not advance); parameters the
 optimiser is not bound to are never touched. Updates assign a *new* array through the value
 setter (``p.value = p.value - step``), which bumps the version so compute graphs recompute; an
-array read from ``p.value`` earlier is never modified.
+array read from ``p.value`` earlier is never modified. (An update that changes only some rows of
+a row-sparse gradient writes them into the parameter's array in place when no array read from
+``p.value`` is alive any more, which nothing can then observe: it saves copying a whole
+embedding table per step.)
 
 **A step is all or nothing.** :meth:`Optimizer.step` first checks every gradient (shape, dtype,
 and with ``check_finite=True`` that it holds no NaN or infinity); only when all pass does it touch
@@ -45,7 +48,7 @@ import numbers
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import partial
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
@@ -290,6 +293,29 @@ def _label(p: ComputeNode) -> str:
 # ---------------------------------------------------------------------------- base class
 
 
+class _Rows(NamedTuple):
+    """A row-sparse update's result: the new values of the rows present (the others keep theirs)."""
+
+    indices: np.ndarray
+    values: np.ndarray
+
+
+def _set_rows(p: ComputeNode, update: _Rows) -> None:
+    """Give parameter ``p`` its updated rows. Its array is written in place when nothing but the
+    node refers to it (no array read from ``p.value`` earlier is alive: such views refer to it),
+    else a copy with the rows replaced becomes the value; either way the version is bumped.
+    Copying a large embedding table to change a sentence's rows would cost more than the update."""
+    arr = p._value
+    # references: the node's attribute, this name and getrefcount's argument
+    if type(arr) is np.ndarray and arr.base is None and arr.flags.writeable and _getrefcount(arr) == 3:
+        arr[update.indices] = update.values
+        p._set(arr, copy=False)
+        return
+    new = np.array(arr)  # a new array, as every update gives (see the module docstring)
+    new[update.indices] = update.values
+    p._set(new, copy=False)
+
+
 class Optimizer:
     """Base class: holds the parameter source, the hyper-parameters and per-parameter state.
 
@@ -464,7 +490,11 @@ class Optimizer:
                     st.update(self._pending.pop(adopt))
             st["step"] += 1
             if isinstance(grad, RowSparseGrad):
-                new = self._update_rows(p.value, grad, st)
+                rows = self._update_rows(p.value, grad, st)
+                if isinstance(rows, _Rows):
+                    _set_rows(p, rows)
+                    continue
+                new = rows
             else:
                 new = self._update(p.value, grad, st)
             # A new array nothing else refers to (this name and getrefcount's argument) becomes the
@@ -475,9 +505,12 @@ class Optimizer:
     def _update(self, value: np.ndarray, grad: np.ndarray, state: dict[str, Any]) -> np.ndarray:
         raise NotImplementedError
 
-    def _update_rows(self, value: np.ndarray, grad: RowSparseGrad, state: dict[str, Any]) -> np.ndarray:
+    def _update_rows(
+        self, value: np.ndarray, grad: RowSparseGrad, state: dict[str, Any]
+    ) -> np.ndarray | _Rows:
         """The update for a row-sparse gradient; by default the dense update of its dense form.
-        Subclasses override it where touching only the rows present is exact (or asked for)."""
+        Subclasses override it where touching only the rows present is exact (or asked for), and
+        then return the new values of those rows alone (:class:`_Rows`)."""
         return self._update(value, grad.dense(), state)
 
     # -- saving and loading
@@ -718,13 +751,13 @@ class SGD(Optimizer):
             grad = grad + self.momentum * buf if self.nesterov else buf
         return value - self.lr * grad
 
-    def _update_rows(self, value: np.ndarray, grad: RowSparseGrad, state: dict[str, Any]) -> np.ndarray:
+    def _update_rows(
+        self, value: np.ndarray, grad: RowSparseGrad, state: dict[str, Any]
+    ) -> np.ndarray | _Rows:
         if self.momentum or self.weight_decay:  # every row moves: the dense update
             return self._update(value, grad.dense(), state)
         rows = grad.indices
-        new: np.ndarray = value.copy()  # a new array, as every update gives (see the module docstring)
-        new[rows] = value[rows] - self.lr * grad.values
-        return new
+        return _Rows(rows, value[rows] - self.lr * grad.values)
 
 
 class Adam(Optimizer):
@@ -831,7 +864,9 @@ class Adam(Optimizer):
         new: np.ndarray = value - tmp  # a new array (see the module docstring)
         return new
 
-    def _update_rows(self, value: np.ndarray, grad: RowSparseGrad, state: dict[str, Any]) -> np.ndarray:
+    def _update_rows(
+        self, value: np.ndarray, grad: RowSparseGrad, state: dict[str, Any]
+    ) -> np.ndarray | _Rows:
         if not self.lazy:
             return self._update(value, grad.dense(), state)
         # The dense formula on the rows present, with the rows' state gathered and scattered back.
@@ -847,9 +882,7 @@ class Adam(Optimizer):
         new_rows = self._update(value[rows], grad.values, sub)
         state["exp_avg"][rows] = sub["exp_avg"]
         state["exp_avg_sq"][rows] = sub["exp_avg_sq"]
-        new: np.ndarray = value.copy()  # a new array, as every update gives (see the module docstring)
-        new[rows] = new_rows
-        return new
+        return _Rows(rows, new_rows)
 
 
 class AdamW(Adam):
@@ -1050,7 +1083,9 @@ class Adagrad(Optimizer):
         new: np.ndarray = value - clr * (grad / (np.sqrt(s) + self.eps))
         return new
 
-    def _update_rows(self, value: np.ndarray, grad: RowSparseGrad, state: dict[str, Any]) -> np.ndarray:
+    def _update_rows(
+        self, value: np.ndarray, grad: RowSparseGrad, state: dict[str, Any]
+    ) -> np.ndarray | _Rows:
         if self.weight_decay:  # every row moves: the dense update
             return self._update(value, grad.dense(), state)
         if "sum" not in state:
@@ -1059,9 +1094,7 @@ class Adagrad(Optimizer):
         sub = {"step": state["step"], "sum": state["sum"][rows]}
         new_rows = self._update(value[rows], grad.values, sub)
         state["sum"][rows] = sub["sum"]
-        new: np.ndarray = value.copy()  # a new array, as every update gives (see the module docstring)
-        new[rows] = new_rows
-        return new
+        return _Rows(rows, new_rows)
 
 
 # ---------------------------------------------------------------------------- clipping

@@ -49,7 +49,18 @@ import numpy as np
 from ..compute import ComputeNode, NodeKey, value_summary
 from ..errors import BackwardError, BuildError, NonFiniteError, StructureChangedError, VGraphError
 from ..modes import is_anomaly_enabled
-from ..ops import VJP, LazyGrad, Op, OpResultError, add_grads, add_grads_sparse, reduce_grad
+from ..ops import (
+    VJP,
+    LazyGrad,
+    Op,
+    OpResultError,
+    add_grads,
+    add_grads_sparse,
+    basic_view_index,
+    joint_vjp,
+    reduce_grad,
+    split_vjp,
+)
 from .nodes import BranchNode, LoopNode, VirtualNode
 from .rules import at_limit, check_carry, reached_end, run_cond, select_option
 
@@ -317,6 +328,11 @@ class _Variant:
                 lines.append(f"{pad}    s{i} = {self._name(option)}")
             return
         op = cast(Op, v.op)
+        index = basic_view_index(op, v.attrs)
+        if index is not None:  # a view (what GetItem's forward does, without the call)
+            env[f"x{i}"] = index
+            lines.append(f"{pad}s{i} = {self._name(v.inputs[0])}[x{i}]")
+            return
         env[f"f{i}"] = partial(op.forward, **v.attrs) if v.attrs else op.forward
         args = ", ".join(self._name(u) for u in v.inputs)
         lines.append(f"{pad}s{i} = f{i}({args})")
@@ -342,8 +358,10 @@ class _Variant:
 
     # -- the backward step
     def _backward_source(self) -> tuple[str, dict[str, Any]]:
-        """``back(record, g_updates…, g_stacked…)`` returns the gradients of the inputs' slots
-        (``None`` where none reached); captured values' gradients go to ``A<j>(g)``."""
+        """``back(KEEP, record, g_updates…, g_stacked…, parts…)`` returns the gradients of the
+        inputs' slots (``None`` where none reached); captured values' gradients go to ``A<j>(g)``.
+        ``parts``: per slot of :attr:`prepped`, this iteration's records-only part of its split
+        VJP (``None`` or left out: the joint VJP is called whole)."""
         loop = self.program.loop
         env: dict[str, Any] = {
             "LazyGrad": LazyGrad,
@@ -351,6 +369,7 @@ class _Variant:
             "ADD": add_grads,
             "RED": _reduce,
             "REDLEAF": _reduce_leaf,
+            "ZEROS": np.zeros,
         }
         grad = self.grad_slots
         caps = ", ".join(
@@ -359,6 +378,17 @@ class _Variant:
         seeds = [f"u{k}" for k in range(len(loop.carries))] + [
             f"q{k}" for k in range(len(self.program.stacked))
         ]
+        # Per slot whose op's joint VJP splits (ops.split_vjp), the part read from the records
+        # alone, computed once over the iterations (ProgramInstance.backward) and handed in as an
+        # argument p<n> (None: not computed; the step then calls the joint VJP whole).
+        self.prepped: list[tuple[int, Callable[..., tuple[np.ndarray, ...]]]] = []
+        prep_arg: dict[VirtualNode, str] = {}
+        for v in self.computed:
+            split = split_vjp(cast(Op, v.op)) if v in grad and not isinstance(v, BranchNode) else None
+            if split is not None and len(self._wanted(v)) > 1:
+                prep_arg[v] = f"p{len(self.prepped)}"
+                self.prepped.append((self.slot[v], split[0]))
+        seeds += [f"{name}=None" for name in prep_arg.values()]  # (a caller may leave them out)
         lines = [f"def make_back({caps}):" if caps else "def make_back():"]
         lines.append(f"    def back(KEEP, r{', ' + ', '.join(seeds) if seeds else ''}):")
         record = ", ".join(f"s{i}" for i in range(self.size))
@@ -371,6 +401,7 @@ class _Variant:
         outs += [(s.inputs[1], f"q{k}") for k, s in enumerate(self.program.stacked)]
         for u, g in outs:
             self._route(u, g, lines, "        ", env)
+        buffered = self._buffered(outs)
         for v in reversed(self.computed):
             if v not in grad:
                 continue
@@ -387,13 +418,39 @@ class _Variant:
             lines.append(f"{pad}if type(g{i}) is not ndarray and isinstance(g{i}, LazyGrad):")
             lines.append(f"{pad}    g{i} = g{i}.dense()")
             op = cast(Op, v.op)
+            index = basic_view_index(op, v.attrs)
+            if index is not None and v.inputs[0] in buffered:  # its gradient added into the buffer
+                k = self.slot[v.inputs[0]]
+                env[f"x{i}"] = index
+                lines.append(f"{pad}if g{k} is None:")
+                lines.append(f"{pad}    g{k} = ZEROS(s{k}.shape, g{i}.dtype)")
+                lines.append(f"{pad}g{k}[x{i}] += g{i}")
+                for n in range(3):
+                    self.back_lines[len(lines) - n] = (v, 0)
+                continue
             args = ", ".join(self._name(u) for u in v.inputs)
-            for p, u in enumerate(v.inputs):
-                f = vjp_of(op, p)
-                if f is None or not (u in grad or u in self.needs):
-                    continue
-                env[f"b{i}_{p}"] = partial(f, **v.attrs) if v.attrs else f
-                lines.append(f"{pad}d = b{i}_{p}(g{i}, s{i}, {args})")
+            wanted = self._wanted(v)
+            joint = joint_vjp(op) if len(wanted) > 1 else None
+            if joint is not None:  # one call for all the inputs' gradients
+                env[f"j{i}"] = partial(joint, **v.attrs) if v.attrs else joint
+                if v in prep_arg:
+                    with_part = cast(tuple[Any, Callable[..., Any]], split_vjp(op))[1]
+                    env[f"w{i}"] = partial(with_part, **v.attrs) if v.attrs else with_part
+                    part = prep_arg[v]
+                    lines.append(
+                        f"{pad}J = j{i}(g{i}, s{i}, {args}) if {part} is None else w{i}({part}, g{i}, s{i}, {args})"
+                    )
+                else:
+                    lines.append(f"{pad}J = j{i}(g{i}, s{i}, {args})")
+                self.back_lines[len(lines)] = (v, wanted[0])
+            for p in wanted:
+                u = v.inputs[p]
+                f = cast(VJP, vjp_of(op, p))
+                if joint is not None:
+                    lines.append(f"{pad}d = J[{p}]")
+                else:
+                    env[f"b{i}_{p}"] = partial(f, **v.attrs) if v.attrs else f
+                    lines.append(f"{pad}d = b{i}_{p}(g{i}, s{i}, {args})")
                 lines.append(f"{pad}if d.shape != {self._name(u)}.shape:")
                 # a parameter's broadcast contributions are summed once, when all are in (as the
                 # per-node sweep sums a leaf's: ops.LeadingSumGrad)
@@ -409,6 +466,38 @@ class _Variant:
         lines.append(f"        return ({back}{',' if self.inputs else ''})")
         lines.append("    return back")
         return "\n".join(lines) + "\n", env
+
+    def _wanted(self, v: VirtualNode) -> list[int]:
+        """The inputs of op node ``v`` whose gradient the backward step computes."""
+        op = cast(Op, v.op)
+        return [
+            p
+            for p, u in enumerate(v.inputs)
+            if vjp_of(op, p) is not None and (u in self.grad_slots or u in self.needs)
+        ]
+
+    def _buffered(self, seeds: list[tuple[VirtualNode, str]]) -> set[VirtualNode]:
+        """The computed slots whose gradient comes only from basic-index views of them
+        (``ops.basic_view_index``: the outputs of a fused cell, ``h'`` and ``c'``): the backward
+        step adds those views' gradients into one zero buffer it allocates, instead of
+        collecting lazy indexed gradients and laying them into zeros when the slot's turn comes
+        (the same additions, in the same order)."""
+        grad = self.grad_slots
+        views: set[VirtualNode] = set()
+        other = {u for u, _ in seeds}
+        for v in self.computed:
+            if v not in grad:
+                continue
+            if isinstance(v, BranchNode):
+                other.update(v.options)
+                continue
+            op = cast(Op, v.op)
+            view = basic_view_index(op, v.attrs) is not None
+            for p, u in enumerate(v.inputs):
+                if vjp_of(op, p) is not None and u in grad:
+                    (views if view else other).add(u)
+        computed = set(self.computed)
+        return {u for u in views - other if u in computed}
 
     def _route(self, u: VirtualNode, g: str, lines: list[str], pad: str, env: dict[str, Any]) -> None:
         """Add gradient ``g`` (a name; may be ``None`` at run time for a seed) to ``u``'s."""
@@ -481,6 +570,41 @@ class _Acc:
         else:
             self.g = add_grads_sparse(acc, pg) if self.sparse else add_grads(acc, pg)
             self.own = True
+
+
+class _Parts:
+    """For one slot whose op's joint VJP splits (``ops.split_vjp``), the part its backward reads
+    from the records alone, computed by ``prep`` over a block of iterations at a time as the
+    backward sweep reaches them (last first): one call per block instead of one per iteration,
+    and at most a block held. ``None`` for the iterations of a block whose values cannot be
+    stacked (an option not chosen): their steps call the joint VJP whole."""
+
+    __slots__ = ("records", "slot", "prep", "lo", "rows")
+
+    #: The most bytes of one slot's values stacked for one ``prep`` call.
+    BLOCK_BYTES = 1 << 22
+
+    def __init__(
+        self, records: list[tuple[Any, ...]], slot: int, prep: Callable[..., tuple[np.ndarray, ...]]
+    ):
+        self.records, self.slot, self.prep = records, slot, prep
+        self.lo = len(records)  # rows holds iterations lo, lo + 1, ... of the current block
+        self.rows: list[Any] = []
+
+    def at(self, t: int) -> Any:
+        if t < self.lo:
+            first = self.records[t][self.slot]
+            size = first.nbytes if type(first) is np.ndarray else 1
+            lo = max(0, t + 1 - max(1, self.BLOCK_BYTES // max(1, size)))
+            values = [r[self.slot] for r in self.records[lo : t + 1]]
+            if type(first) is np.ndarray and all(
+                type(x) is np.ndarray and x.shape == first.shape and x.dtype == first.dtype for x in values
+            ):
+                self.rows = list(zip(*self.prep(np.stack(values))))
+            else:
+                self.rows = [None] * len(values)
+            self.lo = lo
+        return self.rows[t - self.lo]
 
 
 def _select_step(idx: tuple[int, ...]) -> Callable[[BranchNode, int, tuple[Any, ...]], int]:
@@ -749,6 +873,7 @@ class ProgramInstance:
         if check and keep is None:
             keep = {}  # (every slot's gradient, to check)
         late = {variant.slot[v] for v in (*items, *variant.hoisted)}
+        parts = [_Parts(run.records, slot, prep) for slot, prep in variant.prepped]
         for t in range(T - 1, -1, -1):
             if pending is not None:
                 u = pending[t]
@@ -758,11 +883,12 @@ class ProgramInstance:
             else:
                 u = carry_in
             q = [None if s is None else s[t] for s in stack_seed]
+            p = [part.at(t) for part in parts]
             try:
                 if keep is None:
-                    res = back(False, run.records[t], *u, *q)
+                    res = back(False, run.records[t], *u, *q, *p)
                 else:
-                    res, every = back(True, run.records[t], *u, *q)
+                    res, every = back(True, run.records[t], *u, *q, *p)
             except VGraphError:
                 raise
             except Exception as e:
@@ -936,7 +1062,13 @@ class ProgramInstance:
         grads: dict[VirtualNode, Any] = {}
         for v, value, per_row in zip(hoisted, run.hoisted, rows):
             if any(r is not None for r in per_row):
-                buf = np.zeros(np.shape(value), dtype=_grad_dtype(value))
+                shape, dtype = np.shape(value), _grad_dtype(value)
+                if len(per_row) == shape[0] and all(
+                    type(r) is np.ndarray and r.shape == shape[1:] and r.dtype == dtype for r in per_row
+                ):  # a gradient for every row: stacked (what adding them into zeros gives)
+                    grads[v] = np.stack(per_row)
+                    continue
+                buf = np.zeros(shape, dtype=dtype)
                 for t, r in enumerate(per_row):
                     if r is not None:
                         _add_row(buf, t, r)
