@@ -32,8 +32,10 @@ alone, for inspection and drawing (``vgraph.render``).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any, NoReturn, cast
 
 import numpy as np
@@ -41,18 +43,30 @@ import numpy as np
 from ..compute import ComputeGraph, ComputeNode, NodeKey, flag_arg
 from ..errors import (
     ArgumentError,
+    BackwardError,
     BuildError,
     GraphStateError,
     NonFiniteError,
     VGraphError,
 )
 from ..modes import detect_anomaly as detect_anomaly_mode
-from ..modes import no_grad
-from ..ops import ALONG_AXIS, CELL, ELEMENTWISE, OPS, Op, row_at
+from ..modes import is_anomaly_enabled, is_grad_enabled, no_grad, programs_enabled
+from ..ops import ALONG_AXIS, CELL, ELEMENTWISE, OPS, LazyGrad, Op, row_at
 from ..workspace import computing, gc_paused
 from .graph import one_build_at_a_time
 from .hoist import batched_attrs, check_rows, checks_rows, hoist_loop
 from .nodes import BranchNode, LoopNode, VirtualNode
+from .program import (
+    BodyProgram,
+    ProgramRun,
+    RunGrad,
+    _Acc,
+    _grad_dtype,
+    _seed_vjp,
+    _select_step,
+    program_for,
+    vjp_of,
+)
 from .rules import at_limit, check_carry, run_cond, select_option
 from .unroll import (  # type: ignore[attr-defined]  # _ALL: the forward plans' "every node"
     _ALL,
@@ -179,7 +193,7 @@ class _LoopJob:
     prepared, and what the scheduler hands back (the final state and the stacked values)."""
 
     __slots__ = ("agent", "capped", "captured", "collected", "count", "groups", "idx", "inp", "key",
-                 "length", "loop", "seqs", "state", "trips", "view")  # fmt: skip
+                 "length", "loop", "seqs", "stacks", "state", "trips", "view")  # fmt: skip
 
     def __init__(self, view: InputView, loop: LoopNode, idx: tuple[int, ...], state: list[Any],
                  seqs: list[Any], length: int | None, trips: int | None, captured: dict[VirtualNode, Any],
@@ -192,6 +206,7 @@ class _LoopJob:
         self.agent: Any = None
         self.count = 0  # iterations run
         self.capped: int | None = None  # the iteration at which max_iters stopped it (on_limit="stop")
+        self.stacks: list[Any] | None = None  # the stacked values, when a program over rows ran it
 
 
 class _TreeJob(_LoopJob):
@@ -410,6 +425,10 @@ class InputView:
         self._getcurrent: Any = None  # greenlet.getcurrent and the scheduler's switch (bound in _run)
         self._switch: Any = None
         self._groups: dict[Any, Any] = {}
+        # loop instances run as one body program over rows (BatchedBuild._run_rows): this input's row
+        self._rows: dict[tuple[LoopNode, tuple[int, ...]], tuple[_RowsProgram, int]] = {}
+        #: loop instances that ran op by op although programs were asked for: (loop, idx, why)
+        self.interpreted: list[tuple[LoopNode, tuple[int, ...], str]] = []
 
     @property
     def batch(self) -> BatchedBuild:
@@ -504,12 +523,31 @@ class InputView:
         """This input's gradient at ``v`` in iteration path ``idx`` after backward, when the node
         (or its group) kept it (``vgraph.render.retain_all_grads(batch)`` before backward). A
         node whose inputs were the same for every input (the first step from a shared constant
-        state) is computed once for all of them: its gradient is then the sum over the inputs."""
-        found = self._find(v, idx)
+        state) is computed once for all of them: its gradient is then the sum over the inputs.
+        A body node of a loop run as a program over rows keeps its gradient when the loop's
+        outputs do (``retain_all_grads(batch.graph)`` marks them)."""
+        in_program = self._in_program(v, tuple(idx))
+        if in_program is not None and not isinstance(in_program[0], (ComputeNode, Row)):
+            return cast("np.ndarray | None", in_program[1])
+        found = self._find(v, idx) if in_program is None else in_program[0]
         if isinstance(found, Row):
             grad = found.src.grad
             return None if grad is None else np.array(row_at(grad, found.path))
         return None if found.grad is None else np.array(found.grad)
+
+    def _in_program(self, v: VirtualNode, idx: tuple[int, ...]) -> tuple[Any, Any] | None:
+        """Body node ``v`` in iteration path ``idx`` when its loop ran as a program over rows:
+        ``(value, gradient)`` (see :meth:`_RowsProgram.value_of`); ``None`` otherwise."""
+        if not self._rows or not idx or not isinstance(v.scope, LoopNode):
+            return None
+        found = self._rows.get((v.scope, idx[:-1]))
+        if found is None:
+            return None
+        instance, r = found
+        try:
+            return instance.value_of(v, r, idx[-1])
+        except KeyError:
+            raise BuildError(f"{v.describe(idx)} was not built for input {self.index}") from None
 
     def _find(self, v: VirtualNode, idx: tuple[int, ...]) -> Any:
         env = self._envs.get((v.scope, tuple(idx)))
@@ -556,6 +594,10 @@ class BatchedBuild:
         self._builds = 0  # the build counter of input 0 (seeds its sampled nodes)
         self._hoist = True
         self.virtual_plan: Any = None
+        self._programs = False  # lockstep loops run as body programs over rows where they can
+        self._rows_static: dict[LoopNode, BodyProgram | str] = {}
+        #: the loops that ran as one body program over the rows of their inputs
+        self.rows_programs: list[_RowsProgram] = []
 
     def _by_depth(self, loop: LoopNode) -> bool:
         """Whether ``loop`` is a recursion whose tree nodes can be built in depth order: its body
@@ -1030,8 +1072,16 @@ class BatchedBuild:
     def _run_jobs(self, jobs: list[_LoopJob]) -> None:
         """Run the loop of ``jobs`` (one per input; the same declared loop) in lockstep: iteration
         ``t`` of every input that has one, body node by body node, each node's copies as one op
-        (:meth:`_execute`); the inputs' greenlets are not involved."""
+        (:meth:`_execute`); the inputs' greenlets are not involved. With programs, first tries
+        to run it as one body program over rows (:meth:`_run_rows`); the reason it could not is
+        recorded per input (``InputView.interpreted``)."""
         loop = jobs[0].loop
+        if self._programs:
+            why = self._run_rows(jobs)
+            if why is None:
+                return
+            for j in jobs:
+                j.view.interpreted.append((loop, j.idx, why))
         body = self.virtual_plan.eager.get(loop, ())
         stacked = self.virtual_plan.stacked.get(loop, [])
         updates = [loop.updates[c] for c in loop.carries]
@@ -1135,6 +1185,285 @@ class BatchedBuild:
                     else:
                         still.append(j)
                 alive = still
+
+    # -- loops run as body programs over rows
+    def _rows_program(self, loop: LoopNode) -> BodyProgram | str:
+        """What can be said before a lockstep loop starts about running it as one body program
+        over rows (:meth:`_run_rows`): its program, or why it runs op by op instead."""
+        if is_anomaly_enabled():
+            return "anomaly mode checks every node as it is made"
+        found = self._rows_static.get(loop)
+        if found is None:
+            program = program_for(loop, self.virtual_plan)
+            if isinstance(program, str):
+                found = program
+            elif any(isinstance(v, BranchNode) for v in program.computed):
+                found = "its body has branches (chosen per input): it runs op by op across inputs"
+            elif loop.cond is not None or loop.until is not None:
+                found = (
+                    "its trip count is decided per iteration (while_/until): it runs op by op across inputs"
+                )
+            else:
+                found = program
+            self._rows_static[loop] = found
+        return found
+
+    def _run_rows(self, jobs: list[_LoopJob]) -> str | None:
+        """Run the loop of ``jobs`` (one per input, as :meth:`_run_jobs`) as one body program over
+        rows (:class:`_RowsProgram`), or say why not (``None``: it ran; nothing was added to the
+        graph otherwise). Whether the body can run on rows follows from its ops' declared batching
+        rules (:func:`.hoist.batched_attrs`): every op must compute each row alone with its own
+        attributes, a fused cell's value (rows along axis 1) read by one slab."""
+        loop = jobs[0].loop
+        program = self._rows_program(loop)
+        if isinstance(program, str):
+            return program
+        if any(j.trips is None for j in jobs):
+            return "its trip count is not known when it starts: it runs op by op across inputs"
+        rows = sorted(jobs, key=lambda j: (-cast(int, j.trips), j.inp))
+        first = rows[0]
+        longest = cast(int, first.trips)
+        if longest == 0:
+            return "no input runs an iteration"
+        if longest > loop.max_iters:
+            return f"an input would run more than max_iters={loop.max_iters} iterations"
+        for k, c in enumerate(loop.carries):
+            v0 = first.state[k]._value
+            if any(j.state[k]._value.shape != v0.shape or j.state[k]._value.dtype != v0.dtype for j in rows):
+                return f"the inputs' initial values of {c.describe()} differ in shape or dtype"
+        for i, item in enumerate(loop.items):
+            s0 = first.seqs[i]._value
+            if any(
+                j.seqs[i]._value.shape[1:] != s0.shape[1:] or j.seqs[i]._value.dtype != s0.dtype for j in rows
+            ):
+                return f"the inputs' rows of {item.describe()} differ in shape or dtype"
+        caps: list[ComputeNode] = []
+        for v in program.captured:
+            node = first.captured[v]
+            if not isinstance(node, ComputeNode) or any(j.captured[v] is not node for j in rows):
+                return f"it reads {v.describe()}, a value of each input's own"
+            caps.append(node)
+        cap_values = [n._value for n in caps]
+        # one iteration of input `first` alone: the body nodes' shapes for one input
+        plain = program.variant((), frozenset())
+        select = _select_step(first.idx)
+        at0 = [
+            s._value[len(s._value) - 1 if item.attrs.get("reverse") else 0]
+            for item, s in zip(loop.items, first.seqs)
+        ]
+        try:
+            record = plain._make_step(select, *cap_values)(0, *[s._value for s in first.state], *at0)
+        except Exception as e:
+            return f"its program raised {type(e).__name__}: {e}"
+        shape: dict[VirtualNode, tuple[int, ...]] = {v: np.shape(record[i]) for v, i in plain.slot.items()}
+        for v, n in zip(program.captured, caps):
+            shape[v] = n._value.shape
+        for k, c in enumerate(loop.carries):
+            new, old = record[plain.slot[loop.updates[c]]], first.state[k]._value
+            if np.shape(new) != old.shape or np.asarray(new).dtype != old.dtype:
+                return f"the update of {c.describe()} changes its shape or dtype"
+        live = [sum(1 for j in rows if cast(int, j.trips) > t) for t in range(longest)]
+        total = sum(live)
+        layout: dict[VirtualNode, Any] = {v: 0 for v in (*loop.carries, *loop.items)}
+        layout.update((v, None) for v in program.captured)
+        hoisted: list[VirtualNode] = []
+        hoisted_attrs: list[dict[str, Any]] = []
+        if self._hoist:  # over every row of every iteration at once (packed)
+            for v in program.hoistable:
+                op = cast(Op, v.op)
+                if op.kind == CELL or any(layout.get(u, 1) not in (0, None) for u in v.inputs):
+                    continue
+                attrs = batched_attrs(
+                    op, v.attrs or {}, [shape[u] for u in v.inputs], [layout[u] == 0 for u in v.inputs], total
+                )
+                if attrs is not None:
+                    hoisted.append(v)
+                    hoisted_attrs.append(attrs)
+                    layout[v] = 0
+        for v in program.computed:
+            if v in layout:
+                continue
+            op = cast(Op, v.op)
+            attrs = v.attrs or {}
+            ins = [layout[u] for u in v.inputs]
+            if all(x is None for x in ins):
+                layout[v] = None  # the same for every row: computed once per iteration
+                continue
+            if op is _GETITEM and ins == [1] and type(attrs.get("index")) is int:
+                layout[v] = 0  # one slab of a fused cell's value: rows along axis 0
+                continue
+            if 1 in ins:
+                return f"{v.describe()} reads a fused cell's value other than by one slab"
+            grouped = batched_attrs(op, attrs, [shape[u] for u in v.inputs], [x == 0 for x in ins], 2)
+            if grouped is None or not _same_attrs(grouped, attrs):
+                return f"{v.describe()} ({op.name}) does not compute each row alone with its own attributes"
+            layout[v] = 1 if op.kind == CELL else 0
+        for c in loop.carries:
+            if layout[loop.updates[c]] != 0:
+                return f"the update of {c.describe()} is the same for every input"
+        for s in program.stacked:
+            if layout[s.inputs[1]] != 0:
+                return f"{s.describe()} stacks a value that is the same for every input"
+        grad = is_grad_enabled()
+        needs: set[VirtualNode] = set()
+        if grad:
+            needs.update(
+                c for k, c in enumerate(loop.carries) if any(_base(j.state[k]).requires_grad for j in rows)
+            )
+            needs.update(
+                v for i, v in enumerate(loop.items) if any(_base(j.seqs[i]).requires_grad for j in rows)
+            )
+            needs.update(v for v, n in zip(program.captured, caps) if n.requires_grad)
+            for v in hoisted:
+                if any(vjp_of(cast(Op, v.op), p) is not None and u in needs for p, u in enumerate(v.inputs)):
+                    needs.add(v)
+        variant = program.variant(tuple(hoisted), frozenset(needs))
+        instance = _RowsProgram(program, variant, rows, layout, [n.sparse_grad for n in caps])
+        by_input = sorted(rows, key=_by_input)
+        offs = np.asarray(instance.offs, dtype=np.intp)
+        # numpy first: nothing joins the graph unless the run succeeds
+        init_values = [np.stack([j.state[k]._value for j in rows]) for k in range(len(loop.carries))]
+        indices, item_values = [], []
+        for i, item in enumerate(loop.items):
+            reverse = bool(item.attrs.get("reverse"))
+            index = np.empty(total, dtype=np.intp)
+            start = 0
+            for j in by_input:
+                length, trips = len(j.seqs[i]._value), cast(int, j.trips)
+                steps = np.arange(trips)
+                index[offs[:trips] + instance.row_of[j.inp]] = start + (
+                    length - 1 - steps if reverse else steps
+                )
+                start += length
+            indices.append(index)
+            item_values.append(np.concatenate([j.seqs[i]._value for j in by_input])[index])
+        group_of: dict[VirtualNode, Any] = dict(zip(loop.items, item_values))
+        group_of.update(zip(program.captured, cap_values))
+        try:
+            for v, attrs in zip(hoisted, hoisted_attrs):
+                group_of[v] = cast(Op, v.op).forward(*[group_of[u] for u in v.inputs], **attrs)
+            run = instance.forward(*init_values, *item_values, *[group_of[v] for v in hoisted], *cap_values)
+        except Exception as e:
+            return f"its program raised {type(e).__name__}: {e}"
+        instance.run = run
+        self._add_rows_program(instance, indices, hoisted_attrs, group_of, caps, grad)
+        return None
+
+    def _add_rows_program(
+        self,
+        instance: _RowsProgram,
+        indices: list[np.ndarray],
+        hoisted_attrs: list[dict[str, Any]],
+        group_of: dict[VirtualNode, Any],
+        caps: list[ComputeNode],
+        grad: bool,
+    ) -> None:
+        """Add a run's nodes to the graph — the carries' initial rows, the packed items, the
+        hoisted groups, the loop node and its outputs — and give every input its outputs."""
+        g, loop, program, variant, rows = (
+            self.graph,
+            instance.loop,
+            instance.program,
+            instance.variant,
+            instance.rows,
+        )
+        by_input = sorted(rows, key=_by_input)
+        parents: list[ComputeNode] = []
+        for k, c in enumerate(loop.carries):
+            parents.append(self._stack([j.state[k] for j in rows], NodeKey(c.type, c.id, rows[0].idx)))
+        packed: dict[VirtualNode, ComputeNode] = {}
+        for i, (item, index) in enumerate(zip(loop.items, indices)):
+            source = self._concat([j.seqs[i] for j in by_input])
+            self._serial += 1
+            packed[item] = node = g._add_op(
+                _GETITEM,
+                (source,),
+                {"index": index},
+                NodeKey("Rows", self._serial, ()),
+                None,
+                value=group_of[item],
+            )
+            parents.append(node)
+        cap_of = dict(zip(program.captured, caps))
+        for v, attrs in zip(variant.hoisted, hoisted_attrs):
+            self._serial += 1
+            node = g._add_op(
+                cast(Op, v.op),
+                tuple([packed[u] if u in packed else cap_of[u] for u in v.inputs]),
+                attrs or None,
+                NodeKey(f"{v.type}*", v.id, (self._serial,)),
+                v.name,
+                value=group_of[v],
+            )
+            self.groups.append((f"{v.type}:{v.id}", len(rows)))
+            self._copies[node] = (NodeKey(v.type, v.id, (*rows[0].idx, 0)), len(rows), len(rows))
+            packed[v] = node
+            parents.append(node)
+        first_cap = len(parents)
+        parents.extend(caps)
+        call = instance.vjp
+        vjps: list[Any] = [partial(call, i) if grad else None for i in range(first_cap)]
+        vjps += [
+            partial(call, first_cap + j)
+            if grad and v in variant.needs and v in variant.grad_captured
+            else None
+            for j, v in enumerate(program.captured)
+        ]
+        self._serial += 1
+        run = cast(ProgramRun, instance.run)
+        node = g._add_op(
+            Op("Loop", instance.forward, tuple(vjps), arity=len(parents)),
+            tuple(parents),
+            None,
+            NodeKey("Loop", loop.id, (self._serial,)),
+            loop.name,
+            value=run,
+        )
+        self.groups.append((f"Loop:{loop.id}", len(rows)))
+        self._copies[node] = (NodeKey(loop.type, loop.id, rows[0].idx), len(rows), len(rows))
+        self.rows_programs.append(instance)
+        for r, j in enumerate(rows):
+            j.count = cast(int, j.trips)
+            j.stacks = [None] * len(program.stacked)
+            j.view._rows[(loop, j.idx)] = (instance, r)
+        done: set[int] = set()
+        for k, v in enumerate(program.finals):
+            carry = loop.carries.index(v.inputs[1])
+            if carry in done:
+                continue
+            done.add(carry)
+            self._serial += 1
+            out = g._add_op(
+                Op("LoopFinal", partial(instance.final, carry), (partial(_seed_vjp, k),), arity=1),
+                (node,),
+                None,
+                NodeKey("Final*", v.id, (self._serial,)),
+                v.name,
+                value=instance.final(carry, run),
+            )
+            instance.outputs.append(out)
+            for r, j in enumerate(rows):
+                j.state[carry] = Row(out, (r,), NodeKey("Final", v.id, j.idx), v.name)
+        nf = len(program.finals)
+        for k, s in enumerate(program.stacked):
+            self._serial += 1
+            out = g._add_op(
+                Op("LoopStack", partial(instance.stacked, k), (partial(_seed_vjp, nf + k),), arity=1),
+                (node,),
+                None,
+                NodeKey("Stack*", s.id, (self._serial,)),
+                s.name,
+                value=instance.stacked(k, run),
+            )
+            instance.outputs.append(out)
+            a = 0
+            for j in by_input:
+                trips = cast(int, j.trips)
+                if trips:  # (no iteration: nothing to stack, an error only if the stack is used)
+                    cast("list[Any]", j.stacks)[k] = Row(
+                        out, (slice(a, a + trips),), NodeKey("Stack", s.id, j.idx), s.name
+                    )
+                a += trips
 
     def _resume(self, i: int, agent: Any, result: Any) -> Any:
         """Give input ``i``'s greenlet ``agent`` the result it waits for; returns its next request
@@ -1385,6 +1714,225 @@ class BatchedBuild:
         return node
 
 
+def _same_attrs(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two attribute dicts are equal (arrays compared by value)."""
+    if a is b:
+        return True
+    if a.keys() != b.keys():
+        return False
+    try:
+        return all(bool(np.all(a[k] == b[k])) for k in a)
+    except Exception:  # (values numpy cannot compare: not the same)
+        return False
+
+
+def _base(p: Any) -> ComputeNode:
+    """The node a value is (a row's group node for a :class:`Row`)."""
+    return cast(ComputeNode, p.src if type(p) is Row else p)
+
+
+def _rows_grad(d: Any, seed: Any, m: int, n: int) -> Any:
+    """The gradient of ``n`` rows of a carry: ``d`` for the first ``m`` (``None``: none), the
+    rows ``m:n`` of ``seed`` (the finals' gradient in row order; ``None``: none) for the others."""
+    if d is not None and isinstance(d, LazyGrad):
+        d = d.dense()
+    if m == n or (d is None and seed is None):
+        return d
+    ref = seed if seed is not None else d
+    full = np.zeros((n, *np.shape(ref)[1:]), dtype=_grad_dtype(ref))
+    if seed is not None:
+        full[m:n] = seed[m:n]
+    if d is not None:
+        full[:m] += d
+    return full
+
+
+class _RowsProgram:
+    """A lockstep loop of a batched build run as ONE body program over rows (see
+    :meth:`BatchedBuild._run_rows`): the inputs' carries are the rows of one buffer, longest
+    run first, so that the rows still running at iteration ``t`` are the first ``live[t]``; the
+    generated forward step runs once per iteration on those rows, the backward step once per
+    iteration in backward. Stepped items and hoisted nodes are *packed*: iteration ``t``'s rows
+    are ``packed[offs[t]:offs[t + 1]]`` (the layout of PyTorch's packed sequences).
+
+    In the batched graph it is one node ``<Loop:id@…>`` (value: a :class:`.program.ProgramRun`
+    whose records hold ``live[t]`` rows), a node per final carry (rows in row order) and per
+    stacked value (every input's rows concatenated in input order, as ragged groups are)."""
+
+    def __init__(
+        self,
+        program: BodyProgram,
+        variant: Any,
+        rows: list[_LoopJob],
+        layout: dict[VirtualNode, Any],
+        sparse: list[bool],
+    ) -> None:
+        self.program, self.variant, self.loop = program, variant, program.loop
+        self.sparse = sparse  # per captured value: whether its gradient is kept row-sparse
+        self.rows = rows  # the inputs' runs, longest first
+        self.trips = [cast(int, j.trips) for j in rows]
+        T = self.trips[0]
+        self.live = [sum(1 for x in self.trips if x > t) for t in range(T)]
+        self.offs = [0, *itertools.accumulate(self.live)]
+        self.layout = layout  # body node -> 0 (rows along axis 0), 1 (a fused cell's: axis 1), None (shared)
+        loop = self.loop
+        self.update_slots = [variant.slot[loop.updates[c]] for c in loop.carries]
+        self.stack_slots = [variant.slot[s.inputs[1]] for s in program.stacked]
+        self.row_of = {j.inp: r for r, j in enumerate(rows)}
+        # packed position of (input order concatenation position): row r's iterations in order
+        self.perm = np.concatenate(
+            [np.asarray(self.offs[: self.trips[self.row_of[i]]], dtype=np.intp) + self.row_of[i]
+             for i in sorted(self.row_of)]
+        )  # fmt: skip
+        self.select = _select_step(())  # (no branch in a program over rows: never called)
+        self.run: ProgramRun | None = None
+        self.outputs: list[
+            ComputeNode
+        ] = []  # the final and stack nodes (whose retained gradient asks for KEEP)
+        self.kept: list[Any] | None = None  # per iteration, every slot's gradient (when retained)
+        self.n_steps = len(loop.items) + len(variant.hoisted)
+        self.init_values: list[Any] = []  # the carries' initial rows (for rows that run no iteration)
+
+    # -- forward
+    def forward(self, *values: Any) -> ProgramRun:
+        """Run the steps on the loop node's parents' values: the carries' initial rows, the packed
+        items and hoisted nodes, the captured values."""
+        nc, ns = len(self.loop.carries), self.n_steps
+        state = list(values[:nc])
+        self.init_values = state
+        stepped = values[nc : nc + ns]
+        step = self.variant._make_step(self.select, *values[nc + ns :])
+        run = ProgramRun()
+        records, offs, slots = run.records, self.offs, self.update_slots
+        for t, n in enumerate(self.live):
+            a = offs[t]
+            state = [s if len(s) == n else s[:n] for s in state]
+            record = step(t, *state, *[x[a : a + n] for x in stepped])
+            records.append(record)
+            state = [record[i] for i in slots]
+        run.trips = len(self.live)
+        return run
+
+    def final(self, k: int, run: ProgramRun) -> Any:
+        """Carry ``k``'s final value of every row (row order) after ``run``: its update in the
+        row's last iteration, its initial value for a row that ran none."""
+        records, slot, live = run.records, self.update_slots[k], self.live
+        out = np.array(self.init_values[k])
+        for t, n in enumerate(live):
+            m = live[t + 1] if t + 1 < len(live) else 0
+            if m < n:
+                out[m:n] = records[t][slot][m:n]
+        return out
+
+    def stacked(self, j: int, run: ProgramRun) -> Any:
+        """Stacked value ``j`` of every input after ``run``, concatenated in input order."""
+        slot = self.stack_slots[j]
+        return np.concatenate([r[slot] for r in run.records])[self.perm]
+
+    # -- backward
+    def vjp(self, i: int, g: RunGrad, run: ProgramRun, *values: Any) -> Any:
+        """The gradient of the loop node's parent ``i`` (the backward steps run once per sweep)."""
+        if g.result is None:
+            g.result = self.backward(g, run, values)
+        out = g.result[i]
+        if out is None:
+            out = np.zeros(np.shape(values[i]), dtype=values[i].dtype)
+        return out
+
+    def backward(self, g: RunGrad, run: ProgramRun, values: Sequence[Any]) -> list[Any]:
+        loop, variant, program = self.loop, self.variant, self.program
+        nc, ns = len(loop.carries), self.n_steps
+        caps = values[nc + ns :]
+        accs = [_Acc(sp) for sp in self.sparse]
+        back = variant._make_back(*caps, *[a.add for a in accs])
+        nf = len(program.finals)
+        final_seed: list[Any] = [None] * nc
+        for k, f in enumerate(program.finals):
+            s = g.seeds.get(k)
+            if s is not None:
+                s = s.dense() if isinstance(s, LazyGrad) else s
+                c = loop.carries.index(f.inputs[1])
+                final_seed[c] = s if final_seed[c] is None else final_seed[c] + s
+        stack_seed: list[Any] = []
+        for j in range(len(program.stacked)):
+            s = g.seeds.get(nf + j)
+            if s is not None:
+                s = s.dense() if isinstance(s, LazyGrad) else s
+                packed = np.empty_like(s)
+                packed[self.perm] = s
+                s = packed
+            stack_seed.append(s)
+        step_grad: list[Any] = [None] * ns
+        live, offs = self.live, self.offs
+        keep = any(node.retains_grad for node in self.outputs)
+        kept: list[Any] = [None] * len(live)
+        carry_in: list[Any] = [None] * nc
+        m = 0  # the rows of iteration t + 1
+        for t in range(len(live) - 1, -1, -1):
+            n = live[t]
+            u: list[Any] = []
+            for k in range(nc):  # rows m..n end at t: their finals' gradients join there
+                u.append(_rows_grad(carry_in[k], final_seed[k], m, n))
+            a = offs[t]
+            q = [None if s is None else s[a : a + n] for s in stack_seed]
+            try:
+                if keep:
+                    res, kept[t] = back(True, run.records[t], *u, *q)
+                else:
+                    res = back(False, run.records[t], *u, *q)
+            except VGraphError:
+                raise
+            except Exception as e:
+                raise BackwardError(
+                    f"{loop.describe()} (a body program over the rows of inputs "
+                    f"{', '.join(str(j.inp) for j in self.rows[:n])}), iteration {t}: the backward step "
+                    f"failed: {type(e).__name__}: {e}; build with programs=False to name the node"
+                ) from e
+            carry_in = list(res[:nc])
+            for i in range(ns):
+                d = res[nc + i]
+                if d is None:
+                    continue
+                if step_grad[i] is None:
+                    x = values[nc + i]
+                    step_grad[i] = np.zeros(np.shape(x), dtype=_grad_dtype(x))
+                if isinstance(d, LazyGrad):
+                    d.add_into(step_grad[i][a : a + n])
+                else:
+                    step_grad[i][a : a + n] += d
+            m = n
+        self.kept = kept if keep else None
+        init_grad: list[Any] = []
+        n0 = live[0] if live else 0
+        for k in range(nc):  # rows n0.. ran no iteration: their finals are their initial values
+            init_grad.append(_rows_grad(carry_in[k], final_seed[k], n0, len(self.rows)))
+        return [*init_grad, *step_grad, *(a.g for a in accs)]
+
+    # -- one input's view
+    def value_of(self, v: VirtualNode, r: int, t: int) -> tuple[Any, Any]:
+        """Body node ``v`` of row ``r`` in iteration ``t``: ``(value, gradient or None)``, or
+        ``(node, None)`` for what is a node of the batched graph (a captured value, an initial
+        value); raises KeyError if the row has no such iteration or ``v`` no slot."""
+        variant, loop = self.variant, self.loop
+        if not 0 <= t < self.trips[r]:
+            raise KeyError(t)
+        if v.kind == "carry":  # the previous iteration's update, or the initial value
+            if t == 0:
+                return self.rows[r].state[loop.carries.index(v)], None
+            v, t = loop.updates[v], t - 1
+        if v in variant.captured:
+            return self.rows[r].captured[v], None
+        slot = variant.slot[v]
+        lay = self.layout.get(v, 0)
+        at: Any = (slice(None), r) if lay == 1 else r
+        value = cast(ProgramRun, self.run).records[t][slot]
+        grad = None
+        if self.kept is not None and self.kept[t] is not None and self.kept[t][slot] is not None:
+            gv = self.kept[t][slot]
+            grad = np.array((gv.dense() if isinstance(gv, LazyGrad) else gv)[at])
+        return (value if lay is None else value[at]), grad
+
+
 class _BatchBuilder(_Builder):
     """One input's builder in a batched build. A recursion (``g.recurse``) runs tree node by tree
     node in depth order instead of one node after another: each tree node is built in a greenlet
@@ -1403,10 +1951,20 @@ class _BatchBuilder(_Builder):
                 f"{loop.describe(frame.idx)} is checkpointed (checkpoint={loop.checkpoint!r}), which "
                 "g.build_batch does not support: build these inputs one at a time with g.build"
             )
-        if self.batch._by_depth(loop):
+        batch = self.batch
+        if batch._by_depth(loop):
+            if batch._programs:
+                self.cg.interpreted.append(
+                    (loop, frame.idx, "a recursion: its tree nodes run op by op in depth order")
+                )
             return self._run_tree(loop, frame)
-        if self.batch._lockstep_ok(loop):
+        if batch._lockstep_ok(loop):
             return self._run_lockstep(loop, frame)
+        if batch._programs:
+            why = program_for(loop, self.plan)
+            if not isinstance(why, str):
+                why = "its body is not ops only: each input runs it op by op"
+            self.cg.interpreted.append((loop, frame.idx, why))
         return super().run_loop(loop, frame)
 
     def _run_lockstep(self, loop: LoopNode, frame: _Frame) -> None:
@@ -1423,6 +1981,7 @@ class _BatchBuilder(_Builder):
         groups: dict[VirtualNode, Any] = {}
         if (
             self.hoist
+            and not (self.batch._programs and isinstance(self.batch._rows_program(loop), BodyProgram))
             and loop.cond is None
             and loop.until is None
             and self.plan.hoistable[loop]
@@ -1440,6 +1999,10 @@ class _BatchBuilder(_Builder):
         for v in self.plan.finals.get(loop, ()):
             env[v] = job.state[loop.carries.index(v.inputs[1])]
         for j, s in enumerate(self.plan.stacked.get(loop, [])):
+            if job.stacks is not None:  # run as a program over rows (hoisted there, over every input)
+                if job.stacks[j] is not None:
+                    env[s] = job.stacks[j]
+                continue
             bucket = [collected[j] for collected in job.collected]
             if bucket:  # an error only if the stack is used: see build_node
                 env[s] = cg._add_op(_STACK, tuple(bucket), {"axis": 0}, NodeKey("Stack", s.id, idx), s.name)
@@ -1537,7 +2100,12 @@ class _BatchBuilder(_Builder):
 @computing
 @one_build_at_a_time
 def build_batch(
-    graph: Any, feeds: Sequence[Mapping[str, Any]], outputs: Any, hoist: bool = True, depth: bool = True
+    graph: Any,
+    feeds: Sequence[Mapping[str, Any]],
+    outputs: Any,
+    hoist: bool = True,
+    depth: bool = True,
+    programs: bool | None = None,
 ) -> BatchedBuild:
     """Build ``feeds`` (one feed per input) at once; see :meth:`VirtualGraph.build_batch`."""
     try:
@@ -1547,6 +2115,7 @@ def build_batch(
 
     hoist = flag_arg(hoist, "build_batch(hoist=...)")
     depth = flag_arg(depth, "build_batch(depth=...)")
+    programs = programs_enabled() if programs is None else flag_arg(programs, "build_batch(programs=...)")
     if isinstance(feeds, Mapping) or not isinstance(feeds, Sequence) or isinstance(feeds, str):
         raise TypeError("build_batch takes a list of feeds (one mapping name -> value per input)")
     if not feeds:
@@ -1562,6 +2131,7 @@ def build_batch(
     batch._depth = depth
     batch._values, batch._outs, batch._builds = values, outs, graph._builds
     batch._hoist = hoist
+    batch._programs = programs
     batch.virtual_plan = plan
     new_params: dict[str, ComputeNode] = {}
     builders, tops = [], []
