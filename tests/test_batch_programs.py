@@ -1,0 +1,237 @@
+"""Lockstep loops of a batched build run as ONE body program over the inputs' rows
+(``g.build_batch(feeds, outputs, programs=True)``): the same per-input losses, every parameter
+gradient, every decision and the values and gradients of body nodes as the same batch built op by
+op (``programs=False``) and as each input built alone node by node — float64, 1e-12 — on the
+example models and on random lengths (0 and 1 included) and batch sizes."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import vgraph as vg
+
+ROOT = Path(__file__).resolve().parent.parent
+TOL = {"rtol": 1e-12, "atol": 1e-13}
+
+pytestmark = pytest.mark.usefixtures("float64")  # tests/conftest.py
+
+
+def load(path):
+    spec = importlib.util.spec_from_file_location(f"batch_programs_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(spec.name, None)
+    return module
+
+
+def decisions_of(decisions):
+    return [(d.node.key, d.idx, d.kind, d.value) for d in decisions]
+
+
+def alone(make, feeds, output=0):
+    """Each input built alone, node by node, on a fresh copy of the model: losses, summed
+    parameter gradients, decisions and the unrolled graphs (retaining every gradient)."""
+    g, outputs = make()
+    losses, decisions, graphs = [], [], []
+    for feed in feeds:
+        cg = g.build(feed, outputs, cache=False, programs=False)
+        vg.render.retain_all_grads(cg)
+        losses.append(cg.backward(outputs[output]))
+        decisions.append(decisions_of(cg.decisions))
+        graphs.append(cg)
+    grads = {k: np.array(p.grad) for k, p in g.params.items() if p.grad is not None}
+    return losses, grads, decisions, graphs
+
+
+def batched(make, feeds, programs, output=0, hoist=True):
+    g, outputs = make()
+    batch = g.build_batch(feeds, outputs, programs=programs, hoist=hoist)
+    vg.render.retain_all_grads(batch.graph)
+    batch.backward("sum", output)
+    losses = [float(x) for x in batch.outputs(output)]
+    grads = {k: np.array(p.grad) for k, p in g.params.items() if p.grad is not None}
+    return losses, grads, [decisions_of(v.decisions) for v in batch.inputs], batch, g
+
+
+def body_nodes(g):
+    """Every op node declared in a loop body, with its loop."""
+    return [v for v in g.nodes if v.scope is not None and v.kind == "op"]
+
+
+def assert_identical(make, feeds, expect_rows=True, hoist=True):
+    """programs=True equals programs=False and each input alone: losses, gradients, decisions,
+    and every body node's value and retained gradient in every iteration of top-level loops."""
+    l0, g0, d0, graphs = alone(make, feeds)
+    l1, g1, d1, plain, _ = batched(make, feeds, programs=False, hoist=hoist)
+    l2, g2, d2, rows, g = batched(make, feeds, programs=True, hoist=hoist)
+    assert not plain.rows_programs
+    assert bool(rows.rows_programs) == expect_rows, [v.interpreted for v in rows.inputs]
+    for ref in ((l0, g0, d0), (l1, g1, d1)):
+        np.testing.assert_allclose(l2, ref[0], **TOL)
+        assert g2.keys() == ref[1].keys()
+        for k in g2:
+            np.testing.assert_allclose(g2[k], ref[1][k], **TOL, err_msg=k)
+        assert d2 == ref[2]
+    for i, cg in enumerate(graphs):
+        view = rows.inputs[i]
+        for v in body_nodes(g):
+            if v.scope.scope is not None:  # (nested loops: their iteration paths vary)
+                continue
+            for t in range(view.trip_count(v.scope)):
+                try:
+                    node = cg.node(v, (t,))
+                except vg.BuildError:
+                    continue  # not built alone (a guard, or not needed): nor in the batch
+                np.testing.assert_allclose(view.value(v, (t,)), node.value, **TOL, err_msg=f"{v} @{t}")
+                if node.grad is not None:
+                    grad = view.gradient(v, (t,))
+                    assert grad is not None, (v, t)
+                    np.testing.assert_allclose(grad, node.grad, **TOL, err_msg=f"grad {v} @{t}")
+    return rows
+
+
+# ---------------------------------------------------------------------------- the example models
+
+
+MODELS = sorted((ROOT / "examples" / "models").glob("*.py"))
+#: the example models with a lockstep loop a program over rows runs (the others: branches, a
+#: recursion, a nested loop whose outer loop runs per input)
+ROWS = {"elman_rnn": True, "stacked_rnn": True, "branching": False, "tree_lstm": False}
+
+
+@pytest.mark.parametrize("script", MODELS, ids=lambda p: p.stem)
+def test_example_models(script):
+    module = load(script)
+    sizes = [{"steps": 3, "seed": 0}, {"steps": 5, "seed": 1}, {"steps": 4, "seed": 2}, {"steps": 5, "seed": 3}]
+    if script.stem == "branching":
+        sizes = [{"seed": s} for s in range(4)]
+    if script.stem == "tree_lstm":
+        sizes = [{"leaves": n, "seed": s} for s, n in enumerate((3, 5, 4, 5))]
+    feeds = [module.build(**kw)[1] for kw in sizes]
+
+    def make():
+        g, _, outputs = module.build(**sizes[0])
+        return g, outputs
+
+    assert_identical(make, feeds, expect_rows=ROWS[script.stem])
+
+
+def example(name):
+    return load(ROOT / "examples" / f"{name}.py")
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+@pytest.mark.parametrize("hoist", [True, False])
+def test_fused_cells(cell, hoist):
+    m = example("lstm_sequence")
+    rng = np.random.default_rng(1)
+    feeds = []
+    for T in (3, 6, 2, 4, 6):
+        x, y = m.adding_batch(rng, 2, T)
+        feeds.append({"x": x, "y": y, "h0": rng.normal(size=(2, 4))})
+
+    def make():
+        g, outs = m.build_model(cell, hidden=4, seed=0)
+        return g, [outs["loss"]]
+
+    batch = assert_identical(make, feeds, hoist=hoist)
+    assert [k for k, _ in batch.groups].count("Loop:" + str(batch.rows_programs[0].loop.id)) == 1
+    hoisted = [k for k, n in batch.groups if k.startswith("MatMul") and n == len(feeds)]
+    assert bool(hoisted) == hoist, batch.groups  # x_t @ W_x over every input's every step, once
+
+
+def bilstm(H=3, E=4, V=20, tags=5):
+    """A BiLSTM tagger as tools/bench_dynamic.py declares it (the backward half reversed outside
+    the loop), plus a second one stepping with ``reverse=True``."""
+    g = vg.VirtualGraph(seed=4)
+    tokens = g.input("tokens", (None, 1))
+    labels = g.input("tags", (None,))
+    emb = vg.nn.Embedding(g, V, E, "emb")
+    cells = [vg.nn.LSTMCell(g, E, H, f"cell{k}") for k in range(3)]
+    out = vg.nn.Linear(g, 3 * H, tags, "out")
+    zeros = g.constant(np.zeros((1, H)), name="zeros")
+    x = emb(tokens)
+
+    def run(seq, cell, reverse=False):
+        with g.loop() as L:
+            x_t = L.step(seq, reverse=reverse)
+            h, c = L.carry(zeros, name="h"), L.carry(zeros, name="c")
+            h_new, c_new = cell(x_t, (h, c))
+            L.update(h, h_new)
+            L.update(c, c_new)
+        return L.stack(h_new)
+
+    fwd = run(x, cells[0])
+    bwd = run(x[::-1], cells[1])[::-1]
+    rev = run(x, cells[2], reverse=True)[::-1]
+    features = vg.concat([fwd, bwd, rev], axis=-1).reshape(-1, 3 * H)
+    return g, [vg.losses.cross_entropy(out(vg.tanh(features)), labels)]
+
+
+def tagger_feeds(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"tokens": rng.integers(0, 20, (n, 1)), "tags": rng.integers(0, 5, n)} for n in lengths]
+
+
+def test_a_bilstm_tagger_with_reversed_steps():
+    batch = assert_identical(bilstm, tagger_feeds([4, 1, 7, 4, 2]))
+    assert len(batch.rows_programs) == 3
+    assert not any(v.interpreted for v in batch.inputs)
+
+
+# ---------------------------------------------------------------------------- random lengths
+
+
+def rnn(stack=True):
+    """A final and (``stack``) a stacked output, a hoisted product, an elementwise body."""
+    g = vg.VirtualGraph(seed=7)
+    xs = g.input("xs", (None, 2))
+    h0 = g.input("h0", (3,))
+    W = g.parameter("W", (2, 3))
+    U = g.parameter("U", (3, 3), init="orthogonal")
+    b = g.parameter("b", (3,))
+    with g.loop() as L:
+        x = L.step(xs)
+        h = L.carry(h0, name="h")
+        a = vg.sigmoid(x @ W + b)
+        h_new = vg.tanh(h @ U + a) * a + 0.5 * h
+        L.update(h, h_new)
+        squared = h_new * h_new
+    loss = vg.sum(L.final(h)) + 0.1 * vg.sum(W * W)
+    if stack:
+        loss = loss + vg.sum(L.stack(squared)) * 0.25
+    return g, [loss]
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    st.one_of(
+        st.lists(st.integers(0, 6), min_size=1, max_size=8),
+        st.tuples(st.integers(0, 6), st.integers(1, 8)).map(lambda tn: [tn[0]] * tn[1]),  # all equal
+    ),
+    st.integers(0, 1000),
+    st.booleans(),
+)
+def test_random_lengths_and_batch_sizes(lengths, seed, hoist):
+    rng = np.random.default_rng(seed)
+    feeds = [{"xs": rng.normal(size=(n, 2)), "h0": rng.normal(size=3)} for n in lengths]
+    # (stacking no iteration is an error: the final alone when an input runs none)
+    make = partial(rnn, stack=min(lengths) > 0)
+    assert_identical(make, feeds, expect_rows=max(lengths) > 0, hoist=hoist)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=8), st.integers(0, 1000))
+def test_random_tagger_lengths(lengths, seed):
+    assert_identical(bilstm, tagger_feeds(lengths, seed))
