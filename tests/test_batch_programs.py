@@ -7,6 +7,7 @@ example models and on random lengths (0 and 1 included) and batch sizes."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from functools import partial
 from pathlib import Path
@@ -113,7 +114,12 @@ ROWS = {"elman_rnn": True, "stacked_rnn": True, "branching": False, "tree_lstm":
 @pytest.mark.parametrize("script", MODELS, ids=lambda p: p.stem)
 def test_example_models(script):
     module = load(script)
-    sizes = [{"steps": 3, "seed": 0}, {"steps": 5, "seed": 1}, {"steps": 4, "seed": 2}, {"steps": 5, "seed": 3}]
+    sizes = [
+        {"steps": 3, "seed": 0},
+        {"steps": 5, "seed": 1},
+        {"steps": 4, "seed": 2},
+        {"steps": 5, "seed": 3},
+    ]
     if script.stem == "branching":
         sizes = [{"seed": s} for s in range(4)]
     if script.stem == "tree_lstm":
@@ -235,3 +241,147 @@ def test_random_lengths_and_batch_sizes(lengths, seed, hoist):
 @given(st.lists(st.integers(1, 6), min_size=1, max_size=8), st.integers(0, 1000))
 def test_random_tagger_lengths(lengths, seed):
     assert_identical(bilstm, tagger_feeds(lengths, seed))
+
+
+# ---------------------------------------------------------------------------- gradients, modes
+
+
+def test_gradients_of_a_program_over_rows_agree_with_finite_differences():
+    feeds = [{"xs": np.random.default_rng(i).normal(size=(n, 2)), "h0": np.full(3, 0.1 * i)} for i, n in
+             enumerate((4, 1, 3, 4))]  # fmt: skip
+    g, (loss,) = rnn()
+    batch = g.build_batch(feeds, loss, programs=True)
+    assert batch.rows_programs
+    batch.backward("sum")
+    grads = {k: np.array(p.grad) for k, p in g.params.items()}
+    eps = 1e-6
+    for name, grad in grads.items():
+        value = g.params.value(name).copy()
+        for at in np.ndindex(value.shape):
+            moved = []
+            for sign in (1, -1):
+                changed = value.copy()
+                changed[at] += sign * eps
+                g.params.set_value(name, changed)
+                moved.append(sum(g.build_batch(feeds, loss, programs=True).outputs()).item())
+            g.params.set_value(name, value)
+            np.testing.assert_allclose(grad[at], (moved[0] - moved[1]) / (2 * eps), rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("mode", [True, False])
+def test_programs_none_follows_the_threads_mode(mode):
+    g, (loss,) = rnn()
+    feeds = [{"xs": np.ones((n, 2)), "h0": np.zeros(3)} for n in (2, 3)]
+    with vg.body_programs(mode):
+        batch = g.build_batch(feeds, loss)
+    assert bool(batch.rows_programs) == mode
+    assert bool(g.build_batch(feeds, loss, programs=mode).rows_programs) == mode
+    with vg.body_programs(not mode):
+        assert bool(g.build_batch(feeds, loss, programs=mode).rows_programs) == mode
+
+
+def test_without_gradients_a_program_over_rows_computes_the_same_outputs():
+    g, (loss,) = rnn()
+    feeds = [{"xs": np.random.default_rng(n).normal(size=(n, 2)), "h0": np.zeros(3)} for n in (2, 5, 1)]
+    expect = g.build_batch(feeds, loss, programs=False).outputs()
+    with vg.no_grad():
+        batch = g.build_batch(feeds, loss, programs=True)
+    assert batch.rows_programs
+    np.testing.assert_allclose(batch.outputs(), expect, **TOL)
+    g.eval()
+    np.testing.assert_allclose(g.build_batch(feeds, loss, programs=True).outputs(), expect, **TOL)
+
+
+# ---------------------------------------------------------------------------- fallbacks, errors
+
+
+def per_input_capture():
+    g = vg.VirtualGraph(seed=0)
+    xs, bias = g.input("xs", (None, 3)), g.input("bias", (3,))
+    w = g.parameter("w", (3,))
+    with g.loop() as L:
+        h = L.carry(np.zeros(3), name="h")
+        L.update(h, vg.tanh(L.step(xs) * w + h + bias))
+    return g, [vg.sum(L.final(h))], [{"xs": np.ones((n, 3)), "bias": np.full(3, n / 10)} for n in (2, 3)]
+
+
+def while_loop():
+    g = vg.VirtualGraph(seed=0)
+    x0 = g.input("x0", (2,))
+    w = g.parameter("w", (2,), init=vg.nn.init.constant(0.1))
+    with g.loop(while_=lambda t, s: float(s["h"].sum()) < 3.0, max_iters=20) as L:
+        h = L.carry(x0, name="h")
+        L.update(h, h * 1.5 + w)
+    return g, [vg.sum(L.final(h))], [{"x0": np.full(2, v)} for v in (0.2, 0.7, 1.4)]
+
+
+def branch_loop():
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 2))
+    w = g.parameter("w", (2,))
+    with g.loop() as L:
+        h = L.carry(np.zeros(2), name="h")
+        x = L.step(xs)
+        L.update(
+            h, g.branch(lambda v: int(v.sum() > 0), [vg.tanh(h + x * w), vg.sigmoid(x * w - h)], keys=[x])
+        )
+    return g, [vg.sum(L.final(h))], [{"xs": np.full((n, 2), (-1) ** n)} for n in (2, 3)]
+
+
+def reshaping_loop():
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 2, 2))
+    w = g.parameter("w", (4,))
+    with g.loop() as L:
+        h = L.carry(np.zeros(4), name="h")
+        L.update(h, vg.tanh(L.step(xs).reshape(4) * w + h))
+    return g, [vg.sum(L.final(h))], [{"xs": np.ones((n, 2, 2)) / n} for n in (2, 3)]
+
+
+@pytest.mark.parametrize(
+    ("model", "reason"),
+    [
+        (per_input_capture, r"it reads <Input:2> 'bias', a value of each input's own"),
+        (while_loop, r"its trip count is decided per iteration \(while_/until\)"),
+        (branch_loop, r"its body has branches"),
+        (reshaping_loop, r"<Reshape:1> \(Reshape\) does not compute each row alone with its own attributes"),
+    ],
+)
+def test_loops_a_program_over_rows_cannot_run_fall_back_and_say_why(model, reason):
+    g, outputs, feeds = model()
+    l0, g0, d0, _ = alone(lambda: model()[:2], feeds)
+    l2, g2, d2, batch, _ = batched(lambda: model()[:2], feeds, programs=True)
+    assert not batch.rows_programs
+    for view in batch.inputs:
+        ((loop, idx, why),) = view.interpreted
+        assert loop.kind == "loop" and idx == ()
+        assert re.match(reason, why), why
+    np.testing.assert_allclose(l2, l0, **TOL)
+    for k in g0:
+        np.testing.assert_allclose(g2[k], g0[k], **TOL)
+    assert d2 == d0
+
+
+def test_an_error_in_a_step_over_rows_names_the_node_and_the_input(defop):
+    def forward(x):
+        if (x > 2.5).any():
+            raise ValueError("too large")
+        return x * 1.0
+
+    picky = defop("Picky", forward, lambda g, ans, x: g, elementwise=True)
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 2))
+    with g.loop() as L:
+        h = L.carry(np.zeros(2), name="h")
+        L.update(h, picky(h + L.step(xs)))
+    loss = vg.sum(L.final(h))
+    feeds = [{"xs": np.full((n, 2), 0.1 + 0.4 * k)} for k, n in enumerate((5, 5, 5))]  # input 2 at step 2
+    with pytest.raises(vg.ShapeError) as plain:
+        g.build_batch(feeds, loss, programs=False)
+    with pytest.raises(vg.ShapeError) as program:
+        g.build_batch(feeds, loss, programs=True)
+    assert str(program.value) == str(plain.value)
+    assert str(program.value).startswith(
+        "input 2: <Picky:1@2>: cannot compute Picky of <Add:1@2> (2,): too large"
+    ), str(program.value)
+    assert len(g.params) == 0

@@ -1961,7 +1961,7 @@ class _BatchBuilder(_Builder):
         if batch._lockstep_ok(loop):
             return self._run_lockstep(loop, frame)
         if batch._programs:
-            why = program_for(loop, self.plan)
+            why = batch._rows_program(loop)
             if not isinstance(why, str):
                 why = "its body is not ops only: each input runs it op by op"
             self.cg.interpreted.append((loop, frame.idx, why))
