@@ -1395,7 +1395,7 @@ class BatchedBuild:
                 v.name,
                 value=group_of[v],
             )
-            self.groups.append((f"{v.type}:{v.id}", len(rows)))
+            self.groups.append((f"{v.type}*:{v.id}", len(rows)))  # (hoisted, as hoist_loop names them)
             self._copies[node] = (NodeKey(v.type, v.id, (*rows[0].idx, 0)), len(rows), len(rows))
             packed[v] = node
             parents.append(node)
