@@ -369,6 +369,15 @@ def _ragged(requests: list[_Request]) -> list[bool] | None:
         items = index if isinstance(index, tuple) else (index,)
         if not all(type(i) in (int, slice) or i is None or i is Ellipsis for i in items):
             return None  # (arrays, booleans: not a basic index that leaves axis 0 alone)
+        if items and type(items[0]) is slice and items[0] != slice(None):  # x[::-1], x[1:]: each
+            rest = items[1:]  # input's rows sliced — one index of their concatenation (_sliced_rows)
+            ok = (
+                ragged == [True]
+                and all(type(i) in (int, slice) for i in rest)
+                and len(rest) < cast(int, ndim)
+                and all((r.attrs or {}).get("index") == index for r in requests)  # (hoisted items' differ)
+            )
+            return ragged if ok else None
         if not items or not (items[0] is Ellipsis or items[0] == slice(None)):
             return None
         if any(isinstance(i, slice) and i != slice(None) for i in items) and items[0] is Ellipsis:
@@ -382,6 +391,23 @@ def _ragged(requests: list[_Request]) -> list[bool] | None:
         if name in ("Concat", "TakeAlongAxis") and not all(ragged):
             return None
     return ragged
+
+
+def _sliced_rows(index: Any, lengths: list[int]) -> tuple[dict[str, Any], list[int]]:
+    """For inputs of ``lengths`` rows concatenated along axis 0, each indexed by ``index`` (a
+    basic index, see :func:`_ragged`): the attributes of one ``GetItem`` of the concatenation
+    that gives their results one after another, and each result's rows."""
+    items = index if isinstance(index, tuple) else (index,)
+    lead = items[0]
+    if type(lead) is not slice or lead == slice(None):
+        return {"index": index}, lengths  # axis 0 left alone
+    rows, out, a = [], [], 0
+    for n in lengths:
+        picked = np.arange(a, a + n)[lead]
+        rows.append(picked)
+        out.append(len(picked))
+        a += n
+    return {"index": (np.concatenate(rows), *items[1:])}, out
 
 
 def _naming(where: str, e: Exception) -> VGraphError:
@@ -1262,24 +1288,38 @@ class BatchedBuild:
             new, old = record[plain.slot[loop.updates[c]]], first.state[k]._value
             if np.shape(new) != old.shape or np.asarray(new).dtype != old.dtype:
                 return f"the update of {c.describe()} changes its shape or dtype"
-        live = [sum(1 for j in rows if cast(int, j.trips) > t) for t in range(longest)]
-        total = sum(live)
+        by_input = sorted(rows, key=_by_input)
+        rows_in_source = sum(len(j.seqs[0]._value) for j in by_input) if loop.items else 0
         layout: dict[VirtualNode, Any] = {v: 0 for v in (*loop.carries, *loop.items)}
         layout.update((v, None) for v in program.captured)
+        # A hoisted node runs once on its items' rows as the inputs' sequences give them (concatenated
+        # in input order): it acts on each row alone, so its rows are then packed as the items' are —
+        # by one index, if every item it reads steps the same way (forwards or reversed).
+        direction: dict[VirtualNode, bool] = {v: bool(v.attrs.get("reverse")) for v in loop.items}
         hoisted: list[VirtualNode] = []
         hoisted_attrs: list[dict[str, Any]] = []
-        if self._hoist:  # over every row of every iteration at once (packed)
+        if self._hoist:
             for v in program.hoistable:
                 op = cast(Op, v.op)
-                if op.kind == CELL or any(layout.get(u, 1) not in (0, None) for u in v.inputs):
+                ways = {direction[u] for u in v.inputs if u in direction}
+                if (
+                    op.kind == CELL
+                    or len(ways) != 1
+                    or any(layout.get(u, 1) not in (0, None) for u in v.inputs)
+                ):
                     continue
                 attrs = batched_attrs(
-                    op, v.attrs or {}, [shape[u] for u in v.inputs], [layout[u] == 0 for u in v.inputs], total
+                    op,
+                    v.attrs or {},
+                    [shape[u] for u in v.inputs],
+                    [layout[u] == 0 for u in v.inputs],
+                    rows_in_source,
                 )
                 if attrs is not None:
                     hoisted.append(v)
                     hoisted_attrs.append(attrs)
                     layout[v] = 0
+                    direction[v] = ways.pop()
         for v in program.computed:
             if v in layout:
                 continue
@@ -1319,25 +1359,23 @@ class BatchedBuild:
                     needs.add(v)
         variant = program.variant(tuple(hoisted), frozenset(needs))
         instance = _RowsProgram(program, variant, rows, layout, [n.sparse_grad for n in caps])
-        by_input = sorted(rows, key=_by_input)
         offs = np.asarray(instance.offs, dtype=np.intp)
-        # numpy first: nothing joins the graph unless the run succeeds
-        init_values = [np.stack([j.state[k]._value for j in rows]) for k in range(len(loop.carries))]
-        indices, item_values = [], []
-        for i, item in enumerate(loop.items):
-            reverse = bool(item.attrs.get("reverse"))
-            index = np.empty(total, dtype=np.intp)
+        index: dict[bool, np.ndarray] = {}  # forwards / reversed: the rows of the sources, packed
+        for reverse in {direction[v] for v in (*loop.items, *hoisted)}:
+            at = index[reverse] = np.empty(offs[-1], dtype=np.intp)
             start = 0
             for j in by_input:
-                length, trips = len(j.seqs[i]._value), cast(int, j.trips)
+                length, trips = len(j.seqs[0]._value), cast(int, j.trips)
                 steps = np.arange(trips)
-                index[offs[:trips] + instance.row_of[j.inp]] = start + (
-                    length - 1 - steps if reverse else steps
-                )
+                at[offs[:trips] + instance.row_of[j.inp]] = start + (length - 1 - steps if reverse else steps)
                 start += length
-            indices.append(index)
-            item_values.append(np.concatenate([j.seqs[i]._value for j in by_input])[index])
-        group_of: dict[VirtualNode, Any] = dict(zip(loop.items, item_values))
+        instance.index = [index[direction[v]] for v in (*loop.items, *hoisted)]
+        # numpy first: nothing joins the graph unless the run succeeds
+        init_values = [np.stack([j.state[k]._value for j in rows]) for k in range(len(loop.carries))]
+        group_of: dict[VirtualNode, Any] = {
+            item: np.concatenate([j.seqs[i]._value for j in by_input]) for i, item in enumerate(loop.items)
+        }
+        item_values = list(group_of.values())
         group_of.update(zip(program.captured, cap_values))
         try:
             for v, attrs in zip(hoisted, hoisted_attrs):
@@ -1346,13 +1384,12 @@ class BatchedBuild:
         except Exception as e:
             return f"its program raised {type(e).__name__}: {e}"
         instance.run = run
-        self._add_rows_program(instance, indices, hoisted_attrs, group_of, caps, grad)
+        self._add_rows_program(instance, hoisted_attrs, group_of, caps, grad)
         return None
 
     def _add_rows_program(
         self,
         instance: _RowsProgram,
-        indices: list[np.ndarray],
         hoisted_attrs: list[dict[str, Any]],
         group_of: dict[VirtualNode, Any],
         caps: list[ComputeNode],
@@ -1371,25 +1408,16 @@ class BatchedBuild:
         parents: list[ComputeNode] = []
         for k, c in enumerate(loop.carries):
             parents.append(self._stack([j.state[k] for j in rows], NodeKey(c.type, c.id, rows[0].idx)))
-        packed: dict[VirtualNode, ComputeNode] = {}
-        for i, (item, index) in enumerate(zip(loop.items, indices)):
-            source = self._concat([j.seqs[i] for j in by_input])
-            self._serial += 1
-            packed[item] = node = g._add_op(
-                _GETITEM,
-                (source,),
-                {"index": index},
-                NodeKey("Rows", self._serial, ()),
-                None,
-                value=group_of[item],
-            )
-            parents.append(node)
+        sources: dict[VirtualNode, ComputeNode] = {}  # items and hoisted nodes, rows in input order
+        for i, item in enumerate(loop.items):
+            sources[item] = self._concat([j.seqs[i] for j in by_input])
+            parents.append(sources[item])
         cap_of = dict(zip(program.captured, caps))
         for v, attrs in zip(variant.hoisted, hoisted_attrs):
             self._serial += 1
             node = g._add_op(
                 cast(Op, v.op),
-                tuple([packed[u] if u in packed else cap_of[u] for u in v.inputs]),
+                tuple([sources[u] if u in sources else cap_of[u] for u in v.inputs]),
                 attrs or None,
                 NodeKey(f"{v.type}*", v.id, (self._serial,)),
                 v.name,
@@ -1397,7 +1425,7 @@ class BatchedBuild:
             )
             self.groups.append((f"{v.type}*:{v.id}", len(rows)))  # (hoisted, as hoist_loop names them)
             self._copies[node] = (NodeKey(v.type, v.id, (*rows[0].idx, 0)), len(rows), len(rows))
-            packed[v] = node
+            sources[v] = node
             parents.append(node)
         first_cap = len(parents)
         parents.extend(caps)
@@ -1598,9 +1626,12 @@ class BatchedBuild:
         for j, rg in enumerate(ragged):
             column = [r.parents[j] for r in members]
             inputs.append(self._concat(column) if rg else column[0])
+        attrs, lengths = first.attrs, [len(r.parents[ragged.index(True)]._value) for r in members]
+        if first.op is _GETITEM:
+            attrs, lengths = _sliced_rows(first.attrs["index"], lengths)
         self._serial += 1
         key = NodeKey(f"{first.key.type}*", first.key.id, (self._serial,))
-        group = self.graph._add_op(first.op, tuple(inputs), first.attrs, key, first.name)
+        group = self.graph._add_op(first.op, tuple(inputs), attrs, key, first.name)
         self.groups.append((f"{first.key.type}:{first.key.id}", len(members)))
         self._copies[group] = (first.key, len(members), len({r.inp for r in members}))
         j = ragged.index(True)
@@ -1609,8 +1640,8 @@ class BatchedBuild:
         if checks_rows(first.op):  # its promise to act elementwise
             rows = value[: len(first.parents[j]._value)]
             check_rows(first.op, first.key, rows, [p._value for p in first.parents], first.attrs)
-        for req in members:
-            b = a + len(req.parents[j]._value)
+        for req, n in zip(members, lengths):
+            b = a + n
             row = _new_row(Row)
             row.src, row.path, row._key, row.name, row._value = (
                 group,
@@ -1752,8 +1783,9 @@ class _RowsProgram:
     :meth:`BatchedBuild._run_rows`): the inputs' carries are the rows of one buffer, longest
     run first, so that the rows still running at iteration ``t`` are the first ``live[t]``; the
     generated forward step runs once per iteration on those rows, the backward step once per
-    iteration in backward. Stepped items and hoisted nodes are *packed*: iteration ``t``'s rows
-    are ``packed[offs[t]:offs[t + 1]]`` (the layout of PyTorch's packed sequences).
+    iteration in backward. Stepped items and hoisted nodes come as the inputs' sequences give
+    them (concatenated in input order) and are *packed* by one index: iteration ``t``'s rows are
+    ``packed[offs[t]:offs[t + 1]]`` (the layout of PyTorch's packed sequences).
 
     In the batched graph it is one node ``<Loop:id@…>`` (value: a :class:`.program.ProgramRun`
     whose records hold ``live[t]`` rows), a node per final carry (rows in row order) and per
@@ -1792,15 +1824,17 @@ class _RowsProgram:
         self.kept: list[Any] | None = None  # per iteration, every slot's gradient (when retained)
         self.n_steps = len(loop.items) + len(variant.hoisted)
         self.init_values: list[Any] = []  # the carries' initial rows (for rows that run no iteration)
+        # per stepped value (items, hoisted nodes): its packed rows' rows in the source (input order)
+        self.index: list[np.ndarray] = []
 
     # -- forward
     def forward(self, *values: Any) -> ProgramRun:
-        """Run the steps on the loop node's parents' values: the carries' initial rows, the packed
-        items and hoisted nodes, the captured values."""
+        """Run the steps on the loop node's parents' values: the carries' initial rows, the items
+        and hoisted nodes (rows in input order), the captured values."""
         nc, ns = len(self.loop.carries), self.n_steps
         state = list(values[:nc])
         self.init_values = state
-        stepped = values[nc : nc + ns]
+        stepped = [x[at] for x, at in zip(values[nc : nc + ns], self.index)]  # packed
         step = self.variant._make_step(self.select, *values[nc + ns :])
         run = ProgramRun()
         records, offs, slots = run.records, self.offs, self.update_slots
@@ -1895,13 +1929,18 @@ class _RowsProgram:
                     continue
                 if step_grad[i] is None:
                     x = values[nc + i]
-                    step_grad[i] = np.zeros(np.shape(x), dtype=_grad_dtype(x))
+                    step_grad[i] = np.zeros((offs[-1], *np.shape(x)[1:]), dtype=_grad_dtype(x))
                 if isinstance(d, LazyGrad):
                     d.add_into(step_grad[i][a : a + n])
                 else:
                     step_grad[i][a : a + n] += d
             m = n
         self.kept = kept if keep else None
+        for i, packed in enumerate(step_grad):  # back to the sources' rows (each read at most once)
+            if packed is not None:
+                x = values[nc + i]
+                step_grad[i] = np.zeros(np.shape(x), dtype=packed.dtype)
+                step_grad[i][self.index[i]] = packed
         init_grad: list[Any] = []
         n0 = live[0] if live else 0
         for k in range(nc):  # rows n0.. ran no iteration: their finals are their initial values
