@@ -407,7 +407,8 @@ def _sliced_rows(index: Any, lengths: list[int]) -> tuple[dict[str, Any], list[i
         rows.append(picked)
         out.append(len(picked))
         a += n
-    return {"index": (np.concatenate(rows), *items[1:])}, out
+    picked = np.concatenate(rows)  # (alone, not in a tuple: a gradient added by one `+=`, ops._distinct_rows)
+    return {"index": (picked, *items[1:]) if len(items) > 1 else picked}, out
 
 
 def _naming(where: str, e: Exception) -> VGraphError:
