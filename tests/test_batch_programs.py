@@ -199,11 +199,12 @@ def test_a_bilstm_tagger_with_reversed_steps():
 # ---------------------------------------------------------------------------- random lengths
 
 
-def rnn(stack=True):
-    """A final and (``stack``) a stacked output, a hoisted product, an elementwise body."""
+def rnn(stack=True, shared_h0=False):
+    """A final and (``stack``) a stacked output, a hoisted product, an elementwise body; the
+    initial state fed per input, or (``shared_h0``) a parameter: one node for every input."""
     g = vg.VirtualGraph(seed=7)
     xs = g.input("xs", (None, 2))
-    h0 = g.input("h0", (3,))
+    h0 = g.parameter("h0", (3,)) if shared_h0 else g.input("h0", (3,))
     W = g.parameter("W", (2, 3))
     U = g.parameter("U", (3, 3), init="orthogonal")
     b = g.parameter("b", (3,))
@@ -228,12 +229,15 @@ def rnn(stack=True):
     ),
     st.integers(0, 1000),
     st.booleans(),
+    st.booleans(),
 )
-def test_random_lengths_and_batch_sizes(lengths, seed, hoist):
+def test_random_lengths_and_batch_sizes(lengths, seed, hoist, shared_h0):
     rng = np.random.default_rng(seed)
-    feeds = [{"xs": rng.normal(size=(n, 2)), "h0": rng.normal(size=3)} for n in lengths]
+    feeds = [
+        {"xs": rng.normal(size=(n, 2))} | ({} if shared_h0 else {"h0": rng.normal(size=3)}) for n in lengths
+    ]
     # (stacking no iteration is an error: the final alone when an input runs none)
-    make = partial(rnn, stack=min(lengths) > 0)
+    make = partial(rnn, stack=min(lengths) > 0, shared_h0=shared_h0)
     assert_identical(make, feeds, expect_rows=max(lengths) > 0, hoist=hoist)
 
 
@@ -385,3 +389,24 @@ def test_an_error_in_a_step_over_rows_names_the_node_and_the_input(defop):
         "input 2: <Picky:1@2>: cannot compute Picky of <Add:1@2> (2,): too large"
     ), str(program.value)
     assert len(g.params) == 0
+
+
+@pytest.mark.parametrize("index", [slice(None, None, -1), slice(1, None), slice(None, -1), slice(None, None, 2),
+                                   (slice(None, None, -1), 0), (slice(1, None), slice(0, 1))])  # fmt: skip
+def test_slices_of_sentences_of_different_lengths_run_as_one_op(index):
+    """``x[::-1]``, ``x[1:]``, … of inputs of different lengths: one ``GetItem`` of their rows
+    concatenated (with and without programs), equal to each input alone."""
+
+    def make():
+        g = vg.VirtualGraph(seed=1)
+        xs = g.input("xs", (None, 2))
+        W = g.parameter("W", (2, 2))
+        return g, [vg.sum(vg.tanh(xs @ W)[index] ** 2)]
+
+    feeds = [{"xs": np.random.default_rng(n).normal(size=(n, 2))} for n in (3, 5, 2, 5, 4)]
+    for programs in (False, True):
+        l0, g0, _, _ = alone(make, feeds)
+        l1, g1, _, batch, _ = batched(make, feeds, programs=programs)
+        np.testing.assert_allclose(l1, l0, **TOL)
+        np.testing.assert_allclose(g1["W"], g0["W"], **TOL)
+        assert ("GetItem:1", len(feeds)) in batch.groups, batch.groups

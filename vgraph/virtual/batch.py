@@ -1372,7 +1372,14 @@ class BatchedBuild:
                 start += length
         instance.index = [index[direction[v]] for v in (*loop.items, *hoisted)]
         # numpy first: nothing joins the graph unless the run succeeds
-        init_values = [np.stack([j.state[k]._value for j in rows]) for k in range(len(loop.carries))]
+        init_values = []
+        for k in range(len(loop.carries)):
+            column = [j.state[k] for j in rows]
+            if all(p is column[0] for p in column):  # one node for every input (a constant state)
+                instance.shared_init[k] = True
+                init_values.append(column[0]._value)
+            else:
+                init_values.append(np.stack([p._value for p in column]))
         group_of: dict[VirtualNode, Any] = {
             item: np.concatenate([j.seqs[i]._value for j in by_input]) for i, item in enumerate(loop.items)
         }
@@ -1408,7 +1415,9 @@ class BatchedBuild:
         by_input = sorted(rows, key=_by_input)
         parents: list[ComputeNode] = []
         for k, c in enumerate(loop.carries):
-            parents.append(self._stack([j.state[k] for j in rows], NodeKey(c.type, c.id, rows[0].idx)))
+            column = [j.state[k] for j in rows]
+            shared = instance.shared_init[k]  # (its rows are its value broadcast: see forward)
+            parents.append(column[0] if shared else self._stack(column, NodeKey(c.type, c.id, rows[0].idx)))
         sources: dict[VirtualNode, ComputeNode] = {}  # items and hoisted nodes, rows in input order
         for i, item in enumerate(loop.items):
             sources[item] = self._concat([j.seqs[i] for j in by_input])
@@ -1805,7 +1814,8 @@ class _RowsProgram:
         self.rows = rows  # the inputs' runs, longest first
         self.trips = [cast(int, j.trips) for j in rows]
         T = self.trips[0]
-        self.live = [sum(1 for x in self.trips if x > t) for t in range(T)]
+        ended = np.bincount(self.trips, minlength=T + 1)  # rows whose run has t iterations
+        self.live = (len(rows) - np.cumsum(ended)[:T]).tolist()  # rows running iteration t
         self.offs = [0, *itertools.accumulate(self.live)]
         self.layout = layout  # body node -> 0 (rows along axis 0), 1 (a fused cell's: axis 1), None (shared)
         loop = self.loop
@@ -1825,6 +1835,8 @@ class _RowsProgram:
         self.kept: list[Any] | None = None  # per iteration, every slot's gradient (when retained)
         self.n_steps = len(loop.items) + len(variant.hoisted)
         self.init_values: list[Any] = []  # the carries' initial rows (for rows that run no iteration)
+        # per carry: whether every input starts from the same node (the loop node's parent then)
+        self.shared_init = [False] * len(loop.carries)
         # per stepped value (items, hoisted nodes): its packed rows' rows in the source (input order)
         self.index: list[np.ndarray] = []
 
@@ -1833,7 +1845,10 @@ class _RowsProgram:
         """Run the steps on the loop node's parents' values: the carries' initial rows, the items
         and hoisted nodes (rows in input order), the captured values."""
         nc, ns = len(self.loop.carries), self.n_steps
-        state = list(values[:nc])
+        state = [
+            np.broadcast_to(x, (len(self.rows), *np.shape(x))) if shared else x
+            for x, shared in zip(values[:nc], self.shared_init)
+        ]
         self.init_values = state
         stepped = [x[at] for x, at in zip(values[nc : nc + ns], self.index)]  # packed
         step = self.variant._make_step(self.select, *values[nc + ns :])
@@ -1945,7 +1960,8 @@ class _RowsProgram:
         init_grad: list[Any] = []
         n0 = live[0] if live else 0
         for k in range(nc):  # rows n0.. ran no iteration: their finals are their initial values
-            init_grad.append(_rows_grad(carry_in[k], final_seed[k], n0, len(self.rows)))
+            d = _rows_grad(carry_in[k], final_seed[k], n0, len(self.rows))
+            init_grad.append(d.sum(axis=0) if d is not None and self.shared_init[k] else d)
         return [*init_grad, *step_grad, *(a.g for a in accs)]
 
     # -- one input's view
