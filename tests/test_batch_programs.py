@@ -410,3 +410,29 @@ def test_slices_of_sentences_of_different_lengths_run_as_one_op(index):
         np.testing.assert_allclose(l1, l0, **TOL)
         np.testing.assert_allclose(g1["W"], g0["W"], **TOL)
         assert ("GetItem:1", len(feeds)) in batch.groups, batch.groups
+
+
+@pytest.mark.parametrize("whole", [True, False])
+@pytest.mark.parametrize("mean", [True, False])
+def test_the_segment_reduction_vjp_agrees_with_finite_differences(whole, mean):
+    """Sums and means over sentences of different lengths run as one reduction per sentence of
+    their concatenation (``batch._SEGMENT_SUM``): its VJP against central differences."""
+    from vgraph.virtual.batch import _segment_sum, _segment_sum_vjp
+
+    rng = np.random.default_rng(0)
+    sizes = np.array([3, 1, 4], dtype=np.intp)
+    starts = np.array([0, 3, 4], dtype=np.intp)
+    x = rng.normal(size=(8, 2))
+    attrs = {"starts": starts, "sizes": sizes, "whole": whole, "mean": mean}
+    ans = _segment_sum(x, **attrs)
+    parts = np.split(x, starts[1:])
+    expect = [(p.mean() if whole else p.mean(0)) if mean else (p.sum() if whole else p.sum(0)) for p in parts]
+    np.testing.assert_allclose(ans, np.array(expect), **TOL)
+    g = rng.normal(size=ans.shape)
+    got = _segment_sum_vjp(g, ans, x, **attrs)
+    eps, numeric = 1e-6, np.zeros_like(x)
+    for at in np.ndindex(x.shape):
+        d = np.zeros_like(x)
+        d[at] = eps
+        numeric[at] = np.sum(g * (_segment_sum(x + d, **attrs) - _segment_sum(x - d, **attrs))) / (2 * eps)
+    np.testing.assert_allclose(got, numeric, rtol=1e-7, atol=1e-9)

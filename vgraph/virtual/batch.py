@@ -309,6 +309,40 @@ _RAGGED_OWN = frozenset(
 _RAGGED_KINDS = (ELEMENTWISE, ALONG_AXIS)
 
 
+def _segment_sum(x: np.ndarray, starts: np.ndarray, sizes: np.ndarray, whole: bool, mean: bool) -> np.ndarray:
+    """Per segment of rows of ``x`` (segment ``k`` starts at row ``starts[k]`` and has
+    ``sizes[k]`` rows, at least one): the sum (``mean``: the mean) of its rows — of all its
+    elements if ``whole``."""
+    out = np.add.reduceat(x, starts, axis=0)
+    if whole:
+        out = out.reshape(len(starts), -1).sum(axis=1)
+    if mean:
+        out = out / (sizes * (x[0].size if whole else 1)).reshape((-1,) + (1,) * (out.ndim - 1))
+    return out
+
+
+def _segment_sum_vjp(
+    g: np.ndarray,
+    ans: np.ndarray,
+    x: np.ndarray,
+    starts: np.ndarray,
+    sizes: np.ndarray,
+    whole: bool,
+    mean: bool,
+) -> np.ndarray:
+    if mean:
+        g = g / (sizes * (x[0].size if whole else 1)).reshape((-1,) + (1,) * (g.ndim - 1))
+    if whole:
+        g = g.reshape((-1,) + (1,) * (x.ndim - 1))
+    out: np.ndarray = np.broadcast_to(np.repeat(g, sizes, axis=0), x.shape)
+    return out
+
+
+#: Copies of ``Sum`` or ``Mean`` over axis 0 (or every axis) of inputs of different lengths, run as
+#: one reduction of each input's rows of their concatenation (see :func:`_ragged`).
+_SEGMENT_SUM = Op("SegmentSum", _segment_sum, (_segment_sum_vjp,), arity=1)
+
+
 def _ragged(requests: list[_Request]) -> list[bool] | None:
     """Whether the requests can run as one op on their inputs concatenated along axis 0: which
     inputs are concatenated (``True``; the others are one node shared by every request) — or
@@ -317,6 +351,20 @@ def _ragged(requests: list[_Request]) -> list[bool] | None:
     (fewer axes), and the op must not act along axis 0."""
     first = requests[0]
     name, kind = first.op.name, first.op.kind
+    if name in ("Sum", "Mean") and len(requests) > 1:  # a sum or mean of each input's rows
+        attrs = first.attrs or {}
+        column = [r.parents[0] for r in requests]
+        v0 = column[0]._value
+        ok = (
+            attrs.get("axis") in (None, 0)
+            and not attrs.get("keepdims")
+            and v0.ndim >= 1
+            and v0.dtype.kind == "f"
+            and all((r.attrs or {}) == attrs for r in requests)
+            and all(p._value.shape[1:] == v0.shape[1:] and p._value.dtype == v0.dtype for p in column)
+            and all(len(p._value) > 0 for p in column)
+        )
+        return [True] if ok else None
     if (
         not (kind in _RAGGED_KINDS or name in _RAGGED_OWN)
         or len(requests) < 2
@@ -1636,12 +1684,23 @@ class BatchedBuild:
         for j, rg in enumerate(ragged):
             column = [r.parents[j] for r in members]
             inputs.append(self._concat(column) if rg else column[0])
-        attrs, lengths = first.attrs, [len(r.parents[ragged.index(True)]._value) for r in members]
-        if first.op is _GETITEM:
+        op, attrs = first.op, first.attrs
+        lengths = [len(r.parents[ragged.index(True)]._value) for r in members]
+        if op is _GETITEM:
             attrs, lengths = _sliced_rows(first.attrs["index"], lengths)
+        elif op.name in ("Sum", "Mean"):  # one value per input: its row of the segments' reduction
+            sizes = np.asarray(lengths, dtype=np.intp)
+            starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.intp)
+            attrs = {"starts": starts, "sizes": sizes, "whole": first.attrs.get("axis") is None,
+                     "mean": op.name == "Mean"}  # fmt: skip
+            op = _SEGMENT_SUM
         self._serial += 1
         key = NodeKey(f"{first.key.type}*", first.key.id, (self._serial,))
-        group = self.graph._add_op(first.op, tuple(inputs), attrs, key, first.name)
+        group = self.graph._add_op(op, tuple(inputs), attrs, key, first.name)
+        if op is _SEGMENT_SUM:
+            self.groups.append((f"{first.key.type}:{first.key.id}", len(members)))
+            self._copies[group] = (first.key, len(members), len({r.inp for r in members}))
+            return [_row(group, r, req) for r, req in enumerate(members)]
         self.groups.append((f"{first.key.type}:{first.key.id}", len(members)))
         self._copies[group] = (first.key, len(members), len({r.inp for r in members}))
         j = ragged.index(True)
