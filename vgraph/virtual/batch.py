@@ -778,11 +778,17 @@ class BatchedBuild:
         """Where input ``i``'s node ``key`` (a key of ``batch.unrolled(i)``) was computed: the node
         of the batched graph, how many copies of the declared node it computed at once, and for
         how many inputs. ``None`` if no op computed it (a leaf, a row of a fed sequence, a node a
-        batched build does not need such as a guard).
+        batched build does not need such as a guard). A body node of a loop run as one program
+        over rows was computed by the loop's node, with the other inputs running that iteration.
         """
         decl = self._by_key.get((key.type, key.id))
         if decl is None:
             return None
+        scope = decl.scope
+        rows = self.inputs[i]._rows.get((scope, tuple(key.idx[:-1]))) if scope and key.idx else None
+        if rows is not None and 0 <= key.idx[-1] < rows[0].trips[rows[1]]:
+            n = rows[0].live[key.idx[-1]]
+            return cast(ComputeNode, rows[0].node), n, n
         env = self.inputs[i]._envs.get((decl.scope, tuple(key.idx)))
         found = None if env is None else env.get(decl)
         if isinstance(found, Row):
@@ -1505,6 +1511,7 @@ class BatchedBuild:
             loop.name,
             value=run,
         )
+        instance.node = node
         self.groups.append((f"Loop:{loop.id}", len(rows)))
         self._copies[node] = (NodeKey(loop.type, loop.id, rows[0].idx), len(rows), len(rows))
         self.rows_programs.append(instance)
@@ -1888,9 +1895,9 @@ class _RowsProgram:
         )  # fmt: skip
         self.select = _select_step(())  # (no branch in a program over rows: never called)
         self.run: ProgramRun | None = None
-        self.outputs: list[
-            ComputeNode
-        ] = []  # the final and stack nodes (whose retained gradient asks for KEEP)
+        self.node: ComputeNode | None = None  # the loop node in the batched graph
+        # the final and stack nodes: when one retains its gradient, so do the body nodes (KEEP)
+        self.outputs: list[ComputeNode] = []
         self.kept: list[Any] | None = None  # per iteration, every slot's gradient (when retained)
         self.n_steps = len(loop.items) + len(variant.hoisted)
         self.init_values: list[Any] = []  # the carries' initial rows (for rows that run no iteration)
