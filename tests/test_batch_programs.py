@@ -436,3 +436,26 @@ def test_the_segment_reduction_vjp_agrees_with_finite_differences(whole, mean):
         d[at] = eps
         numeric[at] = np.sum(g * (_segment_sum(x + d, **attrs) - _segment_sum(x - d, **attrs))) / (2 * eps)
     np.testing.assert_allclose(got, numeric, rtol=1e-7, atol=1e-9)
+
+
+def test_a_vjp_error_in_a_backward_step_over_rows_names_the_inputs_the_node_and_its_input(defop):
+    def vjp(g, ans, x):
+        raise ValueError("broken")
+
+    fragile = defop("Fragile", lambda x: x * 1.0, vjp, elementwise=True)
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 2))
+    W = g.parameter("W", (2,))
+    with g.loop() as L:
+        h = L.carry(np.zeros(2), name="h")
+        L.update(h, fragile(h + L.step(xs) * W))
+    loss = vg.sum(L.final(h))
+    batch = g.build_batch([{"xs": np.ones((n, 2))} for n in (5, 3, 5)], loss, programs=True)
+    assert batch.rows_programs
+    with pytest.raises(vg.BackwardError) as e:
+        batch.backward()
+    assert str(e.value) == (
+        "inputs 0, 2 (computed together): <Fragile:1@4>: the VJP of Fragile with respect to its input "
+        "<Add:1@4> failed: ValueError: broken"
+    )
+    assert g.params["W"].grad is None

@@ -51,7 +51,7 @@ from ..errors import (
 )
 from ..modes import detect_anomaly as detect_anomaly_mode
 from ..modes import is_anomaly_enabled, is_grad_enabled, no_grad, programs_enabled
-from ..ops import ALONG_AXIS, CELL, ELEMENTWISE, OPS, LazyGrad, Op, row_at
+from ..ops import ALONG_AXIS, CELL, ELEMENTWISE, OPS, LazyGrad, Op, OpResultError, row_at
 from ..workspace import computing, gc_paused
 from .graph import one_build_at_a_time
 from .hoist import batched_attrs, check_rows, checks_rows, hoist_loop
@@ -1999,11 +1999,7 @@ class _RowsProgram:
             except VGraphError:
                 raise
             except Exception as e:
-                raise BackwardError(
-                    f"{loop.describe()} (a body program over the rows of inputs "
-                    f"{', '.join(str(j.inp) for j in self.rows[:n])}), iteration {t}: the backward step "
-                    f"failed: {type(e).__name__}: {e}; build with programs=False to name the node"
-                ) from e
+                raise self._vjp_error(e, t, n) from e
             carry_in = list(res[:nc])
             for i in range(ns):
                 d = res[nc + i]
@@ -2029,6 +2025,33 @@ class _RowsProgram:
             d = _rows_grad(carry_in[k], final_seed[k], n0, len(self.rows))
             init_grad.append(d.sum(axis=0) if d is not None and self.shared_init[k] else d)
         return [*init_grad, *step_grad, *(a.g for a in accs)]
+
+    def _vjp_error(self, e: Exception, t: int, n: int) -> Exception:
+        """The error for exception ``e`` raised in iteration ``t``'s backward step over the first
+        ``n`` rows: naming the inputs computed together, the body node, its op and the input, as
+        the per-node sweep and :meth:`.program.ProgramInstance._vjp_error` word it."""
+        variant = self.variant
+        where = None
+        tb = e.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == variant.back_file:
+                where = variant.back_lines.get(tb.tb_lineno)
+            tb = tb.tb_next
+        inputs = sorted(j.inp for j in self.rows[:n])
+        who = f"input {inputs[0]}" if n == 1 else f"inputs {', '.join(map(str, inputs))} (computed together)"
+        idx = (*self.rows[0].idx, t)
+        if where is None:  # not in a VJP: the program itself
+            return BackwardError(
+                f"{who}: {self.loop.describe(idx)}: the backward step failed: {type(e).__name__}: {e}"
+            )
+        v, p = where
+        op = cast(Op, v.op)
+        node, parent = v.describe(idx), v.inputs[p].describe(idx)
+        if isinstance(e, OpResultError):  # refused by a vgraph.defop op's CheckedVJP
+            return e.error(f"{who}: {node}: the VJP of {op.name} for input {e.position} {parent} {e}")
+        return BackwardError(
+            f"{who}: {node}: the VJP of {op.name} with respect to its input {parent} failed: {type(e).__name__}: {e}"
+        )
 
     # -- one input's view
     def value_of(self, v: VirtualNode, r: int, t: int) -> tuple[Any, Any]:
