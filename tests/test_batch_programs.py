@@ -459,3 +459,28 @@ def test_a_vjp_error_in_a_backward_step_over_rows_names_the_inputs_the_node_and_
         "<Add:1@4> failed: ValueError: broken"
     )
     assert g.params["W"].grad is None
+
+
+def counted_loop(times):
+    """A loop of ``times`` iterations over a longer sequence, and one with no stepped sequence."""
+    g = vg.VirtualGraph(seed=3)
+    xs = g.input("xs", (None, 2))
+    W = g.parameter("W", (2, 2))
+    with g.loop(times=times) as L:
+        h = L.carry(np.full(2, 0.5), name="h")
+        x = L.step(xs)
+        L.update(h, vg.tanh(h @ W + x))
+        xh = x * h
+    with g.loop(times=3) as M:
+        k = M.carry(L.final(h), name="k")
+        M.update(k, vg.sigmoid(k @ W) * k)
+    return g, [vg.sum(M.final(k)) + vg.sum(L.stack(xh))]
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(st.lists(st.integers(2, 6), min_size=1, max_size=6), st.integers(1, 2), st.integers(0, 1000))
+def test_loops_of_a_given_number_of_iterations(lengths, times, seed):
+    rng = np.random.default_rng(seed)
+    feeds = [{"xs": rng.normal(size=(n, 2))} for n in lengths]
+    batch = assert_identical(partial(counted_loop, times), feeds)
+    assert len(batch.rows_programs) == 2

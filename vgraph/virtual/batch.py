@@ -1429,7 +1429,7 @@ class BatchedBuild:
         init_values = []
         for k in range(len(loop.carries)):
             column = [j.state[k] for j in rows]
-            if all(p is column[0] for p in column):  # one node for every input (a constant state)
+            if isinstance(column[0], ComputeNode) and all(p is column[0] for p in column):  # one node for all
                 instance.shared_init[k] = True
                 init_values.append(column[0]._value)
             else:
