@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_hoist import loop_bodies, loop_body_model
 
 import vgraph as vg
 
@@ -77,7 +78,8 @@ def assert_identical(make, feeds, expect_rows=True, hoist=True):
     l1, g1, d1, plain, _ = batched(make, feeds, programs=False, hoist=hoist)
     l2, g2, d2, rows, g = batched(make, feeds, programs=True, hoist=hoist)
     assert not plain.rows_programs
-    assert bool(rows.rows_programs) == expect_rows, [v.interpreted for v in rows.inputs]
+    if expect_rows is not None:
+        assert bool(rows.rows_programs) == expect_rows, [v.interpreted for v in rows.inputs]
     for ref in ((l0, g0, d0), (l1, g1, d1)):
         np.testing.assert_allclose(l2, ref[0], **TOL)
         assert g2.keys() == ref[1].keys()
@@ -484,3 +486,21 @@ def test_loops_of_a_given_number_of_iterations(lengths, times, seed):
     feeds = [{"xs": rng.normal(size=(n, 2))} for n in lengths]
     batch = assert_identical(partial(counted_loop, times), feeds)
     assert len(batch.rows_programs) == 2
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(loop_bodies(), st.lists(st.integers(1, 6), min_size=1, max_size=5), st.booleans())
+def test_random_loop_bodies_over_rows(body, lengths, hoist):
+    """tests/test_hoist.py's random bodies (elementwise ops, products, hoistable sums) over rows
+    of inputs of random lengths."""
+    steps, times = body[0], body[1]
+    if times == 0:
+        return  # (no iteration: nothing to run over rows)
+    rng = np.random.default_rng(steps)
+    feeds = [{"xs": rng.normal(size=(n, 2, 3))} for n in lengths]
+
+    def make():
+        g, loss, _ = loop_body_model((max(lengths), *body[1:]))
+        return g, [loss]
+
+    assert_identical(make, feeds, expect_rows=True, hoist=hoist)
