@@ -23,6 +23,14 @@ together (:meth:`BatchedBuild._run_tree_jobs`) — and copies whose inputs diffe
 on their inputs concatenated along axis 0 when the op acts on each row alone (:func:`_ragged`).
 docs/decisions.md says why.
 
+With ``programs=True`` (or inside ``vg.body_programs()``) such a lockstep loop runs as ONE body
+program over rows (:meth:`BatchedBuild._run_rows`): the step that ``g.build`` compiles for the
+loop's body (:mod:`.program`) runs once per iteration on the rows of every input still running —
+rows ordered longest run first, so those are a prefix — and its backward step once per iteration
+in backward; the loop is one node of the batched graph. Where the body's ops cannot run on rows,
+or the loop's trip count is not known when it starts, the loop runs op by op as without
+programs, and ``batch.inputs[i].interpreted`` says why.
+
 Scope: hoisting applies inside each input as in ``g.build`` (``hoist=True``); a batched build is
 one-shot (no ``feed``/re-run forward: build again) and never uses ``g.build``'s cache of
 structures; checkpointed loops are a typed error. ``batch.unrolled(i)`` gives input ``i`` built
@@ -642,6 +650,8 @@ class BatchedBuild:
         groups: ``(declared node key, number of copies)`` for every group, in the order the
             groups ran — what ran together (copies: inputs, or tree nodes of inputs; 1 for an op
             that ran for one input alone).
+        rows_programs: the loops that ran as one body program over their inputs' rows
+            (``programs=True``); ``batch.inputs[i].interpreted`` lists those that could not, and why.
     """
 
     def __init__(self, virtual: Any, n: int) -> None:
