@@ -298,7 +298,10 @@ def test_dynamic_quick_json_run(tmp_path):
         )
         assert torch_columns == (expected if HAVE_TORCH else set()), r["task"]
         if HAVE_TORCH and expected:
-            compared = {"bilstm_tagger": {"sparse", "batch32"}, "tree_lstm": {"sparse", "batch32"}}
+            compared = {
+                "bilstm_tagger": {"sparse", "batch32", "batch32_programs"},
+                "tree_lstm": {"sparse", "batch32"},
+            }
             assert set(r["ratio_vs_torch"]) == compared.get(r["task"], {"vgraph"}), r["task"]
             for vg_name, vt in r["ratio_vs_torch"].items():
                 assert vt["wall"] == pytest.approx(

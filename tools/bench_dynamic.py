@@ -43,6 +43,11 @@ and ``Adam(lazy=True)`` — a row-sparse embedding gradient and PyTorch's ``Spar
 the rows looked up only (docs/training.md, "Sparse embedding gradients"); "sparse x" is the dense
 column's time per batch over the sparse one's.
 
+Columns ``batch32`` and ``batch32_programs`` (tagger): the same model trained on groups of 32
+sentences with ``g.build_batch`` — op by op across the group (``programs=False``), or each loop as
+one body program over the group's sentences (``programs=True``). Their PyTorch counterpart packs
+the same 32 sentences through one ``nn.LSTM``; the correctness check compares both with it.
+
 Columns ``torch`` and ``torch_batch32`` (when PyTorch is installed; ``--no-torch`` leaves them
 out): the same models in PyTorch eager mode on one thread (``torch.set_num_threads(1)``), written
 as a careful PyTorch user writes them — the LM with ``nn.Embedding``, ``nn.LSTM`` over the padded
@@ -56,7 +61,8 @@ rest, the update of vgraph's ``Adam(lazy=True)``; ``--dense-embeddings`` makes b
 instance from the same weights: loss, every gradient and the parameters after two Adam updates
 (the second on other inputs: rows not looked up stay), to 1e-10 relative. "vs torch" is a vgraph
 column's time per batch over its PyTorch counterpart's: ``sparse`` (or ``vgraph`` with
-``--dense-embeddings``; the LM's ``vgraph``) over ``torch``, ``batch32`` over ``torch_batch32``.
+``--dense-embeddings``; the LM's ``vgraph``) over ``torch``, ``batch32`` and
+``batch32_programs`` over ``torch_batch32``.
 PyTorch allocates outside tracemalloc's view, so its columns print no peak memory.
 
 Reported per task and minibatch size: sentences/s and words/s (medians over rounds; a round trains
@@ -308,8 +314,8 @@ class AutobatchRunner(VgraphRunner):
     """
 
     def __init__(self, g: vg.VirtualGraph, loss: vg.VirtualNode, feed: Callable[[Any], dict[str, Any]],
-                 per_round: int, group: int = 32, lazy: bool = False):  # fmt: skip
-        super().__init__(g, loss, feed, lazy)
+                 per_round: int, group: int = 32, lazy: bool = False, programs: bool = False):  # fmt: skip
+        super().__init__(g, loss, feed, lazy, programs)
         self.per_round, self.group = per_round, group
         self.pending: list[dict[str, Any]] = []
         self.seen = 0
@@ -322,7 +328,7 @@ class AutobatchRunner(VgraphRunner):
             zero = (0.0, 0.0)
             return self.last, {"build": zero, "forward": zero, "backward": zero, "update": zero}
         clock = _Clock()
-        batched = self.g.build_batch(self.pending, self.loss)
+        batched = self.g.build_batch(self.pending, self.loss, programs=self.programs)
         build = clock.lap()
         self.opt.zero_grad()
         self.last = batched.backward("mean")
@@ -886,6 +892,13 @@ def tagger_batched(cfg: TaggerConfig, data: Any) -> VgraphRunner:
     return AutobatchRunner(g, loss, tagger_feed, len(data), lazy=cfg.sparse_updates)
 
 
+def tagger_batched_programs(cfg: TaggerConfig, data: Any) -> VgraphRunner:
+    """The ``batch32`` column with its loops run as one body program over the group's sentences
+    (``build_batch(..., programs=True)``)."""
+    g, loss = make_bilstm_tagger(TaggerConfig(**{**vars(cfg), "sparse": cfg.sparse_updates}))
+    return AutobatchRunner(g, loss, tagger_feed, len(data), lazy=cfg.sparse_updates, programs=True)
+
+
 def tree_programs(cfg: TreeConfig, data: Any) -> VgraphRunner:
     """The ``sparse`` column with its recursion run as a body program."""
     g, loss = make_tree_lstm(TreeConfig(**{**vars(cfg), "sparse": True}))
@@ -1358,14 +1371,16 @@ def tree_torch_batched(cfg: TreeConfig, data: Any) -> TorchRunner:
     return _torch_runner(TorchTree(cfg, cfg.sparse_updates), make_tree_lstm(cfg)[0], len(data), 32)
 
 
-def _vgraph_update(g: vg.VirtualGraph, loss: vg.VirtualNode, feeds: list[dict[str, Any]]) -> float:
-    """Loss of one build (one input) or of ``build_batch`` (the mean over the inputs), after
-    which the gradients are in ``g.params``."""
+def _vgraph_update(
+    g: vg.VirtualGraph, loss: vg.VirtualNode, feeds: list[dict[str, Any]], programs: bool = False
+) -> float:
+    """Loss of one build (one input) or of ``build_batch`` (the mean over the inputs; its loops
+    as body programs over rows with ``programs``), after which the gradients are in ``g.params``."""
     g.params.zero_grad()
     if len(feeds) == 1:
         cg = g.build(feeds[0], loss)
         return float(cg.backward(cg.outputs[0]))
-    return float(g.build_batch(feeds, loss).backward("mean"))
+    return float(g.build_batch(feeds, loss, programs=programs).backward("mean"))
 
 
 def torch_agrees(
@@ -1377,6 +1392,7 @@ def torch_agrees(
     updates: list[list[Any]],
     lazy: bool,
     tol: float = 1e-10,
+    programs: bool = False,
 ) -> dict[str, float]:
     """The PyTorch model computes what the vgraph model computes (else :class:`BenchmarkMismatch`):
     from the same weights, the loss and every gradient on ``updates[0]`` and the parameters after
@@ -1384,9 +1400,10 @@ def torch_agrees(
     ``build_batch``), to ``tol`` relative. ``lazy``: row-sparse embedding gradients with
     ``Adam(lazy=True)`` against ``SparseAdam``, with ε = 1e-300 on both sides, since ``SparseAdam``
     adds ε to √v before the bias correction (a difference in ε only, :class:`vgraph.optim.Adam`).
-    Returns the largest relative errors."""
+    ``programs``: groups are built with ``build_batch(..., programs=True)``. Returns the largest
+    relative errors."""
     model.load({k: g.params.value(k) for k in g.params})
-    vg_loss = _vgraph_update(g, loss, [feed(b) for b in updates[0]])
+    vg_loss = _vgraph_update(g, loss, [feed(b) for b in updates[0]], programs)
     vg_grads = {k: np.array(g.params[k].grad) for k in g.params}
     g.params.zero_grad()
     t_loss = model.loss(updates[0])
@@ -1401,7 +1418,7 @@ def torch_agrees(
         opt.zero_grad(set_to_none=True)
     opt = optim.Adam(g.params, lr=LR, betas=BETAS, eps=eps, lazy=lazy)
     for items in updates:
-        _vgraph_update(g, loss, [feed(b) for b in items])
+        _vgraph_update(g, loss, [feed(b) for b in items], programs)
         opt.step()
         runner.train(items)
     g.params.zero_grad()
@@ -1432,12 +1449,14 @@ def check_torch_tagger() -> dict[str, Any]:
     items = [b for b in tagger_batches(12, 30, 5, seed=3) if b.words >= 2][:6]
     for sparse in (True, False):
         cfg = TaggerConfig(vocab=30, embed=4, hidden=3, mlp=4, tags=5, sparse=sparse, dtype=np.float64)
-        for n in (1, 3):
+        for n, programs in ((1, False), (3, False), (3, True)):  # (batch32, batch32_programs)
             g, loss = make_bilstm_tagger(cfg)
             updates = [items[:n], items[n : 2 * n]]
-            what = f"bilstm_tagger torch ({'sparse' if sparse else 'dense'}, {n} sentence(s))"
-            errs = torch_agrees(what, g, loss, tagger_feed, TorchTagger(cfg, sparse), updates, sparse)
-            out[f"{'sparse' if sparse else 'dense'}_{n}"] = max(errs.values())
+            kind = "sparse" if sparse else "dense"
+            what = f"bilstm_tagger torch ({kind}, {n} sentence(s){', programs' if programs else ''})"
+            model = TorchTagger(cfg, sparse)
+            errs = torch_agrees(what, g, loss, tagger_feed, model, updates, sparse, programs=programs)
+            out[f"{kind}_{n}{'_programs' if programs else ''}"] = max(errs.values())
     return out
 
 
@@ -1544,6 +1563,7 @@ TASKS: dict[str, Task] = {
             "sparse": (tagger_sparse, _always),
             "programs": (tagger_programs, _always),
             "batch32": (tagger_batched, _always),
+            "batch32_programs": (tagger_batched_programs, _always),
             "torch": (tagger_torch, _always),
             "torch_batch32": (tagger_torch_batched, _always),
         },
@@ -1656,7 +1676,12 @@ def _timed_pass(
 #: (vgraph column, PyTorch column) compared in "vs torch": the one-at-a-time columns with the same
 #: embedding updates (``sparse`` or, with ``--dense-embeddings``, ``vgraph``), autobatched with
 #: PyTorch's batched version, the LM's padded minibatches with PyTorch's.
-TORCH_PAIRS = (("vgraph", "torch"), ("sparse", "torch"), ("batch32", "torch_batch32"))
+TORCH_PAIRS = (
+    ("vgraph", "torch"),
+    ("sparse", "torch"),
+    ("batch32", "torch_batch32"),
+    ("batch32_programs", "torch_batch32"),
+)
 
 
 def run_config(

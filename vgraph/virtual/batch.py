@@ -23,6 +23,14 @@ together (:meth:`BatchedBuild._run_tree_jobs`) — and copies whose inputs diffe
 on their inputs concatenated along axis 0 when the op acts on each row alone (:func:`_ragged`).
 docs/decisions.md says why.
 
+With ``programs=True`` (or inside ``vg.body_programs()``) such a lockstep loop runs as ONE body
+program over rows (:meth:`BatchedBuild._run_rows`): the step that ``g.build`` compiles for the
+loop's body (:mod:`.program`) runs once per iteration on the rows of every input still running —
+rows ordered longest run first, so those are a prefix — and its backward step once per iteration
+in backward; the loop is one node of the batched graph. Where the body's ops cannot run on rows,
+or the loop's trip count is not known when it starts, the loop runs op by op as without
+programs, and ``batch.inputs[i].interpreted`` says why.
+
 Scope: hoisting applies inside each input as in ``g.build`` (``hoist=True``); a batched build is
 one-shot (no ``feed``/re-run forward: build again) and never uses ``g.build``'s cache of
 structures; checkpointed loops are a typed error. ``batch.unrolled(i)`` gives input ``i`` built
@@ -32,8 +40,10 @@ alone, for inspection and drawing (``vgraph.render``).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any, NoReturn, cast
 
 import numpy as np
@@ -41,19 +51,31 @@ import numpy as np
 from ..compute import _ALL, ComputeGraph, ComputeNode, NodeKey, flag_arg
 from ..errors import (
     ArgumentError,
+    BackwardError,
     BuildError,
     GraphStateError,
     NonFiniteError,
     VGraphError,
 )
 from ..modes import detect_anomaly as detect_anomaly_mode
-from ..modes import no_grad
-from ..ops import ALONG_AXIS, CELL, ELEMENTWISE, OPS, Op, row_at
+from ..modes import is_anomaly_enabled, is_grad_enabled, no_grad, programs_enabled
+from ..ops import ALONG_AXIS, CELL, ELEMENTWISE, OPS, LazyGrad, Op, OpResultError, row_at
 from ..workspace import computing, gc_paused
 from .builder import _Builder, _check_structure, _Frame, _iteration_views, _stepped_sequences
 from .graph import one_build_at_a_time
 from .hoist import batched_attrs, check_rows, checks_rows, hoist_loop
 from .nodes import BranchNode, LoopNode, VirtualNode
+from .program import (
+    BodyProgram,
+    ProgramRun,
+    RunGrad,
+    _Acc,
+    _grad_dtype,
+    _seed_vjp,
+    _select_step,
+    program_for,
+    vjp_of,
+)
 from .rules import at_limit, check_carry, run_cond, select_option
 from .unroll import _check_outputs, _checked_feed
 from .unrolled import Decision, UnrolledGraph
@@ -170,7 +192,7 @@ class _LoopJob:
     prepared, and what the scheduler hands back (the final state and the stacked values)."""
 
     __slots__ = ("agent", "capped", "captured", "collected", "count", "groups", "idx", "inp", "key",
-                 "length", "loop", "seqs", "state", "trips", "view")  # fmt: skip
+                 "length", "loop", "seqs", "stacks", "state", "trips", "view")  # fmt: skip
 
     def __init__(self, view: InputView, loop: LoopNode, idx: tuple[int, ...], state: list[Any],
                  seqs: list[Any], length: int | None, trips: int | None, captured: dict[VirtualNode, Any],
@@ -183,6 +205,7 @@ class _LoopJob:
         self.agent: Any = None
         self.count = 0  # iterations run
         self.capped: int | None = None  # the iteration at which max_iters stopped it (on_limit="stop")
+        self.stacks: list[Any] | None = None  # the stacked values, when a program over rows ran it
 
 
 class _TreeJob(_LoopJob):
@@ -285,6 +308,40 @@ _RAGGED_OWN = frozenset(
 _RAGGED_KINDS = (ELEMENTWISE, ALONG_AXIS)
 
 
+def _segment_sum(x: np.ndarray, starts: np.ndarray, sizes: np.ndarray, whole: bool, mean: bool) -> np.ndarray:
+    """Per segment of rows of ``x`` (segment ``k`` starts at row ``starts[k]`` and has
+    ``sizes[k]`` rows, at least one): the sum (``mean``: the mean) of its rows — of all its
+    elements if ``whole``."""
+    out = np.add.reduceat(x, starts, axis=0)
+    if whole:
+        out = out.reshape(len(starts), -1).sum(axis=1)
+    if mean:
+        out = out / (sizes * (x[0].size if whole else 1)).reshape((-1,) + (1,) * (out.ndim - 1))
+    return out
+
+
+def _segment_sum_vjp(
+    g: np.ndarray,
+    ans: np.ndarray,
+    x: np.ndarray,
+    starts: np.ndarray,
+    sizes: np.ndarray,
+    whole: bool,
+    mean: bool,
+) -> np.ndarray:
+    if mean:
+        g = g / (sizes * (x[0].size if whole else 1)).reshape((-1,) + (1,) * (g.ndim - 1))
+    if whole:
+        g = g.reshape((-1,) + (1,) * (x.ndim - 1))
+    out: np.ndarray = np.broadcast_to(np.repeat(g, sizes, axis=0), x.shape)
+    return out
+
+
+#: Copies of ``Sum`` or ``Mean`` over axis 0 (or every axis) of inputs of different lengths, run as
+#: one reduction of each input's rows of their concatenation (see :func:`_ragged`).
+_SEGMENT_SUM = Op("SegmentSum", _segment_sum, (_segment_sum_vjp,), arity=1)
+
+
 def _ragged(requests: list[_Request]) -> list[bool] | None:
     """Whether the requests can run as one op on their inputs concatenated along axis 0: which
     inputs are concatenated (``True``; the others are one node shared by every request) — or
@@ -293,6 +350,20 @@ def _ragged(requests: list[_Request]) -> list[bool] | None:
     (fewer axes), and the op must not act along axis 0."""
     first = requests[0]
     name, kind = first.op.name, first.op.kind
+    if name in ("Sum", "Mean") and len(requests) > 1:  # a sum or mean of each input's rows
+        attrs = first.attrs or {}
+        column = [r.parents[0] for r in requests]
+        v0 = column[0]._value
+        ok = (
+            attrs.get("axis") in (None, 0)
+            and not attrs.get("keepdims")
+            and v0.ndim >= 1
+            and v0.dtype.kind == "f"
+            and all((r.attrs or {}) == attrs for r in requests)
+            and all(p._value.shape[1:] == v0.shape[1:] and p._value.dtype == v0.dtype for p in column)
+            and all(len(p._value) > 0 for p in column)
+        )
+        return [True] if ok else None
     if (
         not (kind in _RAGGED_KINDS or name in _RAGGED_OWN)
         or len(requests) < 2
@@ -345,6 +416,15 @@ def _ragged(requests: list[_Request]) -> list[bool] | None:
         items = index if isinstance(index, tuple) else (index,)
         if not all(type(i) in (int, slice) or i is None or i is Ellipsis for i in items):
             return None  # (arrays, booleans: not a basic index that leaves axis 0 alone)
+        if items and type(items[0]) is slice and items[0] != slice(None):  # x[::-1], x[1:]: each
+            rest = items[1:]  # input's rows sliced — one index of their concatenation (_sliced_rows)
+            ok = (
+                ragged == [True]
+                and all(type(i) in (int, slice) for i in rest)
+                and len(rest) < cast(int, ndim)
+                and all((r.attrs or {}).get("index") == index for r in requests)  # (hoisted items' differ)
+            )
+            return ragged if ok else None
         if not items or not (items[0] is Ellipsis or items[0] == slice(None)):
             return None
         if any(isinstance(i, slice) and i != slice(None) for i in items) and items[0] is Ellipsis:
@@ -358,6 +438,24 @@ def _ragged(requests: list[_Request]) -> list[bool] | None:
         if name in ("Concat", "TakeAlongAxis") and not all(ragged):
             return None
     return ragged
+
+
+def _sliced_rows(index: Any, lengths: list[int]) -> tuple[dict[str, Any], list[int]]:
+    """For inputs of ``lengths`` rows concatenated along axis 0, each indexed by ``index`` (a
+    basic index, see :func:`_ragged`): the attributes of one ``GetItem`` of the concatenation
+    that gives their results one after another, and each result's rows."""
+    items = index if isinstance(index, tuple) else (index,)
+    lead = items[0]
+    if type(lead) is not slice or lead == slice(None):
+        return {"index": index}, lengths  # axis 0 left alone
+    rows, out, a = [], [], 0
+    for n in lengths:
+        picked = np.arange(a, a + n)[lead]
+        rows.append(picked)
+        out.append(len(picked))
+        a += n
+    picked = np.concatenate(rows)  # (alone, not in a tuple: a gradient added by one `+=`, ops._distinct_rows)
+    return {"index": (picked, *items[1:]) if len(items) > 1 else picked}, out
 
 
 def _naming(where: str, e: Exception) -> VGraphError:
@@ -401,6 +499,10 @@ class InputView:
         self._getcurrent: Any = None  # greenlet.getcurrent and the scheduler's switch (bound in _run)
         self._switch: Any = None
         self._groups: dict[Any, Any] = {}
+        # loop instances run as one body program over rows (BatchedBuild._run_rows): this input's row
+        self._rows: dict[tuple[LoopNode, tuple[int, ...]], tuple[_RowsProgram, int]] = {}
+        #: loop instances that ran op by op although programs were asked for: (loop, idx, why)
+        self.interpreted: list[tuple[LoopNode, tuple[int, ...], str]] = []
 
     @property
     def batch(self) -> BatchedBuild:
@@ -495,12 +597,31 @@ class InputView:
         """This input's gradient at ``v`` in iteration path ``idx`` after backward, when the node
         (or its group) kept it (``vgraph.render.retain_all_grads(batch)`` before backward). A
         node whose inputs were the same for every input (the first step from a shared constant
-        state) is computed once for all of them: its gradient is then the sum over the inputs."""
-        found = self._find(v, idx)
+        state) is computed once for all of them: its gradient is then the sum over the inputs.
+        A body node of a loop run as a program over rows keeps its gradient when the loop's
+        outputs do (``retain_all_grads(batch.graph)`` marks them)."""
+        in_program = self._in_program(v, tuple(idx))
+        if in_program is not None and not isinstance(in_program[0], (ComputeNode, Row)):
+            return cast("np.ndarray | None", in_program[1])
+        found = self._find(v, idx) if in_program is None else in_program[0]
         if isinstance(found, Row):
             grad = found.src.grad
             return None if grad is None else np.array(row_at(grad, found.path))
         return None if found.grad is None else np.array(found.grad)
+
+    def _in_program(self, v: VirtualNode, idx: tuple[int, ...]) -> tuple[Any, Any] | None:
+        """Body node ``v`` in iteration path ``idx`` when its loop ran as a program over rows:
+        ``(value, gradient)`` (see :meth:`_RowsProgram.value_of`); ``None`` otherwise."""
+        if not self._rows or not idx or not isinstance(v.scope, LoopNode):
+            return None
+        found = self._rows.get((v.scope, idx[:-1]))
+        if found is None:
+            return None
+        instance, r = found
+        try:
+            return instance.value_of(v, r, idx[-1])
+        except KeyError:
+            raise BuildError(f"{v.describe(idx)} was not built for input {self.index}") from None
 
     def _find(self, v: VirtualNode, idx: tuple[int, ...]) -> Any:
         env = self._envs.get((v.scope, tuple(idx)))
@@ -520,6 +641,8 @@ class BatchedBuild:
         groups: ``(declared node key, number of copies)`` for every group, in the order the
             groups ran — what ran together (copies: inputs, or tree nodes of inputs; 1 for an op
             that ran for one input alone).
+        rows_programs: the loops that ran as one body program over their inputs' rows
+            (``programs=True``); ``batch.inputs[i].interpreted`` lists those that could not, and why.
     """
 
     def __init__(self, virtual: Any, n: int) -> None:
@@ -547,6 +670,10 @@ class BatchedBuild:
         self._builds = 0  # the build counter of input 0 (seeds its sampled nodes)
         self._hoist = True
         self.virtual_plan: Any = None
+        self._programs = False  # lockstep loops run as body programs over rows where they can
+        self._rows_static: dict[LoopNode, BodyProgram | str] = {}
+        #: the loops that ran as one body program over the rows of their inputs
+        self.rows_programs: list[_RowsProgram] = []
 
     def _by_depth(self, loop: LoopNode) -> bool:
         """Whether ``loop`` is a recursion whose tree nodes can be built in depth order: its body
@@ -652,11 +779,17 @@ class BatchedBuild:
         """Where input ``i``'s node ``key`` (a key of ``batch.unrolled(i)``) was computed: the node
         of the batched graph, how many copies of the declared node it computed at once, and for
         how many inputs. ``None`` if no op computed it (a leaf, a row of a fed sequence, a node a
-        batched build does not need such as a guard).
+        batched build does not need such as a guard). A body node of a loop run as one program
+        over rows was computed by the loop's node, with the other inputs running that iteration.
         """
         decl = self._by_key.get((key.type, key.id))
         if decl is None:
             return None
+        scope = decl.scope
+        rows = self.inputs[i]._rows.get((scope, tuple(key.idx[:-1]))) if scope and key.idx else None
+        if rows is not None and 0 <= key.idx[-1] < rows[0].trips[rows[1]]:
+            n = rows[0].live[key.idx[-1]]
+            return cast(ComputeNode, rows[0].node), n, n
         env = self.inputs[i]._envs.get((decl.scope, tuple(key.idx)))
         found = None if env is None else env.get(decl)
         if isinstance(found, Row):
@@ -1021,8 +1154,16 @@ class BatchedBuild:
     def _run_jobs(self, jobs: list[_LoopJob]) -> None:
         """Run the loop of ``jobs`` (one per input; the same declared loop) in lockstep: iteration
         ``t`` of every input that has one, body node by body node, each node's copies as one op
-        (:meth:`_execute`); the inputs' greenlets are not involved."""
+        (:meth:`_execute`); the inputs' greenlets are not involved. With programs, first tries
+        to run it as one body program over rows (:meth:`_run_rows`); the reason it could not is
+        recorded per input (``InputView.interpreted``)."""
         loop = jobs[0].loop
+        if self._programs:
+            why = self._run_rows(jobs)
+            if why is None:
+                return
+            for j in jobs:
+                j.view.interpreted.append((loop, j.idx, why))
         body = self.virtual_plan.eager.get(loop, ())
         stacked = self.virtual_plan.stacked.get(loop, [])
         updates = [loop.updates[c] for c in loop.carries]
@@ -1126,6 +1267,297 @@ class BatchedBuild:
                     else:
                         still.append(j)
                 alive = still
+
+    # -- loops run as body programs over rows
+    def _rows_program(self, loop: LoopNode) -> BodyProgram | str:
+        """What can be said before a lockstep loop starts about running it as one body program
+        over rows (:meth:`_run_rows`): its program, or why it runs op by op instead."""
+        if is_anomaly_enabled():
+            return "anomaly mode checks every node as it is made"
+        found = self._rows_static.get(loop)
+        if found is None:
+            program = program_for(loop, self.virtual_plan)
+            if isinstance(program, str):
+                found = program
+            elif any(isinstance(v, BranchNode) for v in program.computed):
+                found = "its body has branches (chosen per input): it runs op by op across inputs"
+            elif loop.cond is not None or loop.until is not None:
+                found = (
+                    "its trip count is decided per iteration (while_/until): it runs op by op across inputs"
+                )
+            else:
+                found = program
+            self._rows_static[loop] = found
+        return found
+
+    def _run_rows(self, jobs: list[_LoopJob]) -> str | None:
+        """Run the loop of ``jobs`` (one per input, as :meth:`_run_jobs`) as one body program over
+        rows (:class:`_RowsProgram`), or say why not (``None``: it ran; nothing was added to the
+        graph otherwise). Whether the body can run on rows follows from its ops' declared batching
+        rules (:func:`.hoist.batched_attrs`): every op must compute each row alone with its own
+        attributes, a fused cell's value (rows along axis 1) read by one slab."""
+        loop = jobs[0].loop
+        program = self._rows_program(loop)
+        if isinstance(program, str):
+            return program
+        if any(j.trips is None for j in jobs):
+            return "its trip count is not known when it starts: it runs op by op across inputs"
+        rows = sorted(jobs, key=lambda j: (-cast(int, j.trips), j.inp))
+        first = rows[0]
+        longest = cast(int, first.trips)
+        if longest == 0:
+            return "no input runs an iteration"
+        if longest > loop.max_iters:
+            return f"an input would run more than max_iters={loop.max_iters} iterations"
+        for k, c in enumerate(loop.carries):
+            v0 = first.state[k]._value
+            if any(j.state[k]._value.shape != v0.shape or j.state[k]._value.dtype != v0.dtype for j in rows):
+                return f"the inputs' initial values of {c.describe()} differ in shape or dtype"
+        for i, item in enumerate(loop.items):
+            s0 = first.seqs[i]._value
+            if any(
+                j.seqs[i]._value.shape[1:] != s0.shape[1:] or j.seqs[i]._value.dtype != s0.dtype for j in rows
+            ):
+                return f"the inputs' rows of {item.describe()} differ in shape or dtype"
+        caps: list[ComputeNode] = []
+        for v in program.captured:
+            node = first.captured[v]
+            if not isinstance(node, ComputeNode) or any(j.captured[v] is not node for j in rows):
+                return f"it reads {v.describe()}, a value of each input's own"
+            caps.append(node)
+        cap_values = [n._value for n in caps]
+        # one iteration of input `first` alone: the body nodes' shapes for one input
+        plain = program.variant((), frozenset())
+        select = _select_step(first.idx)
+        at0 = [
+            s._value[len(s._value) - 1 if item.attrs.get("reverse") else 0]
+            for item, s in zip(loop.items, first.seqs)
+        ]
+        try:
+            record = plain._make_step(select, *cap_values)(0, *[s._value for s in first.state], *at0)
+        except Exception as e:
+            return f"its program raised {type(e).__name__}: {e}"
+        shape: dict[VirtualNode, tuple[int, ...]] = {v: np.shape(record[i]) for v, i in plain.slot.items()}
+        for v, n in zip(program.captured, caps):
+            shape[v] = n._value.shape
+        for k, c in enumerate(loop.carries):
+            new, old = record[plain.slot[loop.updates[c]]], first.state[k]._value
+            if np.shape(new) != old.shape or np.asarray(new).dtype != old.dtype:
+                return f"the update of {c.describe()} changes its shape or dtype"
+        by_input = sorted(rows, key=_by_input)
+        rows_in_source = sum(len(j.seqs[0]._value) for j in by_input) if loop.items else 0
+        layout: dict[VirtualNode, Any] = {v: 0 for v in (*loop.carries, *loop.items)}
+        layout.update((v, None) for v in program.captured)
+        # A hoisted node runs once on its items' rows as the inputs' sequences give them (concatenated
+        # in input order): it acts on each row alone, so its rows are then packed as the items' are —
+        # by one index, if every item it reads steps the same way (forwards or reversed).
+        direction: dict[VirtualNode, bool] = {v: bool(v.attrs.get("reverse")) for v in loop.items}
+        hoisted: list[VirtualNode] = []
+        hoisted_attrs: list[dict[str, Any]] = []
+        if self._hoist:
+            for v in program.hoistable:
+                op = cast(Op, v.op)
+                ways = {direction[u] for u in v.inputs if u in direction}
+                if (
+                    op.kind == CELL
+                    or len(ways) != 1
+                    or any(layout.get(u, 1) not in (0, None) for u in v.inputs)
+                ):
+                    continue
+                attrs = batched_attrs(
+                    op,
+                    v.attrs or {},
+                    [shape[u] for u in v.inputs],
+                    [layout[u] == 0 for u in v.inputs],
+                    rows_in_source,
+                )
+                if attrs is not None:
+                    hoisted.append(v)
+                    hoisted_attrs.append(attrs)
+                    layout[v] = 0
+                    direction[v] = ways.pop()
+        for v in program.computed:
+            if v in layout:
+                continue
+            op = cast(Op, v.op)
+            attrs = v.attrs or {}
+            ins = [layout[u] for u in v.inputs]
+            if all(x is None for x in ins):
+                layout[v] = None  # the same for every row: computed once per iteration
+                continue
+            if op is _GETITEM and ins == [1] and type(attrs.get("index")) is int:
+                layout[v] = 0  # one slab of a fused cell's value: rows along axis 0
+                continue
+            if 1 in ins:
+                return f"{v.describe()} reads a fused cell's value other than by one slab"
+            grouped = batched_attrs(op, attrs, [shape[u] for u in v.inputs], [x == 0 for x in ins], 2)
+            if grouped is None or not _same_attrs(grouped, attrs):
+                return f"{v.describe()} ({op.name}) does not compute each row alone with its own attributes"
+            layout[v] = 1 if op.kind == CELL else 0
+        for c in loop.carries:
+            if layout[loop.updates[c]] != 0:
+                return f"the update of {c.describe()} is the same for every input"
+        for s in program.stacked:
+            if layout[s.inputs[1]] != 0:
+                return f"{s.describe()} stacks a value that is the same for every input"
+        grad = is_grad_enabled()
+        needs: set[VirtualNode] = set()
+        if grad:
+            needs.update(
+                c for k, c in enumerate(loop.carries) if any(_base(j.state[k]).requires_grad for j in rows)
+            )
+            needs.update(
+                v for i, v in enumerate(loop.items) if any(_base(j.seqs[i]).requires_grad for j in rows)
+            )
+            needs.update(v for v, n in zip(program.captured, caps) if n.requires_grad)
+            for v in hoisted:
+                if any(vjp_of(cast(Op, v.op), p) is not None and u in needs for p, u in enumerate(v.inputs)):
+                    needs.add(v)
+        variant = program.variant(tuple(hoisted), frozenset(needs))
+        instance = _RowsProgram(program, variant, rows, layout, [n.sparse_grad for n in caps])
+        offs = np.asarray(instance.offs, dtype=np.intp)
+        index: dict[bool, np.ndarray] = {}  # forwards / reversed: the rows of the sources, packed
+        for reverse in {direction[v] for v in (*loop.items, *hoisted)}:
+            at = index[reverse] = np.empty(offs[-1], dtype=np.intp)
+            start = 0
+            for j in by_input:
+                length, trips = len(j.seqs[0]._value), cast(int, j.trips)
+                steps = np.arange(trips)
+                at[offs[:trips] + instance.row_of[j.inp]] = start + (length - 1 - steps if reverse else steps)
+                start += length
+        instance.index = [index[direction[v]] for v in (*loop.items, *hoisted)]
+        # numpy first: nothing joins the graph unless the run succeeds
+        init_values = []
+        for k in range(len(loop.carries)):
+            column = [j.state[k] for j in rows]
+            if isinstance(column[0], ComputeNode) and all(p is column[0] for p in column):  # one node for all
+                instance.shared_init[k] = True
+                init_values.append(column[0]._value)
+            else:
+                init_values.append(np.stack([p._value for p in column]))
+        group_of: dict[VirtualNode, Any] = {
+            item: np.concatenate([j.seqs[i]._value for j in by_input]) for i, item in enumerate(loop.items)
+        }
+        item_values = list(group_of.values())
+        group_of.update(zip(program.captured, cap_values))
+        try:
+            for v, attrs in zip(hoisted, hoisted_attrs):
+                group_of[v] = cast(Op, v.op).forward(*[group_of[u] for u in v.inputs], **attrs)
+            run = instance.forward(*init_values, *item_values, *[group_of[v] for v in hoisted], *cap_values)
+        except Exception as e:
+            return f"its program raised {type(e).__name__}: {e}"
+        instance.run = run
+        self._add_rows_program(instance, hoisted_attrs, group_of, caps, grad)
+        return None
+
+    def _add_rows_program(
+        self,
+        instance: _RowsProgram,
+        hoisted_attrs: list[dict[str, Any]],
+        group_of: dict[VirtualNode, Any],
+        caps: list[ComputeNode],
+        grad: bool,
+    ) -> None:
+        """Add a run's nodes to the graph — the carries' initial rows, the packed items, the
+        hoisted groups, the loop node and its outputs — and give every input its outputs."""
+        g, loop, program, variant, rows = (
+            self.graph,
+            instance.loop,
+            instance.program,
+            instance.variant,
+            instance.rows,
+        )
+        by_input = sorted(rows, key=_by_input)
+        parents: list[ComputeNode] = []
+        for k, c in enumerate(loop.carries):
+            column = [j.state[k] for j in rows]
+            shared = instance.shared_init[k]  # (its rows are its value broadcast: see forward)
+            parents.append(column[0] if shared else self._stack(column, NodeKey(c.type, c.id, rows[0].idx)))
+        sources: dict[VirtualNode, ComputeNode] = {}  # items and hoisted nodes, rows in input order
+        for i, item in enumerate(loop.items):
+            sources[item] = self._concat([j.seqs[i] for j in by_input])
+            parents.append(sources[item])
+        cap_of = dict(zip(program.captured, caps))
+        for v, attrs in zip(variant.hoisted, hoisted_attrs):
+            self._serial += 1
+            node = g._add_op(
+                cast(Op, v.op),
+                tuple([sources[u] if u in sources else cap_of[u] for u in v.inputs]),
+                attrs or None,
+                NodeKey(f"{v.type}*", v.id, (self._serial,)),
+                v.name,
+                value=group_of[v],
+            )
+            self.groups.append((f"{v.type}*:{v.id}", len(rows)))  # (hoisted, as hoist_loop names them)
+            self._copies[node] = (NodeKey(v.type, v.id, (*rows[0].idx, 0)), len(rows), len(rows))
+            sources[v] = node
+            parents.append(node)
+        first_cap = len(parents)
+        parents.extend(caps)
+        call = instance.vjp
+        vjps: list[Any] = [partial(call, i) if grad else None for i in range(first_cap)]
+        vjps += [
+            partial(call, first_cap + j)
+            if grad and v in variant.needs and v in variant.grad_captured
+            else None
+            for j, v in enumerate(program.captured)
+        ]
+        self._serial += 1
+        run = cast(ProgramRun, instance.run)
+        node = g._add_op(
+            Op("Loop", instance.forward, tuple(vjps), arity=len(parents)),
+            tuple(parents),
+            None,
+            NodeKey("Loop", loop.id, (self._serial,)),
+            loop.name,
+            value=run,
+        )
+        instance.node = node
+        self.groups.append((f"Loop:{loop.id}", len(rows)))
+        self._copies[node] = (NodeKey(loop.type, loop.id, rows[0].idx), len(rows), len(rows))
+        self.rows_programs.append(instance)
+        for r, j in enumerate(rows):
+            j.count = cast(int, j.trips)
+            j.stacks = [None] * len(program.stacked)
+            j.view._rows[(loop, j.idx)] = (instance, r)
+        done: set[int] = set()
+        for k, v in enumerate(program.finals):
+            carry = loop.carries.index(v.inputs[1])
+            if carry in done:
+                continue
+            done.add(carry)
+            self._serial += 1
+            out = g._add_op(
+                Op("LoopFinal", partial(instance.final, carry), (partial(_seed_vjp, k),), arity=1),
+                (node,),
+                None,
+                NodeKey("Final*", v.id, (self._serial,)),
+                v.name,
+                value=instance.final(carry, run),
+            )
+            instance.outputs.append(out)
+            for r, j in enumerate(rows):
+                j.state[carry] = Row(out, (r,), NodeKey("Final", v.id, j.idx), v.name)
+        nf = len(program.finals)
+        for k, s in enumerate(program.stacked):
+            self._serial += 1
+            out = g._add_op(
+                Op("LoopStack", partial(instance.stacked, k), (partial(_seed_vjp, nf + k),), arity=1),
+                (node,),
+                None,
+                NodeKey("Stack*", s.id, (self._serial,)),
+                s.name,
+                value=instance.stacked(k, run),
+            )
+            instance.outputs.append(out)
+            a = 0
+            for j in by_input:
+                trips = cast(int, j.trips)
+                if trips:  # (no iteration: nothing to stack, an error only if the stack is used)
+                    cast("list[Any]", j.stacks)[k] = Row(
+                        out, (slice(a, a + trips),), NodeKey("Stack", s.id, j.idx), s.name
+                    )
+                a += trips
 
     def _resume(self, i: int, agent: Any, result: Any) -> Any:
         """Give input ``i``'s greenlet ``agent`` the result it waits for; returns its next request
@@ -1260,9 +1692,23 @@ class BatchedBuild:
         for j, rg in enumerate(ragged):
             column = [r.parents[j] for r in members]
             inputs.append(self._concat(column) if rg else column[0])
+        op, attrs = first.op, first.attrs
+        lengths = [len(r.parents[ragged.index(True)]._value) for r in members]
+        if op is _GETITEM:
+            attrs, lengths = _sliced_rows(first.attrs["index"], lengths)
+        elif op.name in ("Sum", "Mean"):  # one value per input: its row of the segments' reduction
+            sizes = np.asarray(lengths, dtype=np.intp)
+            starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.intp)
+            attrs = {"starts": starts, "sizes": sizes, "whole": first.attrs.get("axis") is None,
+                     "mean": op.name == "Mean"}  # fmt: skip
+            op = _SEGMENT_SUM
         self._serial += 1
         key = NodeKey(f"{first.key.type}*", first.key.id, (self._serial,))
-        group = self.graph._add_op(first.op, tuple(inputs), first.attrs, key, first.name)
+        group = self.graph._add_op(op, tuple(inputs), attrs, key, first.name)
+        if op is _SEGMENT_SUM:
+            self.groups.append((f"{first.key.type}:{first.key.id}", len(members)))
+            self._copies[group] = (first.key, len(members), len({r.inp for r in members}))
+            return [_row(group, r, req) for r, req in enumerate(members)]
         self.groups.append((f"{first.key.type}:{first.key.id}", len(members)))
         self._copies[group] = (first.key, len(members), len({r.inp for r in members}))
         j = ragged.index(True)
@@ -1271,8 +1717,8 @@ class BatchedBuild:
         if checks_rows(first.op):  # its promise to act elementwise
             rows = value[: len(first.parents[j]._value)]
             check_rows(first.op, first.key, rows, [p._value for p in first.parents], first.attrs)
-        for req in members:
-            b = a + len(req.parents[j]._value)
+        for req, n in zip(members, lengths):
+            b = a + n
             row = _new_row(Row)
             row.src, row.path, row._key, row.name, row._value = (
                 group,
@@ -1376,6 +1822,263 @@ class BatchedBuild:
         return node
 
 
+def _same_attrs(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two attribute dicts are equal (arrays compared by value)."""
+    if a is b:
+        return True
+    if a.keys() != b.keys():
+        return False
+    try:
+        return all(bool(np.all(a[k] == b[k])) for k in a)
+    except Exception:  # (values numpy cannot compare: not the same)
+        return False
+
+
+def _base(p: Any) -> ComputeNode:
+    """The node a value is (a row's group node for a :class:`Row`)."""
+    return cast(ComputeNode, p.src if type(p) is Row else p)
+
+
+def _rows_grad(d: Any, seed: Any, m: int, n: int) -> Any:
+    """The gradient of ``n`` rows of a carry: ``d`` for the first ``m`` (``None``: none), the
+    rows ``m:n`` of ``seed`` (the finals' gradient in row order; ``None``: none) for the others."""
+    if d is not None and isinstance(d, LazyGrad):
+        d = d.dense()
+    if m == n or (d is None and seed is None):
+        return d
+    ref = seed if seed is not None else d
+    full = np.zeros((n, *np.shape(ref)[1:]), dtype=_grad_dtype(ref))
+    if seed is not None:
+        full[m:n] = seed[m:n]
+    if d is not None:
+        full[:m] += d
+    return full
+
+
+class _RowsProgram:
+    """A lockstep loop of a batched build run as ONE body program over rows (see
+    :meth:`BatchedBuild._run_rows`): the inputs' carries are the rows of one buffer, longest
+    run first, so that the rows still running at iteration ``t`` are the first ``live[t]``; the
+    generated forward step runs once per iteration on those rows, the backward step once per
+    iteration in backward. Stepped items and hoisted nodes come as the inputs' sequences give
+    them (concatenated in input order) and are *packed* by one index: iteration ``t``'s rows are
+    ``packed[offs[t]:offs[t + 1]]`` (the layout of PyTorch's packed sequences).
+
+    In the batched graph it is one node ``<Loop:id@…>`` (value: a :class:`.program.ProgramRun`
+    whose records hold ``live[t]`` rows), a node per final carry (rows in row order) and per
+    stacked value (every input's rows concatenated in input order, as ragged groups are)."""
+
+    def __init__(
+        self,
+        program: BodyProgram,
+        variant: Any,
+        rows: list[_LoopJob],
+        layout: dict[VirtualNode, Any],
+        sparse: list[bool],
+    ) -> None:
+        self.program, self.variant, self.loop = program, variant, program.loop
+        self.sparse = sparse  # per captured value: whether its gradient is kept row-sparse
+        self.rows = rows  # the inputs' runs, longest first
+        self.trips = [cast(int, j.trips) for j in rows]
+        T = self.trips[0]
+        ended = np.bincount(self.trips, minlength=T + 1)  # rows whose run has t iterations
+        self.live = (len(rows) - np.cumsum(ended)[:T]).tolist()  # rows running iteration t
+        self.offs = [0, *itertools.accumulate(self.live)]
+        self.layout = layout  # body node -> 0 (rows along axis 0), 1 (a fused cell's: axis 1), None (shared)
+        loop = self.loop
+        self.update_slots = [variant.slot[loop.updates[c]] for c in loop.carries]
+        self.stack_slots = [variant.slot[s.inputs[1]] for s in program.stacked]
+        self.row_of = {j.inp: r for r, j in enumerate(rows)}
+        # packed position of (input order concatenation position): row r's iterations in order
+        self.perm = np.concatenate(
+            [np.asarray(self.offs[: self.trips[self.row_of[i]]], dtype=np.intp) + self.row_of[i]
+             for i in sorted(self.row_of)]
+        )  # fmt: skip
+        self.select = _select_step(())  # (no branch in a program over rows: never called)
+        self.run: ProgramRun | None = None
+        self.node: ComputeNode | None = None  # the loop node in the batched graph
+        # the final and stack nodes: when one retains its gradient, so do the body nodes (KEEP)
+        self.outputs: list[ComputeNode] = []
+        self.kept: list[Any] | None = None  # per iteration, every slot's gradient (when retained)
+        self.n_steps = len(loop.items) + len(variant.hoisted)
+        self.init_values: list[Any] = []  # the carries' initial rows (for rows that run no iteration)
+        # per carry: whether every input starts from the same node (the loop node's parent then)
+        self.shared_init = [False] * len(loop.carries)
+        # per stepped value (items, hoisted nodes): its packed rows' rows in the source (input order)
+        self.index: list[np.ndarray] = []
+
+    # -- forward
+    def forward(self, *values: Any) -> ProgramRun:
+        """Run the steps on the loop node's parents' values: the carries' initial rows, the items
+        and hoisted nodes (rows in input order), the captured values."""
+        nc, ns = len(self.loop.carries), self.n_steps
+        state = [
+            np.broadcast_to(x, (len(self.rows), *np.shape(x))) if shared else x
+            for x, shared in zip(values[:nc], self.shared_init)
+        ]
+        self.init_values = state
+        stepped = [x[at] for x, at in zip(values[nc : nc + ns], self.index)]  # packed
+        step = self.variant._make_step(self.select, *values[nc + ns :])
+        run = ProgramRun()
+        records, offs, slots = run.records, self.offs, self.update_slots
+        for t, n in enumerate(self.live):
+            a = offs[t]
+            state = [s if len(s) == n else s[:n] for s in state]
+            record = step(t, *state, *[x[a : a + n] for x in stepped])
+            records.append(record)
+            state = [record[i] for i in slots]
+        run.trips = len(self.live)
+        return run
+
+    def final(self, k: int, run: ProgramRun) -> Any:
+        """Carry ``k``'s final value of every row (row order) after ``run``: its update in the
+        row's last iteration, its initial value for a row that ran none."""
+        records, slot, live = run.records, self.update_slots[k], self.live
+        out = np.array(self.init_values[k])
+        for t, n in enumerate(live):
+            m = live[t + 1] if t + 1 < len(live) else 0
+            if m < n:
+                out[m:n] = records[t][slot][m:n]
+        return out
+
+    def stacked(self, j: int, run: ProgramRun) -> Any:
+        """Stacked value ``j`` of every input after ``run``, concatenated in input order."""
+        slot = self.stack_slots[j]
+        return np.concatenate([r[slot] for r in run.records])[self.perm]
+
+    # -- backward
+    def vjp(self, i: int, g: RunGrad, run: ProgramRun, *values: Any) -> Any:
+        """The gradient of the loop node's parent ``i`` (the backward steps run once per sweep)."""
+        if g.result is None:
+            g.result = self.backward(g, run, values)
+        out = g.result[i]
+        if out is None:
+            out = np.zeros(np.shape(values[i]), dtype=values[i].dtype)
+        return out
+
+    def backward(self, g: RunGrad, run: ProgramRun, values: Sequence[Any]) -> list[Any]:
+        loop, variant, program = self.loop, self.variant, self.program
+        nc, ns = len(loop.carries), self.n_steps
+        caps = values[nc + ns :]
+        accs = [_Acc(sp) for sp in self.sparse]
+        back = variant._make_back(*caps, *[a.add for a in accs])
+        nf = len(program.finals)
+        final_seed: list[Any] = [None] * nc
+        for k, f in enumerate(program.finals):
+            s = g.seeds.get(k)
+            if s is not None:
+                s = s.dense() if isinstance(s, LazyGrad) else s
+                c = loop.carries.index(f.inputs[1])
+                final_seed[c] = s if final_seed[c] is None else final_seed[c] + s
+        stack_seed: list[Any] = []
+        for j in range(len(program.stacked)):
+            s = g.seeds.get(nf + j)
+            if s is not None:
+                s = s.dense() if isinstance(s, LazyGrad) else s
+                packed = np.empty_like(s)
+                packed[self.perm] = s
+                s = packed
+            stack_seed.append(s)
+        step_grad: list[Any] = [None] * ns
+        live, offs = self.live, self.offs
+        keep = any(node.retains_grad for node in self.outputs)
+        kept: list[Any] = [None] * len(live)
+        carry_in: list[Any] = [None] * nc
+        m = 0  # the rows of iteration t + 1
+        for t in range(len(live) - 1, -1, -1):
+            n = live[t]
+            u: list[Any] = []
+            for k in range(nc):  # rows m..n end at t: their finals' gradients join there
+                u.append(_rows_grad(carry_in[k], final_seed[k], m, n))
+            a = offs[t]
+            q = [None if s is None else s[a : a + n] for s in stack_seed]
+            try:
+                if keep:
+                    res, kept[t] = back(True, run.records[t], *u, *q)
+                else:
+                    res = back(False, run.records[t], *u, *q)
+            except VGraphError:
+                raise
+            except Exception as e:
+                raise self._vjp_error(e, t, n) from e
+            carry_in = list(res[:nc])
+            for i in range(ns):
+                d = res[nc + i]
+                if d is None:
+                    continue
+                if step_grad[i] is None:
+                    x = values[nc + i]
+                    step_grad[i] = np.zeros((offs[-1], *np.shape(x)[1:]), dtype=_grad_dtype(x))
+                if isinstance(d, LazyGrad):
+                    d.add_into(step_grad[i][a : a + n])
+                else:
+                    step_grad[i][a : a + n] += d
+            m = n
+        self.kept = kept if keep else None
+        for i, packed in enumerate(step_grad):  # back to the sources' rows (each read at most once)
+            if packed is not None:
+                x = values[nc + i]
+                step_grad[i] = np.zeros(np.shape(x), dtype=packed.dtype)
+                step_grad[i][self.index[i]] = packed
+        init_grad: list[Any] = []
+        n0 = live[0] if live else 0
+        for k in range(nc):  # rows n0.. ran no iteration: their finals are their initial values
+            d = _rows_grad(carry_in[k], final_seed[k], n0, len(self.rows))
+            init_grad.append(d.sum(axis=0) if d is not None and self.shared_init[k] else d)
+        return [*init_grad, *step_grad, *(a.g for a in accs)]
+
+    def _vjp_error(self, e: Exception, t: int, n: int) -> Exception:
+        """The error for exception ``e`` raised in iteration ``t``'s backward step over the first
+        ``n`` rows: naming the inputs computed together, the body node, its op and the input, as
+        the per-node sweep and :meth:`.program.ProgramInstance._vjp_error` word it."""
+        variant = self.variant
+        where = None
+        tb = e.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == variant.back_file:
+                where = variant.back_lines.get(tb.tb_lineno)
+            tb = tb.tb_next
+        inputs = sorted(j.inp for j in self.rows[:n])
+        who = f"input {inputs[0]}" if n == 1 else f"inputs {', '.join(map(str, inputs))} (computed together)"
+        idx = (*self.rows[0].idx, t)
+        if where is None:  # not in a VJP: the program itself
+            return BackwardError(
+                f"{who}: {self.loop.describe(idx)}: the backward step failed: {type(e).__name__}: {e}"
+            )
+        v, p = where
+        op = cast(Op, v.op)
+        node, parent = v.describe(idx), v.inputs[p].describe(idx)
+        if isinstance(e, OpResultError):  # refused by a vgraph.defop op's CheckedVJP
+            return e.error(f"{who}: {node}: the VJP of {op.name} for input {e.position} {parent} {e}")
+        return BackwardError(
+            f"{who}: {node}: the VJP of {op.name} with respect to its input {parent} failed: {type(e).__name__}: {e}"
+        )
+
+    # -- one input's view
+    def value_of(self, v: VirtualNode, r: int, t: int) -> tuple[Any, Any]:
+        """Body node ``v`` of row ``r`` in iteration ``t``: ``(value, gradient or None)``, or
+        ``(node, None)`` for what is a node of the batched graph (a captured value, an initial
+        value); raises KeyError if the row has no such iteration or ``v`` no slot."""
+        variant, loop = self.variant, self.loop
+        if not 0 <= t < self.trips[r]:
+            raise KeyError(t)
+        if v.kind == "carry":  # the previous iteration's update, or the initial value
+            if t == 0:
+                return self.rows[r].state[loop.carries.index(v)], None
+            v, t = loop.updates[v], t - 1
+        if v in variant.captured:
+            return self.rows[r].captured[v], None
+        slot = variant.slot[v]
+        lay = self.layout.get(v, 0)
+        at: Any = (slice(None), r) if lay == 1 else r
+        value = cast(ProgramRun, self.run).records[t][slot]
+        grad = None
+        if self.kept is not None and self.kept[t] is not None and self.kept[t][slot] is not None:
+            gv = self.kept[t][slot]
+            grad = np.array((gv.dense() if isinstance(gv, LazyGrad) else gv)[at])
+        return (value if lay is None else value[at]), grad
+
+
 class _BatchBuilder(_Builder):
     """One input's builder in a batched build. A recursion (``g.recurse``) runs tree node by tree
     node in depth order instead of one node after another: each tree node is built in a greenlet
@@ -1394,10 +2097,20 @@ class _BatchBuilder(_Builder):
                 f"{loop.describe(frame.idx)} is checkpointed (checkpoint={loop.checkpoint!r}), which "
                 "g.build_batch does not support: build these inputs one at a time with g.build"
             )
-        if self.batch._by_depth(loop):
+        batch = self.batch
+        if batch._by_depth(loop):
+            if batch._programs:
+                self.cg.interpreted.append(
+                    (loop, frame.idx, "a recursion: its tree nodes run op by op in depth order")
+                )
             return self._run_tree(loop, frame)
-        if self.batch._lockstep_ok(loop):
+        if batch._lockstep_ok(loop):
             return self._run_lockstep(loop, frame)
+        if batch._programs:
+            why = batch._rows_program(loop)
+            if not isinstance(why, str):
+                why = "its body is not ops only: each input runs it op by op"
+            self.cg.interpreted.append((loop, frame.idx, why))
         return super().run_loop(loop, frame)
 
     def _run_lockstep(self, loop: LoopNode, frame: _Frame) -> None:
@@ -1414,6 +2127,7 @@ class _BatchBuilder(_Builder):
         groups: dict[VirtualNode, Any] = {}
         if (
             self.hoist
+            and not (self.batch._programs and isinstance(self.batch._rows_program(loop), BodyProgram))
             and loop.cond is None
             and loop.until is None
             and self.plan.hoistable[loop]
@@ -1431,6 +2145,10 @@ class _BatchBuilder(_Builder):
         for v in self.plan.finals.get(loop, ()):
             env[v] = job.state[loop.carries.index(v.inputs[1])]
         for j, s in enumerate(self.plan.stacked.get(loop, [])):
+            if job.stacks is not None:  # run as a program over rows (hoisted there, over every input)
+                if job.stacks[j] is not None:
+                    env[s] = job.stacks[j]
+                continue
             bucket = [collected[j] for collected in job.collected]
             if bucket:  # an error only if the stack is used: see build_node
                 env[s] = cg._add_op(_STACK, tuple(bucket), {"axis": 0}, NodeKey("Stack", s.id, idx), s.name)
@@ -1528,7 +2246,12 @@ class _BatchBuilder(_Builder):
 @computing
 @one_build_at_a_time
 def build_batch(
-    graph: Any, feeds: Sequence[Mapping[str, Any]], outputs: Any, hoist: bool = True, depth: bool = True
+    graph: Any,
+    feeds: Sequence[Mapping[str, Any]],
+    outputs: Any,
+    hoist: bool = True,
+    depth: bool = True,
+    programs: bool | None = None,
 ) -> BatchedBuild:
     """Build ``feeds`` (one feed per input) at once; see :meth:`VirtualGraph.build_batch`."""
     try:
@@ -1538,6 +2261,7 @@ def build_batch(
 
     hoist = flag_arg(hoist, "build_batch(hoist=...)")
     depth = flag_arg(depth, "build_batch(depth=...)")
+    programs = programs_enabled() if programs is None else flag_arg(programs, "build_batch(programs=...)")
     if isinstance(feeds, Mapping) or not isinstance(feeds, Sequence) or isinstance(feeds, str):
         raise TypeError("build_batch takes a list of feeds (one mapping name -> value per input)")
     if not feeds:
@@ -1553,6 +2277,7 @@ def build_batch(
     batch._depth = depth
     batch._values, batch._outs, batch._builds = values, outs, graph._builds
     batch._hoist = hoist
+    batch._programs = programs
     batch.virtual_plan = plan
     new_params: dict[str, ComputeNode] = {}
     builders, tops = [], []

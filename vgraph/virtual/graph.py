@@ -672,6 +672,7 @@ class VirtualGraph:
         outputs: VirtualNode | Sequence[VirtualNode],
         hoist: bool = True,
         depth: bool = True,
+        programs: bool | None = None,
     ) -> Any:
         """Build many inputs at once, running copies of the same declared node together
         (autobatching; see :mod:`vgraph.virtual.batch`).
@@ -690,6 +691,10 @@ class VirtualGraph:
                 children are built: the leaves of every input together, and so on up); ``False``
                 builds each input's tree nodes one after another, as :meth:`build` does. Results
                 are the same either way.
+            programs: run each loop of known trip count whose body can run on rows as ONE body
+                program over every input's rows (see :class:`vgraph.virtual.batch.BatchedBuild`);
+                ``False``: op by op across inputs; ``None`` (the default): the thread's mode, as
+                :meth:`build`. Results are the same either way.
 
         Returns:
             A :class:`~vgraph.virtual.batch.BatchedBuild`: ``batch.backward()`` backpropagates the
@@ -704,7 +709,7 @@ class VirtualGraph:
         """
         from .batch import build_batch  # batching sits above declaring
 
-        return build_batch(self, feeds, outputs, hoist=hoist, depth=depth)
+        return build_batch(self, feeds, outputs, hoist=hoist, depth=depth, programs=programs)
 
     def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Set parameter values from ``state`` (name -> array), checking all of it first.

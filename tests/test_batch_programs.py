@@ -1,0 +1,506 @@
+"""Lockstep loops of a batched build run as ONE body program over the inputs' rows
+(``g.build_batch(feeds, outputs, programs=True)``): the same per-input losses, every parameter
+gradient, every decision and the values and gradients of body nodes as the same batch built op by
+op (``programs=False``) and as each input built alone node by node — float64, 1e-12 — on the
+example models and on random lengths (0 and 1 included) and batch sizes."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_hoist import loop_bodies, loop_body_model
+
+import vgraph as vg
+
+ROOT = Path(__file__).resolve().parent.parent
+TOL = {"rtol": 1e-12, "atol": 1e-13}
+
+pytestmark = pytest.mark.usefixtures("float64")  # tests/conftest.py
+
+
+def load(path):
+    spec = importlib.util.spec_from_file_location(f"batch_programs_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(spec.name, None)
+    return module
+
+
+def decisions_of(decisions):
+    return [(d.node.key, d.idx, d.kind, d.value) for d in decisions]
+
+
+def alone(make, feeds, output=0):
+    """Each input built alone, node by node, on a fresh copy of the model: losses, summed
+    parameter gradients, decisions and the unrolled graphs (retaining every gradient)."""
+    g, outputs = make()
+    losses, decisions, graphs = [], [], []
+    for feed in feeds:
+        cg = g.build(feed, outputs, cache=False, programs=False)
+        vg.render.retain_all_grads(cg)
+        losses.append(cg.backward(outputs[output]))
+        decisions.append(decisions_of(cg.decisions))
+        graphs.append(cg)
+    grads = {k: np.array(p.grad) for k, p in g.params.items() if p.grad is not None}
+    return losses, grads, decisions, graphs
+
+
+def batched(make, feeds, programs, output=0, hoist=True):
+    g, outputs = make()
+    batch = g.build_batch(feeds, outputs, programs=programs, hoist=hoist)
+    vg.render.retain_all_grads(batch.graph)
+    batch.backward("sum", output)
+    losses = [float(x) for x in batch.outputs(output)]
+    grads = {k: np.array(p.grad) for k, p in g.params.items() if p.grad is not None}
+    return losses, grads, [decisions_of(v.decisions) for v in batch.inputs], batch, g
+
+
+def body_nodes(g):
+    """Every op node declared in a loop body, with its loop."""
+    return [v for v in g.nodes if v.scope is not None and v.kind == "op"]
+
+
+def assert_identical(make, feeds, expect_rows=True, hoist=True):
+    """programs=True equals programs=False and each input alone: losses, gradients, decisions,
+    and every body node's value and retained gradient in every iteration of top-level loops."""
+    l0, g0, d0, graphs = alone(make, feeds)
+    l1, g1, d1, plain, _ = batched(make, feeds, programs=False, hoist=hoist)
+    l2, g2, d2, rows, g = batched(make, feeds, programs=True, hoist=hoist)
+    assert not plain.rows_programs
+    if expect_rows is not None:
+        assert bool(rows.rows_programs) == expect_rows, [v.interpreted for v in rows.inputs]
+    for ref in ((l0, g0, d0), (l1, g1, d1)):
+        np.testing.assert_allclose(l2, ref[0], **TOL)
+        assert g2.keys() == ref[1].keys()
+        for k in g2:
+            np.testing.assert_allclose(g2[k], ref[1][k], **TOL, err_msg=k)
+        assert d2 == ref[2]
+    for i, cg in enumerate(graphs):
+        view = rows.inputs[i]
+        for v in body_nodes(g):
+            if v.scope.scope is not None:  # (nested loops: their iteration paths vary)
+                continue
+            for t in range(view.trip_count(v.scope)):
+                try:
+                    node = cg.node(v, (t,))
+                except vg.BuildError:
+                    continue  # not built alone (a guard, or not needed): nor in the batch
+                np.testing.assert_allclose(view.value(v, (t,)), node.value, **TOL, err_msg=f"{v} @{t}")
+                if node.grad is not None:
+                    grad = view.gradient(v, (t,))
+                    assert grad is not None, (v, t)
+                    np.testing.assert_allclose(grad, node.grad, **TOL, err_msg=f"grad {v} @{t}")
+    return rows
+
+
+# ---------------------------------------------------------------------------- the example models
+
+
+MODELS = sorted((ROOT / "examples" / "models").glob("*.py"))
+#: the example models with a lockstep loop a program over rows runs (the others: branches, a
+#: recursion, a nested loop whose outer loop runs per input)
+ROWS = {"elman_rnn": True, "stacked_rnn": True, "branching": False, "tree_lstm": False}
+
+
+@pytest.mark.parametrize("script", MODELS, ids=lambda p: p.stem)
+def test_example_models(script):
+    module = load(script)
+    sizes = [
+        {"steps": 3, "seed": 0},
+        {"steps": 5, "seed": 1},
+        {"steps": 4, "seed": 2},
+        {"steps": 5, "seed": 3},
+    ]
+    if script.stem == "branching":
+        sizes = [{"seed": s} for s in range(4)]
+    if script.stem == "tree_lstm":
+        sizes = [{"leaves": n, "seed": s} for s, n in enumerate((3, 5, 4, 5))]
+    feeds = [module.build(**kw)[1] for kw in sizes]
+
+    def make():
+        g, _, outputs = module.build(**sizes[0])
+        return g, outputs
+
+    assert_identical(make, feeds, expect_rows=ROWS[script.stem])
+
+
+def example(name):
+    return load(ROOT / "examples" / f"{name}.py")
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+@pytest.mark.parametrize("hoist", [True, False])
+def test_fused_cells(cell, hoist):
+    m = example("lstm_sequence")
+    rng = np.random.default_rng(1)
+    feeds = []
+    for T in (3, 6, 2, 4, 6):
+        x, y = m.adding_batch(rng, 2, T)
+        feeds.append({"x": x, "y": y, "h0": rng.normal(size=(2, 4))})
+
+    def make():
+        g, outs = m.build_model(cell, hidden=4, seed=0)
+        return g, [outs["loss"]]
+
+    batch = assert_identical(make, feeds, hoist=hoist)
+    assert [k for k, _ in batch.groups].count("Loop:" + str(batch.rows_programs[0].loop.id)) == 1
+    hoisted = [k for k, n in batch.groups if k.startswith("MatMul*") and n == len(feeds)]
+    assert bool(hoisted) == hoist, batch.groups  # x_t @ W_x over every input's every step, once
+
+
+def bilstm(H=3, E=4, V=20, tags=5):
+    """A BiLSTM tagger as tools/bench_dynamic.py declares it (the backward half reversed outside
+    the loop), plus a second one stepping with ``reverse=True``."""
+    g = vg.VirtualGraph(seed=4)
+    tokens = g.input("tokens", (None, 1))
+    labels = g.input("tags", (None,))
+    emb = vg.nn.Embedding(g, V, E, "emb")
+    cells = [vg.nn.LSTMCell(g, E, H, f"cell{k}") for k in range(3)]
+    out = vg.nn.Linear(g, 3 * H, tags, "out")
+    zeros = g.constant(np.zeros((1, H)), name="zeros")
+    x = emb(tokens)
+
+    def run(seq, cell, reverse=False):
+        with g.loop() as L:
+            x_t = L.step(seq, reverse=reverse)
+            h, c = L.carry(zeros, name="h"), L.carry(zeros, name="c")
+            h_new, c_new = cell(x_t, (h, c))
+            L.update(h, h_new)
+            L.update(c, c_new)
+        return L.stack(h_new)
+
+    fwd = run(x, cells[0])
+    bwd = run(x[::-1], cells[1])[::-1]
+    rev = run(x, cells[2], reverse=True)[::-1]
+    features = vg.concat([fwd, bwd, rev], axis=-1).reshape(-1, 3 * H)
+    return g, [vg.losses.cross_entropy(out(vg.tanh(features)), labels)]
+
+
+def tagger_feeds(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"tokens": rng.integers(0, 20, (n, 1)), "tags": rng.integers(0, 5, n)} for n in lengths]
+
+
+def test_a_bilstm_tagger_with_reversed_steps():
+    batch = assert_identical(bilstm, tagger_feeds([4, 1, 7, 4, 2]))
+    assert len(batch.rows_programs) == 3
+    assert not any(v.interpreted for v in batch.inputs)
+
+
+# ---------------------------------------------------------------------------- random lengths
+
+
+def rnn(stack=True, shared_h0=False):
+    """A final and (``stack``) a stacked output, a hoisted product, an elementwise body; the
+    initial state fed per input, or (``shared_h0``) a parameter: one node for every input."""
+    g = vg.VirtualGraph(seed=7)
+    xs = g.input("xs", (None, 2))
+    h0 = g.parameter("h0", (3,)) if shared_h0 else g.input("h0", (3,))
+    W = g.parameter("W", (2, 3))
+    U = g.parameter("U", (3, 3), init="orthogonal")
+    b = g.parameter("b", (3,))
+    with g.loop() as L:
+        x = L.step(xs)
+        h = L.carry(h0, name="h")
+        a = vg.sigmoid(x @ W + b)
+        h_new = vg.tanh(h @ U + a) * a + 0.5 * h
+        L.update(h, h_new)
+        squared = h_new * h_new
+    loss = vg.sum(L.final(h)) + 0.1 * vg.sum(W * W)
+    if stack:
+        loss = loss + vg.sum(L.stack(squared)) * 0.25
+    return g, [loss]
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    st.one_of(
+        st.lists(st.integers(0, 6), min_size=1, max_size=8),
+        st.tuples(st.integers(0, 6), st.integers(1, 8)).map(lambda tn: [tn[0]] * tn[1]),  # all equal
+    ),
+    st.integers(0, 1000),
+    st.booleans(),
+    st.booleans(),
+)
+def test_random_lengths_and_batch_sizes(lengths, seed, hoist, shared_h0):
+    rng = np.random.default_rng(seed)
+    feeds = [
+        {"xs": rng.normal(size=(n, 2))} | ({} if shared_h0 else {"h0": rng.normal(size=3)}) for n in lengths
+    ]
+    # (stacking no iteration is an error: the final alone when an input runs none)
+    make = partial(rnn, stack=min(lengths) > 0, shared_h0=shared_h0)
+    assert_identical(make, feeds, expect_rows=max(lengths) > 0, hoist=hoist)
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=8), st.integers(0, 1000))
+def test_random_tagger_lengths(lengths, seed):
+    assert_identical(bilstm, tagger_feeds(lengths, seed))
+
+
+# ---------------------------------------------------------------------------- gradients, modes
+
+
+def test_gradients_of_a_program_over_rows_agree_with_finite_differences():
+    feeds = [{"xs": np.random.default_rng(i).normal(size=(n, 2)), "h0": np.full(3, 0.1 * i)} for i, n in
+             enumerate((4, 1, 3, 4))]  # fmt: skip
+    g, (loss,) = rnn()
+    batch = g.build_batch(feeds, loss, programs=True)
+    assert batch.rows_programs
+    batch.backward("sum")
+    grads = {k: np.array(p.grad) for k, p in g.params.items()}
+    eps = 1e-6
+    for name, grad in grads.items():
+        value = g.params.value(name).copy()
+        for at in np.ndindex(value.shape):
+            moved = []
+            for sign in (1, -1):
+                changed = value.copy()
+                changed[at] += sign * eps
+                g.params.set_value(name, changed)
+                moved.append(sum(g.build_batch(feeds, loss, programs=True).outputs()).item())
+            g.params.set_value(name, value)
+            np.testing.assert_allclose(grad[at], (moved[0] - moved[1]) / (2 * eps), rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("mode", [True, False])
+def test_programs_none_follows_the_threads_mode(mode):
+    g, (loss,) = rnn()
+    feeds = [{"xs": np.ones((n, 2)), "h0": np.zeros(3)} for n in (2, 3)]
+    with vg.body_programs(mode):
+        batch = g.build_batch(feeds, loss)
+    assert bool(batch.rows_programs) == mode
+    assert bool(g.build_batch(feeds, loss, programs=mode).rows_programs) == mode
+    with vg.body_programs(not mode):
+        assert bool(g.build_batch(feeds, loss, programs=mode).rows_programs) == mode
+
+
+def test_without_gradients_a_program_over_rows_computes_the_same_outputs():
+    g, (loss,) = rnn()
+    feeds = [{"xs": np.random.default_rng(n).normal(size=(n, 2)), "h0": np.zeros(3)} for n in (2, 5, 1)]
+    expect = g.build_batch(feeds, loss, programs=False).outputs()
+    with vg.no_grad():
+        batch = g.build_batch(feeds, loss, programs=True)
+    assert batch.rows_programs
+    np.testing.assert_allclose(batch.outputs(), expect, **TOL)
+    g.eval()
+    np.testing.assert_allclose(g.build_batch(feeds, loss, programs=True).outputs(), expect, **TOL)
+
+
+# ---------------------------------------------------------------------------- fallbacks, errors
+
+
+def per_input_capture():
+    g = vg.VirtualGraph(seed=0)
+    xs, bias = g.input("xs", (None, 3)), g.input("bias", (3,))
+    w = g.parameter("w", (3,))
+    with g.loop() as L:
+        h = L.carry(np.zeros(3), name="h")
+        L.update(h, vg.tanh(L.step(xs) * w + h + bias))
+    return g, [vg.sum(L.final(h))], [{"xs": np.ones((n, 3)), "bias": np.full(3, n / 10)} for n in (2, 3)]
+
+
+def while_loop():
+    g = vg.VirtualGraph(seed=0)
+    x0 = g.input("x0", (2,))
+    w = g.parameter("w", (2,), init=vg.nn.init.constant(0.1))
+    with g.loop(while_=lambda t, s: float(s["h"].sum()) < 3.0, max_iters=20) as L:
+        h = L.carry(x0, name="h")
+        L.update(h, h * 1.5 + w)
+    return g, [vg.sum(L.final(h))], [{"x0": np.full(2, v)} for v in (0.2, 0.7, 1.4)]
+
+
+def branch_loop():
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 2))
+    w = g.parameter("w", (2,))
+    with g.loop() as L:
+        h = L.carry(np.zeros(2), name="h")
+        x = L.step(xs)
+        L.update(
+            h, g.branch(lambda v: int(v.sum() > 0), [vg.tanh(h + x * w), vg.sigmoid(x * w - h)], keys=[x])
+        )
+    return g, [vg.sum(L.final(h))], [{"xs": np.full((n, 2), (-1) ** n)} for n in (2, 3)]
+
+
+def reshaping_loop():
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 2, 2))
+    w = g.parameter("w", (4,))
+    with g.loop() as L:
+        h = L.carry(np.zeros(4), name="h")
+        L.update(h, vg.tanh(L.step(xs).reshape(4) * w + h))
+    return g, [vg.sum(L.final(h))], [{"xs": np.ones((n, 2, 2)) / n} for n in (2, 3)]
+
+
+@pytest.mark.parametrize(
+    ("model", "reason"),
+    [
+        (per_input_capture, r"it reads <Input:2> 'bias', a value of each input's own"),
+        (while_loop, r"its trip count is decided per iteration \(while_/until\)"),
+        (branch_loop, r"its body has branches"),
+        (reshaping_loop, r"<Reshape:1> \(Reshape\) does not compute each row alone with its own attributes"),
+    ],
+)
+def test_loops_a_program_over_rows_cannot_run_fall_back_and_say_why(model, reason):
+    g, outputs, feeds = model()
+    l0, g0, d0, _ = alone(lambda: model()[:2], feeds)
+    l2, g2, d2, batch, _ = batched(lambda: model()[:2], feeds, programs=True)
+    assert not batch.rows_programs
+    for view in batch.inputs:
+        ((loop, idx, why),) = view.interpreted
+        assert loop.kind == "loop" and idx == ()
+        assert re.match(reason, why), why
+    np.testing.assert_allclose(l2, l0, **TOL)
+    for k in g0:
+        np.testing.assert_allclose(g2[k], g0[k], **TOL)
+    assert d2 == d0
+
+
+def test_an_error_in_a_step_over_rows_names_the_node_and_the_input(defop):
+    def forward(x):
+        if (x > 2.5).any():
+            raise ValueError("too large")
+        return x * 1.0
+
+    picky = defop("Picky", forward, lambda g, ans, x: g, elementwise=True)
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 2))
+    with g.loop() as L:
+        h = L.carry(np.zeros(2), name="h")
+        L.update(h, picky(h + L.step(xs)))
+    loss = vg.sum(L.final(h))
+    feeds = [{"xs": np.full((n, 2), 0.1 + 0.4 * k)} for k, n in enumerate((5, 5, 5))]  # input 2 at step 2
+    with pytest.raises(vg.ShapeError) as plain:
+        g.build_batch(feeds, loss, programs=False)
+    with pytest.raises(vg.ShapeError) as program:
+        g.build_batch(feeds, loss, programs=True)
+    assert str(program.value) == str(plain.value)
+    assert str(program.value).startswith(
+        "input 2: <Picky:1@2>: cannot compute Picky of <Add:1@2> (2,): too large"
+    ), str(program.value)
+    assert len(g.params) == 0
+
+
+@pytest.mark.parametrize("index", [slice(None, None, -1), slice(1, None), slice(None, -1), slice(None, None, 2),
+                                   (slice(None, None, -1), 0), (slice(1, None), slice(0, 1))])  # fmt: skip
+def test_slices_of_sentences_of_different_lengths_run_as_one_op(index):
+    """``x[::-1]``, ``x[1:]``, … of inputs of different lengths: one ``GetItem`` of their rows
+    concatenated (with and without programs), equal to each input alone."""
+
+    def make():
+        g = vg.VirtualGraph(seed=1)
+        xs = g.input("xs", (None, 2))
+        W = g.parameter("W", (2, 2))
+        return g, [vg.sum(vg.tanh(xs @ W)[index] ** 2)]
+
+    feeds = [{"xs": np.random.default_rng(n).normal(size=(n, 2))} for n in (3, 5, 2, 5, 4)]
+    for programs in (False, True):
+        l0, g0, _, _ = alone(make, feeds)
+        l1, g1, _, batch, _ = batched(make, feeds, programs=programs)
+        np.testing.assert_allclose(l1, l0, **TOL)
+        np.testing.assert_allclose(g1["W"], g0["W"], **TOL)
+        assert ("GetItem:1", len(feeds)) in batch.groups, batch.groups
+
+
+@pytest.mark.parametrize("whole", [True, False])
+@pytest.mark.parametrize("mean", [True, False])
+def test_the_segment_reduction_vjp_agrees_with_finite_differences(whole, mean):
+    """Sums and means over sentences of different lengths run as one reduction per sentence of
+    their concatenation (``batch._SEGMENT_SUM``): its VJP against central differences."""
+    from vgraph.virtual.batch import _segment_sum, _segment_sum_vjp
+
+    rng = np.random.default_rng(0)
+    sizes = np.array([3, 1, 4], dtype=np.intp)
+    starts = np.array([0, 3, 4], dtype=np.intp)
+    x = rng.normal(size=(8, 2))
+    attrs = {"starts": starts, "sizes": sizes, "whole": whole, "mean": mean}
+    ans = _segment_sum(x, **attrs)
+    parts = np.split(x, starts[1:])
+    expect = [(p.mean() if whole else p.mean(0)) if mean else (p.sum() if whole else p.sum(0)) for p in parts]
+    np.testing.assert_allclose(ans, np.array(expect), **TOL)
+    g = rng.normal(size=ans.shape)
+    got = _segment_sum_vjp(g, ans, x, **attrs)
+    eps, numeric = 1e-6, np.zeros_like(x)
+    for at in np.ndindex(x.shape):
+        d = np.zeros_like(x)
+        d[at] = eps
+        numeric[at] = np.sum(g * (_segment_sum(x + d, **attrs) - _segment_sum(x - d, **attrs))) / (2 * eps)
+    np.testing.assert_allclose(got, numeric, rtol=1e-7, atol=1e-9)
+
+
+def test_a_vjp_error_in_a_backward_step_over_rows_names_the_inputs_the_node_and_its_input(defop):
+    def vjp(g, ans, x):
+        raise ValueError("broken")
+
+    fragile = defop("Fragile", lambda x: x * 1.0, vjp, elementwise=True)
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 2))
+    W = g.parameter("W", (2,))
+    with g.loop() as L:
+        h = L.carry(np.zeros(2), name="h")
+        L.update(h, fragile(h + L.step(xs) * W))
+    loss = vg.sum(L.final(h))
+    batch = g.build_batch([{"xs": np.ones((n, 2))} for n in (5, 3, 5)], loss, programs=True)
+    assert batch.rows_programs
+    with pytest.raises(vg.BackwardError) as e:
+        batch.backward()
+    assert str(e.value) == (
+        "inputs 0, 2 (computed together): <Fragile:1@4>: the VJP of Fragile with respect to its input "
+        "<Add:1@4> failed: ValueError: broken"
+    )
+    assert g.params["W"].grad is None
+
+
+def counted_loop(times):
+    """A loop of ``times`` iterations over a longer sequence, and one with no stepped sequence."""
+    g = vg.VirtualGraph(seed=3)
+    xs = g.input("xs", (None, 2))
+    W = g.parameter("W", (2, 2))
+    with g.loop(times=times) as L:
+        h = L.carry(np.full(2, 0.5), name="h")
+        x = L.step(xs)
+        L.update(h, vg.tanh(h @ W + x))
+        xh = x * h
+    with g.loop(times=3) as M:
+        k = M.carry(L.final(h), name="k")
+        M.update(k, vg.sigmoid(k @ W) * k)
+    return g, [vg.sum(M.final(k)) + vg.sum(L.stack(xh))]
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(st.lists(st.integers(2, 6), min_size=1, max_size=6), st.integers(1, 2), st.integers(0, 1000))
+def test_loops_of_a_given_number_of_iterations(lengths, times, seed):
+    rng = np.random.default_rng(seed)
+    feeds = [{"xs": rng.normal(size=(n, 2))} for n in lengths]
+    batch = assert_identical(partial(counted_loop, times), feeds)
+    assert len(batch.rows_programs) == 2
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(loop_bodies(), st.lists(st.integers(1, 6), min_size=1, max_size=5), st.booleans())
+def test_random_loop_bodies_over_rows(body, lengths, hoist):
+    """tests/test_hoist.py's random bodies (elementwise ops, products, hoistable sums) over rows
+    of inputs of random lengths."""
+    steps, times = body[0], body[1]
+    if times == 0:
+        return  # (no iteration: nothing to run over rows)
+    rng = np.random.default_rng(steps)
+    feeds = [{"xs": rng.normal(size=(n, 2, 3))} for n in lengths]
+
+    def make():
+        g, loss, _ = loop_body_model((max(lengths), *body[1:]))
+        return g, [loss]
+
+    assert_identical(make, feeds, expect_rows=True, hoist=hoist)
