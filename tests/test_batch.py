@@ -387,6 +387,7 @@ def test_depth_order_with_a_greenlet_per_tree_node(monkeypatch):
     assert list(batch._depth_ok.values()) == [True] and ("MatMul:1", 10) in batch.groups
 
 
+@pytest.mark.usefixtures("per_node")  # (the op-by-op paths of a batched build)
 def test_loops_without_lockstep(monkeypatch):
     """Loops run by each input's greenlet, op by op (the scheduler's agenda keeps them in step):
     the same results and groups as in lockstep."""

@@ -3,6 +3,7 @@ finite differences (gradcheck, check_vjps) in float64."""
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import numpy as np
@@ -651,15 +652,18 @@ def test_a_custom_elementwise_op_is_batched_and_equals_one_input_at_a_time(defop
     total = 0.0
     for feed in feeds:
         total += g1.build(feed, loss1, cache=False).backward(loss1)
-    for hoist in (True, False):
+    for hoist, programs in itertools.product((True, False), (True, False)):
         g2, loss2, _, _ = _elementwise_rnn()
-        batch = g2.build_batch(feeds, loss2, hoist=hoist)
+        batch = g2.build_batch(feeds, loss2, hoist=hoist, programs=programs)
         assert batch.backward("sum") == pytest.approx(total, rel=1e-12, abs=0)
         for k, p in g1.params.items():
             np.testing.assert_allclose(g2.params[k].grad, p.grad, rtol=1e-12, atol=1e-12, err_msg=k)
-        sizes = [n for k, n in batch.groups if k.split(":")[0].rstrip("*") == "Softsign"]
-        # grouped across inputs (the carried Softsign in lockstep; the hoisted one concatenated)
-        assert (max(sizes) == len(lengths)) if declared else (max(sizes) == 1), batch.groups
+        # a declared op lets the loop run as one program over every input's rows
+        assert bool(batch.rows_programs) == (programs and declared)
+        if not batch.rows_programs:
+            sizes = [n for k, n in batch.groups if k.split(":")[0].rstrip("*") == "Softsign"]
+            # grouped across inputs (the carried Softsign in lockstep; the hoisted one concatenated)
+            assert (max(sizes) == len(lengths)) if declared else (max(sizes) == 1), batch.groups
 
 
 def test_a_custom_elementwise_op_has_a_declared_shape(defop):

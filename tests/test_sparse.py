@@ -188,14 +188,16 @@ def test_untied_sparse_parameter_in_a_loop():
         np.testing.assert_array_equal(grad.indices, [1, 4])
 
 
-def test_autobatched_builds_keep_the_gradient_row_sparse():
-    """``g.build_batch`` runs the look-ups of several inputs together; the table's gradient is
-    still the rows looked up, and equals the dense model's."""
+@pytest.mark.parametrize("programs", [True, False])
+def test_autobatched_builds_keep_the_gradient_row_sparse(programs):
+    """``g.build_batch`` runs the look-ups of several inputs together (with programs, the loop
+    over every input's rows, the look-ups hoisted out of it); the table's gradient is still the
+    rows looked up, and equals the dense model's."""
     feeds = [feed(3, T=4, B=2), feed(4, T=2, B=2), feed(5, T=5, B=2)]
     grads = {}
     for sparse in (False, True):
         g, loss = tagger(sparse)
-        g.build_batch(feeds, loss).backward()
+        g.build_batch(feeds, loss, programs=programs).backward()
         grads[sparse] = g.params["emb.W"].grad
     assert isinstance(grads[True], RowSparseGrad)
     used = np.unique(np.concatenate([f["tok"].ravel() for f in feeds]))

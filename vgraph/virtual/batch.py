@@ -23,7 +23,8 @@ together (:meth:`BatchedBuild._run_tree_jobs`) — and copies whose inputs diffe
 on their inputs concatenated along axis 0 when the op acts on each row alone (:func:`_ragged`).
 docs/decisions.md says why.
 
-With ``programs=True`` (or inside ``vg.body_programs()``) such a lockstep loop runs as ONE body
+By default (``programs=None`` or ``True``; ``False`` or ``vg.body_programs(False)`` turn it off)
+such a lockstep loop runs as ONE body
 program over rows (:meth:`BatchedBuild._run_rows`): the step that ``g.build`` compiles for the
 loop's body (:mod:`.program`) runs once per iteration on the rows of every input still running —
 rows ordered longest run first, so those are a prefix — and its backward step once per iteration
@@ -58,7 +59,7 @@ from ..errors import (
     VGraphError,
 )
 from ..modes import detect_anomaly as detect_anomaly_mode
-from ..modes import is_anomaly_enabled, is_grad_enabled, no_grad, programs_enabled
+from ..modes import is_anomaly_enabled, is_grad_enabled, no_grad, programs_mode
 from ..ops import ALONG_AXIS, CELL, ELEMENTWISE, OPS, LazyGrad, Op, OpResultError, row_at
 from ..workspace import computing, gc_paused
 from .builder import _Builder, _check_structure, _Frame, _iteration_views, _stepped_sequences
@@ -1498,7 +1499,8 @@ class BatchedBuild:
         vjps: list[Any] = [partial(call, i) if grad else None for i in range(first_cap)]
         vjps += [
             partial(call, first_cap + j)
-            if grad and v in variant.needs and v in variant.grad_captured
+            # (a value only hoisted nodes read gets its gradient from their nodes, not the loop's)
+            if grad and v in variant.needs and v in variant.stepped_captured
             else None
             for j, v in enumerate(program.captured)
         ]
@@ -2261,7 +2263,9 @@ def build_batch(
 
     hoist = flag_arg(hoist, "build_batch(hoist=...)")
     depth = flag_arg(depth, "build_batch(depth=...)")
-    programs = programs_enabled() if programs is None else flag_arg(programs, "build_batch(programs=...)")
+    programs = programs_mode() if programs is None else flag_arg(programs, "build_batch(programs=...)")
+    if programs is None:  # chosen per loop: a batched build is never cached, so as programs
+        programs = True
     if isinstance(feeds, Mapping) or not isinstance(feeds, Sequence) or isinstance(feeds, str):
         raise TypeError("build_batch takes a list of feeds (one mapping name -> value per input)")
     if not feeds:

@@ -693,8 +693,9 @@ class VirtualGraph:
                 are the same either way.
             programs: run each loop of known trip count whose body can run on rows as ONE body
                 program over every input's rows (see :class:`vgraph.virtual.batch.BatchedBuild`);
-                ``False``: op by op across inputs; ``None`` (the default): the thread's mode, as
-                :meth:`build`. Results are the same either way.
+                ``False``: op by op across inputs; ``None`` (the default): the thread's mode
+                (``vg.body_programs``), which when left to choose runs them as programs (a
+                batched build is never cached). Results are the same either way.
 
         Returns:
             A :class:`~vgraph.virtual.batch.BatchedBuild`: ``batch.backward()`` backpropagates the

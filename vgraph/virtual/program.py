@@ -32,7 +32,8 @@ by node (which raises the per-node error); a VJP that raises is named from the g
 
 What a program does not cover runs node by node, and says why (``cg.interpreted``, ``repr(cg)``):
 checkpointed loops and loops inside them, bodies with nested loops, samples (dropout) or untied
-parameters, batched builds, and builds in anomaly mode (which checks every value as it is made).
+parameters, and builds in anomaly mode (which checks every value as it is made). A batched build
+runs a lockstep loop's steps over every input's rows (:mod:`.batch`).
 """
 
 from __future__ import annotations
@@ -196,10 +197,13 @@ class _Variant:
         # Per captured value, the slots that read it with a VJP; ``None``: read so in every
         # iteration (an unconditional node, a carry's update, a stacked value, a hoisted node).
         self.grad_readers: list[list[int] | None] = [[] for _ in program.captured]
+        # The captured values whose gradient the backward steps give (not only hoisted nodes).
+        self.stepped_captured: set[VirtualNode] = set()
         sources = {*loop.updates.values(), *(s.inputs[1] for s in program.stacked)}
         for u in sources:
             if u in self.captured:
                 self.grad_readers[self.captured[u]] = None
+                self.stepped_captured.add(u)
         for v in (*hoisted, *computed):
             if isinstance(v, BranchNode):
                 reads = [(u, True) for u in v.options]
@@ -209,6 +213,8 @@ class _Variant:
             for u, differentiable in reads:
                 j = self.captured.get(u)
                 readers = self.grad_readers[j] if j is not None else None
+                if differentiable and j is not None and v not in hoisted_set:
+                    self.stepped_captured.add(u)
                 if not differentiable or readers is None:
                     continue
                 if v in hoisted_set or v in program.eager:
