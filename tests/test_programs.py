@@ -417,6 +417,17 @@ def test_by_default_a_loop_runs_as_a_program_unless_a_cached_build_knows_its_str
         s = W.carry(x, name="s")
         W.update(s, s * 0.5)
     assert gw.build({"x": np.full(3, 9.0)}, vg.sum(W.final(s))).programs
+    for fused in (True, False):  # a fused cell's loop runs as a program even when cached
+        gl = vg.VirtualGraph(seed=0, dtype=np.float64)
+        xs = gl.input("xs", (None, 2, 3))
+        cell = vg.nn.LSTMCell(gl, 3, 4, "lstm", fused=fused)
+        with gl.loop() as C:
+            h, c = C.carry(np.zeros((2, 4)), name="h"), C.carry(np.zeros((2, 4)), name="c")
+            h_new, c_new = cell(C.step(xs), (h, c))
+            C.update(h, h_new)
+            C.update(c, c_new)
+        cached = gl.build({"xs": np.ones((5, 2, 3))}, vg.sum(C.final(h)))
+        assert bool(cached.programs) == fused
     with vg.body_programs(False):
         assert vg.programs_mode() is False
         assert not g.build(feed, loss, cache=False).programs

@@ -43,6 +43,11 @@ and ``Adam(lazy=True)`` — a row-sparse embedding gradient and PyTorch's ``Spar
 the rows looked up only (docs/training.md, "Sparse embedding gradients"); "sparse x" is the dense
 column's time per batch over the sparse one's.
 
+Columns ``vgraph`` and ``sparse`` unroll node by node (``programs=False``, the reference); column
+``programs`` is ``sparse`` with every loop run as a body program (``programs=True``). A default
+build (``programs=None``) runs these models' loops as programs (a tree's recursion, and the
+tagger's and the LM's loops over a fused LSTM cell): the ``programs`` column.
+
 Columns ``batch32`` and ``batch32_programs`` (tagger): the same model trained on groups of 32
 sentences with ``g.build_batch`` — op by op across the group (``programs=False``), or each loop as
 one body program over the group's sentences (``programs=True``). Their PyTorch counterpart packs

@@ -165,7 +165,8 @@ def body_programs(enabled: bool | None = True) -> Iterator[None]:
     """Inside this block, builds that do not say (``build(programs=...)``) run loops as body
     programs where they can (``True``), node by node (``False``: the reference path, whose graph
     has a node per body node per iteration), or choose per loop (``None``, the default outside any
-    block: as a program, except a loop whose structure the feed's shapes fix in a cached build;
+    block: as a program, except in a cached build a loop whose structure the feed's shapes fix
+    and whose body has no fused cell;
     see :func:`vgraph.build_compute_graph`). The mode is the calling thread's, like
     :func:`no_grad`: a new thread starts with ``None``.
 

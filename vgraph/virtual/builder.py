@@ -44,7 +44,7 @@ from .graph import VirtualGraph
 from .hoist import RowSum, batched_attrs, defer_unread, hoist_loop, row_sums
 from .nodes import BranchNode, LoopNode, VirtualNode
 from .plan import _Plan
-from .program import BodyProgram, ProgramInstance, _seed_vjp, fixed_by_shapes, program_for, vjp_of
+from .program import BodyProgram, ProgramInstance, _seed_vjp, program_for, replayed_node_by_node, vjp_of
 from .rules import at_limit, check_carry, reached_end, run_cond, select_option
 from .store import _store_name
 from .unrolled import Decision, UnrolledGraph
@@ -229,7 +229,7 @@ class _Builder:
     def run_loop(self, loop: LoopNode, frame: _Frame) -> None:
         programs = self.programs
         if programs is None:  # chosen per loop: see build_compute_graph
-            programs = not (self.cached and fixed_by_shapes(loop, self.plan))
+            programs = not (self.cached and replayed_node_by_node(loop, self.plan))
         if programs:
             program = (
                 "anomaly mode checks every node as it is made"

@@ -51,6 +51,7 @@ from ..compute import ComputeNode, NodeKey, value_summary
 from ..errors import BackwardError, BuildError, NonFiniteError, StructureChangedError, VGraphError
 from ..modes import is_anomaly_enabled
 from ..ops import (
+    CELL,
     VJP,
     LazyGrad,
     Op,
@@ -102,10 +103,7 @@ def why_not(loop: LoopNode, plan: _Plan) -> str | None:
 def fixed_by_shapes(loop: LoopNode, plan: _Plan) -> bool:
     """Whether ``loop``'s structure — its trip count and what each iteration computes — follows
     from the shapes it steps through alone: no ``while_``/``until`` condition, no recursion, no
-    branch in its body or in a nested loop's. A cached build runs such a loop node by node when
-    programs are left to choose (``programs=None``): its structure comes back with the shapes, and
-    the cache re-runs the per-node unroll faster than a program (docs/decisions.md). Found once
-    per plan."""
+    branch in its body or in a nested loop's. Found once per plan."""
     found = plan.fixed.get(loop)
     if found is None:
         found = loop.cond is None and loop.until is None and loop.structure is None
@@ -118,6 +116,16 @@ def fixed_by_shapes(loop: LoopNode, plan: _Plan) -> bool:
                 found = fixed_by_shapes(v, plan)
         plan.fixed[loop] = found
     return found
+
+
+def replayed_node_by_node(loop: LoopNode, plan: _Plan) -> bool:
+    """Whether a cached build left to choose (``programs=None``) runs ``loop`` node by node: its
+    structure follows from its shapes (:func:`fixed_by_shapes`), so it comes back, and the cache's
+    per-node replay repeats it faster than a program (a product fused with the row it is added
+    to, a tied weight's uses summed as one product, compiled sweeps) — unless its body computes a
+    fused cell (an op of kind ``CELL``: LSTM, GRU), one op per step either way, where a program's
+    joint and split VJPs are faster. docs/decisions.md, "Body programs", has the figures."""
+    return fixed_by_shapes(loop, plan) and not any(v.op is not None and v.op.kind == CELL for v in loop.body)
 
 
 def program_for(loop: LoopNode, plan: _Plan) -> BodyProgram | str:

@@ -118,8 +118,9 @@ def build_compute_graph(
             per-node unroll, the reference. ``None`` (the default; ``vg.body_programs`` sets
             another for a block): as ``True``, except that a cached build (``cache=True``) runs
             node by node a loop whose structure the feed's shapes fix (no ``while_``/``until``,
-            recursion or branch inside: :func:`~.program.fixed_by_shapes`) — that structure
-            comes back, and the cache re-runs the per-node unroll of a known structure faster.
+            recursion or branch inside) and whose body has no fused cell
+            (:func:`~.program.replayed_node_by_node`) — that structure comes back, and the
+            cache re-runs the per-node unroll of a known structure faster.
 
     Returns:
         The unrolled graph; ``cg.outputs`` holds the outputs' compute nodes.
