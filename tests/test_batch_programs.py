@@ -6,9 +6,7 @@ example models and on random lengths (0 and 1 included) and batch sizes."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_batch import load  # (the example-model loader)
 from test_hoist import loop_bodies, loop_body_model
 
 import vgraph as vg
@@ -24,17 +23,6 @@ ROOT = Path(__file__).resolve().parent.parent
 TOL = {"rtol": 1e-12, "atol": 1e-13}
 
 pytestmark = pytest.mark.usefixtures("float64")  # tests/conftest.py
-
-
-def load(path):
-    spec = importlib.util.spec_from_file_location(f"batch_programs_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.modules.pop(spec.name, None)
-    return module
 
 
 def decisions_of(decisions):

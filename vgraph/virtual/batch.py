@@ -70,6 +70,7 @@ from .program import (
     BodyProgram,
     ProgramRun,
     RunGrad,
+    SweptOnce,
     _Acc,
     _grad_dtype,
     _seed_vjp,
@@ -1857,7 +1858,7 @@ def _rows_grad(d: Any, seed: Any, m: int, n: int) -> Any:
     return full
 
 
-class _RowsProgram:
+class _RowsProgram(SweptOnce):
     """A lockstep loop of a batched build run as ONE body program over rows (see
     :meth:`BatchedBuild._run_rows`): the inputs' carries are the rows of one buffer, longest
     run first, so that the rows still running at iteration ``t`` are the first ``live[t]``; the
@@ -1949,15 +1950,6 @@ class _RowsProgram:
         return np.concatenate([r[slot] for r in run.records])[self.perm]
 
     # -- backward
-    def vjp(self, i: int, g: RunGrad, run: ProgramRun, *values: Any) -> Any:
-        """The gradient of the loop node's parent ``i`` (the backward steps run once per sweep)."""
-        if g.result is None:
-            g.result = self.backward(g, run, values)
-        out = g.result[i]
-        if out is None:
-            out = np.zeros(np.shape(values[i]), dtype=values[i].dtype)
-        return out
-
     def backward(self, g: RunGrad, run: ProgramRun, values: Sequence[Any]) -> list[Any]:
         loop, variant, program = self.loop, self.variant, self.program
         nc, ns = len(loop.carries), self.n_steps

@@ -673,7 +673,24 @@ class ProgramRun:
         return f"ProgramRun({self.trips} iterations{', capped' if self.capped else ''})"
 
 
-class ProgramInstance:
+class SweptOnce:
+    """The VJPs of a loop node run as a program: :meth:`backward` (the backward steps) runs once
+    per sweep, on the first parent asked for, and gives every parent's gradient."""
+
+    def backward(self, g: RunGrad, run: ProgramRun, values: Sequence[Any]) -> list[Any]:
+        raise NotImplementedError
+
+    def vjp(self, i: int, g: RunGrad, run: ProgramRun, *values: Any) -> Any:
+        """The gradient of the loop node's parent ``i`` (zeros where none flows)."""
+        if g.result is None:
+            g.result = self.backward(g, run, values)
+        out = g.result[i]
+        if out is None:
+            out = np.zeros(np.shape(values[i]), dtype=values[i].dtype)
+        return out
+
+
+class ProgramInstance(SweptOnce):
     """A loop instance of one build run as a program: the op of its ``<Loop:id@idx>`` node.
 
     Parents of that node, in order: the carries' initial values, the stepped sequences, the
@@ -837,16 +854,6 @@ class ProgramInstance:
         return value
 
     # -- backward
-    def vjp(self, i: int, g: RunGrad, run: ProgramRun, *values: Any) -> Any:
-        """The gradient of the loop node's parent ``i``: the backward steps run once per sweep
-        (on the first parent asked for) for all of them."""
-        if g.result is None:
-            g.result = self.backward(g, run, values)
-        out = g.result[i]
-        if out is None:
-            out = np.zeros(np.shape(values[i]), dtype=values[i].dtype)
-        return out
-
     def backward(self, g: RunGrad, run: ProgramRun, values: Sequence[Any]) -> list[Any]:
         loop, variant, nc, ns = self.loop, self.variant, self.n_carries, self.n_seqs
         program = self.program
