@@ -69,8 +69,9 @@ def assert_identical(make, feeds, expect_batching=True):
 # ---------------------------------------------------------------------------- the example models
 
 
-@pytest.mark.parametrize("script", sorted((ROOT / "examples" / "models").glob("*.py")), ids=lambda p: p.stem)
-def test_model_scripts(script):
+def model_script_inputs(script):
+    """``(make, feeds)`` for an example model: four inputs of different sizes, and a function
+    making the model (``(graph, outputs)``) anew."""
     module = load(script)
     sizes = [
         {"steps": 3, "seed": 0},
@@ -88,7 +89,12 @@ def test_model_scripts(script):
         g, _, outputs = module.build(**sizes[0])
         return g, outputs
 
-    assert_identical(make, feeds)
+    return make, feeds
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "examples" / "models").glob("*.py")), ids=lambda p: p.stem)
+def test_model_scripts(script):
+    assert_identical(*model_script_inputs(script))
 
 
 def example(name):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_batch import load  # (the example-model loader)
+from test_batch import example, model_script_inputs
 from test_hoist import loop_bodies, loop_body_model
 
 import vgraph as vg
@@ -103,28 +103,7 @@ ROWS = {"elman_rnn": True, "stacked_rnn": True, "branching": False, "tree_lstm":
 
 @pytest.mark.parametrize("script", MODELS, ids=lambda p: p.stem)
 def test_example_models(script):
-    module = load(script)
-    sizes = [
-        {"steps": 3, "seed": 0},
-        {"steps": 5, "seed": 1},
-        {"steps": 4, "seed": 2},
-        {"steps": 5, "seed": 3},
-    ]
-    if script.stem == "branching":
-        sizes = [{"seed": s} for s in range(4)]
-    if script.stem == "tree_lstm":
-        sizes = [{"leaves": n, "seed": s} for s, n in enumerate((3, 5, 4, 5))]
-    feeds = [module.build(**kw)[1] for kw in sizes]
-
-    def make():
-        g, _, outputs = module.build(**sizes[0])
-        return g, outputs
-
-    assert_identical(make, feeds, expect_rows=ROWS[script.stem])
-
-
-def example(name):
-    return load(ROOT / "examples" / f"{name}.py")
+    assert_identical(*model_script_inputs(script), expect_rows=ROWS[script.stem])
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])

@@ -2025,13 +2025,7 @@ class _RowsProgram(SweptOnce):
         """The error for exception ``e`` raised in iteration ``t``'s backward step over the first
         ``n`` rows: naming the inputs computed together, the body node, its op and the input, as
         the per-node sweep and :meth:`.program.ProgramInstance._vjp_error` word it."""
-        variant = self.variant
-        where = None
-        tb = e.__traceback__
-        while tb is not None:
-            if tb.tb_frame.f_code.co_filename == variant.back_file:
-                where = variant.back_lines.get(tb.tb_lineno)
-            tb = tb.tb_next
+        where = self.variant.failed_vjp(e)
         inputs = sorted(j.inp for j in self.rows[:n])
         who = f"input {inputs[0]}" if n == 1 else f"inputs {', '.join(map(str, inputs))} (computed together)"
         idx = (*self.rows[0].idx, t)

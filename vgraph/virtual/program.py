@@ -272,6 +272,17 @@ class _Variant:
         op = cast(Op, v.op)
         return any(vjp_of(op, p) is not None and (u in grad or u in needs) for p, u in enumerate(v.inputs))
 
+    def failed_vjp(self, e: Exception) -> tuple[VirtualNode, int] | None:
+        """The body node and input whose VJP raised ``e`` in a backward step (found from the
+        generated line its traceback passes through), or ``None`` if no VJP raised it."""
+        where = None
+        tb = e.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == self.back_file:
+                where = self.back_lines.get(tb.tb_lineno)
+            tb = tb.tb_next
+        return where
+
     def graded(self, run: ProgramRun) -> list[bool]:
         """Per captured value, whether ``run`` reads it where a gradient can flow back (an option
         not chosen in any iteration does not read it, as in the per-node unroll)."""
@@ -998,13 +1009,7 @@ class ProgramInstance(SweptOnce):
     def _vjp_error(self, e: Exception, t: int) -> Exception:
         """The error for exception ``e`` raised by a VJP in iteration ``t``'s backward step, as
         the per-node sweep words it: naming the node, its op and the input."""
-        variant = self.variant
-        where = None
-        tb = e.__traceback__
-        while tb is not None:
-            if tb.tb_frame.f_code.co_filename == variant.back_file:
-                where = variant.back_lines.get(tb.tb_lineno)
-            tb = tb.tb_next
+        where = self.variant.failed_vjp(e)
         if where is None:  # not in a VJP: the program itself
             return BackwardError(
                 f"{self.loop.describe((*self.idx, t))}: the backward step failed: {type(e).__name__}: {e}"
