@@ -64,9 +64,8 @@ def train(g, feeds, loss, outputs=None, *, cache=True):
             cg.forward()
         vg.render.retain_all_grads(cg)  # (and of the body nodes of loops run as programs: views)
         views = [view for instance in cg.programs.values() for view in instance._views.values()]
-        for n in [*cg.nodes(), *views]:
-            if n.op is not None or n in views:
-                n.grad = None
+        for n in [*(n for n in cg.nodes() if n.op is not None), *views]:
+            n.grad = None
         g.params.zero_grad()
         value = cg.backward(cg.node(loss) if not isinstance(loss, vg.VirtualNode) else loss)
         params = {k: np.array(p.grad) for k, p in g.params.items() if p.grad is not None}

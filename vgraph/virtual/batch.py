@@ -643,8 +643,9 @@ class BatchedBuild:
         groups: ``(declared node key, number of copies)`` for every group, in the order the
             groups ran — what ran together (copies: inputs, or tree nodes of inputs; 1 for an op
             that ran for one input alone).
-        rows_programs: the loops that ran as one body program over their inputs' rows
-            (``programs=True``); ``batch.inputs[i].interpreted`` lists those that could not, and why.
+        rows_programs: the loops that ran as one body program over their inputs' rows (unless
+            built with ``programs=False``); ``batch.inputs[i].interpreted`` lists those that
+            could not, and why.
     """
 
     def __init__(self, virtual: Any, n: int) -> None:

@@ -1293,7 +1293,7 @@ def show_program(cg: Any, loop: LoopNode, idx: tuple[int, ...] = ()) -> str:
     lines), with what its slots ``sN`` and captured values ``kN`` are.
 
     Args:
-        cg: an unrolled graph (``g.build(..., programs=True)``).
+        cg: an unrolled graph in which ``loop`` ran as a body program.
         loop: the loop (or recursion) node.
         idx: the iteration path of the loop instance (``()`` for a top-level loop).
 

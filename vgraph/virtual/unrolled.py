@@ -377,7 +377,7 @@ class UnrolledGraph(ComputeGraph):
 
     def __repr__(self) -> str:
         """Node count, outputs, the data-dependent decisions (trip counts, branch choices), and
-        (built with ``programs=True``) how many loops ran as body programs and which did not, why."""
+        how many loops ran as body programs, and which could not and why."""
         name = f" of {self.virtual.name!r}" if self.virtual.name else ""
         outputs = ", ".join(o.describe() for o in self.outputs) or "none"
         lines = [f"UnrolledGraph{name}: {len(self._nodes)} nodes ({self.dtype}), outputs {outputs}"]
