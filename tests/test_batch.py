@@ -277,6 +277,7 @@ def test_per_input_values_gradients_and_decisions():
         np.testing.assert_allclose(batch.outputs()[i], cg.outputs[0].value, **TOL)
 
 
+@pytest.mark.usefixtures("per_node")  # (the op-by-op depth order; test_batch_programs: as a program)
 def test_it_batches():
     g, (loss,) = tree_model()
     rng = np.random.default_rng(0)
@@ -369,7 +370,8 @@ def test_random_trees_with_branches_in_depth_order(leaf_counts, seed):
     vg.set_default_dtype(np.float64)
     try:
         feeds = tree_feeds(leaf_counts, seed)
-        batch = assert_identical(branchy_tree_model, feeds, expect_batching=sum(leaf_counts) > 1)
+        with vg.body_programs(False):  # (the op-by-op depth order; test_batch_programs: as a program)
+            batch = assert_identical(branchy_tree_model, feeds, expect_batching=sum(leaf_counts) > 1)
         assert list(batch._depth_ok.values()) == [True] and list(batch._joint.values()) == [True]
         if sum(leaf_counts) > 1:  # every leaf of every tree in one group (the leaf option's ops)
             assert ("MatMul:1", sum(leaf_counts)) in batch.groups, batch.groups

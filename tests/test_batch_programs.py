@@ -18,6 +18,7 @@ from test_batch import example, model_script_inputs
 from test_hoist import loop_bodies, loop_body_model
 
 import vgraph as vg
+from vgraph.virtual.batch import Row
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = {"rtol": 1e-12, "atol": 1e-13}
@@ -41,7 +42,7 @@ def alone(make, feeds, output=0):
         decisions.append(decisions_of(cg.decisions))
         graphs.append(cg)
     grads = {k: np.array(p.grad) for k, p in g.params.items() if p.grad is not None}
-    return losses, grads, decisions, graphs
+    return losses, grads, decisions, (g, graphs)
 
 
 def batched(make, feeds, programs, output=0, hoist=True):
@@ -59,10 +60,22 @@ def body_nodes(g):
     return [v for v in g.nodes if v.scope is not None and v.kind == "op"]
 
 
+def own_row(view, v, idx):
+    """Whether the batch holds ``v`` at ``idx`` for this input as a row of its own (of a group,
+    or of a program's record): its gradient is then this input's, not the sum over the inputs
+    that share one node (a first step from a shared initial state)."""
+    found = view._in_program(v, idx)
+    if found is not None:
+        return not isinstance(found[0], vg.ComputeNode)
+    return isinstance(view._find(v, idx), Row)
+
+
 def assert_identical(make, feeds, expect_rows=True, hoist=True):
     """programs=True equals programs=False and each input alone: losses, gradients, decisions,
     and every body node's value and retained gradient in every iteration of top-level loops."""
-    l0, g0, d0, graphs = alone(make, feeds)
+    l0, g0, d0, (g_alone, graphs) = alone(make, feeds)
+    declared = {(u.type, u.id): u for u in g_alone.nodes}  # (the batches' models are copies)
+    compared = tried = 0
     l1, g1, d1, plain, _ = batched(make, feeds, programs=False, hoist=hoist)
     l2, g2, d2, rows, g = batched(make, feeds, programs=True, hoist=hoist)
     assert not plain.rows_programs
@@ -80,15 +93,18 @@ def assert_identical(make, feeds, expect_rows=True, hoist=True):
             if v.scope.scope is not None:  # (nested loops: their iteration paths vary)
                 continue
             for t in range(view.trip_count(v.scope)):
+                tried += 1
                 try:
-                    node = cg.node(v, (t,))
+                    node = cg.node(declared[(v.type, v.id)], (t,))
                 except vg.BuildError:
                     continue  # not built alone (a guard, or not needed): nor in the batch
                 np.testing.assert_allclose(view.value(v, (t,)), node.value, **TOL, err_msg=f"{v} @{t}")
-                if node.grad is not None:
+                compared += 1
+                if node.grad is not None and own_row(view, v, (t,)):
                     grad = view.gradient(v, (t,))
                     assert grad is not None, (v, t)
                     np.testing.assert_allclose(grad, node.grad, **TOL, err_msg=f"grad {v} @{t}")
+    assert compared or not tried  # (a body node built alone is looked up in the batch)
     return rows
 
 
@@ -98,7 +114,7 @@ def assert_identical(make, feeds, expect_rows=True, hoist=True):
 MODELS = sorted((ROOT / "examples" / "models").glob("*.py"))
 #: the example models with a lockstep loop a program over rows runs (the others: branches, a
 #: recursion, a nested loop whose outer loop runs per input)
-ROWS = {"elman_rnn": True, "stacked_rnn": True, "branching": False, "tree_lstm": False}
+ROWS = {"elman_rnn": True, "stacked_rnn": True, "branching": False, "tree_lstm": True}
 
 
 @pytest.mark.parametrize("script", MODELS, ids=lambda p: p.stem)
@@ -301,14 +317,36 @@ def branch_loop():
     return g, [vg.sum(L.final(h))], [{"xs": np.full((n, 2), (-1) ** n)} for n in (2, 3)]
 
 
-def reshaping_loop():
+def reshaping_loop(shape=-1):
     g = vg.VirtualGraph(seed=0)
     xs = g.input("xs", (None, 2, 2))
     w = g.parameter("w", (4,))
     with g.loop() as L:
         h = L.carry(np.zeros(4), name="h")
-        L.update(h, vg.tanh(L.step(xs).reshape(4) * w + h))
+        L.update(h, vg.tanh(L.step(xs).reshape(shape) * w + h))
     return g, [vg.sum(L.final(h))], [{"xs": np.ones((n, 2, 2)) / n} for n in (2, 3)]
+
+
+def test_ops_whose_axes_move_on_rows_run_over_rows():
+    """A slice, a concatenation along axis 0 and a reshape of each row run on rows with their
+    attributes moved by one axis (hoist.batched_attrs), compiled into the program's steps."""
+    rng = np.random.default_rng(4)
+
+    def make():
+        g = vg.VirtualGraph(seed=0)
+        xs = g.input("xs", (None, 2, 2))
+        W = g.parameter("W", (8, 6))
+        with g.loop() as L:
+            h = L.carry(np.zeros(3), name="h")
+            z = vg.concat([L.step(xs).reshape(4), h[:2], h[1:]], axis=0) @ W
+            h_new = vg.tanh(z[:3]) * vg.sigmoid(z[3:])
+            L.update(h, h_new)
+        s = L.stack(h_new)
+        return g, [vg.sum(s * s)]
+
+    feeds = [{"xs": rng.normal(size=(n, 2, 2))} for n in (3, 1, 4)]
+    batch = assert_identical(make, feeds)
+    assert {v.op.name for v in batch.rows_programs[0].variant._attrs} >= {"Reshape", "Concat", "GetItem"}
 
 
 @pytest.mark.parametrize(
@@ -317,7 +355,7 @@ def reshaping_loop():
         (per_input_capture, r"it reads <Input:2> 'bias', a value of each input's own"),
         (while_loop, r"its trip count is decided per iteration \(while_/until\)"),
         (branch_loop, r"its body has branches"),
-        (reshaping_loop, r"<Reshape:1> \(Reshape\) does not compute each row alone with its own attributes"),
+        (reshaping_loop, r"<Reshape:1> \(Reshape\) does not compute each row alone"),
     ],
 )
 def test_loops_a_program_over_rows_cannot_run_fall_back_and_say_why(model, reason):
@@ -471,3 +509,227 @@ def test_random_loop_bodies_over_rows(body, lengths, hoist):
         return g, [loss]
 
     assert_identical(make, feeds, expect_rows=True, hoist=hoist)
+
+
+# ---------------------------------------------------------------------------- recursions over tree nodes
+
+
+def mixed_tree_model(nested=False, learned_init=False):
+    """A recursion whose branch chooses by each tree node's own word (so the tree nodes of one
+    level choose differently), an inner node from its children by slices and a concatenation
+    (ops whose axes move on rows); ``nested``: a second branch inside an option;
+    ``learned_init``: what a missing child reads is a parameter."""
+    g = vg.VirtualGraph(seed=5)
+    children = g.input("children", (None, 2))
+    words = g.input("words", (None, 3))
+    W, U, b = g.parameter("W", (3, 6)), g.parameter("U", (6, 6)), g.parameter("b", (6,))
+    h0 = g.parameter("h0", (3,)) if learned_init else np.zeros(3)
+    with g.recurse(children) as r:
+        h = r.state(h0, name="h")
+        c = r.state(np.zeros(3), name="c")
+        x = r.step(words, name="word")
+        z = vg.concat([r.child(h, 0), r.child(c, 1)], axis=0) @ U + b
+        z = z + x @ W
+        hot = vg.tanh(z[:3]) * vg.sigmoid(z[3:])
+        cold = vg.sigmoid(z[3:]) + r.child(h, 1)
+        if nested:
+            cold = g.branch(lambda w: int(w[2] > 0), [cold, cold * 2.0], keys=[x], name="twice")
+        h_new = g.branch(lambda w: int(w[0] > 0), [cold, hot], keys=[x], name="by_word")
+        r.update(h, h_new)
+        r.update(c, vg.tanh(z[:3]))
+    s = r.stack(h_new)
+    return g, [vg.sum(r.final(h) ** 2) + vg.sum(s * s * 0.5)]
+
+
+def tree_inputs(leaf_counts, seed):
+    from test_batch import random_tree
+
+    rng = np.random.default_rng(seed)
+    return [
+        {"children": (k := random_tree(rng, n)), "words": rng.normal(size=(len(k), 3))} for n in leaf_counts
+    ]
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(
+    st.lists(st.integers(1, 7), min_size=1, max_size=6),
+    st.integers(0, 1000),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+)
+def test_random_trees_and_branches_over_tree_nodes(leaf_counts, seed, nested, hoist, learned_init):
+    """Random forests (one tree of 1..7 leaves per input), a branch that chooses by each tree
+    node's own value (nested or not): the recursion runs as ONE program over tree nodes, the
+    steps of a level split by choice, and everything equals op by op and each input alone."""
+    make = partial(mixed_tree_model, nested, learned_init)
+    batch = assert_identical(make, tree_inputs(leaf_counts, seed), hoist=hoist)
+    (instance,) = batch.rows_programs
+    assert len(instance.levels) == 1 + max(
+        int(np.max(level_of(f["children"]))) for f in tree_inputs(leaf_counts, seed)
+    )
+
+
+def level_of(children):
+    level = np.zeros(len(children), dtype=int)
+    for t, row in enumerate(children):
+        kids = [c for c in row if c >= 0]
+        level[t] = 1 + max(level[c] for c in kids) if kids else 0
+    return level
+
+
+def test_a_level_whose_tree_nodes_choose_differently_splits_by_choice():
+    feeds = tree_inputs([4, 3, 5], 7)
+    batch = assert_identical(partial(mixed_tree_model, True), feeds)
+    (instance,) = batch.rows_programs
+    steps = len(instance.steps)
+    assert steps > len(instance.levels)  # (some level's rows chose differently)
+    levels = level_of_forest(feeds)
+    by_level = {}
+    for ids, choices in zip(instance.steps, instance.choices):
+        assert len(set(levels[ids].tolist())) == 1  # (a step runs tree nodes of one level)
+        by_level.setdefault(int(levels[ids[0]]), []).append(tuple((b.id, c) for b, c in choices))
+    for parts in by_level.values():  # a level's rows in as few steps as their choices allow
+        assert len(set(parts)) == len(parts)
+    assert sorted(np.concatenate(instance.steps).tolist()) == list(range(len(levels)))
+
+
+def level_of_forest(feeds):
+    return np.concatenate([level_of(f["children"]) for f in feeds])
+
+
+def test_structures_that_share_a_child_run_over_tree_nodes():
+    """Children arrays that are not trees (a node read by two parents, or twice by one, and
+    missing children read from a learned initial state): the children's gradients add up."""
+    feeds = [
+        {"children": np.array([[-1, -1], [-1, -1], [0, 1], [0, 2], [2, 2]]), "words": np.ones((5, 3)) * 0.3},
+        {"children": np.array([[-1, -1], [0, -1], [0, 1]]), "words": -np.ones((3, 3)) * 0.2},
+    ]
+    batch = assert_identical(partial(mixed_tree_model, True, True), feeds)
+    assert not batch.rows_programs[0].tree
+
+
+def test_gradients_over_tree_nodes_agree_with_finite_differences():
+    g, (loss,) = mixed_tree_model(nested=True, learned_init=True)
+    feeds = tree_inputs([3, 1, 4], 3)
+    batch = g.build_batch(feeds, loss, programs=True)
+    assert batch.rows_programs and len(batch.rows_programs[0].steps) > len(batch.rows_programs[0].levels)
+    batch.backward("sum")
+    grads = {k: np.array(p.grad) for k, p in g.params.items()}
+    eps = 1e-6
+    for name, grad in grads.items():
+        value = g.params.value(name).copy()
+        for at in list(np.ndindex(value.shape))[::5]:
+            moved = []
+            for sign in (1, -1):
+                changed = value.copy()
+                changed[at] += sign * eps
+                g.params.set_value(name, changed)
+                moved.append(sum(g.build_batch(feeds, loss, programs=True).outputs()).item())
+            g.params.set_value(name, value)
+            np.testing.assert_allclose(grad[at], (moved[0] - moved[1]) / (2 * eps), rtol=1e-6, atol=1e-8)
+
+
+def test_a_recursion_inside_a_loop_runs_over_every_inputs_tree_nodes():
+    """A forest per input, one tree per iteration of an outer loop: each iteration's recursion
+    of every input runs as one program (inner iteration paths (t, node))."""
+
+    def make():
+        g = vg.VirtualGraph(seed=2)
+        children = g.input("children", (None, None, 2))
+        words = g.input("words", (None, None, 3))
+        W = g.parameter("W", (3, 3))
+        U = g.parameter("U", (6, 3))
+        with g.loop() as outer:
+            kids, ws = outer.step(children), outer.step(words)
+            total = outer.carry(np.zeros(3), name="total")
+            with g.recurse(kids) as r:
+                h = r.state(np.zeros(3), name="h")
+                x = r.step(ws)
+                h_new = vg.tanh(x @ W + vg.concat([r.child(h, 0), r.child(h, 1)], axis=0) @ U)
+                r.update(h, h_new)
+            outer.update(total, total + r.final(h))
+        return g, [vg.sum(outer.final(total) ** 2)]
+
+    rng = np.random.default_rng(0)
+    from test_batch import random_tree
+
+    feeds = []
+    for trees in (2, 3):
+        kids = [random_tree(rng, 3) for _ in range(trees)]  # (3 leaves: 5 nodes each)
+        feeds.append({"children": np.stack(kids), "words": rng.normal(size=(trees, 5, 3))})
+    batch = assert_identical(make, feeds)
+    assert len(batch.rows_programs) >= 2
+
+
+def test_a_recursion_over_tree_nodes_that_cannot_run_says_why():
+    """A recursion reading a value of each input's own runs op by op in depth order, says so,
+    and gives the same results."""
+
+    def make():
+        g = vg.VirtualGraph(seed=1)
+        children = g.input("children", (None, 2))
+        words = g.input("words", (None, 3))
+        bias = g.input("bias", (3,))
+        W = g.parameter("W", (3, 3))
+        with g.recurse(children) as r:
+            h = r.state(np.zeros(3), name="h")
+            r.update(h, vg.tanh(r.step(words) @ W + r.child(h, 0) + r.child(h, 1) + bias))
+        return g, [vg.sum(r.final(h) ** 2)]
+
+    feeds = tree_inputs([2, 3], 1)
+    for k, f in enumerate(feeds):
+        f["bias"] = np.full(3, 0.1 * k)
+    batch = assert_identical(make, feeds, expect_rows=False)
+    assert {why for v in batch.inputs for _, _, why in v.interpreted} == {
+        "it reads <Input:3> 'bias', a value of each input's own"
+    }
+
+
+def test_an_error_in_a_step_over_tree_nodes_names_the_node_and_the_input(defop):
+    def forward(x):
+        if (x > 2.5).any():
+            raise ValueError("too large")
+        return x * 1.0
+
+    picky = defop("Picky", forward, lambda g, ans, x: g, elementwise=True)
+    g = vg.VirtualGraph(seed=0)
+    children = g.input("children", (None, 2))
+    words = g.input("words", (None, 2))
+    with g.recurse(children) as r:
+        h = r.state(np.zeros(2), name="h")
+        r.update(h, picky(r.step(words) + r.child(h, 0) + r.child(h, 1)))
+    loss = vg.sum(r.final(h))
+    feeds = tree_inputs([2, 3, 2], 0)
+    for k, f in enumerate(feeds):
+        f["words"] = np.full((len(f["children"]), 2), 0.4 + k)  # input 2's leaves: too large
+    with pytest.raises(vg.ShapeError) as plain:
+        g.build_batch(feeds, loss, programs=False)
+    with pytest.raises(vg.ShapeError) as program:
+        g.build_batch(feeds, loss, programs=True)
+    assert str(program.value) == str(plain.value)
+    assert re.match(
+        r"input \d: <Picky:1@\d+>: cannot compute Picky of <Add:2@\d+> \(2,\): too large", str(program.value)
+    )
+
+
+def test_a_vjp_error_in_a_backward_step_over_tree_nodes_names_the_inputs_and_the_node(defop):
+    def vjp(g, ans, x):
+        if (np.abs(g) > 5).any():
+            raise ValueError("gradient too large")
+        return g
+
+    touchy = defop("Touchy", lambda x: x * 1.0, vjp, elementwise=True)
+    g = vg.VirtualGraph(seed=0)
+    children = g.input("children", (None, 2))
+    words = g.input("words", (None, 3))
+    w = g.parameter("w", init=np.ones(3))
+    with g.recurse(children) as r:
+        h = r.state(np.zeros(3), name="h")
+        r.update(h, touchy(r.step(words) * w + r.child(h, 0) + r.child(h, 1)))
+    loss = vg.sum(r.final(h) ** 2) * 100.0
+    feeds = tree_inputs([2, 3, 2], 0)
+    batch = g.build_batch(feeds, loss, programs=True)
+    assert batch.rows_programs
+    with pytest.raises(vg.BackwardError, match=r"^inputs? [0-9, ]+.*<Touchy:1@[0-9]+>: the VJP of Touchy"):
+        batch.backward("sum")

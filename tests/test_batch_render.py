@@ -18,9 +18,10 @@ pytestmark = pytest.mark.usefixtures("float64")  # tests/conftest.py
 
 @pytest.fixture
 def built():
+    """A batch built op by op (each level's copies of a body node as one group)."""
     g, (loss,) = branchy_tree_model()
     feeds = tree_feeds([3, 2, 4], 1)
-    return g, loss, feeds, g.build_batch(feeds, loss)
+    return g, loss, feeds, g.build_batch(feeds, loss, programs=False)
 
 
 def tooltips(dot):
@@ -67,6 +68,25 @@ def test_batch_groups_marks_which_group_computed_each_node(built):
         2, next(n.key for n in cg.nodes() if n.key.type == "MatMul" and n.key.id == 1)
     )
     assert (copies, inputs) == (9, 3) and batch.group_info(node)[1:] == (9, 3)
+
+
+def test_batch_groups_of_a_recursion_run_as_a_program_over_tree_nodes():
+    """Run as one program over tree nodes, a body node was computed by the loop node, with the
+    tree nodes of its level (all 9 leaves of the 3 trees at once)."""
+    g, (loss,) = branchy_tree_model()
+    feeds = tree_feeds([3, 2, 4], 1)
+    batch = g.build_batch(feeds, loss)
+    (instance,) = batch.rows_programs
+    cg = batch.unrolled(2)
+    dot = render.to_dot(cg, batch_groups=True, fold=None)
+    marks = re.findall(r"batched ×(\d+) copies, (\d+) inputs in &lt;([^&]*)&gt;", dot)
+    loop = str(batch.graph.node(instance.node_key).key)
+    tanh = [n.key for n in cg.nodes() if n.key.type == "Tanh" and n.key.id == 1]  # the leaves'
+    assert len(tanh) == 4
+    for key in tanh:
+        node, copies, inputs = batch.ran_with(2, key)
+        assert (str(node.key), copies, inputs) == (loop, 9, 3)
+    assert ("9", "3", loop) in marks
 
 
 def test_bad_batch_drawing_options_are_typed_errors(built):

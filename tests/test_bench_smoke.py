@@ -300,7 +300,7 @@ def test_dynamic_quick_json_run(tmp_path):
         if HAVE_TORCH and expected:
             compared = {
                 "bilstm_tagger": {"sparse", "batch32", "batch32_programs"},
-                "tree_lstm": {"sparse", "batch32"},
+                "tree_lstm": {"sparse", "batch32", "batch32_programs"},
             }
             assert set(r["ratio_vs_torch"]) == compared.get(r["task"], {"vgraph"}), r["task"]
             for vg_name, vt in r["ratio_vs_torch"].items():
@@ -369,7 +369,7 @@ def test_benchmarks_run_without_torch(tmp_path):
     args = ("--quick", "--tasks", "tree_lstm")
     stdout, data = _run_tool(DYNAMIC, *args, out=tmp_path / "dynamic.json", hide_torch=hidden)
     assert stdout.count("PyTorch columns skipped: torch is not installed") == 1
-    assert set(data["rows"][0]["columns"]) == {"vgraph", "sparse", "programs", "batch32"}
+    assert set(data["rows"][0]["columns"]) == {"vgraph", "sparse", "programs", "batch32", "batch32_programs"}
     assert "torch" not in data["correctness"]["tree_lstm"]
 
 

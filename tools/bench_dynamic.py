@@ -48,10 +48,11 @@ Columns ``vgraph`` and ``sparse`` unroll node by node (``programs=False``, the r
 build (``programs=None``) runs these models' loops as programs (a tree's recursion, and the
 tagger's and the LM's loops over a fused LSTM cell): the ``programs`` column.
 
-Columns ``batch32`` and ``batch32_programs`` (tagger): the same model trained on groups of 32
-sentences with ``g.build_batch`` — op by op across the group (``programs=False``), or each loop as
-one body program over the group's sentences (``programs=True``). Their PyTorch counterpart packs
-the same 32 sentences through one ``nn.LSTM``; the correctness check compares both with it.
+Columns ``batch32`` and ``batch32_programs``: the same model trained on groups of 32 sentences
+or trees with ``g.build_batch`` — op by op across the group (``programs=False``), or each loop as
+one body program over the group's sentences, the recursion as one over the group's tree nodes
+level by level (``programs=True``). Their PyTorch counterparts pack the same 32 sentences through
+one ``nn.LSTM`` and run the trees level by level; the correctness check compares both with them.
 
 Columns ``torch`` and ``torch_batch32`` (when PyTorch is installed; ``--no-torch`` leaves them
 out): the same models in PyTorch eager mode on one thread (``torch.set_num_threads(1)``), written
@@ -904,6 +905,13 @@ def tagger_batched_programs(cfg: TaggerConfig, data: Any) -> VgraphRunner:
     return AutobatchRunner(g, loss, tagger_feed, len(data), lazy=cfg.sparse_updates, programs=True)
 
 
+def tree_batched_programs(cfg: TreeConfig, data: Any) -> VgraphRunner:
+    """The ``batch32`` column with the recursion run as one body program over the group's tree
+    nodes, level by level (``build_batch(..., programs=True)``)."""
+    g, loss = make_tree_lstm(TreeConfig(**{**vars(cfg), "sparse": cfg.sparse_updates}))
+    return AutobatchRunner(g, loss, tree_feed, len(data), lazy=cfg.sparse_updates, programs=True)
+
+
 def tree_programs(cfg: TreeConfig, data: Any) -> VgraphRunner:
     """The ``sparse`` column with its recursion run as a body program."""
     g, loss = make_tree_lstm(TreeConfig(**{**vars(cfg), "sparse": True}))
@@ -1473,12 +1481,14 @@ def check_torch_tree() -> dict[str, Any]:
     items = [random_tree(rng, rng.integers(1, 30, size=n)) for n in (5, 1, 7, 4, 2, 6)]
     for sparse in (True, False):
         cfg = TreeConfig(vocab=30, embed=4, hidden=3, sparse=sparse, dtype=np.float64)
-        for n in (1, 3):
+        for n, programs in ((1, False), (3, False), (3, True)):  # (batch32, batch32_programs)
             g, loss = make_tree_lstm(cfg)
             updates = [items[:n], items[n : 2 * n]]
-            what = f"tree_lstm torch ({'sparse' if sparse else 'dense'}, {n} tree(s))"
-            errs = torch_agrees(what, g, loss, tree_feed, TorchTree(cfg, sparse), updates, sparse)
-            out[f"{'sparse' if sparse else 'dense'}_{n}"] = max(errs.values())
+            kind = "sparse" if sparse else "dense"
+            what = f"tree_lstm torch ({kind}, {n} tree(s){', programs' if programs else ''})"
+            model = TorchTree(cfg, sparse)
+            errs = torch_agrees(what, g, loss, tree_feed, model, updates, sparse, programs=programs)
+            out[f"{kind}_{n}{'_programs' if programs else ''}"] = max(errs.values())
     return out
 
 
@@ -1586,6 +1596,7 @@ TASKS: dict[str, Task] = {
             "sparse": (tree_sparse, _always),
             "programs": (tree_programs, _always),
             "batch32": (tree_batched, _always),
+            "batch32_programs": (tree_batched_programs, _always),
             "torch": (tree_torch, _always),
             "torch_batch32": (tree_torch_batched, _always),
         },

@@ -24,13 +24,16 @@ on their inputs concatenated along axis 0 when the op acts on each row alone (:f
 docs/decisions.md says why.
 
 By default (``programs=None`` or ``True``; ``False`` or ``vg.body_programs(False)`` turn it off)
-such a lockstep loop runs as ONE body
-program over rows (:meth:`BatchedBuild._run_rows`): the step that ``g.build`` compiles for the
-loop's body (:mod:`.program`) runs once per iteration on the rows of every input still running —
-rows ordered longest run first, so those are a prefix — and its backward step once per iteration
-in backward; the loop is one node of the batched graph. Where the body's ops cannot run on rows,
-or the loop's trip count is not known when it starts, the loop runs op by op as without
-programs, and ``batch.inputs[i].interpreted`` says why.
+such a lockstep loop runs as ONE body program over rows (:meth:`BatchedBuild._run_rows`): the
+step that ``g.build`` compiles for the loop's body (:mod:`.program`), with its ops' axis
+attributes moved by one (:func:`.hoist.batched_attrs`), runs once per iteration on the rows of
+every input still running — rows ordered longest run first, so those are a prefix — and its
+backward step once per iteration in backward; the loop is one node of the batched graph. A
+recursion in depth order likewise runs as one program over tree nodes
+(:meth:`BatchedBuild._run_tree_rows`): once per level on every input's tree nodes of that level,
+children gathered by index, a branch chosen per tree node (a level's rows split by choice). Where
+the body's ops cannot run on rows, or a loop's trip count is not known when it starts, the loop
+runs op by op as without programs, and ``batch.inputs[i].interpreted`` says why.
 
 Scope: hoisting applies inside each input as in ``g.build`` (``hoist=True``); a batched build is
 one-shot (no ``feed``/re-run forward: build again) and never uses ``g.build``'s cache of
@@ -502,7 +505,7 @@ class InputView:
         self._switch: Any = None
         self._groups: dict[Any, Any] = {}
         # loop instances run as one body program over rows (BatchedBuild._run_rows): this input's row
-        self._rows: dict[tuple[LoopNode, tuple[int, ...]], tuple[_RowsProgram, int]] = {}
+        self._rows: dict[tuple[LoopNode, tuple[int, ...]], tuple[_OverRows, int]] = {}
         #: loop instances that ran op by op although programs were asked for: (loop, idx, why)
         self.interpreted: list[tuple[LoopNode, tuple[int, ...], str]] = []
 
@@ -593,7 +596,11 @@ class InputView:
 
     def value(self, v: VirtualNode, idx: tuple[int, ...] = ()) -> np.ndarray:
         """This input's value of virtual node ``v`` in iteration path ``idx``."""
-        return np.array(self._find(v, idx)._value)
+        in_program = self._in_program(v, tuple(idx))
+        if in_program is None:
+            return np.array(self._find(v, idx)._value)
+        found = in_program[0]
+        return np.array(found._value if isinstance(found, (ComputeNode, Row)) else found)
 
     def gradient(self, v: VirtualNode, idx: tuple[int, ...] = ()) -> np.ndarray | None:
         """This input's gradient at ``v`` in iteration path ``idx`` after backward, when the node
@@ -676,7 +683,7 @@ class BatchedBuild:
         self._programs = False  # lockstep loops run as body programs over rows where they can
         self._rows_static: dict[LoopNode, BodyProgram | str] = {}
         #: the loops that ran as one body program over the rows of their inputs
-        self.rows_programs: list[_RowsProgram] = []
+        self.rows_programs: list[_RowsProgram | _TreeRowsProgram] = []
 
     def _by_depth(self, loop: LoopNode) -> bool:
         """Whether ``loop`` is a recursion whose tree nodes can be built in depth order: its body
@@ -783,7 +790,8 @@ class BatchedBuild:
         of the batched graph, how many copies of the declared node it computed at once, and for
         how many inputs. ``None`` if no op computed it (a leaf, a row of a fed sequence, a node a
         batched build does not need such as a guard). A body node of a loop run as one program
-        over rows was computed by the loop's node, with the other inputs running that iteration.
+        over rows was computed by the loop's node, with the other inputs running that iteration
+        (of a recursion: with the tree nodes of its step, those of its level that chose alike).
         """
         decl = self._by_key.get((key.type, key.id))
         if decl is None:
@@ -791,8 +799,8 @@ class BatchedBuild:
         scope = decl.scope
         rows = self.inputs[i]._rows.get((scope, tuple(key.idx[:-1]))) if scope and key.idx else None
         if rows is not None and 0 <= key.idx[-1] < rows[0].trips[rows[1]]:
-            n = rows[0].live[key.idx[-1]]
-            return cast(ComputeNode, rows[0].node), n, n
+            copies, inputs = rows[0].computed_with(rows[1], key.idx[-1])
+            return self.graph.node(cast(NodeKey, rows[0].node_key)), copies, inputs
         env = self.inputs[i]._envs.get((decl.scope, tuple(key.idx)))
         found = None if env is None else env.get(decl)
         if isinstance(found, Row):
@@ -1025,8 +1033,16 @@ class BatchedBuild:
         """Build the recursion of ``jobs`` (one per input; the same declared recursion) in depth
         order: every tree node of every input whose children are built, body node by body node,
         each node's copies as one op; a branch chooses per tree node and each option is built for
-        the tree nodes that chose it. The inputs' greenlets are not involved."""
+        the tree nodes that chose it. The inputs' greenlets are not involved. With programs,
+        first tries to run it as one body program over tree nodes (:meth:`_run_tree_rows`); the
+        reason it could not is recorded per input (``InputView.interpreted``)."""
         loop = jobs[0].loop
+        if self._programs:
+            why = self._run_tree_rows(jobs)
+            if why is None:
+                return
+            for j in jobs:
+                j.view.interpreted.append((loop, j.idx, why))
         updates = [loop.updates[c] for c in loop.carries]
         stacked = self.virtual_plan.stacked.get(loop, [])
         level = [
@@ -1273,15 +1289,16 @@ class BatchedBuild:
 
     # -- loops run as body programs over rows
     def _rows_program(self, loop: LoopNode) -> BodyProgram | str:
-        """What can be said before a lockstep loop starts about running it as one body program
-        over rows (:meth:`_run_rows`): its program, or why it runs op by op instead."""
+        """What can be said before a lockstep loop or a recursion starts about running it as one
+        body program over rows (:meth:`_run_rows`, :meth:`_run_tree_rows`): its program, or why it
+        runs op by op instead."""
         if is_anomaly_enabled():
             return "anomaly mode checks every node as it is made"
         found = self._rows_static.get(loop)
         if found is None:
             program = program_for(loop, self.virtual_plan)
-            if isinstance(program, str):
-                found = program
+            if isinstance(program, str) or loop.structure is not None:
+                found = program  # (a recursion's branches are chosen per tree node: _TreeSelect)
             elif any(isinstance(v, BranchNode) for v in program.computed):
                 found = "its body has branches (chosen per input): it runs op by op across inputs"
             elif loop.cond is not None or loop.until is not None:
@@ -1293,25 +1310,10 @@ class BatchedBuild:
             self._rows_static[loop] = found
         return found
 
-    def _run_rows(self, jobs: list[_LoopJob]) -> str | None:
-        """Run the loop of ``jobs`` (one per input, as :meth:`_run_jobs`) as one body program over
-        rows (:class:`_RowsProgram`), or say why not (``None``: it ran; nothing was added to the
-        graph otherwise). Whether the body can run on rows follows from its ops' declared batching
-        rules (:func:`.hoist.batched_attrs`): every op must compute each row alone with its own
-        attributes, a fused cell's value (rows along axis 1) read by one slab."""
-        loop = jobs[0].loop
-        program = self._rows_program(loop)
-        if isinstance(program, str):
-            return program
-        if any(j.trips is None for j in jobs):
-            return "its trip count is not known when it starts: it runs op by op across inputs"
-        rows = sorted(jobs, key=lambda j: (-cast(int, j.trips), j.inp))
-        first = rows[0]
-        longest = cast(int, first.trips)
-        if longest == 0:
-            return "no input runs an iteration"
-        if longest > loop.max_iters:
-            return f"an input would run more than max_iters={loop.max_iters} iterations"
+    def _rows_inputs(self, program: BodyProgram, rows: Sequence[_LoopJob]) -> list[ComputeNode] | str:
+        """The captured values' nodes of a program over ``rows`` (the same for every input), or
+        why the inputs' values cannot be rows of one buffer."""
+        loop, first = program.loop, rows[0]
         for k, c in enumerate(loop.carries):
             v0 = first.state[k]._value
             if any(j.state[k]._value.shape != v0.shape or j.state[k]._value.dtype != v0.dtype for j in rows):
@@ -1328,35 +1330,29 @@ class BatchedBuild:
             if not isinstance(node, ComputeNode) or any(j.captured[v] is not node for j in rows):
                 return f"it reads {v.describe()}, a value of each input's own"
             caps.append(node)
-        cap_values = [n._value for n in caps]
-        # one iteration of input `first` alone: the body nodes' shapes for one input
-        plain = program.variant((), frozenset())
-        select = _select_step(first.idx)
-        at0 = [
-            s._value[len(s._value) - 1 if item.attrs.get("reverse") else 0]
-            for item, s in zip(loop.items, first.seqs)
-        ]
-        try:
-            record = plain._make_step(select, *cap_values)(0, *[s._value for s in first.state], *at0)
-        except Exception as e:
-            return f"its program raised {type(e).__name__}: {e}"
-        shape: dict[VirtualNode, tuple[int, ...]] = {v: np.shape(record[i]) for v, i in plain.slot.items()}
-        for v, n in zip(program.captured, caps):
-            shape[v] = n._value.shape
-        for k, c in enumerate(loop.carries):
-            new, old = record[plain.slot[loop.updates[c]]], first.state[k]._value
-            if np.shape(new) != old.shape or np.asarray(new).dtype != old.dtype:
-                return f"the update of {c.describe()} changes its shape or dtype"
-        by_input = sorted(rows, key=_by_input)
-        rows_in_source = sum(len(j.seqs[0]._value) for j in by_input) if loop.items else 0
-        layout: dict[VirtualNode, Any] = {v: 0 for v in (*loop.carries, *loop.items)}
+        return caps
+
+    def _rows_plan(
+        self, program: BodyProgram, first: _LoopJob, caps: list[ComputeNode], rows_in_source: int
+    ) -> _RowsPlan | str:
+        """How ``program``'s body runs on rows, or why it cannot: where each body node's rows lie,
+        which nodes are hoisted over every input's rows at once, and the attributes with which the
+        ops act on rows. It follows from the ops' declared batching rules
+        (:func:`.hoist.batched_attrs`): every op must compute each row alone, a fused cell's value
+        (rows along axis 1) read by one slab; a branch's options must lie alike."""
+        loop = program.loop
+        shape = _probe_shapes(program, first, [n._value for n in caps])
+        if isinstance(shape, str):
+            return shape
+        plan = _RowsPlan()
+        layout = plan.layout
+        layout.update((v, 0) for v in (*loop.carries, *loop.items, *loop.children))
         layout.update((v, None) for v in program.captured)
         # A hoisted node runs once on its items' rows as the inputs' sequences give them (concatenated
         # in input order): it acts on each row alone, so its rows are then packed as the items' are —
         # by one index, if every item it reads steps the same way (forwards or reversed).
-        direction: dict[VirtualNode, bool] = {v: bool(v.attrs.get("reverse")) for v in loop.items}
-        hoisted: list[VirtualNode] = []
-        hoisted_attrs: list[dict[str, Any]] = []
+        direction = plan.direction
+        direction.update((v, bool(v.attrs.get("reverse"))) for v in loop.items)
         if self._hoist:
             for v in program.hoistable:
                 op = cast(Op, v.op)
@@ -1375,12 +1371,20 @@ class BatchedBuild:
                     rows_in_source,
                 )
                 if attrs is not None:
-                    hoisted.append(v)
-                    hoisted_attrs.append(attrs)
+                    plan.hoisted.append(v)
+                    plan.hoisted_attrs.append(attrs)
                     layout[v] = 0
                     direction[v] = ways.pop()
         for v in program.computed:
             if v in layout:
+                continue
+            if isinstance(v, BranchNode):
+                ways = {layout[o] for o in v.options}
+                if len(ways) != 1:
+                    return f"the options of {v.describe()} differ in whether each input has its own value"
+                if v.lead is None and any(layout[k] == 1 for k in v.keys):
+                    return f"{v.describe()} selects on a fused cell's value"
+                layout[v] = ways.pop()
                 continue
             op = cast(Op, v.op)
             attrs = v.attrs or {}
@@ -1393,19 +1397,31 @@ class BatchedBuild:
                 continue
             if 1 in ins:
                 return f"{v.describe()} reads a fused cell's value other than by one slab"
-            grouped = batched_attrs(op, attrs, [shape[u] for u in v.inputs], [x == 0 for x in ins], 2)
-            if grouped is None or not _same_attrs(grouped, attrs):
-                return f"{v.describe()} ({op.name}) does not compute each row alone with its own attributes"
+            if v not in shape:
+                return f"{v.describe()} was not computed in any choice of options"
+            # (-1: the number of rows differs from one iteration to the next)
+            grouped = batched_attrs(op, attrs, [shape[u] for u in v.inputs], [x == 0 for x in ins], -1)
+            if grouped is None or (op.name == "Reshape" and -1 in tuple(attrs["shape"])):
+                return f"{v.describe()} ({op.name}) does not compute each row alone"
+            if not _same_attrs(grouped, attrs):
+                plan.attrs[v] = grouped
             layout[v] = 1 if op.kind == CELL else 0
         for c in loop.carries:
             if layout[loop.updates[c]] != 0:
                 return f"the update of {c.describe()} is the same for every input"
-        for s in program.stacked:
-            if layout[s.inputs[1]] != 0:
-                return f"{s.describe()} stacks a value that is the same for every input"
-        grad = is_grad_enabled()
+        for st in program.stacked:
+            if layout[st.inputs[1]] != 0:
+                return f"{st.describe()} stacks a value that is the same for every input"
+        return plan
+
+    def _rows_variant(
+        self, program: BodyProgram, rows: Sequence[_LoopJob], caps: list[ComputeNode], plan: _RowsPlan
+    ) -> Any:
+        """The steps of ``program`` for a run over ``rows`` laid out by ``plan``: those computing
+        the gradients some input needs (none outside grad mode)."""
+        loop = program.loop
         needs: set[VirtualNode] = set()
-        if grad:
+        if is_grad_enabled():
             needs.update(
                 c for k, c in enumerate(loop.carries) if any(_base(j.state[k]).requires_grad for j in rows)
             )
@@ -1413,23 +1429,18 @@ class BatchedBuild:
                 v for i, v in enumerate(loop.items) if any(_base(j.seqs[i]).requires_grad for j in rows)
             )
             needs.update(v for v, n in zip(program.captured, caps) if n.requires_grad)
-            for v in hoisted:
+            for v in plan.hoisted:
                 if any(vjp_of(cast(Op, v.op), p) is not None and u in needs for p, u in enumerate(v.inputs)):
                     needs.add(v)
-        variant = program.variant(tuple(hoisted), frozenset(needs))
-        instance = _RowsProgram(program, variant, rows, layout, [n.sparse_grad for n in caps])
-        offs = np.asarray(instance.offs, dtype=np.intp)
-        index: dict[bool, np.ndarray] = {}  # forwards / reversed: the rows of the sources, packed
-        for reverse in {direction[v] for v in (*loop.items, *hoisted)}:
-            at = index[reverse] = np.empty(offs[-1], dtype=np.intp)
-            start = 0
-            for j in by_input:
-                length, trips = len(j.seqs[0]._value), cast(int, j.trips)
-                steps = np.arange(trips)
-                at[offs[:trips] + instance.row_of[j.inp]] = start + (length - 1 - steps if reverse else steps)
-                start += length
-        instance.index = [index[direction[v]] for v in (*loop.items, *hoisted)]
-        # numpy first: nothing joins the graph unless the run succeeds
+        return program.variant(tuple(plan.hoisted), frozenset(needs), plan.attrs)
+
+    def _start_rows(
+        self, instance: _RowsProgram | _TreeRowsProgram, plan: _RowsPlan, caps: list[ComputeNode]
+    ) -> str | None:
+        """Run ``instance`` on its inputs' values — numpy first: nothing joins the graph unless
+        the run succeeds — then add its nodes (:meth:`_add_rows_program`); or say why it failed."""
+        loop, rows = instance.loop, instance.rows
+        by_input = sorted(rows, key=_by_input)
         init_values = []
         for k in range(len(loop.carries)):
             column = [j.state[k] for j in rows]
@@ -1442,20 +1453,89 @@ class BatchedBuild:
             item: np.concatenate([j.seqs[i]._value for j in by_input]) for i, item in enumerate(loop.items)
         }
         item_values = list(group_of.values())
-        group_of.update(zip(program.captured, cap_values))
+        cap_values = [n._value for n in caps]
+        group_of.update(zip(instance.program.captured, cap_values))
         try:
-            for v, attrs in zip(hoisted, hoisted_attrs):
+            for v, attrs in zip(plan.hoisted, plan.hoisted_attrs):
                 group_of[v] = cast(Op, v.op).forward(*[group_of[u] for u in v.inputs], **attrs)
-            run = instance.forward(*init_values, *item_values, *[group_of[v] for v in hoisted], *cap_values)
+            run = instance.forward(
+                *init_values, *item_values, *[group_of[v] for v in plan.hoisted], *cap_values
+            )
         except Exception as e:
             return f"its program raised {type(e).__name__}: {e}"
         instance.run = run
-        self._add_rows_program(instance, hoisted_attrs, group_of, caps, grad)
+        self._add_rows_program(instance, plan.hoisted_attrs, group_of, caps, is_grad_enabled())
+        instance.ran()
+        # what the instance reads later, not the jobs (which reach the inputs' views, which reach it)
+        instance.rows = [_Ran(j.inp, j.idx, j.captured) for j in rows]
         return None
+
+    def _run_rows(self, jobs: list[_LoopJob]) -> str | None:
+        """Run the loop of ``jobs`` (one per input, as :meth:`_run_jobs`) as one body program over
+        rows (:class:`_RowsProgram`), or say why not (``None``: it ran; nothing was added to the
+        graph otherwise; see :meth:`_rows_plan`)."""
+        loop = jobs[0].loop
+        program = self._rows_program(loop)
+        if isinstance(program, str):
+            return program
+        if any(j.trips is None for j in jobs):
+            return "its trip count is not known when it starts: it runs op by op across inputs"
+        rows = sorted(jobs, key=lambda j: (-cast(int, j.trips), j.inp))
+        first = rows[0]
+        longest = cast(int, first.trips)
+        if longest == 0:
+            return "no input runs an iteration"
+        if longest > loop.max_iters:
+            return f"an input would run more than max_iters={loop.max_iters} iterations"
+        caps = self._rows_inputs(program, rows)
+        if isinstance(caps, str):
+            return caps
+        by_input = sorted(rows, key=_by_input)
+        rows_in_source = sum(len(j.seqs[0]._value) for j in by_input) if loop.items else 0
+        plan = self._rows_plan(program, first, caps, rows_in_source)
+        if isinstance(plan, str):
+            return plan
+        variant = self._rows_variant(program, rows, caps, plan)
+        instance = _RowsProgram(program, variant, rows, plan.layout, [n.sparse_grad for n in caps])
+        offs = np.asarray(instance.offs, dtype=np.intp)
+        index: dict[bool, np.ndarray] = {}  # forwards / reversed: the rows of the sources, packed
+        direction = plan.direction
+        for reverse in {direction[v] for v in (*loop.items, *plan.hoisted)}:
+            at = index[reverse] = np.empty(offs[-1], dtype=np.intp)
+            start = 0
+            for j in by_input:
+                length, trips = len(j.seqs[0]._value), cast(int, j.trips)
+                steps = np.arange(trips)
+                at[offs[:trips] + instance.row_of[j.inp]] = start + (length - 1 - steps if reverse else steps)
+                start += length
+        instance.index = [index[direction[v]] for v in (*loop.items, *plan.hoisted)]
+        return self._start_rows(instance, plan, caps)
+
+    def _run_tree_rows(self, jobs: list[_TreeJob]) -> str | None:
+        """Run the recursion of ``jobs`` (one per input, as :meth:`_run_tree_jobs`) as one body
+        program over tree nodes (:class:`_TreeRowsProgram`): level by level, every input's tree
+        nodes whose children are done in one step, children gathered by index, a branch chosen
+        per tree node (the rows split by choice where they differ). Returns why not (``None``:
+        it ran; nothing was added to the graph otherwise)."""
+        loop = jobs[0].loop
+        program = self._rows_program(loop)
+        if isinstance(program, str):
+            return program
+        rows = sorted(jobs, key=_by_input)
+        caps = self._rows_inputs(program, rows)
+        if isinstance(caps, str):
+            return caps
+        plan = self._rows_plan(program, rows[0], caps, sum(cast(int, j.trips) for j in rows))
+        if isinstance(plan, str):
+            return plan
+        variant = self._rows_variant(program, rows, caps, plan)
+        instance = _TreeRowsProgram(program, variant, rows, plan.layout, [n.sparse_grad for n in caps])
+        instance.index = [instance.order_of[plan.direction[v]] for v in (*loop.items, *plan.hoisted)]
+        return self._start_rows(instance, plan, caps)
 
     def _add_rows_program(
         self,
-        instance: _RowsProgram,
+        instance: _RowsProgram | _TreeRowsProgram,
         hoisted_attrs: list[dict[str, Any]],
         group_of: dict[VirtualNode, Any],
         caps: list[ComputeNode],
@@ -1494,6 +1574,7 @@ class BatchedBuild:
             self.groups.append((f"{v.type}*:{v.id}", len(rows)))  # (hoisted, as hoist_loop names them)
             self._copies[node] = (NodeKey(v.type, v.id, (*rows[0].idx, 0)), len(rows), len(rows))
             sources[v] = node
+            instance.hoisted_nodes[v] = node
             parents.append(node)
         first_cap = len(parents)
         parents.extend(caps)
@@ -1516,7 +1597,7 @@ class BatchedBuild:
             loop.name,
             value=run,
         )
-        instance.node = node
+        instance.graph, instance.node_key = weakref.ref(g), node.key
         self.groups.append((f"Loop:{loop.id}", len(rows)))
         self._copies[node] = (NodeKey(loop.type, loop.id, rows[0].idx), len(rows), len(rows))
         self.rows_programs.append(instance)
@@ -1539,7 +1620,7 @@ class BatchedBuild:
                 v.name,
                 value=instance.final(carry, run),
             )
-            instance.outputs.append(out)
+            instance.output_keys.append(out.key)
             for r, j in enumerate(rows):
                 j.state[carry] = Row(out, (r,), NodeKey("Final", v.id, j.idx), v.name)
         nf = len(program.finals)
@@ -1553,7 +1634,7 @@ class BatchedBuild:
                 s.name,
                 value=instance.stacked(k, run),
             )
-            instance.outputs.append(out)
+            instance.output_keys.append(out.key)
             a = 0
             for j in by_input:
                 trips = cast(int, j.trips)
@@ -1859,7 +1940,94 @@ def _rows_grad(d: Any, seed: Any, m: int, n: int) -> Any:
     return full
 
 
-class _RowsProgram(SweptOnce):
+class _Ran:
+    """What a program over rows keeps of one input's job once it ran."""
+
+    __slots__ = ("captured", "idx", "inp")
+
+    def __init__(self, inp: int, idx: tuple[int, ...], captured: dict[VirtualNode, Any]) -> None:
+        self.inp, self.idx, self.captured = inp, idx, captured
+
+
+class _OverRows(SweptOnce):
+    """What the programs over rows of a batched build share: one input's view of a body node.
+
+    A subclass says where row ``r``'s iteration ``t`` is (:meth:`_where`: its record, its row
+    in it, its position in the packed order of the stepped values) and what a carry is there
+    (:meth:`_carried`)."""
+
+    program: BodyProgram
+    variant: Any
+    loop: LoopNode
+    rows: Sequence[Any]  # the inputs' jobs; after the run, what _Ran keeps of them
+    trips: list[int]
+    layout: dict[VirtualNode, Any]
+    index: list[np.ndarray]
+    run: ProgramRun | None
+    kept: list[Any] | None
+    hoisted_nodes: dict[VirtualNode, ComputeNode]
+
+    def __init__(self) -> None:
+        # The loop node and its outputs are named by key in a graph held weakly (they hold this
+        # instance: their ops are its methods).
+        self.graph: Callable[[], ComputeGraph | None] = lambda: None
+        self.node_key: NodeKey | None = None
+        self.output_keys: list[NodeKey] = []  # when one retains its gradient, so do the body nodes
+
+    def _retained(self) -> bool:
+        """Whether an output of the loop node retains its gradient (then the body nodes do)."""
+        graph = self.graph()
+        return graph is not None and any(graph.node(k).retains_grad for k in self.output_keys)
+
+    def computed_with(self, r: int, t: int) -> tuple[int, int]:
+        """How many copies row ``r``'s iteration ``t`` was computed with (itself included), and
+        for how many inputs."""
+        raise NotImplementedError
+
+    def ran(self) -> None:
+        """Called once the run's nodes are in the graph (its jobs still reachable)."""
+
+    def _carried(self, v: VirtualNode, r: int, t: int) -> Any:
+        raise NotImplementedError
+
+    def _where(self, r: int, t: int) -> tuple[int, int, int]:
+        raise NotImplementedError
+
+    def value_of(self, v: VirtualNode, r: int, t: int) -> tuple[Any, Any]:
+        """Body node ``v`` of row ``r`` in iteration ``t``: ``(value, gradient or None)``, or
+        ``(node, None)`` for what is a node of the batched graph (a captured value, an initial
+        value); raises KeyError if the row has no such iteration or did not compute ``v`` there."""
+        if not 0 <= t < self.trips[r]:
+            raise KeyError(t)
+        if v.kind == "carry":
+            found = self._carried(v, r, t)
+            if not isinstance(found, tuple):
+                return found, None
+            v, t = found
+        variant = self.variant
+        if v in variant.captured:
+            return self.rows[r].captured[v], None
+        s, p, packed = self._where(r, t)
+        slot = variant.slot[v]
+        value = cast(ProgramRun, self.run).records[s][slot]
+        if value is None:  # (an option not chosen)
+            raise KeyError(v)
+        lay = self.layout.get(v, 0)
+        at: Any = (slice(None), p) if lay == 1 else p
+        grad = None
+        kept = self.kept[s] if self.kept is not None else None
+        if kept is not None and kept[slot] is not None:
+            gv = kept[slot]
+            grad = np.array((gv.dense() if isinstance(gv, LazyGrad) else gv)[at])
+        elif v in self.hoisted_nodes:  # its gradient is its row of the hoisted group's
+            node = self.hoisted_nodes[v]
+            if node.grad is not None:
+                source = self.index[len(self.loop.items) + variant.hoisted.index(v)][packed]
+                grad = np.array(np.asarray(node.grad)[source])
+        return (value if lay is None else value[at]), grad
+
+
+class _RowsProgram(_OverRows):
     """A lockstep loop of a batched build run as ONE body program over rows (see
     :meth:`BatchedBuild._run_rows`): the inputs' carries are the rows of one buffer, longest
     run first, so that the rows still running at iteration ``t`` are the first ``live[t]``; the
@@ -1880,9 +2048,12 @@ class _RowsProgram(SweptOnce):
         layout: dict[VirtualNode, Any],
         sparse: list[bool],
     ) -> None:
+        super().__init__()
         self.program, self.variant, self.loop = program, variant, program.loop
         self.sparse = sparse  # per captured value: whether its gradient is kept row-sparse
         self.rows = rows  # the inputs' runs, longest first
+        self.init_nodes = [list(j.state) for j in rows]  # (a job's state becomes its finals)
+        self.hoisted_nodes: dict[VirtualNode, ComputeNode] = {}  # (see _add_rows_program)
         self.trips = [cast(int, j.trips) for j in rows]
         T = self.trips[0]
         ended = np.bincount(self.trips, minlength=T + 1)  # rows whose run has t iterations
@@ -1900,9 +2071,6 @@ class _RowsProgram(SweptOnce):
         )  # fmt: skip
         self.select = _select_step(())  # (no branch in a program over rows: never called)
         self.run: ProgramRun | None = None
-        self.node: ComputeNode | None = None  # the loop node in the batched graph
-        # the final and stack nodes: when one retains its gradient, so do the body nodes (KEEP)
-        self.outputs: list[ComputeNode] = []
         self.kept: list[Any] | None = None  # per iteration, every slot's gradient (when retained)
         self.n_steps = len(loop.items) + len(variant.hoisted)
         self.init_values: list[Any] = []  # the carries' initial rows (for rows that run no iteration)
@@ -1976,7 +2144,7 @@ class _RowsProgram(SweptOnce):
             stack_seed.append(s)
         step_grad: list[Any] = [None] * ns
         live, offs = self.live, self.offs
-        keep = any(node.retains_grad for node in self.outputs)
+        keep = self._retained()
         kept: list[Any] = [None] * len(live)
         carry_in: list[Any] = [None] * nc
         m = 0  # the rows of iteration t + 1
@@ -2024,48 +2192,391 @@ class _RowsProgram(SweptOnce):
 
     def _vjp_error(self, e: Exception, t: int, n: int) -> Exception:
         """The error for exception ``e`` raised in iteration ``t``'s backward step over the first
-        ``n`` rows: naming the inputs computed together, the body node, its op and the input, as
-        the per-node sweep and :meth:`.program.ProgramInstance._vjp_error` word it."""
-        where = self.variant.failed_vjp(e)
-        inputs = sorted(j.inp for j in self.rows[:n])
-        who = f"input {inputs[0]}" if n == 1 else f"inputs {', '.join(map(str, inputs))} (computed together)"
-        idx = (*self.rows[0].idx, t)
-        if where is None:  # not in a VJP: the program itself
-            return BackwardError(
-                f"{who}: {self.loop.describe(idx)}: the backward step failed: {type(e).__name__}: {e}"
-            )
-        v, p = where
-        op = cast(Op, v.op)
-        node, parent = v.describe(idx), v.inputs[p].describe(idx)
-        if isinstance(e, OpResultError):  # refused by a vgraph.defop op's CheckedVJP
-            return e.error(f"{who}: {node}: the VJP of {op.name} for input {e.position} {parent} {e}")
-        return BackwardError(
-            f"{who}: {node}: the VJP of {op.name} with respect to its input {parent} failed: {type(e).__name__}: {e}"
-        )
+        ``n`` rows."""
+        return _step_error(self.variant, e, [j.inp for j in self.rows[:n]], (*self.rows[0].idx, t))
 
-    # -- one input's view
-    def value_of(self, v: VirtualNode, r: int, t: int) -> tuple[Any, Any]:
-        """Body node ``v`` of row ``r`` in iteration ``t``: ``(value, gradient or None)``, or
-        ``(node, None)`` for what is a node of the batched graph (a captured value, an initial
-        value); raises KeyError if the row has no such iteration or ``v`` no slot."""
-        variant, loop = self.variant, self.loop
-        if not 0 <= t < self.trips[r]:
-            raise KeyError(t)
-        if v.kind == "carry":  # the previous iteration's update, or the initial value
-            if t == 0:
-                return self.rows[r].state[loop.carries.index(v)], None
-            v, t = loop.updates[v], t - 1
-        if v in variant.captured:
-            return self.rows[r].captured[v], None
-        slot = variant.slot[v]
-        lay = self.layout.get(v, 0)
-        at: Any = (slice(None), r) if lay == 1 else r
-        value = cast(ProgramRun, self.run).records[t][slot]
-        grad = None
-        if self.kept is not None and self.kept[t] is not None and self.kept[t][slot] is not None:
-            gv = self.kept[t][slot]
-            grad = np.array((gv.dense() if isinstance(gv, LazyGrad) else gv)[at])
-        return (value if lay is None else value[at]), grad
+    # -- one input's view (see _OverRows.value_of)
+    def _carried(self, v: VirtualNode, r: int, t: int) -> Any:
+        if t == 0:  # the initial value
+            return self.init_nodes[r][self.loop.carries.index(v)]
+        return self.loop.updates[v], t - 1  # the previous iteration's update
+
+    def _where(self, r: int, t: int) -> tuple[int, int, int]:
+        return t, r, self.offs[t] + r
+
+    def computed_with(self, r: int, t: int) -> tuple[int, int]:
+        return self.live[t], self.live[t]
+
+
+def _step_error(variant: Any, e: Exception, inputs: list[int], idx: tuple[int, ...]) -> Exception:
+    """The error for exception ``e`` raised in a backward step over rows of ``inputs`` (body
+    nodes named at iteration path ``idx``): naming the inputs computed together, the body node,
+    its op and the input, as the per-node sweep and :meth:`.program.ProgramInstance._vjp_error`
+    word it."""
+    where = variant.failed_vjp(e)
+    inputs = sorted(set(inputs))
+    n = len(inputs)
+    who = f"input {inputs[0]}" if n == 1 else f"inputs {', '.join(map(str, inputs))} (computed together)"
+    loop = variant.program.loop
+    if where is None:  # not in a VJP: the program itself
+        return BackwardError(
+            f"{who}: {loop.describe(idx)}: the backward step failed: {type(e).__name__}: {e}"
+        )
+    v, p = where
+    op = cast(Op, v.op)
+    node, parent = v.describe(idx), v.inputs[p].describe(idx)
+    if isinstance(e, OpResultError):  # refused by a vgraph.defop op's CheckedVJP
+        return e.error(f"{who}: {node}: the VJP of {op.name} for input {e.position} {parent} {e}")
+    return BackwardError(
+        f"{who}: {node}: the VJP of {op.name} with respect to its input {parent} failed: {type(e).__name__}: {e}"
+    )
+
+
+class _RowsPlan:
+    """How a body runs on rows (:meth:`BatchedBuild._rows_plan`)."""
+
+    __slots__ = ("attrs", "direction", "hoisted", "hoisted_attrs", "layout")
+
+    def __init__(self) -> None:
+        #: body node -> 0 (rows along axis 0), 1 (a fused cell's: axis 1), None (shared by all rows)
+        self.layout: dict[VirtualNode, Any] = {}
+        #: items and hoisted nodes -> whether they step through their sequences reversed
+        self.direction: dict[VirtualNode, bool] = {}
+        self.hoisted: list[VirtualNode] = []  # run once over every input's rows
+        self.hoisted_attrs: list[dict[str, Any]] = []
+        self.attrs: dict[VirtualNode, dict[str, Any]] = {}  # ops whose attributes change on rows
+
+
+def _probe_shapes(
+    program: BodyProgram, job: _LoopJob, cap_values: list[Any]
+) -> dict[VirtualNode, tuple[int, ...]] | str:
+    """Every body node's shape for one input, from ``job``'s first iteration run alone with each
+    combination of its branches' options (children read the carries' initial values); or why the
+    body cannot run on rows."""
+    loop = program.loop
+    plain = program.variant((), frozenset())
+    leads = [v for v in program.computed if isinstance(v, BranchNode) and v.lead is None]
+    combos = list(itertools.islice(itertools.product(*(range(len(b.options)) for b in leads)), 65))
+    if len(combos) > 64:
+        return "its branches have more than 64 combinations of options"
+    state = [s._value for s in job.state]
+    at0 = [s._value[len(s._value) - 1 if i.attrs.get("reverse") else 0] for i, s in zip(loop.items, job.seqs)]
+    kids = [state[loop.carries.index(r.inputs[0])] for r in loop.children]
+    shape: dict[VirtualNode, tuple[int, ...]] = {}
+    for combo in combos:
+        forced = dict(zip(leads, combo))
+        step = plain._make_step(lambda b, t, values, forced=forced: forced[b], *cap_values)
+        try:
+            with np.errstate(all="ignore"):  # (options forced on values that would not choose them)
+                record = step(0, *state, *at0, *kids)
+        except Exception as e:
+            return f"its program raised {type(e).__name__}: {e}"
+        for v, i in plain.slot.items():
+            if record[i] is not None:
+                shape.setdefault(v, np.shape(record[i]))
+        for k, c in enumerate(loop.carries):
+            new, old = record[plain.slot[loop.updates[c]]], state[k]
+            if new is not None and (np.shape(new) != old.shape or np.asarray(new).dtype != old.dtype):
+                return f"the update of {c.describe()} changes its shape or dtype"
+    for v, x in zip(program.captured, cap_values):
+        shape[v] = np.shape(x)
+    return shape
+
+
+class _Split(Exception):
+    """A branch's selector chose differently for the rows of one step (:class:`_TreeSelect`)."""
+
+    def __init__(self, branch: BranchNode, choices: np.ndarray) -> None:
+        super().__init__(branch.describe())
+        self.branch, self.choices = branch, choices
+
+
+class _TreeSelect:
+    """The ``SELECT`` of a program over tree nodes: a branch's selector run on each row's own
+    key values (a row's tree node named in errors); the one choice if all rows agree, else
+    :class:`_Split`. Branches in ``fixed`` are already chosen for these rows."""
+
+    __slots__ = ("chosen", "fixed", "ids", "instance", "rowwise")
+
+    def __init__(self, instance: _TreeRowsProgram, layout: dict[VirtualNode, Any]) -> None:
+        self.instance = instance
+        # per lead branch, per key: whether each row has its own value
+        self.rowwise = {
+            v: [layout[k] == 0 for k in v.keys]
+            for v in instance.program.computed
+            if isinstance(v, BranchNode) and v.lead is None
+        }
+        self.ids: np.ndarray = np.empty(0, dtype=np.intp)
+        self.fixed: dict[BranchNode, int] = {}
+        self.chosen: dict[BranchNode, int] = {}
+
+    def __call__(self, branch: BranchNode, t: int, values: tuple[Any, ...]) -> int:
+        choice = self.fixed.get(branch)
+        if choice is None:
+            rowwise, where = self.rowwise[branch], self.instance.idx_of
+            choices = [
+                select_option(branch, where(g), [x[r] if own else x for x, own in zip(values, rowwise)])
+                for r, g in enumerate(self.ids.tolist())
+            ]
+            choice = choices[0]
+            if choices.count(choice) != len(choices):
+                raise _Split(branch, np.asarray(choices))
+        self.chosen[branch] = choice
+        return choice
+
+
+class _TreeRowsProgram(_OverRows):
+    """A recursion of a batched build run as ONE body program over tree nodes (see
+    :meth:`BatchedBuild._run_tree_rows`). The inputs' tree nodes are numbered one after another
+    in input order (node ``t`` of input ``r`` is ``offs[r] + t``); the carries' updates of every
+    tree node are rows of one buffer per carry, whose last rows are the inputs' initial values
+    (what a missing child reads). The generated forward step runs once per *level* — the tree
+    nodes of every input whose children are done (leaves first) — on their rows, the children's
+    rows gathered by index; where a branch chooses differently for a level's rows, the step runs
+    once per choice on those rows. The backward step runs once per such step, last first,
+    scattering the children's gradients back by index.
+
+    In the batched graph it is one node ``<Loop:id@…>`` (value: a :class:`.program.ProgramRun`,
+    one record per step), a node per final carry (each input's root, in input order) and per
+    stacked value (every input's tree nodes in order, inputs concatenated)."""
+
+    def __init__(
+        self,
+        program: BodyProgram,
+        variant: Any,
+        rows: list[_TreeJob],
+        layout: dict[VirtualNode, Any],
+        sparse: list[bool],
+    ) -> None:
+        super().__init__()
+        self.program, self.variant, self.loop = program, variant, program.loop
+        self.sparse = sparse  # per captured value: whether its gradient is kept row-sparse
+        self.rows = rows  # the inputs' runs, in input order
+        self.init_nodes = [list(j.state) for j in rows]  # (a job's state becomes its finals)
+        self.hoisted_nodes: dict[VirtualNode, ComputeNode] = {}  # (see _add_rows_program)
+        self.trips = [cast(int, j.trips) for j in rows]
+        self.offs = [0, *itertools.accumulate(self.trips)]
+        N, B = self.offs[-1], len(rows)
+        self.layout = layout
+        loop = self.loop
+        self.update_slots = [variant.slot[loop.updates[c]] for c in loop.carries]
+        self.stack_slots = [variant.slot[st.inputs[1]] for st in program.stacked]
+        self.row_of = {j.inp: r for r, j in enumerate(rows)}
+        self.owner = np.repeat(np.arange(B, dtype=np.intp), self.trips)  # each tree node's input row
+        width = max(len(j.rows[0]) for j in rows)  # (narrower arrays: no such child)
+        kids = np.full((N, width), -1, dtype=np.intp)
+        for r, j in enumerate(rows):  # global numbers; a missing child reads its input's initial row
+            block = np.asarray(j.rows, dtype=np.intp)
+            kids[self.offs[r] : self.offs[r + 1], : block.shape[1]] = np.where(
+                block >= 0, block + self.offs[r], -1
+            )
+        kids[kids < 0] = N + self.owner[np.nonzero(kids < 0)[0]]
+        self.kids = kids
+        # a forest (no tree node is the child of two nodes, nor twice of one): children's
+        # gradients go back by plain indexing
+        self.tree = bool(np.bincount(kids[kids < N], minlength=1).max(initial=0) <= 1)
+        self.reads = [(loop.carries.index(read.inputs[0]), read.attrs["slot"]) for read in loop.children]
+        self.init_needs = [c in variant.needs for c in loop.carries]  # (their initial rows need gradients)
+        self.roots = np.asarray(self.offs[1:], dtype=np.intp) - 1  # children first: the root is last
+        # levels: a tree node runs one step after its last child (leaves: level 0)
+        level = np.zeros(N + B, dtype=np.intp)
+        level[N:] = -1
+        if kids.shape[1]:
+            while True:
+                new = level[kids].max(axis=1) + 1
+                if np.array_equal(new, level[:N]):
+                    break
+                level[:N] = new
+        order = np.argsort(level[:N], kind="stable")  # (tree nodes in input order within a level)
+        bounds = np.cumsum(np.bincount(level[:N]))
+        self.levels = np.split(order, bounds[:-1])
+        # per direction (forwards / reversed): each tree node's row in its input's sequences,
+        # concatenated in input order
+        starts = np.asarray(self.offs[:-1], dtype=np.intp)[self.owner]
+        ts = np.arange(N, dtype=np.intp) - starts
+        ends = np.asarray(self.trips, dtype=np.intp)[self.owner]
+        self.order_of = {False: np.arange(N, dtype=np.intp), True: starts + ends - 1 - ts}
+        self.index: list[np.ndarray] = []  # per stepped value (items, hoisted nodes): order_of's
+        self.shared_init = [False] * len(loop.carries)
+        self.steps: list[np.ndarray] = []  # per record: its tree nodes
+        self.choices: list[list[tuple[BranchNode, int]]] = []  # per record: the choices it made
+        self.step_of = np.zeros(N, dtype=np.intp)  # per tree node: its record and row in it
+        self.pos_of = np.zeros(N, dtype=np.intp)
+        self.run: ProgramRun | None = None
+        self.kept: list[Any] | None = None
+
+    def idx_of(self, g: int) -> tuple[int, ...]:
+        """The iteration path of tree node ``g`` (global number)."""
+        r = int(self.owner[g])
+        return (*self.rows[r].idx, g - self.offs[r])
+
+    # -- forward
+    def forward(self, *values: Any) -> ProgramRun:
+        """Run the steps level by level on the loop node's parents' values: the carries' initial
+        rows, the items and hoisted nodes (rows in input order), the captured values."""
+        loop, variant = self.loop, self.variant
+        nc, ni, ns = len(loop.carries), len(loop.items), len(self.index)
+        N, B = self.offs[-1], len(self.rows)
+        init = [
+            np.broadcast_to(x, (B, *np.shape(x))) if shared else x
+            for x, shared in zip(values[:nc], self.shared_init)
+        ]
+        hist = [np.empty((N + B, *x.shape[1:]), dtype=x.dtype) for x in init]
+        for h, x in zip(hist, init):
+            h[N:] = x
+        stepped = [x[at] for x, at in zip(values[nc : nc + ns], self.index)]  # tree node order
+        select = _TreeSelect(self, self.layout)
+        step = variant._make_step(select, *values[nc + ns :])
+        run = ProgramRun()
+        self.steps, self.choices = [], []
+        records, owner, kids, reads, slots = run.records, self.owner, self.kids, self.reads, self.update_slots
+        pending: list[tuple[np.ndarray, dict[BranchNode, int]]] = []
+        for level in self.levels:
+            pending.append((level, {}))
+            while pending:
+                ids, fixed = pending.pop()
+                select.ids, select.fixed, select.chosen = ids, fixed, {}
+                at = [x[ids] for x in stepped]
+                try:
+                    record = step(
+                        len(records),
+                        *[x[owner[ids]] for x in init],  # (never read: see BatchedBuild._by_depth)
+                        *at[:ni],
+                        *[hist[k][kids[ids, slot]] for k, slot in reads],
+                        *at[ni:],
+                    )
+                except _Split as split:
+                    known = {**select.chosen, split.branch: 0}
+                    for c in sorted(set(split.choices.tolist()), reverse=True):
+                        known[split.branch] = c
+                        pending.append((ids[split.choices == c], dict(known)))
+                    continue
+                for st, slot in zip(self.program.stacked, self.stack_slots):
+                    if record[slot] is None:
+                        raise BuildError(f"{st.describe()} stacks a value not computed in every tree node")
+                self.step_of[ids] = len(records)
+                self.pos_of[ids] = np.arange(len(ids))
+                records.append(record)
+                self.steps.append(ids)
+                chosen = select.chosen  # (recorded in declaration order, as a program alone records them)
+                self.choices.append([(b, chosen[b]) for b in self.variant.choice if b in chosen])
+                for h, slot in zip(hist, slots):
+                    h[ids] = record[slot]
+        run.history = hist
+        run.trips = len(records)
+        return run
+
+    def ran(self) -> None:
+        """Give each input's job the decisions of its tree nodes (the branches' choices), as a
+        build node by node records them."""
+        for ids, choices in zip(self.steps, self.choices):
+            if not choices:
+                continue
+            for g in ids.tolist():
+                r = int(self.owner[g])
+                job = self.rows[r]
+                idx = (*job.idx, g - self.offs[r])
+                for branch, c in choices:
+                    job.decisions[idx[-1]].append(Decision(branch, idx, "option", c))
+                    job.chosen[(branch, idx)] = c
+
+    def final(self, k: int, run: ProgramRun) -> Any:
+        """Carry ``k``'s final value of every input (input order): its root's update."""
+        return run.history[k][self.roots]
+
+    def stacked(self, j: int, run: ProgramRun) -> Any:
+        """Stacked value ``j`` of every input after ``run``: its tree nodes' values in order,
+        inputs concatenated in input order."""
+        slot = self.stack_slots[j]
+        first = run.records[0][slot]
+        out = np.empty((self.offs[-1], *np.shape(first)[1:]), dtype=np.asarray(first).dtype)
+        for ids, record in zip(self.steps, run.records):
+            out[ids] = record[slot]
+        return out
+
+    # -- backward
+    def backward(self, g: RunGrad, run: ProgramRun, values: Sequence[Any]) -> list[Any]:
+        loop, variant, program = self.loop, self.variant, self.program
+        nc, ni, ns = len(loop.carries), len(loop.items), len(self.index)
+        nr = len(self.reads)
+        caps = values[nc + ns :]
+        accs = [_Acc(sp) for sp in self.sparse]
+        back = variant._make_back(*caps, *[a.add for a in accs])
+        N = self.offs[-1]
+        # per carry: the gradient of every tree node's update, and of the inputs' initial rows
+        grads = [np.zeros(h.shape, dtype=_grad_dtype(h)) for h in run.history]
+        nf = len(program.finals)
+        for k, f in enumerate(program.finals):
+            s = g.seeds.get(k)
+            if s is not None:
+                s = s.dense() if isinstance(s, LazyGrad) else s
+                grads[loop.carries.index(f.inputs[1])][self.roots] += s
+        stack_seed = []
+        for j in range(len(program.stacked)):
+            s = g.seeds.get(nf + j)
+            stack_seed.append(s.dense() if isinstance(s, LazyGrad) else s)
+        step_grad: list[Any] = [None] * ns  # in tree node order
+        keep = self._retained()
+        kept: list[Any] = [None] * len(self.steps)
+        kids = self.kids
+        for t in range(len(self.steps) - 1, -1, -1):
+            ids = self.steps[t]
+            u = [gr[ids] for gr in grads]
+            q = [None if s is None else s[ids] for s in stack_seed]
+            try:
+                if keep:
+                    res, kept[t] = back(True, run.records[t], *u, *q)
+                else:
+                    res = back(False, run.records[t], *u, *q)
+            except VGraphError:
+                raise
+            except Exception as e:
+                raise _step_error(variant, e, self.owner[ids].tolist(), self.idx_of(int(ids[0]))) from e
+            for r, (k, slot) in enumerate(self.reads):
+                d = res[nc + ni + r]
+                if d is None:
+                    continue
+                d = d.dense() if isinstance(d, LazyGrad) else d
+                at = kids[ids, slot]
+                if self.tree:  # each tree node is one row's child: indexing adds each row once
+                    real = at < N
+                    grads[k][at[real]] += d[real]
+                    if self.init_needs[k] and not real.all():  # (an initial row is many rows' child)
+                        np.add.at(grads[k], at[~real], d[~real])
+                else:
+                    np.add.at(grads[k], at, d)
+            for i in range(ns):
+                d = res[nc + (i if i < ni else nr + i)]
+                if d is None:
+                    continue
+                if step_grad[i] is None:
+                    x = values[nc + i]
+                    step_grad[i] = np.zeros((N, *np.shape(x)[1:]), dtype=_grad_dtype(x))
+                step_grad[i][ids] += d.dense() if isinstance(d, LazyGrad) else d
+        self.kept = kept if keep else None
+        for i, rows in enumerate(step_grad):  # back to the sources' rows
+            if rows is not None:
+                x = values[nc + i]
+                step_grad[i] = np.zeros(np.shape(x), dtype=rows.dtype)
+                step_grad[i][self.index[i]] = rows
+        init_grad = []
+        for k, gr in enumerate(grads):
+            d = gr[N:]
+            init_grad.append(d.sum(axis=0) if self.shared_init[k] else d)
+        return [*init_grad, *step_grad, *(a.g for a in accs)]
+
+    # -- one input's view (see _OverRows.value_of)
+    def _carried(self, v: VirtualNode, r: int, t: int) -> Any:
+        # the initial value: what a recursion's carry holds (see BatchedBuild._by_depth)
+        return self.init_nodes[r][self.loop.carries.index(v)]
+
+    def _where(self, r: int, t: int) -> tuple[int, int, int]:
+        g = self.offs[r] + t
+        return int(self.step_of[g]), int(self.pos_of[g]), g
+
+    def computed_with(self, r: int, t: int) -> tuple[int, int]:
+        ids = self.steps[int(self.step_of[self.offs[r] + t])]
+        return len(ids), len(np.unique(self.owner[ids]))
 
 
 class _BatchBuilder(_Builder):
@@ -2088,9 +2599,9 @@ class _BatchBuilder(_Builder):
             )
         batch = self.batch
         if batch._by_depth(loop):
-            if batch._programs:
+            if batch._programs and not batch._joint_ok(loop):
                 self.cg.interpreted.append(
-                    (loop, frame.idx, "a recursion: its tree nodes run op by op in depth order")
+                    (loop, frame.idx, "its body is not ops and branches only: its tree nodes run op by op")
                 )
             return self._run_tree(loop, frame)
         if batch._lockstep_ok(loop):
@@ -2153,7 +2664,15 @@ class _BatchBuilder(_Builder):
         reads = [(read, loop.carries.index(read.inputs[0]), read.attrs["slot"]) for read in loop.children]
         captured = {c: frame.owner(c).env[c] for c in self.plan.captures[loop]}
         groups: dict[VirtualNode, Any] = {}
-        if self.hoist and self.plan.hoistable[loop] and n > 1:
+        joint = self.batch._joint_ok(loop)
+        if (
+            self.hoist
+            and not (
+                joint and self.batch._programs and isinstance(self.batch._rows_program(loop), BodyProgram)
+            )
+            and self.plan.hoistable[loop]
+            and n > 1
+        ):  # (a program over tree nodes hoists over every input's tree nodes at once)
             groups = hoist_loop(self, loop, frame, captured, seqs, n)
         order = [v for v in self.plan.eager.get(loop, ()) if v not in groups] if groups else None
         stacked = self.plan.stacked.get(loop, [])
@@ -2197,7 +2716,7 @@ class _BatchBuilder(_Builder):
 
         spawn.append(tree_node)
         start = len(cg.decisions)
-        if self.batch._joint_ok(loop):  # the scheduler builds every input's tree nodes itself
+        if joint:  # the scheduler builds every input's tree nodes itself
             job = _TreeJob(cast(InputView, cg), loop, idx, defaults, seqs, length, n, captured, groups)
             job.reads, job.rows, job.parents, job.remaining = (
                 reads,
@@ -2216,14 +2735,20 @@ class _BatchBuilder(_Builder):
         spawn.clear()
         # as one node after another: each node's decisions together, in node order
         cg.decisions[start:] = sorted(cg.decisions[start:], key=lambda d: d.idx[len(idx)])
+        cg.decisions.append(Decision(loop, idx, "iterations", n))
+        env[loop] = None
+        if joint and job.stacks is not None:  # run as a program over tree nodes (its shapes checked)
+            for v in self.plan.finals.get(loop, ()):
+                env[v] = job.state[loop.carries.index(v.inputs[1])]
+            for s, row in zip(stacked, job.stacks):
+                env[s] = row
+            return
         names = [c.name for c in loop.carries]
         previous = defaults
         for t in range(n):
             for name, old, new in zip(names, previous, history[t]):
                 check_carry(loop, idx, t, name, old._value, new._value, new)
             previous = history[t]
-        cg.decisions.append(Decision(loop, idx, "iterations", n))
-        env[loop] = None
         final = history[n - 1]
         for v in self.plan.finals.get(loop, ()):
             env[v] = final[loop.carries.index(v.inputs[1])]

@@ -166,13 +166,24 @@ class BodyProgram:
         self.finals = plan.finals.get(loop, [])
         self._variants: dict[tuple[Any, ...], _Variant] = {}
 
-    def variant(self, hoisted: tuple[VirtualNode, ...], needs: frozenset[VirtualNode]) -> _Variant:
+    def variant(
+        self,
+        hoisted: tuple[VirtualNode, ...],
+        needs: frozenset[VirtualNode],
+        attrs: dict[VirtualNode, dict[str, Any]] | None = None,
+    ) -> _Variant:
         """The steps for a run that hoists ``hoisted`` and needs gradients for the inputs and
-        captured values in ``needs`` (compiled on first use)."""
-        key = (hoisted, needs)
+        captured values in ``needs`` (compiled on first use). ``attrs``: the attributes body
+        nodes' ops run with instead of their declared ones (a program over rows, where an op's
+        axes move by one: :func:`.hoist.batched_attrs`)."""
+        key = (
+            hoisted,
+            needs,
+            tuple(sorted((v.id, v.type, repr(a)) for v, a in attrs.items())) if attrs else (),
+        )
         found = self._variants.get(key)
         if found is None:
-            found = self._variants[key] = _Variant(self, hoisted, needs)
+            found = self._variants[key] = _Variant(self, hoisted, needs, attrs or {})
         return found
 
 
@@ -182,10 +193,17 @@ _counter = itertools.count()
 class _Variant:
     """One compilation of a body: slot numbers, the generated source and the two steps."""
 
-    def __init__(self, program: BodyProgram, hoisted: tuple[VirtualNode, ...], needs: frozenset[VirtualNode]):
+    def __init__(
+        self,
+        program: BodyProgram,
+        hoisted: tuple[VirtualNode, ...],
+        needs: frozenset[VirtualNode],
+        attrs: dict[VirtualNode, dict[str, Any]],
+    ):
         loop = program.loop
         self.program = program
         self.hoisted = hoisted
+        self._attrs = attrs  # (see BodyProgram.variant)
         # Slots: the record's entries. Inputs first (carries, items, child reads, hoisted rows),
         # then every computed node, then each lead branch's choice.
         inputs: list[VirtualNode] = [*loop.carries, *loop.items, *loop.children, *hoisted]
@@ -294,6 +312,10 @@ class _Variant:
                 out.append(any(r[i] is not None for i in readers for r in run.records))
         return out
 
+    def attrs(self, v: VirtualNode) -> dict[str, Any]:
+        """The attributes body node ``v``'s op runs with in these steps."""
+        return self._attrs.get(v, v.attrs)
+
     def _name(self, u: VirtualNode) -> str:
         if u in self.slot:
             return f"s{self.slot[u]}"
@@ -352,13 +374,13 @@ class _Variant:
                     self._emit(u, lines, env, pad + "    ", built, guard=True)
                 lines.append(f"{pad}    s{i} = {self._name(option)}")
             return
-        op = cast(Op, v.op)
-        index = basic_view_index(op, v.attrs)
+        op, attrs = cast(Op, v.op), self.attrs(v)
+        index = basic_view_index(op, attrs)
         if index is not None:  # a view (what GetItem's forward does, without the call)
             env[f"x{i}"] = index
             lines.append(f"{pad}s{i} = {self._name(v.inputs[0])}[x{i}]")
             return
-        env[f"f{i}"] = partial(op.forward, **v.attrs) if v.attrs else op.forward
+        env[f"f{i}"] = partial(op.forward, **attrs) if attrs else op.forward
         args = ", ".join(self._name(u) for u in v.inputs)
         lines.append(f"{pad}s{i} = f{i}({args})")
 
@@ -442,8 +464,8 @@ class _Variant:
                 continue
             lines.append(f"{pad}if type(g{i}) is not ndarray and isinstance(g{i}, LazyGrad):")
             lines.append(f"{pad}    g{i} = g{i}.dense()")
-            op = cast(Op, v.op)
-            index = basic_view_index(op, v.attrs)
+            op, attrs = cast(Op, v.op), self.attrs(v)
+            index = basic_view_index(op, attrs)
             if index is not None and v.inputs[0] in buffered:  # its gradient added into the buffer
                 k = self.slot[v.inputs[0]]
                 env[f"x{i}"] = index
@@ -457,10 +479,10 @@ class _Variant:
             wanted = self._wanted(v)
             joint = joint_vjp(op) if len(wanted) > 1 else None
             if joint is not None:  # one call for all the inputs' gradients
-                env[f"j{i}"] = partial(joint, **v.attrs) if v.attrs else joint
+                env[f"j{i}"] = partial(joint, **attrs) if attrs else joint
                 if v in prep_arg:
                     with_part = cast(tuple[Any, Callable[..., Any]], split_vjp(op))[1]
-                    env[f"w{i}"] = partial(with_part, **v.attrs) if v.attrs else with_part
+                    env[f"w{i}"] = partial(with_part, **attrs) if attrs else with_part
                     part = prep_arg[v]
                     lines.append(
                         f"{pad}J = j{i}(g{i}, s{i}, {args}) if {part} is None else w{i}({part}, g{i}, s{i}, {args})"
@@ -474,7 +496,7 @@ class _Variant:
                 if joint is not None:
                     lines.append(f"{pad}d = J[{p}]")
                 else:
-                    env[f"b{i}_{p}"] = partial(f, **v.attrs) if v.attrs else f
+                    env[f"b{i}_{p}"] = partial(f, **attrs) if attrs else f
                     lines.append(f"{pad}d = b{i}_{p}(g{i}, s{i}, {args})")
                 lines.append(f"{pad}if d.shape != {self._name(u)}.shape:")
                 # a parameter's broadcast contributions are summed once, when all are in (as the
@@ -517,7 +539,7 @@ class _Variant:
                 other.update(v.options)
                 continue
             op = cast(Op, v.op)
-            view = basic_view_index(op, v.attrs) is not None
+            view = basic_view_index(op, self.attrs(v)) is not None
             for p, u in enumerate(v.inputs):
                 if vjp_of(op, p) is not None and u in grad:
                     (views if view else other).add(u)
@@ -677,6 +699,7 @@ class ProgramRun:
         self.trips = 0
         self.capped = False
         self.kids: list[list[int]] | None = None
+        self.history: list[Any] = []  # (a batched recursion's: per carry, every tree node's update)
         self.shape = ()  # (read by the engine, which takes the loop node for an array)
         self.dtype = np.dtype(object)
 
