@@ -2314,13 +2314,26 @@ class _TreeSelect:
         choice = self.fixed.get(branch)
         if choice is None:
             rowwise, where = self.rowwise[branch], self.instance.idx_of
-            choices = [
-                select_option(branch, where(g), [x[r] if own else x for x, own in zip(values, rowwise)])
-                for r, g in enumerate(self.ids.tolist())
-            ]
-            choice = choices[0]
-            if choices.count(choice) != len(choices):
-                raise _Split(branch, np.asarray(choices))
+            if not any(rowwise):  # the same keys for every row
+                choice = select_option(branch, where(int(self.ids[0])), values)
+            else:
+                keys = [x if own else itertools.repeat(x) for x, own in zip(values, rowwise)]
+                selector, n = branch.selector, len(branch.options)
+                try:  # (iterating an array gives the rows x[r] gives)
+                    choices = [selector(*row) for row in zip(*keys)]
+                except Exception:
+                    choices = []
+                if len(choices) != len(self.ids) or not all(type(c) is int and 0 <= c < n for c in choices):
+                    # select_option's checks, conversions and errors, naming the tree node
+                    choices = [
+                        select_option(
+                            branch, where(g), [x[r] if own else x for x, own in zip(values, rowwise)]
+                        )
+                        for r, g in enumerate(self.ids.tolist())
+                    ]
+                choice = choices[0]
+                if choices.count(choice) != len(choices):
+                    raise _Split(branch, np.asarray(choices))
         self.chosen[branch] = choice
         return choice
 
@@ -2469,16 +2482,15 @@ class _TreeRowsProgram(_OverRows):
     def ran(self) -> None:
         """Give each input's job the decisions of its tree nodes (the branches' choices), as a
         build node by node records them."""
+        owner, offs, rows = self.owner, self.offs, self.rows
         for ids, choices in zip(self.steps, self.choices):
             if not choices:
                 continue
-            for g in ids.tolist():
-                r = int(self.owner[g])
-                job = self.rows[r]
-                idx = (*job.idx, g - self.offs[r])
+            for g, r in zip(ids.tolist(), owner[ids].tolist()):
+                job, t = rows[r], g - offs[r]
+                idx, made = (*job.idx, t), job.decisions[t]
                 for branch, c in choices:
-                    job.decisions[idx[-1]].append(Decision(branch, idx, "option", c))
-                    job.chosen[(branch, idx)] = c
+                    made.append(Decision(branch, idx, "option", c))
 
     def final(self, k: int, run: ProgramRun) -> Any:
         """Carry ``k``'s final value of every input (input order): its root's update."""
