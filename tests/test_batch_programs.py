@@ -733,3 +733,40 @@ def test_a_vjp_error_in_a_backward_step_over_tree_nodes_names_the_inputs_and_the
     assert batch.rows_programs
     with pytest.raises(vg.BackwardError, match=r"^inputs? [0-9, ]+.*<Touchy:1@[0-9]+>: the VJP of Touchy"):
         batch.backward("sum")
+
+
+def test_a_tree_lstm_with_a_sparse_embedding_over_tree_nodes():
+    """The benchmark's Tree-LSTM (tools/bench_dynamic.py: leaf and inner node as branch options,
+    slices of fused gates, a row-sparse embedding): every gradient equals the plain unroll's,
+    the embedding's kept row-sparse; without gradients and in anomaly mode the same outputs."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from bench_dynamic import TreeConfig, make_tree_lstm, random_tree, tree_feed
+
+    rng = np.random.default_rng(2)
+    trees = [random_tree(rng, rng.integers(0, 30, size=n)) for n in (4, 1, 6, 3)]
+    feeds = [tree_feed(t) for t in trees]
+    cfg = TreeConfig(vocab=30, embed=4, hidden=3, dtype=np.float64, sparse=True)
+
+    def make():
+        g, loss = make_tree_lstm(cfg)
+        return g, [loss]
+
+    batch = assert_identical(make, feeds)
+    assert batch.rows_programs
+    g, loss = make_tree_lstm(cfg)
+    program = g.build_batch(feeds, loss)
+    program.backward("mean")
+    assert isinstance(g.params["emb.W"].grad, vg.ops.RowSparseGrad)
+    expect = program.outputs()
+    with vg.no_grad():
+        assert g.build_batch(feeds, loss).rows_programs
+        np.testing.assert_allclose(g.build_batch(feeds, loss).outputs(), expect, **TOL)
+    with vg.detect_anomaly():  # (checks every node as it is made: op by op, and says so)
+        checked = g.build_batch(feeds, loss)
+    assert not checked.rows_programs
+    assert {why for v in checked.inputs for _, _, why in v.interpreted} == {
+        "anomaly mode checks every node as it is made"
+    }
+    np.testing.assert_allclose(checked.outputs(), expect, **TOL)
