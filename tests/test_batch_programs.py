@@ -586,12 +586,12 @@ def test_a_level_whose_tree_nodes_choose_differently_splits_by_choice():
     assert steps > len(instance.levels)  # (some level's rows chose differently)
     levels = level_of_forest(feeds)
     by_level = {}
-    for ids, choices in zip(instance.steps, instance.choices):
+    for (ids, _), choices in zip(instance.steps, instance.choices):
         assert len(set(levels[ids].tolist())) == 1  # (a step runs tree nodes of one level)
         by_level.setdefault(int(levels[ids[0]]), []).append(tuple((b.id, c) for b, c in choices))
     for parts in by_level.values():  # a level's rows in as few steps as their choices allow
         assert len(set(parts)) == len(parts)
-    assert sorted(np.concatenate(instance.steps).tolist()) == list(range(len(levels)))
+    assert sorted(np.concatenate([ids for ids, _ in instance.steps]).tolist()) == list(range(len(levels)))
 
 
 def level_of_forest(feeds):

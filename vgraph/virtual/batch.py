@@ -77,7 +77,6 @@ from .program import (
     _Acc,
     _grad_dtype,
     _seed_vjp,
-    _select_step,
     program_for,
     vjp_of,
 )
@@ -505,7 +504,7 @@ class InputView:
         self._switch: Any = None
         self._groups: dict[Any, Any] = {}
         # loop instances run as one body program over rows (BatchedBuild._run_rows): this input's row
-        self._rows: dict[tuple[LoopNode, tuple[int, ...]], tuple[_OverRows, int]] = {}
+        self._rows: dict[tuple[LoopNode, tuple[int, ...]], tuple[_RowsProgram, int]] = {}
         #: loop instances that ran op by op although programs were asked for: (loop, idx, why)
         self.interpreted: list[tuple[LoopNode, tuple[int, ...], str]] = []
 
@@ -683,7 +682,7 @@ class BatchedBuild:
         self._programs = False  # lockstep loops run as body programs over rows where they can
         self._rows_static: dict[LoopNode, BodyProgram | str] = {}
         #: the loops that ran as one body program over the rows of their inputs
-        self.rows_programs: list[_RowsProgram | _TreeRowsProgram] = []
+        self.rows_programs: list[_RowsProgram] = []
 
     def _by_depth(self, loop: LoopNode) -> bool:
         """Whether ``loop`` is a recursion whose tree nodes can be built in depth order: its body
@@ -1298,7 +1297,7 @@ class BatchedBuild:
         if found is None:
             program = program_for(loop, self.virtual_plan)
             if isinstance(program, str) or loop.structure is not None:
-                found = program  # (a recursion's branches are chosen per tree node: _TreeSelect)
+                found = program  # (a recursion's branches are chosen per tree node: _RowsSelect)
             elif any(isinstance(v, BranchNode) for v in program.computed):
                 found = "its body has branches (chosen per input): it runs op by op across inputs"
             elif loop.cond is not None or loop.until is not None:
@@ -1434,9 +1433,7 @@ class BatchedBuild:
                     needs.add(v)
         return program.variant(tuple(plan.hoisted), frozenset(needs), plan.attrs)
 
-    def _start_rows(
-        self, instance: _RowsProgram | _TreeRowsProgram, plan: _RowsPlan, caps: list[ComputeNode]
-    ) -> str | None:
+    def _start_rows(self, instance: _RowsProgram, plan: _RowsPlan, caps: list[ComputeNode]) -> str | None:
         """Run ``instance`` on its inputs' values — numpy first: nothing joins the graph unless
         the run succeeds — then add its nodes (:meth:`_add_rows_program`); or say why it failed."""
         loop, rows = instance.loop, instance.rows
@@ -1496,24 +1493,14 @@ class BatchedBuild:
         if isinstance(plan, str):
             return plan
         variant = self._rows_variant(program, rows, caps, plan)
-        instance = _RowsProgram(program, variant, rows, plan.layout, [n.sparse_grad for n in caps])
-        offs = np.asarray(instance.offs, dtype=np.intp)
-        index: dict[bool, np.ndarray] = {}  # forwards / reversed: the rows of the sources, packed
-        direction = plan.direction
-        for reverse in {direction[v] for v in (*loop.items, *plan.hoisted)}:
-            at = index[reverse] = np.empty(offs[-1], dtype=np.intp)
-            start = 0
-            for j in by_input:
-                length, trips = len(j.seqs[0]._value), cast(int, j.trips)
-                steps = np.arange(trips)
-                at[offs[:trips] + instance.row_of[j.inp]] = start + (length - 1 - steps if reverse else steps)
-                start += length
-        instance.index = [index[direction[v]] for v in (*loop.items, *plan.hoisted)]
+        lengths = [len(j.seqs[0]._value) if loop.items else cast(int, j.trips) for j in rows]
+        instance = _RowsProgram(program, variant, rows, plan.layout, [n.sparse_grad for n in caps], lengths)
+        instance.index = [instance.order_of[plan.direction[v]] for v in (*loop.items, *plan.hoisted)]
         return self._start_rows(instance, plan, caps)
 
     def _run_tree_rows(self, jobs: list[_TreeJob]) -> str | None:
         """Run the recursion of ``jobs`` (one per input, as :meth:`_run_tree_jobs`) as one body
-        program over tree nodes (:class:`_TreeRowsProgram`): level by level, every input's tree
+        program over tree nodes (:class:`_RowsProgram`): level by level, every input's tree
         nodes whose children are done in one step, children gathered by index, a branch chosen
         per tree node (the rows split by choice where they differ). Returns why not (``None``:
         it ran; nothing was added to the graph otherwise)."""
@@ -1529,13 +1516,17 @@ class BatchedBuild:
         if isinstance(plan, str):
             return plan
         variant = self._rows_variant(program, rows, caps, plan)
-        instance = _TreeRowsProgram(program, variant, rows, plan.layout, [n.sparse_grad for n in caps])
+        trips = [cast(int, j.trips) for j in rows]
+        kids = [np.asarray(j.rows, dtype=np.intp) for j in rows]
+        instance = _RowsProgram(
+            program, variant, rows, plan.layout, [n.sparse_grad for n in caps], trips, kids
+        )
         instance.index = [instance.order_of[plan.direction[v]] for v in (*loop.items, *plan.hoisted)]
         return self._start_rows(instance, plan, caps)
 
     def _add_rows_program(
         self,
-        instance: _RowsProgram | _TreeRowsProgram,
+        instance: _RowsProgram,
         hoisted_attrs: list[dict[str, Any]],
         group_of: dict[VirtualNode, Any],
         caps: list[ComputeNode],
@@ -1924,22 +1915,6 @@ def _base(p: Any) -> ComputeNode:
     return cast(ComputeNode, p.src if type(p) is Row else p)
 
 
-def _rows_grad(d: Any, seed: Any, m: int, n: int) -> Any:
-    """The gradient of ``n`` rows of a carry: ``d`` for the first ``m`` (``None``: none), the
-    rows ``m:n`` of ``seed`` (the finals' gradient in row order; ``None``: none) for the others."""
-    if d is not None and isinstance(d, LazyGrad):
-        d = d.dense()
-    if m == n or (d is None and seed is None):
-        return d
-    ref = seed if seed is not None else d
-    full = np.zeros((n, *np.shape(ref)[1:]), dtype=_grad_dtype(ref))
-    if seed is not None:
-        full[m:n] = seed[m:n]
-    if d is not None:
-        full[:m] += d
-    return full
-
-
 class _Ran:
     """What a program over rows keeps of one input's job once it ran."""
 
@@ -1949,65 +1924,338 @@ class _Ran:
         self.inp, self.idx, self.captured = inp, idx, captured
 
 
-class _OverRows(SweptOnce):
-    """What the programs over rows of a batched build share: one input's view of a body node.
+class _RowsProgram(SweptOnce):
+    """A loop or recursion of a batched build run as ONE body program over rows (see
+    :meth:`BatchedBuild._run_rows`, :meth:`BatchedBuild._run_tree_rows`).
 
-    A subclass says where row ``r``'s iteration ``t`` is (:meth:`_where`: its record, its row
-    in it, its position in the packed order of the stepped values) and what a carry is there
-    (:meth:`_carried`)."""
+    Every iteration of every input — a loop's step, a recursion's tree node — is one *row*,
+    numbered ``0 .. N-1``; each carry's updates are the rows of one buffer whose last ``B`` rows
+    are the inputs' initial values. The generated forward step runs once per *level* on that
+    level's rows, reading its carries from each row's predecessor (the previous iteration, or the
+    initial value) and a recursion's children from their rows, gathered by index:
 
-    program: BodyProgram
-    variant: Any
-    loop: LoopNode
-    rows: Sequence[Any]  # the inputs' jobs; after the run, what _Ran keeps of them
-    trips: list[int]
-    layout: dict[VirtualNode, Any]
-    index: list[np.ndarray]
-    run: ProgramRun | None
-    kept: list[Any] | None
-    hoisted_nodes: dict[VirtualNode, ComputeNode]
+    - a loop's level ``t`` is iteration ``t`` of every input that has one; the rows are numbered
+      iteration by iteration with the inputs longest run first, so a level and its predecessors
+      are contiguous (views, no gather: PyTorch's packed-sequence layout);
+    - a recursion's level is every tree node whose children are done (leaves first); its rows are
+      numbered input by input, tree node by tree node, and its carries read the initial value
+      (a recursion in depth order reads its state only through its children).
 
-    def __init__(self) -> None:
+    Where a branch chooses differently for a level's rows, the step runs once per choice on those
+    rows (:class:`_RowsSelect`). The backward step runs once per step, last first, adding each
+    row's carry and children's gradients into its predecessor's and children's rows. Stepped
+    items and hoisted nodes come as the inputs' sequences give them (concatenated in input order)
+    and are read through one index per direction.
+
+    In the batched graph it is one node ``<Loop:id@…>`` (value: a :class:`.program.ProgramRun`,
+    one record per step), a node per final carry (rows in the order of :attr:`rows`) and per
+    stacked value (every input's iterations in order, inputs concatenated in input order)."""
+
+    def __init__(
+        self,
+        program: BodyProgram,
+        variant: Any,
+        rows: list[Any],
+        layout: dict[VirtualNode, Any],
+        sparse: list[bool],
+        lengths: list[int],
+        kids: list[np.ndarray] | None = None,
+    ) -> None:
+        """``rows``: the inputs' jobs (a loop's longest run first, a recursion's in input
+        order); ``lengths``: their stepped sequences' lengths; ``kids``: a recursion's children
+        arrays (``None``: a loop)."""
+        self.program, self.variant, self.loop = program, variant, program.loop
+        self.sparse = sparse  # per captured value: whether its gradient is kept row-sparse
+        self.rows = rows  # the inputs' jobs; after the run, what _Ran keeps of them
+        self.init_nodes = [list(j.state) for j in rows]  # (a job's state becomes its finals)
+        self.layout = layout  # body node -> 0 (rows along axis 0), 1 (a fused cell's: axis 1), None (shared)
+        self.trips = trips = [cast(int, j.trips) for j in rows]
+        B, N = len(rows), sum(trips)
+        loop = self.loop
+        self.chain = kids is None
+        self.reads = [(loop.carries.index(read.inputs[0]), read.attrs["slot"]) for read in loop.children]
+        if kids is None:  # row of (r, t): first[t] + r
+            T = max(trips, default=0)
+            ended = np.bincount(trips, minlength=T + 1)
+            live = (B - np.cumsum(ended)[:T]).tolist()  # rows running iteration t
+            first = [0, *itertools.accumulate(live)]
+            self.owner = np.concatenate([np.arange(n, dtype=np.intp) for n in live] or [np.empty(0, np.intp)])
+            self.tpos = np.repeat(np.arange(T, dtype=np.intp), live)
+            self.levels: list[Any] = [slice(first[t], first[t] + n) for t, n in enumerate(live)]
+            self.preds: list[Any] = [
+                slice(first[t - 1], first[t - 1] + n) if t else slice(N, N + n) for t, n in enumerate(live)
+            ]
+            self.first = first
+            self.kids = np.empty((N, 0), dtype=np.intp)
+        else:  # row of (r, t): offs[r] + t
+            offs = [0, *itertools.accumulate(trips)]
+            self.owner = np.repeat(np.arange(B, dtype=np.intp), trips)
+            self.tpos = np.arange(N, dtype=np.intp) - np.asarray(offs[:-1], dtype=np.intp)[self.owner]
+            width = max(k.shape[1] for k in kids)  # (narrower arrays: no such child)
+            at = np.full((N, width), -1, dtype=np.intp)
+            for r, k in enumerate(kids):
+                at[offs[r] : offs[r + 1], : k.shape[1]] = np.where(k >= 0, k + offs[r], -1)
+            at[at < 0] = N + self.owner[np.nonzero(at < 0)[0]]  # a missing child: the initial value
+            self.kids = at
+            level = np.zeros(N + B, dtype=np.intp)  # (a fixed point: a level is one more than its children's)
+            level[N:] = -1
+            if width:
+                while True:
+                    new = level[at].max(axis=1) + 1
+                    if np.array_equal(new, level[:N]):
+                        break
+                    level[:N] = new
+            order = np.argsort(level[:N], kind="stable")  # (rows in input order within a level)
+            self.levels = np.split(order, np.cumsum(np.bincount(level[:N]))[:-1])
+            self.preds = [N + self.owner[ids] for ids in self.levels]  # (never read: see _by_depth)
+            self.offs = offs
+        # each input's rows in input order (the stacked values' order), and its last row
+        by_input = sorted(range(B), key=lambda r: rows[r].inp)
+        self.in_input_order = np.concatenate(
+            [self.row(r, np.arange(trips[r], dtype=np.intp)) for r in by_input] or [np.empty(0, np.intp)]
+        )
+        self.roots = np.asarray(
+            [self.row(r, trips[r] - 1) if trips[r] else N + r for r in range(B)], dtype=np.intp
+        )
+        # a forest (no tree node the child of two nodes, nor twice of one): children's gradients
+        # go back by plain indexing
+        self.tree = bool(np.bincount(self.kids[self.kids < N], minlength=1).max(initial=0) <= 1)
+        self.init_needs = [c in variant.needs for c in loop.carries]  # (their initial rows need gradients)
+        # per direction (forwards / reversed): each row's row in the inputs' sequences,
+        # concatenated in input order
+        start = np.zeros(B, dtype=np.intp)
+        start[by_input] = np.cumsum([0, *(lengths[r] for r in by_input)])[:-1]
+        begin, length = start[self.owner], np.asarray(lengths, dtype=np.intp)[self.owner]
+        self.order_of = {False: begin + self.tpos, True: begin + length - 1 - self.tpos}
+        self.index: list[np.ndarray] = []  # per stepped value (items, hoisted nodes): order_of's
+        self.update_slots = [variant.slot[loop.updates[c]] for c in loop.carries]
+        self.stack_slots = [variant.slot[st.inputs[1]] for st in program.stacked]
+        self.shared_init = [False] * len(loop.carries)  # per carry: one node for every input
+        self.steps: list[Any] = []  # per record: its rows
+        self.choices: list[list[tuple[BranchNode, int]]] = []  # per record: the choices it made
+        self.step_of = np.zeros(N, dtype=np.intp)  # per row: its record and its row in it
+        self.pos_of = np.zeros(N, dtype=np.intp)
+        self.run: ProgramRun | None = None
+        self.kept: list[Any] | None = None  # per record, every slot's gradient (when retained)
+        self.hoisted_nodes: dict[VirtualNode, ComputeNode] = {}  # (see _add_rows_program)
         # The loop node and its outputs are named by key in a graph held weakly (they hold this
         # instance: their ops are its methods).
         self.graph: Callable[[], ComputeGraph | None] = lambda: None
         self.node_key: NodeKey | None = None
         self.output_keys: list[NodeKey] = []  # when one retains its gradient, so do the body nodes
 
+    def row(self, r: int, t: Any) -> Any:
+        """The row (or rows) of input row ``r``'s iteration(s) ``t``."""
+        return self.first_of(t) + r if self.chain else self.offs[r] + t
+
+    def first_of(self, t: Any) -> Any:
+        return np.asarray(self.first, dtype=np.intp)[t] if isinstance(t, np.ndarray) else self.first[t]
+
+    def idx_of(self, g: int) -> tuple[int, ...]:
+        """The iteration path of row ``g``."""
+        return (*self.rows[int(self.owner[g])].idx, int(self.tpos[g]))
+
     def _retained(self) -> bool:
         """Whether an output of the loop node retains its gradient (then the body nodes do)."""
         graph = self.graph()
         return graph is not None and any(graph.node(k).retains_grad for k in self.output_keys)
 
-    def computed_with(self, r: int, t: int) -> tuple[int, int]:
-        """How many copies row ``r``'s iteration ``t`` was computed with (itself included), and
-        for how many inputs."""
-        raise NotImplementedError
+    # -- forward
+    def forward(self, *values: Any) -> ProgramRun:
+        """Run the steps level by level on the loop node's parents' values: the carries' initial
+        rows, the items and hoisted nodes (rows in input order), the captured values."""
+        loop, variant = self.loop, self.variant
+        nc, ni, ns = len(loop.carries), len(loop.items), len(self.index)
+        N, B = len(self.owner), len(self.rows)
+        init = [
+            np.broadcast_to(x, (B, *np.shape(x))) if shared else x
+            for x, shared in zip(values[:nc], self.shared_init)
+        ]
+        hist = [np.empty((N + B, *x.shape[1:]), dtype=x.dtype) for x in init]
+        for h, x in zip(hist, init):
+            h[N:] = x
+        stepped = [x[at] for x, at in zip(values[nc : nc + ns], self.index)]  # in row order
+        select = _RowsSelect(self, self.layout)
+        step = variant._make_step(select, *values[nc + ns :])
+        run = ProgramRun()
+        self.steps, self.choices = [], []
+        records, kids, reads, slots = run.records, self.kids, self.reads, self.update_slots
+        for level, pred in zip(self.levels, self.preds):
+            pending: list[tuple[Any, Any, dict[BranchNode, int]]] = [(level, pred, {})]
+            while pending:
+                ids, pred, fixed = pending.pop()
+                select.ids, select.fixed, select.chosen = ids, fixed, {}
+                at = [x[ids] for x in stepped]
+                try:
+                    record = step(
+                        len(records),
+                        *[h[pred] for h in hist],
+                        *at[:ni],
+                        *[hist[k][kids[ids, slot]] for k, slot in reads],
+                        *at[ni:],
+                    )
+                except _Split as split:
+                    ids, pred = _indices(ids), _indices(pred)
+                    known = {**select.chosen, split.branch: 0}
+                    for c in sorted(set(split.choices.tolist()), reverse=True):
+                        known[split.branch] = c
+                        part = split.choices == c
+                        pending.append((ids[part], pred[part], dict(known)))
+                    continue
+                for st, slot in zip(self.program.stacked, self.stack_slots):
+                    if record[slot] is None:
+                        raise BuildError(f"{st.describe()} stacks a value not computed in every iteration")
+                self.step_of[ids] = len(records)
+                self.pos_of[ids] = np.arange(len(self.owner[ids]))
+                records.append(record)
+                self.steps.append((ids, pred))
+                chosen = select.chosen  # (recorded in declaration order, as a program alone records them)
+                self.choices.append([(b, chosen[b]) for b in variant.choice if b in chosen])
+                for h, slot in zip(hist, slots):
+                    h[ids] = record[slot]
+        run.history = hist
+        run.trips = len(records)
+        return run
 
     def ran(self) -> None:
-        """Called once the run's nodes are in the graph (its jobs still reachable)."""
+        """Give each input's job the decisions of its iterations (the branches' choices), as a
+        build node by node records them."""
+        owner, tpos, rows = self.owner, self.tpos, self.rows
+        for (ids, _), choices in zip(self.steps, self.choices):
+            if not choices:
+                continue
+            for r, t in zip(owner[ids].tolist(), tpos[ids].tolist()):
+                job = rows[r]
+                idx, made = (*job.idx, t), job.decisions[t]
+                for branch, c in choices:
+                    made.append(Decision(branch, idx, "option", c))
 
-    def _carried(self, v: VirtualNode, r: int, t: int) -> Any:
-        raise NotImplementedError
+    def final(self, k: int, run: ProgramRun) -> Any:
+        """Carry ``k``'s final value of every input (in the order of :attr:`rows`): its update
+        in the input's last iteration, its initial value for an input that ran none."""
+        return run.history[k][self.roots]
 
-    def _where(self, r: int, t: int) -> tuple[int, int, int]:
-        raise NotImplementedError
+    def stacked(self, j: int, run: ProgramRun) -> Any:
+        """Stacked value ``j`` of every input after ``run``: its iterations' values in order,
+        inputs concatenated in input order."""
+        slot = self.stack_slots[j]
+        first = run.records[0][slot]
+        out = np.empty((len(self.owner), *np.shape(first)[1:]), dtype=np.asarray(first).dtype)
+        for (ids, _), record in zip(self.steps, run.records):
+            out[ids] = record[slot]
+        return out if not self.chain else out[self.in_input_order]
+
+    # -- backward
+    def backward(self, g: RunGrad, run: ProgramRun, values: Sequence[Any]) -> list[Any]:
+        loop, variant, program = self.loop, self.variant, self.program
+        nc, ni, ns = len(loop.carries), len(loop.items), len(self.index)
+        nr = len(self.reads)
+        caps = values[nc + ns :]
+        accs = [_Acc(sp) for sp in self.sparse]
+        back = variant._make_back(*caps, *[a.add for a in accs])
+        N = len(self.owner)
+        # per carry: the gradient of every row's update, and of the inputs' initial rows
+        grads = [np.zeros(h.shape, dtype=_grad_dtype(h)) for h in run.history]
+        nf = len(program.finals)
+        for k, f in enumerate(program.finals):
+            s = g.seeds.get(k)
+            if s is not None:
+                grads[loop.carries.index(f.inputs[1])][self.roots] += (
+                    s.dense() if isinstance(s, LazyGrad) else s
+                )
+        stack_seed: list[Any] = []
+        for j in range(len(program.stacked)):
+            s = g.seeds.get(nf + j)
+            if s is not None:
+                s = s.dense() if isinstance(s, LazyGrad) else s
+                if self.chain:  # (input order -> row order)
+                    rows = np.empty_like(s)
+                    rows[self.in_input_order] = s
+                    s = rows
+            stack_seed.append(s)
+        step_grad: list[Any] = [None] * ns  # in row order
+        keep = self._retained()
+        kept: list[Any] = [None] * len(self.steps)
+        kids, chain = self.kids, self.chain
+        for t in range(len(self.steps) - 1, -1, -1):
+            ids, pred = self.steps[t]
+            u = [gr[ids] for gr in grads]
+            q = [None if s is None else s[ids] for s in stack_seed]
+            try:
+                if keep:
+                    res, kept[t] = back(True, run.records[t], *u, *q)
+                else:
+                    res = back(False, run.records[t], *u, *q)
+            except VGraphError:
+                raise
+            except Exception as e:
+                first = int(_indices(ids)[0])
+                raise _step_error(
+                    variant, e, [self.rows[r].inp for r in self.owner[ids].tolist()], self.idx_of(first)
+                ) from e
+            for k in range(nc):
+                d = res[k]
+                if d is not None:  # (a loop's: each row one predecessor; a recursion's carries are not read)
+                    d = d.dense() if isinstance(d, LazyGrad) else d
+                    if chain:
+                        grads[k][pred] += d
+                    else:
+                        np.add.at(grads[k], pred, d)
+            for r, (k, slot) in enumerate(self.reads):
+                d = res[nc + ni + r]
+                if d is None:
+                    continue
+                d = d.dense() if isinstance(d, LazyGrad) else d
+                at = kids[ids, slot]
+                if self.tree:  # each tree node is one row's child: indexing adds each row once
+                    real = at < N
+                    grads[k][at[real]] += d[real]
+                    if self.init_needs[k] and not real.all():  # (an initial row is many rows' child)
+                        np.add.at(grads[k], at[~real], d[~real])
+                else:
+                    np.add.at(grads[k], at, d)
+            for i in range(ns):
+                d = res[nc + (i if i < ni else nr + i)]
+                if d is None:
+                    continue
+                if step_grad[i] is None:
+                    x = values[nc + i]
+                    step_grad[i] = np.zeros((N, *np.shape(x)[1:]), dtype=_grad_dtype(x))
+                step_grad[i][ids] += d.dense() if isinstance(d, LazyGrad) else d
+        self.kept = kept if keep else None
+        for i, rows in enumerate(step_grad):  # back to the sources' rows (each read at most once)
+            if rows is not None:
+                x = values[nc + i]
+                step_grad[i] = np.zeros(np.shape(x), dtype=rows.dtype)
+                step_grad[i][self.index[i]] = rows
+        init_grad = []
+        for k, gr in enumerate(grads):
+            d = gr[N:]
+            init_grad.append(d.sum(axis=0) if self.shared_init[k] else d)
+        return [*init_grad, *step_grad, *(a.g for a in accs)]
+
+    # -- one input's view
+    def computed_with(self, r: int, t: int) -> tuple[int, int]:
+        """How many rows row ``r``'s iteration ``t`` was computed with (itself included), and of
+        how many inputs."""
+        ids = self.steps[int(self.step_of[self.row(r, t)])][0]
+        return len(self.owner[ids]), len(np.unique(self.owner[ids]))
 
     def value_of(self, v: VirtualNode, r: int, t: int) -> tuple[Any, Any]:
-        """Body node ``v`` of row ``r`` in iteration ``t``: ``(value, gradient or None)``, or
-        ``(node, None)`` for what is a node of the batched graph (a captured value, an initial
-        value); raises KeyError if the row has no such iteration or did not compute ``v`` there."""
+        """Body node ``v`` of input row ``r`` in iteration ``t``: ``(value, gradient or None)``,
+        or ``(node, None)`` for what is a node of the batched graph (a captured value, an initial
+        value); raises KeyError if the input has no such iteration or did not compute ``v`` there."""
         if not 0 <= t < self.trips[r]:
             raise KeyError(t)
-        if v.kind == "carry":
-            found = self._carried(v, r, t)
-            if not isinstance(found, tuple):
-                return found, None
-            v, t = found
-        variant = self.variant
+        loop, variant = self.loop, self.variant
+        if v.kind == "carry":  # a loop's: the previous iteration's update; a recursion's: the initial value
+            if t == 0 or not self.chain:
+                return self.init_nodes[r][loop.carries.index(v)], None
+            v, t = loop.updates[v], t - 1
         if v in variant.captured:
             return self.rows[r].captured[v], None
-        s, p, packed = self._where(r, t)
+        g = self.row(r, t)
+        s, p = int(self.step_of[g]), int(self.pos_of[g])
         slot = variant.slot[v]
         value = cast(ProgramRun, self.run).records[s][slot]
         if value is None:  # (an option not chosen)
@@ -2022,190 +2270,14 @@ class _OverRows(SweptOnce):
         elif v in self.hoisted_nodes:  # its gradient is its row of the hoisted group's
             node = self.hoisted_nodes[v]
             if node.grad is not None:
-                source = self.index[len(self.loop.items) + variant.hoisted.index(v)][packed]
+                source = self.index[len(loop.items) + variant.hoisted.index(v)][g]
                 grad = np.array(np.asarray(node.grad)[source])
         return (value if lay is None else value[at]), grad
 
 
-class _RowsProgram(_OverRows):
-    """A lockstep loop of a batched build run as ONE body program over rows (see
-    :meth:`BatchedBuild._run_rows`): the inputs' carries are the rows of one buffer, longest
-    run first, so that the rows still running at iteration ``t`` are the first ``live[t]``; the
-    generated forward step runs once per iteration on those rows, the backward step once per
-    iteration in backward. Stepped items and hoisted nodes come as the inputs' sequences give
-    them (concatenated in input order) and are *packed* by one index: iteration ``t``'s rows are
-    ``packed[offs[t]:offs[t + 1]]`` (the layout of PyTorch's packed sequences).
-
-    In the batched graph it is one node ``<Loop:id@…>`` (value: a :class:`.program.ProgramRun`
-    whose records hold ``live[t]`` rows), a node per final carry (rows in row order) and per
-    stacked value (every input's rows concatenated in input order, as ragged groups are)."""
-
-    def __init__(
-        self,
-        program: BodyProgram,
-        variant: Any,
-        rows: list[_LoopJob],
-        layout: dict[VirtualNode, Any],
-        sparse: list[bool],
-    ) -> None:
-        super().__init__()
-        self.program, self.variant, self.loop = program, variant, program.loop
-        self.sparse = sparse  # per captured value: whether its gradient is kept row-sparse
-        self.rows = rows  # the inputs' runs, longest first
-        self.init_nodes = [list(j.state) for j in rows]  # (a job's state becomes its finals)
-        self.hoisted_nodes: dict[VirtualNode, ComputeNode] = {}  # (see _add_rows_program)
-        self.trips = [cast(int, j.trips) for j in rows]
-        T = self.trips[0]
-        ended = np.bincount(self.trips, minlength=T + 1)  # rows whose run has t iterations
-        self.live = (len(rows) - np.cumsum(ended)[:T]).tolist()  # rows running iteration t
-        self.offs = [0, *itertools.accumulate(self.live)]
-        self.layout = layout  # body node -> 0 (rows along axis 0), 1 (a fused cell's: axis 1), None (shared)
-        loop = self.loop
-        self.update_slots = [variant.slot[loop.updates[c]] for c in loop.carries]
-        self.stack_slots = [variant.slot[s.inputs[1]] for s in program.stacked]
-        self.row_of = {j.inp: r for r, j in enumerate(rows)}
-        # packed position of (input order concatenation position): row r's iterations in order
-        self.perm = np.concatenate(
-            [np.asarray(self.offs[: self.trips[self.row_of[i]]], dtype=np.intp) + self.row_of[i]
-             for i in sorted(self.row_of)]
-        )  # fmt: skip
-        self.select = _select_step(())  # (no branch in a program over rows: never called)
-        self.run: ProgramRun | None = None
-        self.kept: list[Any] | None = None  # per iteration, every slot's gradient (when retained)
-        self.n_steps = len(loop.items) + len(variant.hoisted)
-        self.init_values: list[Any] = []  # the carries' initial rows (for rows that run no iteration)
-        # per carry: whether every input starts from the same node (the loop node's parent then)
-        self.shared_init = [False] * len(loop.carries)
-        # per stepped value (items, hoisted nodes): its packed rows' rows in the source (input order)
-        self.index: list[np.ndarray] = []
-
-    # -- forward
-    def forward(self, *values: Any) -> ProgramRun:
-        """Run the steps on the loop node's parents' values: the carries' initial rows, the items
-        and hoisted nodes (rows in input order), the captured values."""
-        nc, ns = len(self.loop.carries), self.n_steps
-        state = [
-            np.broadcast_to(x, (len(self.rows), *np.shape(x))) if shared else x
-            for x, shared in zip(values[:nc], self.shared_init)
-        ]
-        self.init_values = state
-        stepped = [x[at] for x, at in zip(values[nc : nc + ns], self.index)]  # packed
-        step = self.variant._make_step(self.select, *values[nc + ns :])
-        run = ProgramRun()
-        records, offs, slots = run.records, self.offs, self.update_slots
-        for t, n in enumerate(self.live):
-            a = offs[t]
-            state = [s if len(s) == n else s[:n] for s in state]
-            record = step(t, *state, *[x[a : a + n] for x in stepped])
-            records.append(record)
-            state = [record[i] for i in slots]
-        run.trips = len(self.live)
-        return run
-
-    def final(self, k: int, run: ProgramRun) -> Any:
-        """Carry ``k``'s final value of every row (row order) after ``run``: its update in the
-        row's last iteration, its initial value for a row that ran none."""
-        records, slot, live = run.records, self.update_slots[k], self.live
-        out = np.array(self.init_values[k])
-        for t, n in enumerate(live):
-            m = live[t + 1] if t + 1 < len(live) else 0
-            if m < n:
-                out[m:n] = records[t][slot][m:n]
-        return out
-
-    def stacked(self, j: int, run: ProgramRun) -> Any:
-        """Stacked value ``j`` of every input after ``run``, concatenated in input order."""
-        slot = self.stack_slots[j]
-        return np.concatenate([r[slot] for r in run.records])[self.perm]
-
-    # -- backward
-    def backward(self, g: RunGrad, run: ProgramRun, values: Sequence[Any]) -> list[Any]:
-        loop, variant, program = self.loop, self.variant, self.program
-        nc, ns = len(loop.carries), self.n_steps
-        caps = values[nc + ns :]
-        accs = [_Acc(sp) for sp in self.sparse]
-        back = variant._make_back(*caps, *[a.add for a in accs])
-        nf = len(program.finals)
-        final_seed: list[Any] = [None] * nc
-        for k, f in enumerate(program.finals):
-            s = g.seeds.get(k)
-            if s is not None:
-                s = s.dense() if isinstance(s, LazyGrad) else s
-                c = loop.carries.index(f.inputs[1])
-                final_seed[c] = s if final_seed[c] is None else final_seed[c] + s
-        stack_seed: list[Any] = []
-        for j in range(len(program.stacked)):
-            s = g.seeds.get(nf + j)
-            if s is not None:
-                s = s.dense() if isinstance(s, LazyGrad) else s
-                packed = np.empty_like(s)
-                packed[self.perm] = s
-                s = packed
-            stack_seed.append(s)
-        step_grad: list[Any] = [None] * ns
-        live, offs = self.live, self.offs
-        keep = self._retained()
-        kept: list[Any] = [None] * len(live)
-        carry_in: list[Any] = [None] * nc
-        m = 0  # the rows of iteration t + 1
-        for t in range(len(live) - 1, -1, -1):
-            n = live[t]
-            u: list[Any] = []
-            for k in range(nc):  # rows m..n end at t: their finals' gradients join there
-                u.append(_rows_grad(carry_in[k], final_seed[k], m, n))
-            a = offs[t]
-            q = [None if s is None else s[a : a + n] for s in stack_seed]
-            try:
-                if keep:
-                    res, kept[t] = back(True, run.records[t], *u, *q)
-                else:
-                    res = back(False, run.records[t], *u, *q)
-            except VGraphError:
-                raise
-            except Exception as e:
-                raise self._vjp_error(e, t, n) from e
-            carry_in = list(res[:nc])
-            for i in range(ns):
-                d = res[nc + i]
-                if d is None:
-                    continue
-                if step_grad[i] is None:
-                    x = values[nc + i]
-                    step_grad[i] = np.zeros((offs[-1], *np.shape(x)[1:]), dtype=_grad_dtype(x))
-                if isinstance(d, LazyGrad):
-                    d.add_into(step_grad[i][a : a + n])
-                else:
-                    step_grad[i][a : a + n] += d
-            m = n
-        self.kept = kept if keep else None
-        for i, packed in enumerate(step_grad):  # back to the sources' rows (each read at most once)
-            if packed is not None:
-                x = values[nc + i]
-                step_grad[i] = np.zeros(np.shape(x), dtype=packed.dtype)
-                step_grad[i][self.index[i]] = packed
-        init_grad: list[Any] = []
-        n0 = live[0] if live else 0
-        for k in range(nc):  # rows n0.. ran no iteration: their finals are their initial values
-            d = _rows_grad(carry_in[k], final_seed[k], n0, len(self.rows))
-            init_grad.append(d.sum(axis=0) if d is not None and self.shared_init[k] else d)
-        return [*init_grad, *step_grad, *(a.g for a in accs)]
-
-    def _vjp_error(self, e: Exception, t: int, n: int) -> Exception:
-        """The error for exception ``e`` raised in iteration ``t``'s backward step over the first
-        ``n`` rows."""
-        return _step_error(self.variant, e, [j.inp for j in self.rows[:n]], (*self.rows[0].idx, t))
-
-    # -- one input's view (see _OverRows.value_of)
-    def _carried(self, v: VirtualNode, r: int, t: int) -> Any:
-        if t == 0:  # the initial value
-            return self.init_nodes[r][self.loop.carries.index(v)]
-        return self.loop.updates[v], t - 1  # the previous iteration's update
-
-    def _where(self, r: int, t: int) -> tuple[int, int, int]:
-        return t, r, self.offs[t] + r
-
-    def computed_with(self, r: int, t: int) -> tuple[int, int]:
-        return self.live[t], self.live[t]
+def _indices(ids: Any) -> np.ndarray:
+    """Rows given as a slice or an index array, as an index array."""
+    return np.arange(ids.start, ids.stop, dtype=np.intp) if isinstance(ids, slice) else ids
 
 
 def _step_error(variant: Any, e: Exception, inputs: list[int], idx: tuple[int, ...]) -> Exception:
@@ -2284,21 +2356,21 @@ def _probe_shapes(
 
 
 class _Split(Exception):
-    """A branch's selector chose differently for the rows of one step (:class:`_TreeSelect`)."""
+    """A branch's selector chose differently for the rows of one step (:class:`_RowsSelect`)."""
 
     def __init__(self, branch: BranchNode, choices: np.ndarray) -> None:
         super().__init__(branch.describe())
         self.branch, self.choices = branch, choices
 
 
-class _TreeSelect:
-    """The ``SELECT`` of a program over tree nodes: a branch's selector run on each row's own
-    key values (a row's tree node named in errors); the one choice if all rows agree, else
+class _RowsSelect:
+    """The ``SELECT`` of a program over rows: a branch's selector run on each row's own key
+    values (a row's iteration named in errors); the one choice if all rows agree, else
     :class:`_Split`. Branches in ``fixed`` are already chosen for these rows."""
 
     __slots__ = ("chosen", "fixed", "ids", "instance", "rowwise")
 
-    def __init__(self, instance: _TreeRowsProgram, layout: dict[VirtualNode, Any]) -> None:
+    def __init__(self, instance: _RowsProgram, layout: dict[VirtualNode, Any]) -> None:
         self.instance = instance
         # per lead branch, per key: whether each row has its own value
         self.rowwise = {
@@ -2306,16 +2378,16 @@ class _TreeSelect:
             for v in instance.program.computed
             if isinstance(v, BranchNode) and v.lead is None
         }
-        self.ids: np.ndarray = np.empty(0, dtype=np.intp)
+        self.ids: Any = np.empty(0, dtype=np.intp)  # the rows of the step (a slice or an index array)
         self.fixed: dict[BranchNode, int] = {}
         self.chosen: dict[BranchNode, int] = {}
 
     def __call__(self, branch: BranchNode, t: int, values: tuple[Any, ...]) -> int:
         choice = self.fixed.get(branch)
         if choice is None:
-            rowwise, where = self.rowwise[branch], self.instance.idx_of
+            rowwise, where, ids = self.rowwise[branch], self.instance.idx_of, _indices(self.ids)
             if not any(rowwise):  # the same keys for every row
-                choice = select_option(branch, where(int(self.ids[0])), values)
+                choice = select_option(branch, where(int(ids[0])), values)
             else:
                 keys = [x if own else itertools.repeat(x) for x, own in zip(values, rowwise)]
                 selector, n = branch.selector, len(branch.options)
@@ -2323,272 +2395,19 @@ class _TreeSelect:
                     choices = [selector(*row) for row in zip(*keys)]
                 except Exception:
                     choices = []
-                if len(choices) != len(self.ids) or not all(type(c) is int and 0 <= c < n for c in choices):
+                if len(choices) != len(ids) or not all(type(c) is int and 0 <= c < n for c in choices):
                     # select_option's checks, conversions and errors, naming the tree node
                     choices = [
                         select_option(
                             branch, where(g), [x[r] if own else x for x, own in zip(values, rowwise)]
                         )
-                        for r, g in enumerate(self.ids.tolist())
+                        for r, g in enumerate(ids.tolist())
                     ]
                 choice = choices[0]
                 if choices.count(choice) != len(choices):
                     raise _Split(branch, np.asarray(choices))
         self.chosen[branch] = choice
         return choice
-
-
-class _TreeRowsProgram(_OverRows):
-    """A recursion of a batched build run as ONE body program over tree nodes (see
-    :meth:`BatchedBuild._run_tree_rows`). The inputs' tree nodes are numbered one after another
-    in input order (node ``t`` of input ``r`` is ``offs[r] + t``); the carries' updates of every
-    tree node are rows of one buffer per carry, whose last rows are the inputs' initial values
-    (what a missing child reads). The generated forward step runs once per *level* — the tree
-    nodes of every input whose children are done (leaves first) — on their rows, the children's
-    rows gathered by index; where a branch chooses differently for a level's rows, the step runs
-    once per choice on those rows. The backward step runs once per such step, last first,
-    scattering the children's gradients back by index.
-
-    In the batched graph it is one node ``<Loop:id@…>`` (value: a :class:`.program.ProgramRun`,
-    one record per step), a node per final carry (each input's root, in input order) and per
-    stacked value (every input's tree nodes in order, inputs concatenated)."""
-
-    def __init__(
-        self,
-        program: BodyProgram,
-        variant: Any,
-        rows: list[_TreeJob],
-        layout: dict[VirtualNode, Any],
-        sparse: list[bool],
-    ) -> None:
-        super().__init__()
-        self.program, self.variant, self.loop = program, variant, program.loop
-        self.sparse = sparse  # per captured value: whether its gradient is kept row-sparse
-        self.rows = rows  # the inputs' runs, in input order
-        self.init_nodes = [list(j.state) for j in rows]  # (a job's state becomes its finals)
-        self.hoisted_nodes: dict[VirtualNode, ComputeNode] = {}  # (see _add_rows_program)
-        self.trips = [cast(int, j.trips) for j in rows]
-        self.offs = [0, *itertools.accumulate(self.trips)]
-        N, B = self.offs[-1], len(rows)
-        self.layout = layout
-        loop = self.loop
-        self.update_slots = [variant.slot[loop.updates[c]] for c in loop.carries]
-        self.stack_slots = [variant.slot[st.inputs[1]] for st in program.stacked]
-        self.row_of = {j.inp: r for r, j in enumerate(rows)}
-        self.owner = np.repeat(np.arange(B, dtype=np.intp), self.trips)  # each tree node's input row
-        width = max(len(j.rows[0]) for j in rows)  # (narrower arrays: no such child)
-        kids = np.full((N, width), -1, dtype=np.intp)
-        for r, j in enumerate(rows):  # global numbers; a missing child reads its input's initial row
-            block = np.asarray(j.rows, dtype=np.intp)
-            kids[self.offs[r] : self.offs[r + 1], : block.shape[1]] = np.where(
-                block >= 0, block + self.offs[r], -1
-            )
-        kids[kids < 0] = N + self.owner[np.nonzero(kids < 0)[0]]
-        self.kids = kids
-        # a forest (no tree node is the child of two nodes, nor twice of one): children's
-        # gradients go back by plain indexing
-        self.tree = bool(np.bincount(kids[kids < N], minlength=1).max(initial=0) <= 1)
-        self.reads = [(loop.carries.index(read.inputs[0]), read.attrs["slot"]) for read in loop.children]
-        self.init_needs = [c in variant.needs for c in loop.carries]  # (their initial rows need gradients)
-        self.roots = np.asarray(self.offs[1:], dtype=np.intp) - 1  # children first: the root is last
-        # levels: a tree node runs one step after its last child (leaves: level 0)
-        level = np.zeros(N + B, dtype=np.intp)
-        level[N:] = -1
-        if kids.shape[1]:
-            while True:
-                new = level[kids].max(axis=1) + 1
-                if np.array_equal(new, level[:N]):
-                    break
-                level[:N] = new
-        order = np.argsort(level[:N], kind="stable")  # (tree nodes in input order within a level)
-        bounds = np.cumsum(np.bincount(level[:N]))
-        self.levels = np.split(order, bounds[:-1])
-        # per direction (forwards / reversed): each tree node's row in its input's sequences,
-        # concatenated in input order
-        starts = np.asarray(self.offs[:-1], dtype=np.intp)[self.owner]
-        ts = np.arange(N, dtype=np.intp) - starts
-        ends = np.asarray(self.trips, dtype=np.intp)[self.owner]
-        self.order_of = {False: np.arange(N, dtype=np.intp), True: starts + ends - 1 - ts}
-        self.index: list[np.ndarray] = []  # per stepped value (items, hoisted nodes): order_of's
-        self.shared_init = [False] * len(loop.carries)
-        self.steps: list[np.ndarray] = []  # per record: its tree nodes
-        self.choices: list[list[tuple[BranchNode, int]]] = []  # per record: the choices it made
-        self.step_of = np.zeros(N, dtype=np.intp)  # per tree node: its record and row in it
-        self.pos_of = np.zeros(N, dtype=np.intp)
-        self.run: ProgramRun | None = None
-        self.kept: list[Any] | None = None
-
-    def idx_of(self, g: int) -> tuple[int, ...]:
-        """The iteration path of tree node ``g`` (global number)."""
-        r = int(self.owner[g])
-        return (*self.rows[r].idx, g - self.offs[r])
-
-    # -- forward
-    def forward(self, *values: Any) -> ProgramRun:
-        """Run the steps level by level on the loop node's parents' values: the carries' initial
-        rows, the items and hoisted nodes (rows in input order), the captured values."""
-        loop, variant = self.loop, self.variant
-        nc, ni, ns = len(loop.carries), len(loop.items), len(self.index)
-        N, B = self.offs[-1], len(self.rows)
-        init = [
-            np.broadcast_to(x, (B, *np.shape(x))) if shared else x
-            for x, shared in zip(values[:nc], self.shared_init)
-        ]
-        hist = [np.empty((N + B, *x.shape[1:]), dtype=x.dtype) for x in init]
-        for h, x in zip(hist, init):
-            h[N:] = x
-        stepped = [x[at] for x, at in zip(values[nc : nc + ns], self.index)]  # tree node order
-        select = _TreeSelect(self, self.layout)
-        step = variant._make_step(select, *values[nc + ns :])
-        run = ProgramRun()
-        self.steps, self.choices = [], []
-        records, owner, kids, reads, slots = run.records, self.owner, self.kids, self.reads, self.update_slots
-        pending: list[tuple[np.ndarray, dict[BranchNode, int]]] = []
-        for level in self.levels:
-            pending.append((level, {}))
-            while pending:
-                ids, fixed = pending.pop()
-                select.ids, select.fixed, select.chosen = ids, fixed, {}
-                at = [x[ids] for x in stepped]
-                try:
-                    record = step(
-                        len(records),
-                        *[x[owner[ids]] for x in init],  # (never read: see BatchedBuild._by_depth)
-                        *at[:ni],
-                        *[hist[k][kids[ids, slot]] for k, slot in reads],
-                        *at[ni:],
-                    )
-                except _Split as split:
-                    known = {**select.chosen, split.branch: 0}
-                    for c in sorted(set(split.choices.tolist()), reverse=True):
-                        known[split.branch] = c
-                        pending.append((ids[split.choices == c], dict(known)))
-                    continue
-                for st, slot in zip(self.program.stacked, self.stack_slots):
-                    if record[slot] is None:
-                        raise BuildError(f"{st.describe()} stacks a value not computed in every tree node")
-                self.step_of[ids] = len(records)
-                self.pos_of[ids] = np.arange(len(ids))
-                records.append(record)
-                self.steps.append(ids)
-                chosen = select.chosen  # (recorded in declaration order, as a program alone records them)
-                self.choices.append([(b, chosen[b]) for b in self.variant.choice if b in chosen])
-                for h, slot in zip(hist, slots):
-                    h[ids] = record[slot]
-        run.history = hist
-        run.trips = len(records)
-        return run
-
-    def ran(self) -> None:
-        """Give each input's job the decisions of its tree nodes (the branches' choices), as a
-        build node by node records them."""
-        owner, offs, rows = self.owner, self.offs, self.rows
-        for ids, choices in zip(self.steps, self.choices):
-            if not choices:
-                continue
-            for g, r in zip(ids.tolist(), owner[ids].tolist()):
-                job, t = rows[r], g - offs[r]
-                idx, made = (*job.idx, t), job.decisions[t]
-                for branch, c in choices:
-                    made.append(Decision(branch, idx, "option", c))
-
-    def final(self, k: int, run: ProgramRun) -> Any:
-        """Carry ``k``'s final value of every input (input order): its root's update."""
-        return run.history[k][self.roots]
-
-    def stacked(self, j: int, run: ProgramRun) -> Any:
-        """Stacked value ``j`` of every input after ``run``: its tree nodes' values in order,
-        inputs concatenated in input order."""
-        slot = self.stack_slots[j]
-        first = run.records[0][slot]
-        out = np.empty((self.offs[-1], *np.shape(first)[1:]), dtype=np.asarray(first).dtype)
-        for ids, record in zip(self.steps, run.records):
-            out[ids] = record[slot]
-        return out
-
-    # -- backward
-    def backward(self, g: RunGrad, run: ProgramRun, values: Sequence[Any]) -> list[Any]:
-        loop, variant, program = self.loop, self.variant, self.program
-        nc, ni, ns = len(loop.carries), len(loop.items), len(self.index)
-        nr = len(self.reads)
-        caps = values[nc + ns :]
-        accs = [_Acc(sp) for sp in self.sparse]
-        back = variant._make_back(*caps, *[a.add for a in accs])
-        N = self.offs[-1]
-        # per carry: the gradient of every tree node's update, and of the inputs' initial rows
-        grads = [np.zeros(h.shape, dtype=_grad_dtype(h)) for h in run.history]
-        nf = len(program.finals)
-        for k, f in enumerate(program.finals):
-            s = g.seeds.get(k)
-            if s is not None:
-                s = s.dense() if isinstance(s, LazyGrad) else s
-                grads[loop.carries.index(f.inputs[1])][self.roots] += s
-        stack_seed = []
-        for j in range(len(program.stacked)):
-            s = g.seeds.get(nf + j)
-            stack_seed.append(s.dense() if isinstance(s, LazyGrad) else s)
-        step_grad: list[Any] = [None] * ns  # in tree node order
-        keep = self._retained()
-        kept: list[Any] = [None] * len(self.steps)
-        kids = self.kids
-        for t in range(len(self.steps) - 1, -1, -1):
-            ids = self.steps[t]
-            u = [gr[ids] for gr in grads]
-            q = [None if s is None else s[ids] for s in stack_seed]
-            try:
-                if keep:
-                    res, kept[t] = back(True, run.records[t], *u, *q)
-                else:
-                    res = back(False, run.records[t], *u, *q)
-            except VGraphError:
-                raise
-            except Exception as e:
-                raise _step_error(variant, e, self.owner[ids].tolist(), self.idx_of(int(ids[0]))) from e
-            for r, (k, slot) in enumerate(self.reads):
-                d = res[nc + ni + r]
-                if d is None:
-                    continue
-                d = d.dense() if isinstance(d, LazyGrad) else d
-                at = kids[ids, slot]
-                if self.tree:  # each tree node is one row's child: indexing adds each row once
-                    real = at < N
-                    grads[k][at[real]] += d[real]
-                    if self.init_needs[k] and not real.all():  # (an initial row is many rows' child)
-                        np.add.at(grads[k], at[~real], d[~real])
-                else:
-                    np.add.at(grads[k], at, d)
-            for i in range(ns):
-                d = res[nc + (i if i < ni else nr + i)]
-                if d is None:
-                    continue
-                if step_grad[i] is None:
-                    x = values[nc + i]
-                    step_grad[i] = np.zeros((N, *np.shape(x)[1:]), dtype=_grad_dtype(x))
-                step_grad[i][ids] += d.dense() if isinstance(d, LazyGrad) else d
-        self.kept = kept if keep else None
-        for i, rows in enumerate(step_grad):  # back to the sources' rows
-            if rows is not None:
-                x = values[nc + i]
-                step_grad[i] = np.zeros(np.shape(x), dtype=rows.dtype)
-                step_grad[i][self.index[i]] = rows
-        init_grad = []
-        for k, gr in enumerate(grads):
-            d = gr[N:]
-            init_grad.append(d.sum(axis=0) if self.shared_init[k] else d)
-        return [*init_grad, *step_grad, *(a.g for a in accs)]
-
-    # -- one input's view (see _OverRows.value_of)
-    def _carried(self, v: VirtualNode, r: int, t: int) -> Any:
-        # the initial value: what a recursion's carry holds (see BatchedBuild._by_depth)
-        return self.init_nodes[r][self.loop.carries.index(v)]
-
-    def _where(self, r: int, t: int) -> tuple[int, int, int]:
-        g = self.offs[r] + t
-        return int(self.step_of[g]), int(self.pos_of[g]), g
-
-    def computed_with(self, r: int, t: int) -> tuple[int, int]:
-        ids = self.steps[int(self.step_of[self.offs[r] + t])]
-        return len(ids), len(np.unique(self.owner[ids]))
 
 
 class _BatchBuilder(_Builder):
