@@ -424,6 +424,9 @@ class _Variant:
         # step's result can be the row itself: a sum of several would be written over a row that
         # the first one's other readers hold).
         routes = self._route_counts()
+        # Per hoisted node, whether the steps give it a gradient (else it gets one, if any, from
+        # another hoisted node's VJP after the sweep).
+        self.stepped_grads = [v in grad and routes[v] > 0 for v in self.hoisted]
         self.rowed = [h for h, v in enumerate(self.hoisted) if v in grad and routes[v] == 1]
         self._row_arg = {self.hoisted[h]: f"o{k}" for k, h in enumerate(self.rowed)}
         seeds += [f"{name}=None" for name in self._row_arg.values()]
@@ -997,9 +1000,9 @@ class ProgramInstance(SweptOnce):
         seq_grad: list[Any] = [None] * ns
         items = loop.items
         ni, nr, nh = len(items), len(loop.children), len(variant.hoisted)
-        grad = variant.grad_slots
         hoisted_grads = [
-            _HoistedGrad(value) if v in grad else None for v, value in zip(variant.hoisted, run.hoisted)
+            _HoistedGrad(value) if stepped else None
+            for stepped, value in zip(variant.stepped_grads, run.hoisted)
         ]
         # Per hoisted node the step writes into: the rows of its buffer, handed in by iteration.
         step_rows = [cast(_HoistedGrad, hoisted_grads[h]).rows for h in variant.rowed]
@@ -1217,6 +1220,8 @@ class ProgramInstance(SweptOnce):
             gv = grads.pop(v, None)
             if gv is None:
                 continue
+            if isinstance(gv, LazyGrad):  # (from a hoisted view of it: all are in, as the engine's turn)
+                gv = gv.dense()
             if keep is not None:  # a hoisted node's gradient is its row of the group's
                 slot = variant.slot[v]
                 for t, views in keep.items():
