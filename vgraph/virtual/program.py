@@ -420,13 +420,13 @@ class _Variant:
                 prep_arg[v] = f"p{len(self.prepped)}"
                 self.prepped.append((self.slot[v], split[0]))
         seeds += [f"{name}=None" for name in prep_arg.values()]  # (a caller may leave them out)
-        # The hoisted nodes whose gradient one place of the step gives (the only case where the
-        # step's result can be the row itself: a sum of several would be written over a row that
-        # the first one's other readers hold).
         routes = self._route_counts()
         # Per hoisted node, whether the steps give it a gradient (else it gets one, if any, from
         # another hoisted node's VJP after the sweep).
         self.stepped_grads = [v in grad and routes[v] > 0 for v in self.hoisted]
+        # The hoisted nodes whose gradient one place of the step gives: the step writes it into
+        # the row it is handed. (Where several add up, their sum is not the first one's row, which
+        # that one's other readers may hold: the driver copies the sum in.)
         self.rowed = [h for h, v in enumerate(self.hoisted) if v in grad and routes[v] == 1]
         self._row_arg = {self.hoisted[h]: f"o{k}" for k, h in enumerate(self.rowed)}
         seeds += [f"{name}=None" for name in self._row_arg.values()]
@@ -686,10 +686,13 @@ class _HoistedGrad:
         self.reached = True
         if type(g) is np.ndarray and g.shape == row.shape and g.dtype == row.dtype:
             np.copyto(row, g)
+            return
+        row.fill(0)
+        if isinstance(g, LazyGrad):
+            g.add_into(row)
         else:
-            row.fill(0)
-            _add_row(self.buf, t, g)
-            self.exact = False
+            row += g
+        self.exact = False
 
     def result(self, trips: int) -> np.ndarray | None:
         """The gradient after a sweep over ``trips`` iterations (``None``: none reached any)."""
