@@ -41,12 +41,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import linecache
+from collections import Counter
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from .. import workspace
 from ..compute import ComputeNode, NodeKey, value_summary
 from ..errors import BackwardError, BuildError, NonFiniteError, StructureChangedError, VGraphError
 from ..modes import is_anomaly_enabled
@@ -405,10 +407,12 @@ class _Variant:
 
     # -- the backward step
     def _backward_source(self) -> tuple[str, dict[str, Any]]:
-        """``back(KEEP, record, g_updates…, g_stacked…, parts…)`` returns the gradients of the
-        inputs' slots (``None`` where none reached); captured values' gradients go to ``A<j>(g)``.
-        ``parts``: per slot of :attr:`prepped`, this iteration's records-only part of its split
-        VJP (``None`` or left out: the joint VJP is called whole)."""
+        """``back(KEEP, record, g_updates…, g_stacked…, parts…, rows…)`` returns the gradients of
+        the inputs' slots (``None`` where none reached); captured values' gradients go to
+        ``A<j>(g)``. ``parts``: per slot of :attr:`prepped`, this iteration's records-only part of
+        its split VJP (``None`` or left out: the joint VJP is called whole). ``rows``: per hoisted
+        node of :attr:`rowed`, this iteration's row of the buffer its gradient is collected in
+        (``None`` or left out: none); the step copies the gradient into it and returns the row."""
         loop = self.program.loop
         env: dict[str, Any] = {
             "LazyGrad": LazyGrad,
@@ -417,6 +421,8 @@ class _Variant:
             "RED": _reduce,
             "REDLEAF": _reduce_leaf,
             "ZEROS": np.zeros,
+            "INTO": _into_row,
+            "INTO_J": _into_row_joint,
         }
         grad = self.grad_slots
         caps = ", ".join(
@@ -436,6 +442,16 @@ class _Variant:
                 prep_arg[v] = f"p{len(self.prepped)}"
                 self.prepped.append((self.slot[v], split[0]))
         seeds += [f"{name}=None" for name in prep_arg.values()]  # (a caller may leave them out)
+        routes = self._route_counts()
+        # Per hoisted node, whether the steps give it a gradient (else it gets one, if any, from
+        # another hoisted node's VJP after the sweep).
+        self.stepped_grads = [v in grad and routes[v] > 0 for v in self.hoisted]
+        # The hoisted nodes whose gradient one place of the step gives: the step writes it into
+        # the row it is handed. (Where several add up, their sum is not the first one's row, which
+        # that one's other readers may hold: the driver copies the sum in.)
+        self.rowed = [h for h, v in enumerate(self.hoisted) if v in grad and routes[v] == 1]
+        self._row_arg = {self.hoisted[h]: f"o{k}" for k, h in enumerate(self.rowed)}
+        seeds += [f"{name}=None" for name in self._row_arg.values()]
         lines = [f"def make_back({caps}):" if caps else "def make_back():"]
         lines.append(f"    def back(KEEP, r{', ' + ', '.join(seeds) if seeds else ''}):")
         record = ", ".join(f"s{i}" for i in range(self.size))
@@ -490,6 +506,9 @@ class _Variant:
                 else:
                     lines.append(f"{pad}J = j{i}(g{i}, s{i}, {args})")
                 self.back_lines[len(lines)] = (v, wanted[0])
+                for p in wanted:  # (before any input's gradient is routed: all read the row)
+                    if v.inputs[p] in self._row_arg:
+                        lines.append(f"{pad}J = INTO_J(J, {p}, {self._row_arg[v.inputs[p]]})")
             for p in wanted:
                 u = v.inputs[p]
                 f = cast(VJP, vjp_of(op, p))
@@ -523,6 +542,22 @@ class _Variant:
             if vjp_of(op, p) is not None and (u in self.grad_slots or u in self.needs)
         ]
 
+    def _route_counts(self) -> Counter[VirtualNode]:
+        """Per slot, at how many places the backward step adds a gradient to it (each runs at
+        most once per iteration): a carry's update or a stacked value, a branch's option, an op's
+        input."""
+        loop, grad = self.program.loop, self.grad_slots
+        counts: Counter[VirtualNode] = Counter(loop.updates[c] for c in loop.carries)
+        counts.update(s.inputs[1] for s in self.program.stacked)
+        for v in self.computed:
+            if v not in grad:
+                continue
+            if isinstance(v, BranchNode):
+                counts.update(v.options)
+            else:
+                counts.update(v.inputs[p] for p in self._wanted(v))
+        return counts
+
     def _buffered(self, seeds: list[tuple[VirtualNode, str]]) -> set[VirtualNode]:
         """The computed slots whose gradient comes only from basic-index views of them
         (``ops.basic_view_index``: the outputs of a fused cell, ``h'`` and ``c'``): the backward
@@ -552,11 +587,13 @@ class _Variant:
             if u not in self.grad_slots:
                 return
             i = self.slot[u]
+            row = self._row_arg.get(u)
+            add = f"INTO({row}, {g})" if row is not None else f"{g} if g{i} is None else ADD(g{i}, {g})"
             if g.startswith(("u", "q")):  # a seed: may be None
                 lines.append(f"{pad}if {g} is not None:")
-                lines.append(f"{pad}    g{i} = {g} if g{i} is None else ADD(g{i}, {g})")
+                lines.append(f"{pad}    g{i} = {add}")
             else:
-                lines.append(f"{pad}g{i} = {g} if g{i} is None else ADD(g{i}, {g})")
+                lines.append(f"{pad}g{i} = {add}")
         elif u in self.captured and u in self.needs:
             j = self.captured[u]
             if g.startswith(("u", "q")):
@@ -580,6 +617,28 @@ def _reduce(g: Any, shape: tuple[int, ...]) -> Any:
 
 def _reduce_leaf(g: Any, shape: tuple[int, ...]) -> Any:
     return reduce_grad(g, shape, True)
+
+
+def _into_row(row: np.ndarray | None, g: Any) -> Any:
+    """``g``, an iteration's gradient of a hoisted node, copied into ``row`` (that iteration's
+    row of the buffer the node's gradient is collected in) and the row returned; ``g`` itself
+    where it cannot be: no row given, a lazy gradient, another shape or dtype."""
+    if row is None or g is row or type(g) is not np.ndarray or g.shape != row.shape or g.dtype != row.dtype:
+        return g
+    np.copyto(row, g)
+    return row
+
+
+def _into_row_joint(J: tuple[Any, ...], p: int, row: np.ndarray | None) -> tuple[Any, ...]:
+    """A joint VJP's gradients ``J`` with ``J[p]`` copied into ``row`` (:func:`_into_row`) and
+    every entry that is that same array replaced by the row (a fused cell gives one array as the
+    gradient of ``x @ W_x``, ``h @ W_h`` and the bias): what reads them reads the row, and the
+    VJP's array is not kept beside the buffer."""
+    d = J[p]
+    out = _into_row(row, d)
+    if out is d:
+        return J
+    return tuple([out if x is d else x for x in J])
 
 
 def _compile(source: str, env: dict[str, Any], name: str, loop: LoopNode) -> Callable[..., Any]:
@@ -619,6 +678,59 @@ class _Acc:
             self.own = True
 
 
+class _HoistedGrad:
+    """The gradient of a hoisted node over a run's iterations, collected in one buffer shaped as
+    its value while the backward steps give it row by row, last iteration first: a row that the
+    step wrote itself (:attr:`rows`, handed to the steps of :attr:`_Variant.rowed`) stays, any
+    other gradient is copied in, and a row no gradient reached is zero. The result is what adding
+    every row into zeros gives, with no list of the steps' arrays and no stack of them after the
+    sweep (both alive at once, with whatever else reads the same arrays: a tied weight's
+    stacked product, a bias's sum)."""
+
+    __slots__ = ("buf", "rows", "reached", "exact")
+
+    def __init__(self, value: Any) -> None:
+        self.buf = workspace.empty(np.shape(value), _grad_dtype(value))  # (a temporary of the sweep)
+        self.rows: list[np.ndarray] = list(self.buf)
+        self.reached = False  # some iteration gave a gradient
+        self.exact = True  # every row so far is a copy of an array of its shape and dtype
+
+    def put(self, t: int, g: Any) -> None:
+        """Iteration ``t``'s gradient (``None``: none reached it)."""
+        row = self.rows[t]
+        if g is row:  # written by the step
+            self.reached = True
+            return
+        if g is None:
+            row.fill(0)
+            self.exact = False
+            return
+        self.reached = True
+        if type(g) is np.ndarray and g.shape == row.shape and g.dtype == row.dtype:
+            np.copyto(row, g)
+            return
+        row.fill(0)
+        if isinstance(g, LazyGrad):
+            g.add_into(row)
+        else:
+            row += g
+        self.exact = False
+
+    def result(self, trips: int) -> np.ndarray | None:
+        """The gradient after a sweep over ``trips`` iterations (``None``: none reached any)."""
+        if not self.reached:
+            return None
+        buf = self.buf
+        if trips < len(buf):
+            buf[trips:] = 0
+        elif self.exact:
+            return buf
+        # Rows copied as they came, where others are not: adding zero makes a -0.0 in them +0.0,
+        # as adding every row into zeros does (the same bits as a sweep that collects them so).
+        out: np.ndarray = np.add(buf, 0, dtype=buf.dtype)
+        return out
+
+
 class _Parts:
     """For one slot whose op's joint VJP splits (``ops.split_vjp``), the part its backward reads
     from the records alone, computed by ``prep`` over a block of iterations at a time as the
@@ -639,7 +751,10 @@ class _Parts:
         self.rows: list[Any] = []
 
     def at(self, t: int) -> Any:
+        """Iteration ``t``'s part; a new block lets the previous one go first (the caller has let
+        go of the part it was given before asking for the next)."""
         if t < self.lo:
+            self.rows = []
             first = self.records[t][self.slot]
             size = first.nbytes if type(first) is np.ndarray else 1
             lo = max(0, t + 1 - max(1, self.BLOCK_BYTES // max(1, size)))
@@ -911,7 +1026,12 @@ class ProgramInstance(SweptOnce):
         seq_grad: list[Any] = [None] * ns
         items = loop.items
         ni, nr, nh = len(items), len(loop.children), len(variant.hoisted)
-        hoisted_rows: list[list[Any]] = [[None] * T for _ in range(nh)]
+        hoisted_grads = [
+            _HoistedGrad(value) if stepped else None
+            for stepped, value in zip(variant.stepped_grads, run.hoisted)
+        ]
+        # Per hoisted node the step writes into: the rows of its buffer, handed in by iteration.
+        step_rows = [cast(_HoistedGrad, hoisted_grads[h]).rows for h in variant.rowed]
         rows = run.kids
         init_grad: list[Any] = [None] * nc
         pending: list[list[Any]] | None = None
@@ -929,6 +1049,7 @@ class ProgramInstance(SweptOnce):
             keep = {}  # (every slot's gradient, to check)
         late = {variant.slot[v] for v in (*items, *variant.hoisted)}
         parts = [_Parts(run.records, slot, prep) for slot, prep in variant.prepped]
+        p: list[Any] = []  # this iteration's parts
         for t in range(T - 1, -1, -1):
             if pending is not None:
                 u = pending[t]
@@ -938,12 +1059,14 @@ class ProgramInstance(SweptOnce):
             else:
                 u = carry_in
             q = [None if s is None else s[t] for s in stack_seed]
-            p = [part.at(t) for part in parts]
+            p.clear()  # (a new block of parts is made with the last one let go: see _Parts.at)
+            p.extend([part.at(t) for part in parts])
+            o = [rows_h[t] for rows_h in step_rows]
             try:
                 if keep is None:
-                    res = back(False, run.records[t], *u, *q, *p)
+                    res = back(False, run.records[t], *u, *q, *p, *o)
                 else:
-                    res, every = back(True, run.records[t], *u, *q, *p)
+                    res, every = back(True, run.records[t], *u, *q, *p, *o)
             except VGraphError:
                 raise
             except Exception as e:
@@ -972,13 +1095,14 @@ class ProgramInstance(SweptOnce):
                     c = row[slot]
                     target = cast(list[list[Any]], pending)[c] if c >= 0 else init_grad
                     target[k] = d if target[k] is None else add_grads(target[k], d)
-            for h in range(nh):
-                hoisted_rows[h][t] = res[nc + ni + nr + h]
+            for h, hg in enumerate(hoisted_grads):
+                if hg is not None:
+                    hg.put(t, res[nc + ni + nr + h])
         for k in range(nc):  # what reaches iteration 0's carry reads: the initial values
             if carry_in[k] is not None:
                 init_grad[k] = carry_in[k] if init_grad[k] is None else add_grads(init_grad[k], carry_in[k])
         if nh:
-            self._backward_hoisted(run, hoisted_rows, seqs, caps, seq_grad, accs, keep)
+            self._backward_hoisted(run, hoisted_grads, seqs, caps, seq_grad, accs, keep)
         if keep is not None:  # a stepped item's gradient is its row of the sequence's
             for t, views in keep.items():
                 for slot, view in views:
@@ -1096,7 +1220,7 @@ class ProgramInstance(SweptOnce):
     def _backward_hoisted(
         self,
         run: ProgramRun,
-        rows: list[list[Any]],
+        collected: list[_HoistedGrad | None],
         seqs: Sequence[Any],
         caps: Sequence[Any],
         seq_grad: list[Any],
@@ -1109,19 +1233,10 @@ class ProgramInstance(SweptOnce):
         hoisted = list(variant.hoisted)
         trips = run.trips
         grads: dict[VirtualNode, Any] = {}
-        for v, value, per_row in zip(hoisted, run.hoisted, rows):
-            if any(r is not None for r in per_row):
-                shape, dtype = np.shape(value), _grad_dtype(value)
-                if len(per_row) == shape[0] and all(
-                    type(r) is np.ndarray and r.shape == shape[1:] and r.dtype == dtype for r in per_row
-                ):  # a gradient for every row: stacked (what adding them into zeros gives)
-                    grads[v] = np.stack(per_row)
-                    continue
-                buf = np.zeros(shape, dtype=dtype)
-                for t, r in enumerate(per_row):
-                    if r is not None:
-                        _add_row(buf, t, r)
-                grads[v] = buf
+        for v, hg in zip(hoisted, collected):
+            gv = None if hg is None else hg.result(trips)
+            if gv is not None:
+                grads[v] = gv
         group_of: dict[VirtualNode, Any] = {}
         for item, seq, rev in zip(loop.items, seqs, self.item_reverse):
             group_of[item] = seq[::-1][:trips] if rev else seq[:trips]
@@ -1131,6 +1246,8 @@ class ProgramInstance(SweptOnce):
             gv = grads.pop(v, None)
             if gv is None:
                 continue
+            if isinstance(gv, LazyGrad):  # (from a hoisted view of it: all are in, as the engine's turn)
+                gv = gv.dense()
             if keep is not None:  # a hoisted node's gradient is its row of the group's
                 slot = variant.slot[v]
                 for t, views in keep.items():
