@@ -279,6 +279,18 @@ def _rows_of(paths: list[tuple[Any, ...]]) -> Any:
     return np.asarray(rows, dtype=np.intp)
 
 
+def _dependents(rows: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """Per tree node of a children array (as lists), how many distinct children it has, and
+    which nodes have it as a child."""
+    remaining = [len({c for c in row if c >= 0}) for row in rows]
+    parents: list[list[int]] = [[] for _ in rows]
+    for t, row in enumerate(rows):
+        for c in set(row):
+            if c >= 0:
+                parents[c].append(t)
+    return remaining, parents
+
+
 def _by_input(r: Any) -> int:
     """Sort key of requests and jobs: their input's index."""
     inp: int = r.inp
@@ -1042,6 +1054,8 @@ class BatchedBuild:
                 return
             for j in jobs:
                 j.view.interpreted.append((loop, j.idx, why))
+        for j in jobs:
+            j.remaining, j.parents = _dependents(j.rows)
         updates = [loop.updates[c] for c in loop.carries]
         stacked = self.virtual_plan.stacked.get(loop, [])
         level = [
@@ -2509,12 +2523,8 @@ class _BatchBuilder(_Builder):
         stacked = self.plan.stacked.get(loop, [])
         history: list[Any] = [None] * n
         collected: list[Any] = [None] * n
-        remaining = [len({c for c in row if c >= 0}) for row in rows]
-        parents: list[list[int]] = [[] for _ in range(n)]
-        for t, row in enumerate(rows):
-            for c in set(row):
-                if c >= 0:
-                    parents[c].append(t)
+        remaining: list[int] = []  # (what the depth order without a program needs: see else below)
+        parents: list[list[int]] = []
         me = self.batch._getcurrent()
         scheduler, make = self.batch._scheduler, self.batch._greenlet
         done = [0]
@@ -2549,23 +2559,19 @@ class _BatchBuilder(_Builder):
         start = len(cg.decisions)
         if joint:  # the scheduler builds every input's tree nodes itself
             job = _TreeJob(cast(InputView, cg), loop, idx, defaults, seqs, length, n, captured, groups)
-            job.reads, job.rows, job.parents, job.remaining = (
-                reads,
-                rows,
-                parents,
-                remaining,
-            )
+            job.reads, job.rows = reads, rows
             job.history, job.collected, job.chosen = history, collected, self.chosen
             job.agent = me
             scheduler.switch(job)  # back when every tree node is built
-            for t in range(n):
+            for t in range(n):  # (in node order: as one node after another makes them)
                 cg.decisions.extend(job.decisions[t])
         else:  # each tree node in a greenlet of its own
+            remaining, parents = _dependents(rows)
             leaves = [make(lambda t=t: tree_node(t), parent=scheduler) for t in range(n) if remaining[t] == 0]
             scheduler.switch(_Spawn(leaves))  # back when every tree node is built
         spawn.clear()
-        # as one node after another: each node's decisions together, in node order
-        cg.decisions[start:] = sorted(cg.decisions[start:], key=lambda d: d.idx[len(idx)])
+        if not joint:  # as one node after another: each node's decisions together, in node order
+            cg.decisions[start:] = sorted(cg.decisions[start:], key=lambda d: d.idx[len(idx)])
         cg.decisions.append(Decision(loop, idx, "iterations", n))
         env[loop] = None
         if joint and job.stacks is not None:  # run as a program over tree nodes (its shapes checked)
