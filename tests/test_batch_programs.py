@@ -114,7 +114,7 @@ def assert_identical(make, feeds, expect_rows=True, hoist=True):
 MODELS = sorted((ROOT / "examples" / "models").glob("*.py"))
 #: the example models with a lockstep loop a program over rows runs (the others: branches, a
 #: recursion, a nested loop whose outer loop runs per input)
-ROWS = {"elman_rnn": True, "stacked_rnn": True, "branching": False, "tree_lstm": True}
+ROWS = {"elman_rnn": True, "stacked_rnn": True, "branching": True, "tree_lstm": True}
 
 
 @pytest.mark.parametrize("script", MODELS, ids=lambda p: p.stem)
@@ -305,16 +305,84 @@ def while_loop():
 
 
 def branch_loop():
+    """A loop with a branch that reads a value of each input's own: no program over rows, and
+    no op-by-op lockstep (which has no branches): each input's builder runs it."""
     g = vg.VirtualGraph(seed=0)
     xs = g.input("xs", (None, 2))
+    bias = g.input("bias", (2,))
     w = g.parameter("w", (2,))
     with g.loop() as L:
         h = L.carry(np.zeros(2), name="h")
         x = L.step(xs)
         L.update(
-            h, g.branch(lambda v: int(v.sum() > 0), [vg.tanh(h + x * w), vg.sigmoid(x * w - h)], keys=[x])
+            h,
+            g.branch(
+                lambda v: int(v.sum() > 0), [vg.tanh(h + x * w), vg.sigmoid(x * w - h + bias)], keys=[x]
+            ),
         )
-    return g, [vg.sum(L.final(h))], [{"xs": np.full((n, 2), (-1) ** n)} for n in (2, 3)]
+    feeds = [{"xs": np.full((n, 2), (-1) ** n), "bias": np.full(2, 0.1 * n)} for n in (2, 3)]
+    return g, [vg.sum(L.final(h))], feeds
+
+
+def branching_rnn(nested=False):
+    """An RNN whose step chooses by its input (so the rows of one iteration choose differently),
+    the options slices and products of the carried state; ``nested``: a branch in an option."""
+    g = vg.VirtualGraph(seed=6)
+    xs = g.input("xs", (None, 3))
+    W, U = g.parameter("W", (3, 4)), g.parameter("U", (4, 4))
+    with g.loop() as L:
+        h = L.carry(np.zeros(4), name="h")
+        x = L.step(xs, name="x")
+        z = x @ W + h @ U
+        calm = vg.tanh(z) * 0.5 + h * 0.5
+        hot = vg.concat([vg.sigmoid(z[:2]), vg.tanh(z[2:])], axis=0)
+        if nested:
+            hot = g.branch(lambda v: int(v[1] > 0), [hot, hot * h], keys=[x], name="inner")
+        h_new = g.branch(lambda v: int(v[0] > 0), [calm, hot], keys=[x], name="outer")
+        L.update(h, h_new)
+    s = L.stack(h_new)
+    return g, [vg.sum(L.final(h) ** 2) + vg.sum(s * s * 0.5)]
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(
+    st.lists(st.integers(1, 6), min_size=1, max_size=6), st.integers(0, 1000), st.booleans(), st.booleans()
+)
+def test_random_branches_in_loops_over_rows(lengths, seed, nested, hoist):
+    """A loop whose iterations choose per input: one program over rows, an iteration's rows split
+    by choice where they differ; equal to op by op and to each input alone (values, gradients,
+    decisions)."""
+    rng = np.random.default_rng(seed)
+    feeds = [{"xs": rng.normal(size=(n, 3))} for n in lengths]
+    batch = assert_identical(partial(branching_rnn, nested), feeds, hoist=hoist)
+    (instance,) = batch.rows_programs
+    groups = set()
+    for (ids, _), made in zip(instance.steps, instance.choices):  # a step: rows that chose alike
+        for r, t in zip(instance.owner[ids].tolist(), instance.tpos[ids].tolist()):
+            view = batch.inputs[instance.rows[r].inp]
+            assert [(b, view.choice(b, (t,))) for b, _ in made] == made
+            groups.add((t, tuple((b.id, c) for b, c in made)))
+    assert len(instance.steps) == len(groups)  # (as few steps as the choices allow)
+
+
+def test_a_loop_whose_rows_choose_differently_splits_and_names_options_not_chosen():
+    feeds = [
+        {"xs": np.array([[1.0, 1, 0], [-1, 1, 0], [1, -1, 0]])},
+        {"xs": np.array([[-1.0, 1, 0], [1, 1, 0]])},
+    ]
+    batch = assert_identical(branching_rnn, feeds)
+    (instance,) = batch.rows_programs
+    assert len(instance.steps) == 5  # (iterations 0 and 1 split in two, iteration 2 one input)
+    g = instance.loop.graph
+    hot = next(v for v in g.nodes if v.type == "Concat")
+    np.testing.assert_array_equal(batch.inputs[0].value(hot, (0,)).shape, (4,))
+    with pytest.raises(vg.BuildError, match=r"<Concat:1@1> was not built for input 0"):
+        batch.inputs[0].value(hot, (1,))  # (input 0 chose the other option there)
+    assert [batch.inputs[0].choice(v, (t,)) for v in g.nodes if v.kind == "branch" for t in range(3)] == [
+        1,
+        0,
+        1,
+    ]
 
 
 def reshaping_loop(shape=-1):
@@ -354,7 +422,7 @@ def test_ops_whose_axes_move_on_rows_run_over_rows():
     [
         (per_input_capture, r"it reads <Input:2> 'bias', a value of each input's own"),
         (while_loop, r"its trip count is decided per iteration \(while_/until\)"),
-        (branch_loop, r"its body has branches"),
+        (branch_loop, r"it reads <Input:2> 'bias', a value of each input's own"),
         (reshaping_loop, r"<Reshape:1> \(Reshape\) does not compute each row alone"),
     ],
 )

@@ -31,9 +31,10 @@ every input still running — rows ordered longest run first, so those are a pre
 backward step once per iteration in backward; the loop is one node of the batched graph. A
 recursion in depth order likewise runs as one program over tree nodes
 (:meth:`BatchedBuild._run_tree_rows`): once per level on every input's tree nodes of that level,
-children gathered by index, a branch chosen per tree node (a level's rows split by choice). Where
-the body's ops cannot run on rows, or a loop's trip count is not known when it starts, the loop
-runs op by op as without programs, and ``batch.inputs[i].interpreted`` says why.
+children gathered by index. A branch chooses per row (a level's rows split by choice where they
+differ). Where the body's ops cannot run on rows, or a loop's trip count is not known when it
+starts, the loop runs op by op as without programs (a loop with branches: in each input's
+builder), and ``batch.inputs[i].interpreted`` says why.
 
 Scope: hoisting applies inside each input as in ``g.build`` (``hoist=True``); a batched build is
 one-shot (no ``feed``/re-run forward: build again) and never uses ``g.build``'s cache of
@@ -195,8 +196,8 @@ class _LoopJob:
     of the same declared loop (see :meth:`_BatchBuilder._run_lockstep`): what the input's builder
     prepared, and what the scheduler hands back (the final state and the stacked values)."""
 
-    __slots__ = ("agent", "capped", "captured", "collected", "count", "groups", "idx", "inp", "key",
-                 "length", "loop", "seqs", "stacks", "state", "trips", "view")  # fmt: skip
+    __slots__ = ("agent", "capped", "captured", "collected", "count", "decisions", "declined", "groups", "idx",
+                 "inp", "key", "length", "loop", "seqs", "stacks", "state", "trips", "view")  # fmt: skip
 
     def __init__(self, view: InputView, loop: LoopNode, idx: tuple[int, ...], state: list[Any],
                  seqs: list[Any], length: int | None, trips: int | None, captured: dict[VirtualNode, Any],
@@ -210,18 +211,21 @@ class _LoopJob:
         self.count = 0  # iterations run
         self.capped: int | None = None  # the iteration at which max_iters stopped it (on_limit="stop")
         self.stacks: list[Any] | None = None  # the stacked values, when a program over rows ran it
+        self.decisions: list[list[Any]] = []  # per iteration, its branches' (when a program ran it)
+        # a loop with branches that no program over rows ran: the input's builder runs it itself
+        self.declined = False
 
 
 class _TreeJob(_LoopJob):
     """One input's run of a recursion that the scheduler builds tree node by tree node in depth
     order together with the other inputs' runs of it (:meth:`BatchedBuild._run_tree_jobs`)."""
 
-    __slots__ = ("chosen", "decisions", "history", "parents", "reads", "remaining", "rows")
+    __slots__ = ("chosen", "history", "parents", "reads", "remaining", "rows")
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         n = cast(int, self.trips)  # a recursion's node count: always known
-        self.decisions: list[list[Any]] = [[] for _ in range(n)]
+        self.decisions = [[] for _ in range(n)]
         self.reads: list[tuple[VirtualNode, int, int]] = []
         self.rows: list[list[int]] = []
         self.parents: list[list[int]] = []
@@ -742,6 +746,17 @@ class BatchedBuild:
             self._joint[loop] = known
         return known
 
+    def _rows_only(self, loop: LoopNode) -> bool:
+        """Whether ``loop``, which cannot run in lockstep op by op (its body has branches), may
+        run as one body program over rows (:meth:`_run_rows`): handed to the scheduler, which
+        either runs it so or hands it back to each input's builder."""
+        return (
+            self._programs
+            and self._lockstep_enabled
+            and loop.structure is None
+            and isinstance(self._rows_program(loop), BodyProgram)
+        )
+
     def _lockstep_ok(self, loop: LoopNode) -> bool:
         """Whether ``loop`` can run in lockstep across inputs (:meth:`_run_jobs`): a loop (not a
         recursion, not checkpointed) whose body is ops only — no branch, inner loop, random
@@ -1196,6 +1211,10 @@ class BatchedBuild:
                 return
             for j in jobs:
                 j.view.interpreted.append((loop, j.idx, why))
+            if not self._lockstep_ok(loop):  # (its body has branches: each input runs it itself)
+                for j in jobs:
+                    j.declined = True
+                return
         body = self.virtual_plan.eager.get(loop, ())
         stacked = self.virtual_plan.stacked.get(loop, [])
         updates = [loop.updates[c] for c in loop.carries]
@@ -1311,9 +1330,7 @@ class BatchedBuild:
         if found is None:
             program = program_for(loop, self.virtual_plan)
             if isinstance(program, str) or loop.structure is not None:
-                found = program  # (a recursion's branches are chosen per tree node: _RowsSelect)
-            elif any(isinstance(v, BranchNode) for v in program.computed):
-                found = "its body has branches (chosen per input): it runs op by op across inputs"
+                found = program  # (branches are chosen per row: _RowsSelect)
             elif loop.cond is not None or loop.until is not None:
                 found = (
                     "its trip count is decided per iteration (while_/until): it runs op by op across inputs"
@@ -2135,6 +2152,10 @@ class _RowsProgram(SweptOnce):
         """Give each input's job the decisions of its iterations (the branches' choices), as a
         build node by node records them."""
         owner, tpos, rows = self.owner, self.tpos, self.rows
+        if any(self.choices):
+            for job, trips in zip(rows, self.trips):
+                if len(job.decisions) < trips:
+                    job.decisions = [[] for _ in range(trips)]
         for (ids, _), choices in zip(self.steps, self.choices):
             if not choices:
                 continue
@@ -2449,7 +2470,7 @@ class _BatchBuilder(_Builder):
                     (loop, frame.idx, "its body is not ops and branches only: its tree nodes run op by op")
                 )
             return self._run_tree(loop, frame)
-        if batch._lockstep_ok(loop):
+        if batch._lockstep_ok(loop) or batch._rows_only(loop):
             return self._run_lockstep(loop, frame)
         if batch._programs:
             why = batch._rows_program(loop)
@@ -2459,10 +2480,12 @@ class _BatchBuilder(_Builder):
         return super().run_loop(loop, frame)
 
     def _run_lockstep(self, loop: LoopNode, frame: _Frame) -> None:
-        """A loop whose body is ops only: prepared here (checks, hoisting), then handed to the
-        scheduler, which runs every input's iteration ``t`` of it together, one body node at a
-        time, without switching to the inputs; a ``while_``/``until`` condition is evaluated per
-        input on its own state (:meth:`BatchedBuild._run_jobs`)."""
+        """A loop whose body is ops only, or one a program over rows may run: prepared here
+        (checks, hoisting), then handed to the scheduler, which runs every input's iteration
+        ``t`` of it together — as one program, or one body node at a time — without switching to
+        the inputs; a ``while_``/``until`` condition is evaluated per input on its own state
+        (:meth:`BatchedBuild._run_jobs`). A loop with branches no program ran comes back
+        declined, and runs here as in any build."""
         cg, env, idx = self.cg, frame.env, frame.idx
         state = [frame.owner(c.inputs[0]).env[c.inputs[0]] for c in loop.carries]
         seqs, length = _stepped_sequences(loop, frame)
@@ -2483,6 +2506,10 @@ class _BatchBuilder(_Builder):
         job = _LoopJob(cast(InputView, cg), loop, idx, state, seqs, length, trips, captured, groups)
         job.agent = self.batch._getcurrent()
         self.batch._scheduler.switch(job)  # back when every input's run of the loop is done
+        if job.declined:  # (nothing was added for it)
+            return super().run_loop(loop, frame)
+        for made in job.decisions:  # (its iterations' branches, in iteration order)
+            cg.decisions.extend(made)
         if job.capped is not None:
             cg.decisions.append(Decision(loop, idx, "capped", job.capped))
         cg.decisions.append(Decision(loop, idx, "iterations", job.count))
