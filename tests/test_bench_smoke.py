@@ -401,6 +401,7 @@ def test_the_paired_ab_tool_runs_both_versions_in_their_own_processes(tmp_path):
 # ---------------------------------------------------------------------------- tools/bench_seq2seq.py
 
 SEQ2SEQ = ROOT / "tools" / "bench_seq2seq.py"
+BRANCHES = ROOT / "tools" / "bench_branches.py"
 
 
 @pytest.fixture(scope="module")
@@ -484,3 +485,12 @@ def test_seq2seq_runs_without_torch(tmp_path):
     assert set(row["columns"]) == {"vgraph", "programs", "batch32", "batch32_masked"}
     assert "ratio_vs_torch" not in row
     assert "torch" not in data["correctness"]["seq2seq"] and data["machine"]["torch"] is None
+
+
+def test_branches_run_checks_and_writes_json(tmp_path):
+    """tools/bench_branches.py checks the three ways equal, then times them."""
+    stdout, data = _run_tool(
+        BRANCHES, "--batch", "4", "--hidden", "8", "--repeats", "1", out=tmp_path / "b.json"
+    )
+    assert stdout.startswith("correctness: rows = op by op = one at a time")
+    assert set(data["ms_per_group"]) == {"rows", "op_by_op", "alone"} and data["batch"] == 4
