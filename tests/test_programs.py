@@ -717,3 +717,41 @@ def test_a_split_vjps_record_part_is_computed_by_blocks_of_iterations(block_byte
     _, prog = assert_identical(g, feed, loss)
     source = vg.show_program(prog, next(iter(prog.programs))[0])
     assert "if p0 is None else w" in source  # the step takes its iteration's part
+
+
+def test_a_value_no_gradient_reached_in_the_run_gets_none_as_node_by_node():
+    """A weight read only where no gradient flows in this run — by an option never chosen, or by
+    a carry whose final the loss does not use — has no gradient (``None``, not zeros), as node by
+    node: an optimiser then leaves it alone (Adam's moments of zeros would still move it)."""
+
+    def make(threshold):
+        g = vg.VirtualGraph(seed=3)
+        xs = g.input("xs", (None, 2, 3))
+        W = g.parameter("W", (3, 4), init="orthogonal")
+        U = g.parameter("U", (4, 4), init="orthogonal")
+        V = g.parameter("V", (4, 4), init="orthogonal")
+        with g.loop() as L:
+            x = L.step(xs)
+            h = L.carry(np.zeros((2, 4)), name="h")
+            side = L.carry(np.zeros((2, 4)), name="side")
+            y = vg.tanh(x @ W)
+            chosen = g.branch(
+                lambda v: int(float(v.sum()) > threshold), [y + h @ U, vg.sigmoid(h @ U)], keys=[y], name="pick"
+            )
+            L.update(h, chosen)
+            L.update(side, vg.tanh(side @ V + h))
+        return g, vg.sum(L.final(h) ** 2)
+
+    feed = {"xs": np.random.default_rng(0).standard_normal((6, 2, 3))}
+    for threshold, reached in ((-100.0, {"U"}), (100.0, {"U", "W"})):
+        for programs in (False, True):
+            g, loss = make(threshold)
+            cg = g.build(feed, loss, programs=programs, cache=False)
+            assert bool(cg.programs) == programs
+            cg.backward(loss)
+            assert {k for k, p in g.params.items() if p.grad is not None} == reached, (threshold, programs)
+        batch = g.build_batch([feed, {"xs": feed["xs"][:3]}], loss)
+        g.params.zero_grad()
+        batch.backward("sum")
+        assert batch.rows_programs
+        assert {k for k, p in g.params.items() if p.grad is not None} == reached, (threshold, "batch")

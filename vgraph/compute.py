@@ -1624,6 +1624,8 @@ class ComputeGraph:
                         continue
                     try:
                         pg = vjp(g, ans, *values, **attrs) if attrs else vjp(g, ans, *values)
+                        if pg is None:  # (no gradient reached p: see Op.partial_grads)
+                            continue
                         pshape = p._value.shape
                         if pg.shape != pshape:
                             pg = reduce_grad(pg, pshape, p.op is None and not p.sparse_grad)

@@ -65,6 +65,10 @@ class Op:
     #: :mod:`vgraph.higher`) use; ``None``: the op is first-order only. One per input (or
     #: ``None``), or one ``vjp(i, g, ans, *xs, **attrs)`` for a variadic op.
     node_vjps: tuple[VJP | None, ...] | VJP | None = None
+    #: Its VJPs may return ``None`` for an input no gradient reached (a loop run as a body program
+    #: whose run read a value only where no gradient flowed): the sweep then adds nothing to that
+    #: input, as a per-node sweep that never reaches it.
+    partial_grads: bool = False
 
 
 #: The kinds an op may declare (``Op.kind``), each a promise about its forward and VJPs:

@@ -271,7 +271,7 @@ def _backward_shape(n: Any, slot: dict[Any, int]) -> Any:
         )
         for p, vjp in zip(n.parents, n.vjps)
     )
-    return ("op", bool(n.attrs), edges)
+    return ("op", bool(n.attrs), edges, n.op.partial_grads)
 
 
 def _inline_kind(table: dict[Any, str], fn: Any) -> str | None:
@@ -300,7 +300,7 @@ def _backward_source(shape: Any) -> list[str]:
                 f"        staged.append(({n}, g, own))",
             ]
             continue
-        _, has_attrs, edges = s
+        _, has_attrs, edges, partial_grads = s
         out += [
             f"        {n}._gown = False",
             "        if type(g) is not ndarray and isinstance(g, LazyGrad):",
@@ -372,6 +372,9 @@ def _backward_source(shape: Any) -> list[str]:
                 ]
             else:
                 out.append(f"{indent}c = {call}")
+            if partial_grads:  # (no gradient reached this input: nothing to add)
+                out.append(f"{indent}if c is not None:")
+                indent += "    "
             out += [
                 f"{indent}s = x{j}.shape",
                 f"{indent}acc = n{p}._g",

@@ -1612,7 +1612,7 @@ class BatchedBuild:
         self._serial += 1
         run = cast(ProgramRun, instance.run)
         node = g._add_op(
-            Op("Loop", instance.forward, tuple(vjps), arity=len(parents)),
+            Op("Loop", instance.forward, tuple(vjps), arity=len(parents), partial_grads=True),
             tuple(parents),
             None,
             NodeKey("Loop", loop.id, (self._serial,)),
@@ -2191,13 +2191,14 @@ class _RowsProgram(SweptOnce):
         N = len(self.owner)
         # per carry: the gradient of every row's update, and of the inputs' initial rows
         grads = [np.zeros(h.shape, dtype=_grad_dtype(h)) for h in run.history]
+        reached = [False] * nc  # per carry: whether any gradient reached its rows (else: None)
         nf = len(program.finals)
         for k, f in enumerate(program.finals):
             s = g.seeds.get(k)
             if s is not None:
-                grads[loop.carries.index(f.inputs[1])][self.roots] += (
-                    s.dense() if isinstance(s, LazyGrad) else s
-                )
+                c = loop.carries.index(f.inputs[1])
+                grads[c][self.roots] += s.dense() if isinstance(s, LazyGrad) else s
+                reached[c] = True
         stack_seed: list[Any] = []
         for j in range(len(program.stacked)):
             s = g.seeds.get(nf + j)
@@ -2214,7 +2215,7 @@ class _RowsProgram(SweptOnce):
         kids, chain = self.kids, self.chain
         for t in range(len(self.steps) - 1, -1, -1):
             ids, pred = self.steps[t]
-            u = [gr[ids] for gr in grads]
+            u = [gr[ids] if hit else None for gr, hit in zip(grads, reached)]
             q = [None if s is None else s[ids] for s in stack_seed]
             try:
                 if keep:
@@ -2232,6 +2233,7 @@ class _RowsProgram(SweptOnce):
                 d = res[k]
                 if d is not None:  # (a loop's: each row one predecessor; a recursion's carries are not read)
                     d = d.dense() if isinstance(d, LazyGrad) else d
+                    reached[k] = True
                     if chain:
                         grads[k][pred] += d
                     else:
@@ -2241,6 +2243,7 @@ class _RowsProgram(SweptOnce):
                 if d is None:
                     continue
                 d = d.dense() if isinstance(d, LazyGrad) else d
+                reached[k] = True
                 at = kids[ids, slot]
                 if self.tree:  # each tree node is one row's child: indexing adds each row once
                     real = at < N
@@ -2263,10 +2266,10 @@ class _RowsProgram(SweptOnce):
                 x = values[nc + i]
                 step_grad[i] = np.zeros(np.shape(x), dtype=rows.dtype)
                 step_grad[i][self.index[i]] = rows
-        init_grad = []
+        init_grad: list[Any] = []
         for k, gr in enumerate(grads):
-            d = gr[N:]
-            init_grad.append(d.sum(axis=0) if self.shared_init[k] else d)
+            d = gr[N:] if reached[k] else None
+            init_grad.append(d.sum(axis=0) if d is not None and self.shared_init[k] else d)
         return [*init_grad, *step_grad, *(a.g for a in accs)]
 
     # -- one input's view

@@ -431,7 +431,7 @@ class _Builder:
             partial(call, len(vjps) + j) if v in needs and graded[j] else None
             for j, v in enumerate(program.captured)
         ]
-        op = Op("Loop", instance.rerun, tuple(vjps), arity=len(parents))
+        op = Op("Loop", instance.rerun, tuple(vjps), arity=len(parents), partial_grads=True)
         node = cg._add_op(op, parents, None, NodeKey("Loop", loop.id, idx), loop.name, value=run)
         cg.programs[(loop, idx)] = instance
         env[loop] = None  # the loop itself has no value; its outputs do

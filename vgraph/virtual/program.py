@@ -830,13 +830,11 @@ class SweptOnce:
         raise NotImplementedError
 
     def vjp(self, i: int, g: RunGrad, run: ProgramRun, *values: Any) -> Any:
-        """The gradient of the loop node's parent ``i`` (zeros where none flows)."""
+        """The gradient of the loop node's parent ``i`` (``None`` where none flowed: the loop's
+        op declares ``Op.partial_grads``)."""
         if g.result is None:
             g.result = self.backward(g, run, values)
-        out = g.result[i]
-        if out is None:
-            out = np.zeros(np.shape(values[i]), dtype=values[i].dtype)
-        return out
+        return g.result[i]
 
 
 class ProgramInstance(SweptOnce):
