@@ -736,7 +736,10 @@ def test_a_value_no_gradient_reached_in_the_run_gets_none_as_node_by_node():
             side = L.carry(np.zeros((2, 4)), name="side")
             y = vg.tanh(x @ W)
             chosen = g.branch(
-                lambda v: int(float(v.sum()) > threshold), [y + h @ U, vg.sigmoid(h @ U)], keys=[y], name="pick"
+                lambda v: int(float(v.sum()) > threshold),
+                [y + h @ U, vg.sigmoid(h @ U)],
+                keys=[y],
+                name="pick",
             )
             L.update(h, chosen)
             L.update(side, vg.tanh(side @ V + h))
