@@ -12,16 +12,21 @@ by the step itself, which then hands the row (not the VJP's array) to the gradie
 
 from __future__ import annotations
 
+import sys
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
 from test_programs import assert_identical
 
 import vgraph as vg
-from vgraph import losses, nn, workspace
+from vgraph import workspace
 from vgraph.ops import RowsProductGrad
 from vgraph.virtual import program
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+from bench_dynamic import LMConfig, make_lstm_lm
 
 pytestmark = pytest.mark.usefixtures("float64")  # tests/conftest.py
 
@@ -30,22 +35,7 @@ def lstm_lm(V=50, E=16, H=32):
     """The benchmark's language model (tools/bench_dynamic.py, ``lstm_lm``) at a small size: an
     embedded ``(T, B)`` token array stepped through a fused LSTM cell (``x_t @ W_x`` hoisted), the
     stacked states through a linear layer, a masked cross-entropy."""
-    g = vg.VirtualGraph(seed=1)
-    tokens = g.input("tokens", (None, None))
-    targets = g.input("targets", (None,))
-    weights = g.input("weights", (None,))
-    zeros = g.input("zeros", (None, H))
-    emb, cell, out = nn.Embedding(g, V, E, "emb"), nn.LSTMCell(g, E, H, "lstm"), nn.Linear(g, H, V, "out")
-    embedded = emb(tokens)
-    with g.loop(name="time") as L:
-        x_t = L.step(embedded)
-        h, c = L.carry(zeros, name="h"), L.carry(zeros, name="c")
-        h_new, c_new = cell(x_t, (h, c))
-        L.update(h, h_new)
-        L.update(c, c_new)
-    hs = L.stack(h_new).reshape(-1, H)
-    loss = (losses.cross_entropy(out(hs), targets, reduction="none") * weights).sum()
-    return g, loss
+    return make_lstm_lm(LMConfig(vocab=V, embed=E, hidden=H, dtype=np.float64, seed=1))
 
 
 def lm_feed(T, B, V=50, H=32, seed=0):
