@@ -2062,7 +2062,7 @@ class _RowsProgram(SweptOnce):
         self.update_slots = [variant.slot[loop.updates[c]] for c in loop.carries]
         self.stack_slots = [variant.slot[st.inputs[1]] for st in program.stacked]
         self.shared_init = [False] * len(loop.carries)  # per carry: one node for every input
-        self.steps: list[Any] = []  # per record: its rows
+        self.steps: list[Any] = []  # per record: its rows and their predecessors' (slices or indices)
         self.choices: list[list[tuple[BranchNode, int]]] = []  # per record: the choices it made
         self.step_of = np.zeros(N, dtype=np.intp)  # per row: its record and its row in it
         self.pos_of = np.zeros(N, dtype=np.intp)
@@ -2076,11 +2076,11 @@ class _RowsProgram(SweptOnce):
         self.output_keys: list[NodeKey] = []  # when one retains its gradient, so do the body nodes
 
     def row(self, r: int, t: Any) -> Any:
-        """The row (or rows) of input row ``r``'s iteration(s) ``t``."""
-        return self.first_of(t) + r if self.chain else self.offs[r] + t
-
-    def first_of(self, t: Any) -> Any:
-        return np.asarray(self.first, dtype=np.intp)[t] if isinstance(t, np.ndarray) else self.first[t]
+        """The row (or rows) of input row ``r``'s iteration(s) ``t`` (an int or an index array)."""
+        if not self.chain:
+            return self.offs[r] + t
+        first = np.asarray(self.first, dtype=np.intp)[t] if isinstance(t, np.ndarray) else self.first[t]
+        return first + r
 
     def idx_of(self, g: int) -> tuple[int, ...]:
         """The iteration path of row ``g``."""
