@@ -33,7 +33,9 @@ by node (which raises the per-node error); a VJP that raises is named from the g
 What a program does not cover runs node by node, and says why (``cg.interpreted``, ``repr(cg)``):
 checkpointed loops and loops inside them, bodies with nested loops, samples (dropout) or untied
 parameters, and builds in anomaly mode (which checks every value as it is made). A batched build
-runs a lockstep loop's steps over every input's rows (:mod:`.batch`).
+runs the same steps over every input's rows — a loop's once per iteration, a recursion's once per
+tree level, with the ops' axis attributes moved by one (``attrs`` of :meth:`BodyProgram.variant`)
+— in :mod:`.batch`.
 """
 
 from __future__ import annotations
