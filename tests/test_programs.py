@@ -74,8 +74,14 @@ def assert_identical(g, feed, loss, hoist=True, expect_programs=True):
         np.testing.assert_allclose(g_prog[k], g_plain[k], **TOL, err_msg=k)
     assert decisions(prog) == decisions(plain)
     for v, idx, n in unrolled_nodes(plain):
+        if v.kind == "final" and prog.trip_count(v.inputs[0], idx):
+            # node by node, the final IS the last update's node: compare with that (in a program
+            # graph the loop output is a node of its own, <Final:k>, whose gradient is the loss's
+            # through the final alone, not the update's other uses, e.g. a stack)
+            loop, u = v.inputs[0], v.inputs[0].updates[v.inputs[1]]
+            v, idx = u, ((*idx, prog.trip_count(loop, idx) - 1) if u.scope is loop else idx)
         view = prog.node(v, idx)
-        if v.kind != "final":  # (a loop output is a node of its own: <Final:k>, not the last update)
+        if v.kind != "final":  # (no iteration: the final is the initial value, a <Final:k> node)
             assert view.key == n.key
         np.testing.assert_allclose(view.value, n.value, **TOL, err_msg=str(n.key))
         if n.grad is not None and n.op is not None:
@@ -758,3 +764,25 @@ def test_a_value_no_gradient_reached_in_the_run_gets_none_as_node_by_node():
         batch.backward("sum")
         assert batch.rows_programs
         assert {k for k, p in g.params.items() if p.grad is not None} == reached, (threshold, "batch")
+
+
+@pytest.mark.parametrize("threshold", [-100.0, 0.0, 100.0])
+def test_a_last_update_also_stacked_keeps_both_gradients(threshold):
+    """The last iteration's update, read by the loop's final and by a stack: its view's gradient
+    has both contributions, as the per-node node has (and the final's <Final> node only its own)."""
+    g = vg.VirtualGraph(seed=3)
+    xs = g.input("xs", (None, 2, 3))
+    W = g.parameter("W", (3, 4), init="orthogonal")
+    U = g.parameter("U", (4, 4), init="orthogonal")
+    with g.loop() as L:
+        h = L.carry(np.zeros((2, 4)), name="h")
+        y = vg.tanh(L.step(xs) @ W)
+        chosen = g.branch(
+            lambda v: int(float(v.sum()) > threshold), [y + h @ U, vg.sigmoid(h @ U)], keys=[y], name="pick"
+        )
+        L.update(h, chosen)
+    loss = vg.sum(L.final(h) ** 2) + vg.sum(L.stack(chosen) * 0.5)
+    feed = {"xs": np.random.default_rng(0).standard_normal((6, 2, 3))}
+    plain, prog = assert_identical(g, feed, loss)
+    final = prog.node(next(v for v in g.nodes if v.kind == "final"))
+    np.testing.assert_allclose(final.grad + 0.5, plain.node(chosen, (5,)).grad, **TOL)
