@@ -553,16 +553,18 @@ def _check_structure(loop: LoopNode, idx: tuple[int, ...], value: Any, length: i
     """A recursion's children array, checked: ``(N, k)`` integers, ``0 < N <= max_nodes``, a
     column for every slot ``r.child`` reads, every child index in ``[-1, t)`` for node ``t``
     (children first; a cycle cannot be ordered so)."""
-    # only a recursion (loop.structure set) has a children array
-    where = f"{loop.describe(idx)}: the children array {cast(VirtualNode, loop.structure).describe()}"
+
+    def where() -> str:  # (only a recursion, loop.structure set, has a children array)
+        return f"{loop.describe(idx)}: the children array {cast(VirtualNode, loop.structure).describe()}"
+
     kids = np.asarray(value)
     if kids.ndim != 2 or kids.dtype.kind not in "iu":
-        raise StructureError(f"{where} must be an (N, k) integer array, got {kids.dtype} {kids.shape}")
+        raise StructureError(f"{where()} must be an (N, k) integer array, got {kids.dtype} {kids.shape}")
     if len(kids) == 0:
-        raise StructureError(f"{where} is empty: a structure needs at least one node")
+        raise StructureError(f"{where()} is empty: a structure needs at least one node")
     if len(kids) > loop.max_iters:  # (a recursion's max_iters is its max_nodes)
         raise LoopLimitError(
-            f"{where} has {len(kids)} nodes, more than max_nodes={loop.max_iters}; raise g.recurse's "
+            f"{where()} has {len(kids)} nodes, more than max_nodes={loop.max_iters}; raise g.recurse's "
             "max_nodes if a structure that large is intended"
         )
     for read in loop.children:
@@ -570,17 +572,17 @@ def _check_structure(loop: LoopNode, idx: tuple[int, ...], value: Any, length: i
             width = kids.shape[1]
             slots = f"child slots 0..{width - 1}" if width else "no child slot"
             raise StructureError(
-                f"{where} has width {width} ({slots}), but {read.describe()} reads "
+                f"{where()} has width {width} ({slots}), but {read.describe()} reads "
                 f"slot {read.attrs['slot']} (r.child(..., {read.attrs['slot']})); give every node a "
                 "column for each slot read, -1 where it has no such child"
             )
     if length is not None and length != len(kids):
-        raise StructureError(f"{where} has {len(kids)} nodes, but the stepped sequences have {length}")
+        raise StructureError(f"{where()} has {len(kids)} nodes, but the stepped sequences have {length}")
     bad = (kids < -1) | (kids >= len(kids))
     if bad.any():
         t, j = map(int, np.argwhere(bad)[0])
         raise StructureError(
-            f"{where}: structure node {t} has child {int(kids[t, j])} (slot {j}), out of range "
+            f"{where()}: structure node {t} has child {int(kids[t, j])} (slot {j}), out of range "
             f"(valid: -1 for none, or 0..{len(kids) - 1})"
         )
     late = kids >= np.arange(len(kids))[:, None]
@@ -588,7 +590,7 @@ def _check_structure(loop: LoopNode, idx: tuple[int, ...], value: Any, length: i
         t, j = map(int, np.argwhere(late)[0])
         c = int(kids[t, j])
         raise StructureError(
-            f"{where}: structure node {t} has child {c} (slot {j}), which does not come before it; "
+            f"{where()}: structure node {t} has child {c} (slot {j}), which does not come before it; "
             "order the nodes children first (a topological order; a structure with a cycle has none)"
         )
     return kids.copy()
