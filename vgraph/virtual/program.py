@@ -251,7 +251,6 @@ class _Variant:
                     self.grad_readers[cast(int, j)] = None
                 else:
                     readers.append(self.slot[v])
-        self.grad_captured = {v for v, j in self.captured.items() if self.grad_readers[j] != []}
         self.needs = needs
         self.grad_slots = self._grad_slots(needs)
         self.forward_source, fwd_env = self._forward_source()
