@@ -574,10 +574,16 @@ def test_loops_of_a_given_number_of_iterations(lengths, times, seed):
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
-@given(loop_bodies(), st.lists(st.integers(1, 6), min_size=1, max_size=5), st.booleans())
-def test_random_loop_bodies_over_rows(body, lengths, hoist):
+@given(
+    loop_bodies(),
+    st.lists(st.integers(1, 6), min_size=1, max_size=5),
+    st.booleans(),
+    st.one_of(st.none(), st.tuples(st.integers(0, 1), st.integers(0, 100))),
+)
+def test_random_loop_bodies_over_rows(body, lengths, hoist, branch):
     """tests/test_hoist.py's random bodies (elementwise ops, products, hoistable sums) over rows
-    of inputs of random lengths."""
+    of inputs of random lengths; with ``branch``, the carry's update chosen per input and
+    iteration between two of the body's values (an iteration's rows split by choice)."""
     steps, times = body[0], body[1]
     if times == 0:
         return  # (no iteration: nothing to run over rows)
@@ -585,7 +591,7 @@ def test_random_loop_bodies_over_rows(body, lengths, hoist):
     feeds = [{"xs": rng.normal(size=(n, 2, 3))} for n in lengths]
 
     def make():
-        g, loss, _ = loop_body_model((max(lengths), *body[1:]))
+        g, loss, _ = loop_body_model((max(lengths), *body[1:]), branch)
         return g, [loss]
 
     assert_identical(make, feeds, expect_rows=True, hoist=hoist)

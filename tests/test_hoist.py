@@ -290,8 +290,10 @@ def loop_bodies(draw):
     return steps, times, program, update_from, stack_from
 
 
-def loop_body_model(body):
-    """The model a :func:`loop_bodies` example describes: ``(graph, loss, feed)``."""
+def loop_body_model(body, branch=None):
+    """The model a :func:`loop_bodies` example describes: ``(graph, loss, feed)``. ``branch``:
+    ``(i, j)``, the carry's update chosen per iteration by the sign of ``x_t[0, 0]`` between the
+    usual one and one from pool entry ``j`` (``i``: which option the usual one is)."""
     steps, times, program, update_from, stack_from = body
     g = vg.VirtualGraph(seed=5)
     xs = g.input("xs", (None, 2, 3))
@@ -314,7 +316,12 @@ def loop_body_model(body):
                     if instr[1] == "matmul"
                     else {"add": a + c, "sub": a - c, "mul": a * c}[instr[1]]
                 )
-        L.update(h, vg.tanh(pool[update_from % len(pool)] + h))
+        update = vg.tanh(pool[update_from % len(pool)] + h)
+        if branch is not None:
+            other = vg.sigmoid(pool[branch[1] % len(pool)]) * h
+            options = [update, other] if branch[0] % 2 == 0 else [other, update]
+            update = g.branch(lambda v: int(v[0, 0] > 0), options, keys=[x], name="sign")
+        L.update(h, update)
         out = pool[stack_from % len(pool)]
     loss = vg.sum(L.final(h) ** 2) + vg.sum(W * W) + (vg.sum(L.stack(out)) if steps and times != 0 else 0.0)
     return g, loss, {"xs": np.random.default_rng(steps).normal(size=(steps, 2, 3))}

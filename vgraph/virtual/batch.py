@@ -2302,14 +2302,14 @@ class _RowsProgram(SweptOnce):
         at: Any = (slice(None), p) if lay == 1 else p
         grad = None
         kept = self.kept[s] if self.kept is not None else None
-        if kept is not None and kept[slot] is not None:
-            gv = kept[slot]
-            grad = np.array((gv.dense() if isinstance(gv, LazyGrad) else gv)[at])
-        elif v in self.hoisted_nodes:  # its gradient is its row of the hoisted group's
-            node = self.hoisted_nodes[v]
+        if v in self.hoisted_nodes:  # its row of the hoisted group's gradient (the steps give only
+            node = self.hoisted_nodes[v]  # part of it: other hoisted nodes read the group too)
             if node.grad is not None:
                 source = self.index[len(loop.items) + variant.hoisted.index(v)][g]
                 grad = np.array(np.asarray(node.grad)[source])
+        elif kept is not None and kept[slot] is not None:
+            gv = kept[slot]
+            grad = np.array((gv.dense() if isinstance(gv, LazyGrad) else gv)[at])
         return (value if lay is None else value[at]), grad
 
 
