@@ -369,3 +369,34 @@ def test_checkpoint_round_trip_in_one_process(tmp_path: Path) -> None:
 def test_init_timeout_is_checked() -> None:
     with pytest.raises(ValueError, match="timeout"):
         dist.init(timeout=0)
+
+
+def test_a_failing_rank_waits_until_its_message_is_read_from_the_pipe(tmp_path) -> None:
+    """Before aborting, the failing rank waits until the launcher has read its message from the
+    pipe its output goes through (an abort that ends the launcher's forwarding first lost it,
+    under load); at most the limit, and not at all for a file."""
+    import threading
+
+    r, w = os.pipe()
+    with os.fdopen(w, "w") as out, os.fdopen(r, "rb") as inp:
+        out.write("rank 1 of 2 failed\n" * 10)
+        out.flush()
+        got: list[bytes] = []
+        reader = threading.Timer(0.3, lambda: got.append(inp.read1(4096)))
+        reader.start()
+        start = time.monotonic()
+        dist._drain(out, limit=5.0)
+        waited = time.monotonic() - start
+        reader.join()
+        assert 0.25 < waited < 2.0 and got and got[0].startswith(b"rank 1 of 2 failed")
+        out.write("never read\n")
+        out.flush()
+        start = time.monotonic()
+        dist._drain(out, limit=0.3)
+        assert 0.25 < time.monotonic() - start < 2.0
+    with open(tmp_path / "log", "w") as f:
+        f.write("x")
+        f.flush()
+        start = time.monotonic()
+        dist._drain(f, limit=5.0)
+        assert time.monotonic() - start < 0.5

@@ -386,11 +386,36 @@ def _install_excepthook(comm: Communicator) -> None:
                 f"{text}vgraph.distributed: aborting every rank\n"
             )
             sys.stderr.flush()
+            _drain(sys.stderr)
         finally:
             comm.abort(1)
         previous(kind, value, tb)  # only reached if abort returned
 
     sys.excepthook = hook
+
+
+def _drain(stream: Any, limit: float = 2.0) -> None:
+    """Wait (at most ``limit`` seconds) until what this process wrote to ``stream`` has been read
+    from it, when it is a pipe: a launcher forwards each rank's output through a pipe, and an
+    abort that ends the launcher's forwarding first loses what is still in the pipe — the very
+    message saying which rank failed and why."""
+    try:
+        import fcntl
+        import stat
+        import termios
+
+        fd = stream.fileno()
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return
+        deadline = time.monotonic() + limit
+        unread = bytearray(4)
+        while time.monotonic() < deadline:
+            fcntl.ioctl(fd, termios.FIONREAD, unread)
+            if int.from_bytes(unread, sys.byteorder) == 0:
+                return
+            time.sleep(0.005)
+    except (ImportError, OSError, ValueError, AttributeError):  # (no descriptor, no fcntl: do not wait)
+        return
 
 
 # ---------------------------------------------------------------------------- parameters
