@@ -1052,6 +1052,11 @@ def as_array(g: Any) -> np.ndarray:
     return g.dense() if isinstance(g, LazyGrad) else np.asarray(g)
 
 
+def densified(g: Any) -> Any:
+    """``g`` as an array where it is a :class:`LazyGrad` (made dense); anything else as it is."""
+    return g.dense() if isinstance(g, LazyGrad) else g
+
+
 def add_grads(acc: Any, g: Any) -> Any:
     """``acc + g`` as a new value, for gradients that may be :class:`LazyGrad` s."""
     if isinstance(acc, LazyGrad):

@@ -64,7 +64,7 @@ from ..errors import (
 )
 from ..modes import detect_anomaly as detect_anomaly_mode
 from ..modes import is_anomaly_enabled, is_grad_enabled, no_grad, programs_mode
-from ..ops import ALONG_AXIS, CELL, ELEMENTWISE, OPS, LazyGrad, Op, OpResultError, row_at
+from ..ops import ALONG_AXIS, CELL, ELEMENTWISE, OPS, Op, OpResultError, densified, row_at
 from ..workspace import computing, gc_paused
 from .builder import _Builder, _check_structure, _Frame, _iteration_views, _stepped_sequences
 from .graph import one_build_at_a_time
@@ -83,7 +83,7 @@ from .program import (
 )
 from .rules import at_limit, check_carry, run_cond, select_option
 from .unroll import _check_outputs, _checked_feed
-from .unrolled import Decision, UnrolledGraph
+from .unrolled import Decision, UnrolledGraph, find_decision
 
 _GATHER, _GETITEM, _STACK, _SUM, _MEAN = (
     OPS["GatherRows"],
@@ -604,10 +604,10 @@ class InputView:
         return self._decision(branch, idx, "option")
 
     def _decision(self, node: VirtualNode, idx: tuple[int, ...], kind: str) -> int:
-        for d in self.decisions:
-            if d.node is node and d.idx == tuple(idx) and d.kind == kind:
-                return int(d.value)
-        raise BuildError(f"{node.describe(tuple(idx))} was not built for input {self.index}")
+        found = find_decision(self.decisions, node, idx, kind)
+        if found is None:
+            raise BuildError(f"{node.describe(tuple(idx))} was not built for input {self.index}")
+        return found
 
     def value(self, v: VirtualNode, idx: tuple[int, ...] = ()) -> np.ndarray:
         """This input's value of virtual node ``v`` in iteration path ``idx``."""
@@ -1063,12 +1063,8 @@ class BatchedBuild:
         first tries to run it as one body program over tree nodes (:meth:`_run_tree_rows`); the
         reason it could not is recorded per input (``InputView.interpreted``)."""
         loop = jobs[0].loop
-        if self._programs:
-            why = self._run_tree_rows(jobs)
-            if why is None:
-                return
-            for j in jobs:
-                j.view.interpreted.append((loop, j.idx, why))
+        if self._ran_as_program(jobs, self._run_tree_rows):
+            return
         for j in jobs:
             j.remaining, j.parents = _dependents(j.rows)
         updates = [loop.updates[c] for c in loop.carries]
@@ -1198,6 +1194,19 @@ class BatchedBuild:
                     m.job.chosen[(branch, m.idx)] = choice
                     m.job.decisions[m.t].append(Decision(branch, m.idx, "option", choice))
 
+    def _ran_as_program(self, jobs: Sequence[_LoopJob], run: Callable[[Any], str | None]) -> bool:
+        """Whether ``run`` (:meth:`_run_rows` or :meth:`_run_tree_rows`) ran the loop of ``jobs``
+        as one program over rows (never with programs off); if it could not, each input records
+        why (``InputView.interpreted``)."""
+        if not self._programs:
+            return False
+        why = run(jobs)
+        if why is None:
+            return True
+        for j in jobs:
+            j.view.interpreted.append((j.loop, j.idx, why))
+        return False
+
     def _run_jobs(self, jobs: list[_LoopJob]) -> None:
         """Run the loop of ``jobs`` (one per input; the same declared loop) in lockstep: iteration
         ``t`` of every input that has one, body node by body node, each node's copies as one op
@@ -1205,16 +1214,12 @@ class BatchedBuild:
         to run it as one body program over rows (:meth:`_run_rows`); the reason it could not is
         recorded per input (``InputView.interpreted``)."""
         loop = jobs[0].loop
-        if self._programs:
-            why = self._run_rows(jobs)
-            if why is None:
-                return
+        if self._ran_as_program(jobs, self._run_rows):
+            return
+        if self._programs and not self._lockstep_ok(loop):  # (branches: each input runs it itself)
             for j in jobs:
-                j.view.interpreted.append((loop, j.idx, why))
-            if not self._lockstep_ok(loop):  # (its body has branches: each input runs it itself)
-                for j in jobs:
-                    j.declined = True
-                return
+                j.declined = True
+            return
         body = self.virtual_plan.eager.get(loop, ())
         stacked = self.virtual_plan.stacked.get(loop, [])
         updates = [loop.updates[c] for c in loop.carries]
@@ -2197,13 +2202,13 @@ class _RowsProgram(SweptOnce):
             s = g.seeds.get(k)
             if s is not None:
                 c = loop.carries.index(f.inputs[1])
-                grads[c][self.roots] += s.dense() if isinstance(s, LazyGrad) else s
+                grads[c][self.roots] += densified(s)
                 reached[c] = True
         stack_seed: list[Any] = []
         for j in range(len(program.stacked)):
             s = g.seeds.get(nf + j)
             if s is not None:
-                s = s.dense() if isinstance(s, LazyGrad) else s
+                s = densified(s)
                 if self.chain:  # (input order -> row order)
                     rows = np.empty_like(s)
                     rows[self.in_input_order] = s
@@ -2232,7 +2237,7 @@ class _RowsProgram(SweptOnce):
             for k in range(nc):
                 d = res[k]
                 if d is not None:  # (a loop's: each row one predecessor; a recursion's carries are not read)
-                    d = d.dense() if isinstance(d, LazyGrad) else d
+                    d = densified(d)
                     reached[k] = True
                     if chain:
                         grads[k][pred] += d
@@ -2242,7 +2247,7 @@ class _RowsProgram(SweptOnce):
                 d = res[nc + ni + r]
                 if d is None:
                     continue
-                d = d.dense() if isinstance(d, LazyGrad) else d
+                d = densified(d)
                 reached[k] = True
                 at = kids[ids, slot]
                 if self.tree:  # each tree node is one row's child: indexing adds each row once
@@ -2259,7 +2264,7 @@ class _RowsProgram(SweptOnce):
                 if step_grad[i] is None:
                     x = values[nc + i]
                     step_grad[i] = np.zeros((N, *np.shape(x)[1:]), dtype=_grad_dtype(x))
-                step_grad[i][ids] += d.dense() if isinstance(d, LazyGrad) else d
+                step_grad[i][ids] += densified(d)
         self.kept = kept if keep else None
         for i, rows in enumerate(step_grad):  # back to the sources' rows (each read at most once)
             if rows is not None:
@@ -2309,7 +2314,7 @@ class _RowsProgram(SweptOnce):
                 grad = np.array(np.asarray(node.grad)[source])
         elif kept is not None and kept[slot] is not None:
             gv = kept[slot]
-            grad = np.array((gv.dense() if isinstance(gv, LazyGrad) else gv)[at])
+            grad = np.array(densified(gv)[at])
         return (value if lay is None else value[at]), grad
 
 

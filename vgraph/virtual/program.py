@@ -63,6 +63,7 @@ from ..ops import (
     add_grads,
     add_grads_sparse,
     basic_view_index,
+    densified,
     joint_vjp,
     reduce_grad,
     split_vjp,
@@ -1021,7 +1022,7 @@ class ProgramInstance(SweptOnce):
                 c = loop.carries.index(f.inputs[1])
                 final_seed[c] = s if final_seed[c] is None else add_grads(final_seed[c], s)
         stack_seed = [g.seeds.get(nf + j) for j in range(len(program.stacked))]
-        stack_seed = [s.dense() if isinstance(s, LazyGrad) else s for s in stack_seed]  # (rows read)
+        stack_seed = [densified(s) for s in stack_seed]  # (rows read)
         seq_grad: list[Any] = [None] * ns
         items = loop.items
         ni, nr, nh = len(items), len(loop.children), len(variant.hoisted)

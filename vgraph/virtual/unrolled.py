@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -56,6 +56,18 @@ class Decision:
     idx: tuple[int, ...]
     kind: str
     value: int
+
+
+def find_decision(
+    decisions: Sequence[Decision], node: VirtualNode, idx: Sequence[int], kind: str
+) -> int | None:
+    """The value of the decision of ``kind`` that ``node`` made in iteration path ``idx`` (a
+    trip count, an option), or ``None`` if it made none there."""
+    idx = tuple(idx)
+    for d in decisions:
+        if d.node is node and d.idx == idx and d.kind == kind:
+            return int(d.value)
+    return None
 
 
 class UnrolledGraph(ComputeGraph):
@@ -398,7 +410,7 @@ class UnrolledGraph(ComputeGraph):
 
     def capped(self, loop: LoopNode, idx: tuple[int, ...] = ()) -> bool:
         """Whether ``loop`` (declared with ``on_limit="stop"``) stopped at its ``max_iters`` cap."""
-        return any(d.node is loop and d.idx == tuple(idx) and d.kind == "capped" for d in self.decisions)
+        return find_decision(self.decisions, loop, idx, "capped") is not None
 
     def trip_count(self, loop: LoopNode, idx: tuple[int, ...] = ()) -> int:
         """How many iterations ``loop`` ran in iteration path ``idx``."""
@@ -409,10 +421,10 @@ class UnrolledGraph(ComputeGraph):
         return self._decision(branch, idx, "option")
 
     def _decision(self, node: VirtualNode, idx: tuple[int, ...], kind: str) -> int:
-        for d in self.decisions:
-            if d.node is node and d.idx == tuple(idx) and d.kind == kind:
-                return d.value
-        raise BuildError(f"{node.describe(tuple(idx))} was not built in this graph")
+        found = find_decision(self.decisions, node, idx, kind)
+        if found is None:
+            raise BuildError(f"{node.describe(tuple(idx))} was not built in this graph")
+        return found
 
 
 def _check_feed_value(decl: VirtualNode, value: Any, dtype: np.dtype) -> np.ndarray:
