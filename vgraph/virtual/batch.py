@@ -66,7 +66,7 @@ from ..modes import detect_anomaly as detect_anomaly_mode
 from ..modes import is_anomaly_enabled, is_grad_enabled, no_grad, programs_mode
 from ..ops import ALONG_AXIS, CELL, ELEMENTWISE, OPS, Op, OpResultError, densified, row_at
 from ..workspace import computing, gc_paused
-from .builder import _Builder, _check_structure, _Frame, _iteration_views, _stepped_sequences
+from .builder import _Builder, _check_structure, _Frame, _iteration_views, _read_children, _stepped_sequences
 from .graph import one_build_at_a_time
 from .hoist import batched_attrs, check_rows, checks_rows, hoist_loop
 from .nodes import BranchNode, LoopNode, VirtualNode
@@ -1083,10 +1083,7 @@ class BatchedBuild:
                 view, inner = j.view, m.idx
                 for c, init in zip(loop.carries, j.state):
                     env[c] = init  # (never read: see _by_depth)
-                row = j.rows[t]
-                for read, k, slot in j.reads:  # (every slot is a column: see _check_structure)
-                    child = row[slot]
-                    env[read] = j.history[child][k] if child >= 0 else j.state[k]
+                _read_children(env, j.reads, j.rows[t], j.history, j.state)
                 for item, seq in zip(loop.items, j.seqs):
                     if item not in j.groups:
                         at = cast(int, j.length) - 1 - t if item.attrs.get("reverse") else t
@@ -2573,10 +2570,7 @@ class _BatchBuilder(_Builder):
             ienv = inner.env
             for c, init in zip(loop.carries, defaults):
                 ienv[c] = init  # (never read: the body reads children's state only; see _by_depth)
-            row = rows[t]
-            for read, k, slot in reads:  # (every slot is a column: see _check_structure)
-                child = row[slot]
-                ienv[read] = history[child][k] if child >= 0 else defaults[k]
+            _read_children(ienv, reads, rows[t], history, defaults)
             _iteration_views(cg, loop, inner, seqs, groups, length, t)
             self.run_scope(inner, order)
             cg._envs[(loop, inner.idx)] = ienv

@@ -322,10 +322,7 @@ class _Builder:
             for c, node in zip(loop.carries, state):
                 ienv[c] = node
             if kids is not None:  # each child read *is* the node computed at that child
-                row = rows[t]
-                for read, k, slot in reads:  # (every slot is a column: see _check_structure)
-                    c = row[slot]
-                    ienv[read] = history[c][k] if c >= 0 else defaults[k]
+                _read_children(ienv, reads, rows[t], history, defaults)
             _iteration_views(cg, loop, inner, seqs, groups, length, t)
             self.run_scope(inner, order)
             cg._envs[(loop, inner.idx)] = ienv
@@ -657,6 +654,22 @@ def _iteration_views(
         env[v] = cg._add_copy(
             group, cg._add_op(_HOISTED, (group,), {"index": t}, _key((v.type, v.id, idx)), v.name)
         )
+
+
+def _read_children(
+    env: dict[VirtualNode, Any],
+    reads: Sequence[tuple[VirtualNode, int, int]],
+    row: Sequence[int],
+    history: Sequence[Sequence[Any]],
+    defaults: Sequence[Any],
+) -> None:
+    """Put in a tree node's environment what each child read reads: ``(read, carry k, slot)``
+    per read, the node's children ``row``, every built node's carries' updates ``history``, and
+    the carries' initial values ``defaults`` (what a missing child, ``-1``, reads). Every slot is
+    a column of the children array (see :func:`_check_structure`)."""
+    for read, k, slot in reads:
+        c = row[slot]
+        env[read] = history[c][k] if c >= 0 else defaults[k]
 
 
 def _stepped_sequences(loop: LoopNode, frame: _Frame) -> tuple[list[ComputeNode], int | None]:
