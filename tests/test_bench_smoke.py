@@ -427,6 +427,7 @@ def test_seq2seq_quick_json_run(tmp_path):
     assert len(data["machine"]["source"]["commit"]) == 40  # the commit measured (a git checkout)
     check = data["correctness"]["seq2seq"]
     assert check["gradcheck"] == "passed" and check["max_rel_err_batch"] <= 1e-12
+    assert check["max_rel_err_batch_programs"] <= 1e-12
     assert check["max_rel_err_masked"] <= 1e-12
     assert len({tuple(n) for n in check["lengths"]}) > 1  # build_batch was checked on different lengths
     assert ("torch" in check) == HAVE_TORCH
@@ -436,12 +437,12 @@ def test_seq2seq_quick_json_run(tmp_path):
     rows = data["rows"]
     assert [r["config"] for r in rows] == ["sparse", "dense"]
     for r in rows:
-        batched = {"batch32", "batch32_masked"}
+        batched = {"batch32", "batch32_programs", "batch32_masked"}
         torch_columns = {"torch", "torch_batch32"} if HAVE_TORCH else set()
         assert set(r["columns"]) == {"vgraph", "programs"} | batched | torch_columns
         assert set(r["batch_speedup"]) == batched
         assert all(sp["over"] == "vgraph" and sp["wall"] > 0 for sp in r["batch_speedup"].values())
-        assert r["batch_target_met"] == (r["batch_speedup"]["batch32"]["wall"] >= 3.0)
+        assert r["batch_target_met"] == (r["batch_speedup"]["batch32_programs"]["wall"] >= 3.0)
         if HAVE_TORCH:
             assert set(r["ratio_vs_torch"]) == {"vgraph"} | batched
             for vg_name, vt in r["ratio_vs_torch"].items():
@@ -482,7 +483,7 @@ def test_seq2seq_runs_without_torch(tmp_path):
     )
     assert stdout.count("PyTorch columns skipped: torch is not installed") == 1
     (row,) = data["rows"]
-    assert set(row["columns"]) == {"vgraph", "programs", "batch32", "batch32_masked"}
+    assert set(row["columns"]) == {"vgraph", "programs", "batch32", "batch32_programs", "batch32_masked"}
     assert "ratio_vs_torch" not in row
     assert "torch" not in data["correctness"]["seq2seq"] and data["machine"]["torch"] is None
 

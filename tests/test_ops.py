@@ -319,6 +319,24 @@ for n, shape, axis in [(3, (2, 3), 0), (3, (2, 3), 1), (4, (2, 3), -1), (2, (4,)
         *(normal(*shape) for _ in range(n)),
     )  # fmt: skip
 
+
+def _pad_stack_ref(*xs, shape):
+    out = np.zeros((len(xs), *shape))
+    for r, x in enumerate(xs):
+        out[r, : x.shape[0], : x.shape[1]] = x
+    return out
+
+
+# PadStack (rows of different lengths padded with zeros: a program over rows' per-input values)
+for shapes in [((2, 3), (4, 3), (1, 3)), ((3, 1), (3, 4))]:
+    widest = tuple(max(d) for d in zip(*shapes))
+    case(
+        shape_id(*shapes), "PadStack",
+        lambda *xs, w=widest: vgraph.functions._dispatch("PadStack", xs, {"shape": w}),
+        lambda *xs, w=widest: _pad_stack_ref(*xs, shape=w),
+        *(normal(*s) for s in shapes),
+    )  # fmt: skip
+
 # Where with a constant mask (which gets no gradient); broadcasting among mask and branches.
 MASK_34 = np.arange(12).reshape(3, 4) % 3 == 0
 MASK_31 = np.array([[True], [False], [True]])

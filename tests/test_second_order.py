@@ -126,6 +126,12 @@ CASES = {
     "Stack": lambda cg, r: _two(
         cg, r.standard_normal((2, 3)), r.standard_normal((2, 3)), lambda a, b: vg.stack([a * b, b], axis=1)
     ),
+    "PadStack": lambda cg, r: _two(
+        cg,
+        r.standard_normal((2, 3)),
+        r.standard_normal((4, 3)),
+        lambda a, b: cg.apply("PadStack", [a * b[:2], b], {"shape": (4, 3)}) ** 2,
+    ),
     "LSTMCell": lambda cg, r: _cell(cg, r, F.lstm_cell, 4, [(2, 12), (2, 12), (12,), (2, 3)]),
     "LSTMCell gates read": lambda cg, r: _cell(
         cg, r, F.lstm_cell, 4, [(2, 12), (2, 12), (12,), (2, 3)], whole=True

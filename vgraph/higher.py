@@ -355,6 +355,12 @@ def _stack_rule(
     return [_item(g, (slice(None),) * ax + (i,)) if n else None for i, n in enumerate(need)]
 
 
+def _pad_stack_rule(
+    need: Sequence[bool], g: ComputeNode, ans: ComputeNode, *xs: ComputeNode, shape: tuple[int, ...]
+) -> Grads:
+    return [_item(g, (i, *(slice(0, n) for n in xs[i].shape))) if n else None for i, n in enumerate(need)]
+
+
 def _cumsum_rule(
     need: Sequence[bool], g: ComputeNode, ans: ComputeNode, x: ComputeNode, axis: Any = None
 ) -> Grads:
@@ -481,6 +487,7 @@ RULES: dict[str, Rule] = {
     ],
     "Concat": _concat_rule,
     "Stack": _stack_rule,
+    "PadStack": _pad_stack_rule,
     "Identity": lambda need, g, ans, x: [g],
     "Branch": lambda need, g, ans, x, *keys: [g, *(None for _ in keys)],
     "Hoisted": lambda need, g, ans, x, index: [_ap("ScatterAdd", g, shape=x.shape, index=index)],

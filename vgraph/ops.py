@@ -1695,6 +1695,28 @@ def _stack(*xs: Any, axis: int = 0) -> np.ndarray:
 defop("Stack", _stack, _stack_vjp, variadic=True)
 
 
+def _pad_stack(*xs: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """The arrays stacked along a new axis 0, each padded with zeros at the end of its axes to
+    ``shape`` (rows of different lengths as one array)."""
+    out = np.zeros((len(xs), *shape), dtype=np.result_type(*xs))
+    for r, x in enumerate(xs):
+        out[_part(r, x)] = x
+    return out
+
+
+def _part(r: int, x: Any) -> tuple[Any, ...]:
+    """The index of row ``r``'s part of a ``PadStack`` whose input ``r`` is ``x``."""
+    return (r, *(slice(0, n) for n in np.shape(x)))
+
+
+def _pad_stack_vjp(i: int, g: np.ndarray, ans: np.ndarray, *xs: Any, shape: tuple[int, ...]) -> np.ndarray:
+    out: np.ndarray = g[_part(i, xs[i])]  # (a view: input i's part, without the padding)
+    return out
+
+
+defop("PadStack", _pad_stack, _pad_stack_vjp, variadic=True)
+
+
 # ---------------------------------------------------------------------------- structural
 # Identity ops that exist for what they mean in the graph, not for their arithmetic.
 defop("Detach", lambda x: x, None, kind=ELEMENTWISE)  # stops the gradient

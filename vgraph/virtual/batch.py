@@ -70,6 +70,7 @@ from .builder import _Builder, _check_structure, _Frame, _iteration_views, _read
 from .graph import one_build_at_a_time
 from .hoist import batched_attrs, check_rows, checks_rows, hoist_loop
 from .nodes import BranchNode, LoopNode, VirtualNode
+from .padded import NO_MASKS, Masking, MaskKey, Padded, mask, rule
 from .program import (
     BodyProgram,
     ProgramRun,
@@ -92,7 +93,7 @@ _GATHER, _GETITEM, _STACK, _SUM, _MEAN = (
     OPS["Sum"],
     OPS["Mean"],
 )
-_HOISTED, _CONCAT = OPS["Hoisted"], OPS["Concat"]
+_HOISTED, _CONCAT, _PAD_STACK = OPS["Hoisted"], OPS["Concat"], OPS["PadStack"]
 _PASS = ("Branch", "Identity")  # ops that pass their first input on unchanged
 _ASK = object()  # InputView._direct: this op must be computed
 _SPECIAL = frozenset((*_PASS, "Stack", "GetItem", "Hoisted"))  # ops InputView._add_op looks at
@@ -1342,9 +1343,11 @@ class BatchedBuild:
             self._rows_static[loop] = found
         return found
 
-    def _rows_inputs(self, program: BodyProgram, rows: Sequence[_LoopJob]) -> list[ComputeNode] | str:
-        """The captured values' nodes of a program over ``rows`` (the same for every input), or
-        why the inputs' values cannot be rows of one buffer."""
+    def _rows_inputs(self, program: BodyProgram, rows: Sequence[_LoopJob]) -> _RowsInputs | str:
+        """The values a program over ``rows`` reads — the captured values' nodes where they are
+        the same for every input, each input's own otherwise (rows of one buffer, padded where
+        their lengths differ along one axis: :mod:`.padded`) — or why the inputs' values cannot
+        be rows of one buffer."""
         loop, first = program.loop, rows[0]
         for k, c in enumerate(loop.carries):
             v0 = first.state[k]._value
@@ -1356,16 +1359,41 @@ class BatchedBuild:
                 j.seqs[i]._value.shape[1:] != s0.shape[1:] or j.seqs[i]._value.dtype != s0.dtype for j in rows
             ):
                 return f"the inputs' rows of {item.describe()} differ in shape or dtype"
-        caps: list[ComputeNode] = []
+        out = _RowsInputs()
         for v in program.captured:
             node = first.captured[v]
-            if not isinstance(node, ComputeNode) or any(j.captured[v] is not node for j in rows):
-                return f"it reads {v.describe()}, a value of each input's own"
-            caps.append(node)
-        return caps
+            if isinstance(node, ComputeNode) and all(j.captured[v] is node for j in rows):
+                out.caps.append(node)
+                continue
+            column = [j.captured[v] for j in rows]
+            if not all(isinstance(x, (ComputeNode, Row)) for x in column):
+                return f"it reads {v.describe()}, a value of each input's own that is not a node"
+            values = [np.asarray(x._value) for x in column]
+            if len({(x.ndim, x.dtype) for x in values}) != 1:
+                return f"the inputs' values of {v.describe()} differ in rank or dtype"
+            shapes = [x.shape for x in values]
+            widest = tuple(max(d) for d in zip(*shapes))
+            differ = [a for a, n in enumerate(widest) if any(s[a] != n for s in shapes)]
+            if len(differ) > 1:
+                return f"the inputs' values of {v.describe()} differ in length along more than one axis"
+            if differ:
+                lengths = np.asarray([s[differ[0]] for s in shapes], dtype=np.intp)
+                if not lengths.all():
+                    return f"an input's value of {v.describe()} is empty along its axis {differ[0]}"
+                ext = next((e for e, x in enumerate(out.extents) if np.array_equal(x, lengths)), None)
+                if ext is None:
+                    ext = len(out.extents)
+                    out.extents.append(lengths)
+                out.padded[v] = (differ[0], ext)
+                out.values[v] = cast(np.ndarray, _PAD_STACK.forward(*values, shape=widest))
+            else:
+                out.values[v] = np.stack(values)
+            out.own[v] = column
+            out.caps.append(None)
+        return out
 
     def _rows_plan(
-        self, program: BodyProgram, first: _LoopJob, caps: list[ComputeNode], rows_in_source: int
+        self, program: BodyProgram, first: _LoopJob, inputs: _RowsInputs, rows_in_source: int
     ) -> _RowsPlan | str:
         """How ``program``'s body runs on rows, or why it cannot: where each body node's rows lie,
         which nodes are hoisted over every input's rows at once, and the attributes with which the
@@ -1373,13 +1401,26 @@ class BatchedBuild:
         (:func:`.hoist.batched_attrs`): every op must compute each row alone, a fused cell's value
         (rows along axis 1) read by one slab; a branch's options must lie alike."""
         loop = program.loop
-        shape = _probe_shapes(program, first, [n._value for n in caps])
+        own = inputs.own
+        shape = _probe_shapes(
+            program,
+            first,
+            [
+                n._value if n is not None else inputs.values[v][0]
+                for v, n in zip(program.captured, inputs.caps)
+            ],
+        )
         if isinstance(shape, str):
             return shape
         plan = _RowsPlan()
         layout = plan.layout
         layout.update((v, 0) for v in (*loop.carries, *loop.items, *loop.children))
-        layout.update((v, None) for v in program.captured)
+        layout.update((v, 0 if v in own else None) for v in program.captured)
+        plan.own = [v for v in program.captured if v in own]
+        padded: dict[VirtualNode, Padded] = dict(inputs.padded)
+        pre: dict[VirtualNode, MaskKey] = {}
+        post: dict[VirtualNode, MaskKey] = {}
+        grad: dict[VirtualNode, MaskKey] = {}
         # A hoisted node runs once on its items' rows as the inputs' sequences give them (concatenated
         # in input order): it acts on each row alone, so its rows are then packed as the items' are —
         # by one index, if every item it reads steps the same way (forwards or reversed).
@@ -1392,7 +1433,7 @@ class BatchedBuild:
                 if (
                     op.kind == CELL
                     or len(ways) != 1
-                    or any(layout.get(u, 1) not in (0, None) for u in v.inputs)
+                    or any(layout.get(u, 1) not in (0, None) or u in own for u in v.inputs)
                 ):
                     continue
                 attrs = batched_attrs(
@@ -1412,6 +1453,8 @@ class BatchedBuild:
                 continue
             if isinstance(v, BranchNode):
                 ways = {layout[o] for o in v.options}
+                if any(u in padded for u in (*v.keys, *v.options)):
+                    return f"{v.describe()} chooses between or on values whose length differs per input"
                 if len(ways) != 1:
                     return f"the options of {v.describe()} differ in whether each input has its own value"
                 if v.lead is None and any(layout[k] == 1 for k in v.keys):
@@ -1438,16 +1481,37 @@ class BatchedBuild:
             if not _same_attrs(grouped, attrs):
                 plan.attrs[v] = grouped
             layout[v] = 1 if op.kind == CELL else 0
+            if padded:
+                found = rule(
+                    op, attrs, [shape[u] for u in v.inputs], [padded.get(u) for u in v.inputs], shape[v]
+                )
+                if isinstance(found, str):
+                    return f"{v.describe()} {found}"
+                if found.out is not None:
+                    padded[v] = found.out
+                    key = grad[v] = MaskKey(found.out[1], len(shape[v]), found.out[0])
+                    if found.post:
+                        post[v] = key
+                    if found.pre:
+                        r0 = padded[v.inputs[0]]
+                        pre[v] = MaskKey(r0[1], len(shape[v.inputs[0]]), r0[0])
         for c in loop.carries:
             if layout[loop.updates[c]] != 0:
                 return f"the update of {c.describe()} is the same for every input"
+            if loop.updates[c] in padded:
+                return f"the update of {c.describe()} has a length that differs per input"
         for st in program.stacked:
             if layout[st.inputs[1]] != 0:
                 return f"{st.describe()} stacks a value that is the same for every input"
+            if st.inputs[1] in padded:
+                return f"{st.describe()} stacks a value whose length differs per input"
+        plan.padded = padded
+        keys = tuple(dict.fromkeys((*pre.values(), *post.values(), *grad.values())))
+        plan.masking = Masking(keys, tuple(pre.items()), tuple(post.items()), tuple(grad.items()))
         return plan
 
     def _rows_variant(
-        self, program: BodyProgram, rows: Sequence[_LoopJob], caps: list[ComputeNode], plan: _RowsPlan
+        self, program: BodyProgram, rows: Sequence[_LoopJob], inputs: _RowsInputs, plan: _RowsPlan
     ) -> Any:
         """The steps of ``program`` for a run over ``rows`` laid out by ``plan``: those computing
         the gradients some input needs (none outside grad mode)."""
@@ -1460,13 +1524,19 @@ class BatchedBuild:
             needs.update(
                 v for i, v in enumerate(loop.items) if any(_base(j.seqs[i]).requires_grad for j in rows)
             )
-            needs.update(v for v, n in zip(program.captured, caps) if n.requires_grad)
+            needs.update(
+                v
+                for v, n in zip(program.captured, inputs.caps)
+                if (n.requires_grad if n is not None else any(_base(x).requires_grad for x in inputs.own[v]))
+            )
             for v in plan.hoisted:
                 if any(vjp_of(cast(Op, v.op), p) is not None and u in needs for p, u in enumerate(v.inputs)):
                     needs.add(v)
-        return program.variant(tuple(plan.hoisted), frozenset(needs), plan.attrs)
+        return program.variant(
+            tuple(plan.hoisted), frozenset(needs), plan.attrs, tuple(plan.own), plan.masking
+        )
 
-    def _start_rows(self, instance: _RowsProgram, plan: _RowsPlan, caps: list[ComputeNode]) -> str | None:
+    def _start_rows(self, instance: _RowsProgram, plan: _RowsPlan, inputs: _RowsInputs) -> str | None:
         """Run ``instance`` on its inputs' values — numpy first: nothing joins the graph unless
         the run succeeds — then add its nodes (:meth:`_add_rows_program`); or say why it failed."""
         loop, rows = instance.loop, instance.rows
@@ -1483,8 +1553,15 @@ class BatchedBuild:
             item: np.concatenate([j.seqs[i]._value for j in by_input]) for i, item in enumerate(loop.items)
         }
         item_values = list(group_of.values())
-        cap_values = [n._value for n in caps]
-        group_of.update(zip(instance.program.captured, cap_values))
+        captured = instance.program.captured
+        cap_values = [n._value if n is not None else inputs.values[v] for v, n in zip(captured, inputs.caps)]
+        group_of.update(zip(captured, cap_values))
+        instance.own_at = [captured.index(v) for v in plan.own]
+        instance.padded, instance.extents = plan.padded, inputs.extents
+        instance.masks = [
+            mask(key, inputs.extents[key.extent], int(inputs.extents[key.extent].max()))
+            for key in plan.masking.keys
+        ]
         try:
             for v, attrs in zip(plan.hoisted, plan.hoisted_attrs):
                 group_of[v] = cast(Op, v.op).forward(*[group_of[u] for u in v.inputs], **attrs)
@@ -1494,7 +1571,7 @@ class BatchedBuild:
         except Exception as e:
             return f"its program raised {type(e).__name__}: {e}"
         instance.run = run
-        self._add_rows_program(instance, plan.hoisted_attrs, group_of, caps, is_grad_enabled())
+        self._add_rows_program(instance, plan.hoisted_attrs, group_of, inputs, is_grad_enabled())
         instance.ran()
         # what the instance reads later, not the jobs (which reach the inputs' views, which reach it)
         instance.rows = [_Ran(j.inp, j.idx, j.captured) for j in rows]
@@ -1517,19 +1594,19 @@ class BatchedBuild:
             return "no input runs an iteration"
         if longest > loop.max_iters:
             return f"an input would run more than max_iters={loop.max_iters} iterations"
-        caps = self._rows_inputs(program, rows)
-        if isinstance(caps, str):
-            return caps
+        inputs = self._rows_inputs(program, rows)
+        if isinstance(inputs, str):
+            return inputs
         by_input = sorted(rows, key=_by_input)
         rows_in_source = sum(len(j.seqs[0]._value) for j in by_input) if loop.items else 0
-        plan = self._rows_plan(program, first, caps, rows_in_source)
+        plan = self._rows_plan(program, first, inputs, rows_in_source)
         if isinstance(plan, str):
             return plan
-        variant = self._rows_variant(program, rows, caps, plan)
+        variant = self._rows_variant(program, rows, inputs, plan)
         lengths = [len(j.seqs[0]._value) if loop.items else cast(int, j.trips) for j in rows]
-        instance = _RowsProgram(program, variant, rows, plan.layout, [n.sparse_grad for n in caps], lengths)
+        instance = _RowsProgram(program, variant, rows, plan.layout, inputs.sparse(), lengths)
         instance.index = [instance.order_of[plan.direction[v]] for v in (*loop.items, *plan.hoisted)]
-        return self._start_rows(instance, plan, caps)
+        return self._start_rows(instance, plan, inputs)
 
     def _run_tree_rows(self, jobs: list[_TreeJob]) -> str | None:
         """Run the recursion of ``jobs`` (one per input, as :meth:`_run_tree_jobs`) as one body
@@ -1542,27 +1619,25 @@ class BatchedBuild:
         if isinstance(program, str):
             return program
         rows = sorted(jobs, key=_by_input)
-        caps = self._rows_inputs(program, rows)
-        if isinstance(caps, str):
-            return caps
-        plan = self._rows_plan(program, rows[0], caps, sum(cast(int, j.trips) for j in rows))
+        inputs = self._rows_inputs(program, rows)
+        if isinstance(inputs, str):
+            return inputs
+        plan = self._rows_plan(program, rows[0], inputs, sum(cast(int, j.trips) for j in rows))
         if isinstance(plan, str):
             return plan
-        variant = self._rows_variant(program, rows, caps, plan)
+        variant = self._rows_variant(program, rows, inputs, plan)
         trips = [cast(int, j.trips) for j in rows]
         kids = [np.asarray(j.rows, dtype=np.intp) for j in rows]
-        instance = _RowsProgram(
-            program, variant, rows, plan.layout, [n.sparse_grad for n in caps], trips, kids
-        )
+        instance = _RowsProgram(program, variant, rows, plan.layout, inputs.sparse(), trips, kids)
         instance.index = [instance.order_of[plan.direction[v]] for v in (*loop.items, *plan.hoisted)]
-        return self._start_rows(instance, plan, caps)
+        return self._start_rows(instance, plan, inputs)
 
     def _add_rows_program(
         self,
         instance: _RowsProgram,
         hoisted_attrs: list[dict[str, Any]],
         group_of: dict[VirtualNode, Any],
-        caps: list[ComputeNode],
+        inputs: _RowsInputs,
         grad: bool,
     ) -> None:
         """Add a run's nodes to the graph — the carries' initial rows, the packed items, the
@@ -1584,6 +1659,10 @@ class BatchedBuild:
         for i, item in enumerate(loop.items):
             sources[item] = self._concat([j.seqs[i] for j in by_input])
             parents.append(sources[item])
+        caps = [
+            n if n is not None else self._own_rows(v, inputs, rows)
+            for v, n in zip(program.captured, inputs.caps)
+        ]
         cap_of = dict(zip(program.captured, caps))
         for v, attrs in zip(variant.hoisted, hoisted_attrs):
             self._serial += 1
@@ -1607,7 +1686,7 @@ class BatchedBuild:
         vjps += [
             partial(call, first_cap + j)
             # (a value only hoisted nodes read gets its gradient from their nodes, not the loop's)
-            if grad and v in variant.needs and v in variant.stepped_captured
+            if grad and v in variant.needs and (v in variant.stepped_captured or v in variant.own)
             else None
             for j, v in enumerate(program.captured)
         ]
@@ -1840,6 +1919,23 @@ class BatchedBuild:
             a = b
         return out
 
+    def _own_rows(self, v: VirtualNode, inputs: _RowsInputs, rows: Sequence[Any]) -> ComputeNode:
+        """One node whose rows are each input's own value of captured ``v`` (in the order of
+        ``rows``), padded with zeros where their lengths differ (``PadStack``)."""
+        column = inputs.own[v]
+        if v not in inputs.padded:
+            return self._stack(column, NodeKey(v.type, v.id, rows[0].idx))
+        self._serial += 1
+        values = inputs.values[v]
+        return self.graph._add_op(
+            _PAD_STACK,
+            tuple(p if isinstance(p, ComputeNode) else self._unwrap(p) for p in column),
+            {"shape": values.shape[1:]},
+            NodeKey("PadStack", self._serial, ()),
+            v.name,
+            value=values,
+        )
+
     def _concat(self, column: list[Any]) -> ComputeNode:
         """One node: the given values concatenated along axis 0 (the source itself when they are
         its consecutive row ranges, in order)."""
@@ -2071,6 +2167,13 @@ class _RowsProgram(SweptOnce):
         self.run: ProgramRun | None = None
         self.kept: list[Any] | None = None  # per record, every slot's gradient (when retained)
         self.hoisted_nodes: dict[VirtualNode, ComputeNode] = {}  # (see _add_rows_program)
+        # captured values each row has its own of (their positions among the captured values),
+        # the body nodes padded along an axis, the inputs' lengths there and the steps' masks
+        # (.padded; set by BatchedBuild._start_rows)
+        self.own_at: list[int] = []
+        self.padded: dict[VirtualNode, Padded] = {}
+        self.extents: list[np.ndarray] = []
+        self.masks: list[np.ndarray] = []
         # The loop node and its outputs are named by key in a graph held weakly (they hold this
         # instance: their ops are its methods).
         self.graph: Callable[[], ComputeGraph | None] = lambda: None
@@ -2084,6 +2187,13 @@ class _RowsProgram(SweptOnce):
         first = np.asarray(self.first, dtype=np.intp)[t] if isinstance(t, np.ndarray) else self.first[t]
         return first + r
 
+    def _who(self, ids: Any) -> Any:
+        """The input rows (positions in :attr:`rows`) that rows ``ids`` belong to: a slice for a
+        loop's level (its rows are the first inputs, in order), else an index array."""
+        if self.chain and type(ids) is slice:
+            return slice(0, ids.stop - ids.start)
+        return self.owner[ids]
+
     def idx_of(self, g: int) -> tuple[int, ...]:
         """The iteration path of row ``g``."""
         return (*self.rows[int(self.owner[g])].idx, int(self.tpos[g]))
@@ -2093,10 +2203,20 @@ class _RowsProgram(SweptOnce):
         graph = self.graph()
         return graph is not None and any(graph.node(k).retains_grad for k in self.output_keys)
 
+    def _padding(self) -> Any:
+        """The numpy error state of this program's steps: where values are padded, the padding's
+        arithmetic (``log(0)``, ``0 / 0`` in a VJP, masked afterwards) raises no warning — about
+        values no input has. (Anomaly mode, which checks every value, runs node by node.)"""
+        return np.errstate(divide="ignore", invalid="ignore") if self.masks else contextlib.nullcontext()
+
     # -- forward
     def forward(self, *values: Any) -> ProgramRun:
         """Run the steps level by level on the loop node's parents' values: the carries' initial
         rows, the items and hoisted nodes (rows in input order), the captured values."""
+        with self._padding():
+            return self._forward(values)
+
+    def _forward(self, values: Sequence[Any]) -> ProgramRun:
         loop, variant = self.loop, self.variant
         nc, ni, ns = len(loop.carries), len(loop.items), len(self.index)
         N, B = len(self.owner), len(self.rows)
@@ -2108,6 +2228,8 @@ class _RowsProgram(SweptOnce):
         for h, x in zip(hist, init):
             h[N:] = x
         stepped = [x[at] for x, at in zip(values[nc : nc + ns], self.index)]  # in row order
+        own = [values[nc + ns + j] for j in self.own_at]  # (per input row; then the masks)
+        own += self.masks
         select = _RowsSelect(self, self.layout)
         step = variant._make_step(select, *values[nc + ns :])
         run = ProgramRun()
@@ -2119,6 +2241,9 @@ class _RowsProgram(SweptOnce):
                 ids, pred, fixed = pending.pop()
                 select.ids, select.fixed, select.chosen = ids, fixed, {}
                 at = [x[ids] for x in stepped]
+                if own:
+                    who = self._who(ids)
+                    at += [x[who] for x in own]
                 try:
                     record = step(
                         len(records),
@@ -2184,6 +2309,10 @@ class _RowsProgram(SweptOnce):
 
     # -- backward
     def backward(self, g: RunGrad, run: ProgramRun, values: Sequence[Any]) -> list[Any]:
+        with self._padding():
+            return self._backward(g, run, values)
+
+    def _backward(self, g: RunGrad, run: ProgramRun, values: Sequence[Any]) -> list[Any]:
         loop, variant, program = self.loop, self.variant, self.program
         nc, ni, ns = len(loop.carries), len(loop.items), len(self.index)
         nr = len(self.reads)
@@ -2212,6 +2341,7 @@ class _RowsProgram(SweptOnce):
                     s = rows
             stack_seed.append(s)
         step_grad: list[Any] = [None] * ns  # in row order
+        own_grad: list[Any] = [None] * len(self.own_at)  # per own captured value, per input row
         keep = self._retained()
         kept: list[Any] = [None] * len(self.steps)
         kids, chain = self.kids, self.chain
@@ -2262,6 +2392,18 @@ class _RowsProgram(SweptOnce):
                     x = values[nc + i]
                     step_grad[i] = np.zeros((N, *np.shape(x)[1:]), dtype=_grad_dtype(x))
                 step_grad[i][ids] += densified(d)
+            for o, j in enumerate(self.own_at):
+                d = res[nc + nr + ns + o]
+                if d is None:
+                    continue
+                if own_grad[o] is None:
+                    x = values[nc + ns + j]
+                    own_grad[o] = np.zeros(np.shape(x), dtype=_grad_dtype(x))
+                who = self._who(ids)
+                if type(who) is slice:
+                    own_grad[o][who] += densified(d)
+                else:  # (a recursion's level: many rows of one input)
+                    np.add.at(own_grad[o], who, densified(d))
         self.kept = kept if keep else None
         for i, rows in enumerate(step_grad):  # back to the sources' rows (each read at most once)
             if rows is not None:
@@ -2272,7 +2414,10 @@ class _RowsProgram(SweptOnce):
         for k, gr in enumerate(grads):
             d = gr[N:] if reached[k] else None
             init_grad.append(d.sum(axis=0) if d is not None and self.shared_init[k] else d)
-        return [*init_grad, *step_grad, *(a.g for a in accs)]
+        cap_grad = [a.g for a in accs]
+        for o, j in enumerate(self.own_at):
+            cap_grad[j] = own_grad[o]
+        return [*init_grad, *step_grad, *cap_grad]
 
     # -- one input's view
     def computed_with(self, r: int, t: int) -> tuple[int, int]:
@@ -2312,7 +2457,12 @@ class _RowsProgram(SweptOnce):
         elif kept is not None and kept[slot] is not None:
             gv = kept[slot]
             grad = np.array(densified(gv)[at])
-        return (value if lay is None else value[at]), grad
+        value = value if lay is None else value[at]
+        padded = self.padded.get(v)
+        if padded is not None:  # without the padding
+            cut = (*(slice(None),) * padded[0], slice(0, int(self.extents[padded[1]][r])))
+            value, grad = value[cut], (None if grad is None else grad[cut])
+        return value, grad
 
 
 def _indices(ids: Any) -> np.ndarray:
@@ -2347,7 +2497,7 @@ def _step_error(variant: Any, e: Exception, inputs: list[int], idx: tuple[int, .
 class _RowsPlan:
     """How a body runs on rows (:meth:`BatchedBuild._rows_plan`)."""
 
-    __slots__ = ("attrs", "direction", "hoisted", "hoisted_attrs", "layout")
+    __slots__ = ("attrs", "direction", "hoisted", "hoisted_attrs", "layout", "masking", "own", "padded")
 
     def __init__(self) -> None:
         #: body node -> 0 (rows along axis 0), 1 (a fused cell's: axis 1), None (shared by all rows)
@@ -2357,6 +2507,26 @@ class _RowsPlan:
         self.hoisted: list[VirtualNode] = []  # run once over every input's rows
         self.hoisted_attrs: list[dict[str, Any]] = []
         self.attrs: dict[VirtualNode, dict[str, Any]] = {}  # ops whose attributes change on rows
+        self.own: list[VirtualNode] = []  # captured values each input has its own of (step inputs)
+        self.padded: dict[VirtualNode, Padded] = {}  # body nodes padded along an axis (.padded)
+        self.masking = NO_MASKS
+
+
+class _RowsInputs:
+    """The captured values a program over rows reads (:meth:`BatchedBuild._rows_inputs`)."""
+
+    __slots__ = ("caps", "extents", "own", "padded", "values")
+
+    def __init__(self) -> None:
+        self.caps: list[ComputeNode | None] = []  # per captured value: its node (None: each input's own)
+        self.own: dict[VirtualNode, list[Any]] = {}  # each input's own value, in the order of the rows
+        self.values: dict[VirtualNode, np.ndarray] = {}  # ... as rows of one array, padded with zeros
+        self.padded: dict[VirtualNode, Padded] = {}  # those whose lengths differ: (axis, extent)
+        self.extents: list[np.ndarray] = []  # per extent, the inputs' lengths
+
+    def sparse(self) -> list[bool]:
+        """Per captured value, whether its gradient is kept row-sparse."""
+        return [n is not None and n.sparse_grad for n in self.caps]
 
 
 def _probe_shapes(

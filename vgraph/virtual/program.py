@@ -69,6 +69,7 @@ from ..ops import (
     split_vjp,
 )
 from .nodes import BranchNode, LoopNode, VirtualNode
+from .padded import NO_MASKS, Masking, neg_inf, zeroed
 from .rules import at_limit, check_carry, reached_end, run_cond, select_option
 
 if TYPE_CHECKING:
@@ -176,19 +177,25 @@ class BodyProgram:
         hoisted: tuple[VirtualNode, ...],
         needs: frozenset[VirtualNode],
         attrs: dict[VirtualNode, dict[str, Any]] | None = None,
+        own: tuple[VirtualNode, ...] = (),
+        masking: Masking = NO_MASKS,
     ) -> _Variant:
         """The steps for a run that hoists ``hoisted`` and needs gradients for the inputs and
         captured values in ``needs`` (compiled on first use). ``attrs``: the attributes body
         nodes' ops run with instead of their declared ones (a program over rows, where an op's
-        axes move by one: :func:`.hoist.batched_attrs`)."""
+        axes move by one: :func:`.hoist.batched_attrs`). ``own``: captured values each row has
+        its own of, read as step inputs after the hoisted nodes, then ``masking``'s masks
+        (:mod:`.padded`)."""
         key = (
             hoisted,
             needs,
             tuple(sorted((v.id, v.type, repr(a)) for v, a in attrs.items())) if attrs else (),
+            own,
+            masking,
         )
         found = self._variants.get(key)
         if found is None:
-            found = self._variants[key] = _Variant(self, hoisted, needs, attrs or {})
+            found = self._variants[key] = _Variant(self, hoisted, needs, attrs or {}, own, masking)
         return found
 
 
@@ -204,17 +211,21 @@ class _Variant:
         hoisted: tuple[VirtualNode, ...],
         needs: frozenset[VirtualNode],
         attrs: dict[VirtualNode, dict[str, Any]],
+        own: tuple[VirtualNode, ...] = (),
+        masking: Masking = NO_MASKS,
     ):
         loop = program.loop
         self.program = program
         self.hoisted = hoisted
         self._attrs = attrs  # (see BodyProgram.variant)
-        # Slots: the record's entries. Inputs first (carries, items, child reads, hoisted rows),
-        # then every computed node, then each lead branch's choice.
-        inputs: list[VirtualNode] = [*loop.carries, *loop.items, *loop.children, *hoisted]
+        self.own = own
+        self._pre, self._post, self._gmask = dict(masking.pre), dict(masking.post), dict(masking.grad)
+        # Slots: the record's entries. Inputs first (carries, items, child reads, hoisted rows,
+        # per-row captured values, masks), then every computed node, then each lead branch's choice.
+        inputs: list[Any] = [*loop.carries, *loop.items, *loop.children, *hoisted, *own, *masking.keys]
         hoisted_set = set(hoisted)
         computed = [v for v in program.computed if v not in hoisted_set]
-        self.slot: dict[VirtualNode, int] = {}
+        self.slot: dict[Any, int] = {}
         for v in (*inputs, *computed):
             self.slot[v] = len(self.slot)
         self.choice: dict[BranchNode, int] = {}
@@ -232,7 +243,7 @@ class _Variant:
         self.stepped_captured: set[VirtualNode] = set()
         sources = {*loop.updates.values(), *(s.inputs[1] for s in program.stacked)}
         for u in sources:
-            if u in self.captured:
+            if u in self.captured and u not in self.slot:
                 self.grad_readers[self.captured[u]] = None
                 self.stepped_captured.add(u)
         for v in (*hoisted, *computed):
@@ -242,7 +253,7 @@ class _Variant:
                 op = cast(Op, v.op)
                 reads = [(u, vjp_of(op, p) is not None) for p, u in enumerate(v.inputs)]
             for u, differentiable in reads:
-                j = self.captured.get(u)
+                j = self.captured.get(u) if u not in self.slot else None
                 readers = self.grad_readers[j] if j is not None else None
                 if differentiable and j is not None and v not in hoisted_set:
                     self.stepped_captured.add(u)
@@ -385,8 +396,14 @@ class _Variant:
             lines.append(f"{pad}s{i} = {self._name(v.inputs[0])}[x{i}]")
             return
         env[f"f{i}"] = partial(op.forward, **attrs) if attrs else op.forward
-        args = ", ".join(self._name(u) for u in v.inputs)
-        lines.append(f"{pad}s{i} = f{i}({args})")
+        names = [self._name(u) for u in v.inputs]
+        if v in self._pre:  # (a softmax along a padded axis: its padding -inf)
+            env["NEGINF"] = neg_inf
+            names[0] = f"NEGINF({names[0]}, s{self.slot[self._pre[v]]})"
+        lines.append(f"{pad}s{i} = f{i}({', '.join(names)})")
+        if v in self._post:  # (a padded result's padding zeroed)
+            env["ZEROED"] = zeroed
+            lines.append(f"{pad}s{i} = ZEROED(s{i}, s{self.slot[self._post[v]]})")
 
     def _demand(self, target: VirtualNode, built: set[VirtualNode]) -> list[VirtualNode]:
         """The computed nodes ``target`` needs that are not built unconditionally, in
@@ -482,6 +499,9 @@ class _Variant:
                 continue
             lines.append(f"{pad}if type(g{i}) is not ndarray and isinstance(g{i}, LazyGrad):")
             lines.append(f"{pad}    g{i} = g{i}.dense()")
+            if v in self._gmask:  # (a padded node's: nothing from its padding reaches a real entry)
+                env["ZEROED"] = zeroed
+                lines.append(f"{pad}g{i} = ZEROED(g{i}, s{self.slot[self._gmask[v]]})")
             op, attrs = cast(Op, v.op), self.attrs(v)
             index = basic_view_index(op, attrs)
             if index is not None and v.inputs[0] in buffered:  # its gradient added into the buffer

@@ -1,0 +1,195 @@
+"""Values whose length differs per input, run as padded rows of one body program.
+
+A program over rows (:class:`.batch._RowsProgram`) may read, from outside its loop, a value of
+each input's own: attention's memory ``enc`` ``(S_i, H)``, whose length ``S_i`` differs per input.
+Such a value is stacked as rows padded with zeros to the longest (``PadStack``); a body node
+computed from it is *padded*: along one axis of its per-row value, its rows have a known length
+per input (an *extent*) and padding after it. The rules here say, per op, where its result is
+padded and how the padding is kept from reaching a real entry:
+
+- every padded value is *clean*, zero in its padding: an op whose result may not be (``x + b``,
+  ``exp``, a :func:`vgraph.defop` op) has its result's padding zeroed after it (``post``);
+- a softmax along a padded axis sees ``-inf`` in the padding (``pre``): the padding gets weight
+  zero, the real entries the softmax over the input's own length;
+- a product or a sum that contracts a padded axis then adds zeros for the padding;
+- in backward, every padded node's gradient has its padding zeroed before its VJPs run, so that
+  nothing a VJP computes from the padding (``0 / 0``) reaches a real entry.
+
+Anything else on a padded value — a mean or maximum along its padded axis (the divisor and the
+maximum depend on the length), a reshape, a concatenation, a fused cell, a branch, a carry's
+update, a stacked value — has no rule: the program is declined with the reason, and the loop runs
+op by op across the inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from ..ops import ALONG_AXIS, ELEMENTWISE, REDUCTION, Op
+
+if TYPE_CHECKING:
+    from .nodes import VirtualNode
+
+#: Where a per-row value is padded: ``(axis of the per-row value, extent)``; an extent numbers one
+#: vector of per-input lengths.
+Padded = tuple[int, int]
+
+# Elementwise ops that keep a zero zero (with finite other operands), so their result needs no mask.
+_ZERO_KEEPING = frozenset({"Mul", "Neg", "Tanh", "Relu", "Identity", "Branch", "Detach", "Abs"})
+
+
+class Rule(NamedTuple):
+    """How one op node acts on padded inputs."""
+
+    out: Padded | None  #: where its result is padded (``None``: it is not)
+    pre: bool = False  #: its first input's padding is set to ``-inf`` first (a softmax's)
+    post: bool = False  #: its result's padding is zeroed after it
+
+
+class MaskKey(NamedTuple):
+    """A mask over rows: ``True`` at the real entries of per-row values of rank ``rank`` padded
+    along ``axis`` with extent ``extent`` (``(rows, 1, …, longest, …, 1)``, broadcasting)."""
+
+    extent: int
+    rank: int
+    axis: int
+
+
+def rule(
+    op: Op,
+    attrs: dict[str, Any],
+    shapes: Sequence[tuple[int, ...]],
+    padded: Sequence[Padded | None],
+    out_shape: tuple[int, ...],
+) -> Rule | str:
+    """How ``op`` (with its declared ``attrs``) acts on inputs whose per-row ``shapes`` (padded)
+    are padded as ``padded`` says, giving per-row values of ``out_shape``; or why it has no rule
+    (a phrase completing "it …")."""
+    name, kind = op.name, op.kind
+    if all(r is None for r in padded):
+        return Rule(None)
+    rank = len(out_shape)
+    if name == "MatMul":
+        (sa, sb), (ra, rb) = shapes, padded
+        if len(sa) < 2 or len(sb) < 2:
+            return "multiplies a vector whose length differs per input"
+        ca = ra is not None and ra[0] == len(sa) - 1
+        cb = rb is not None and rb[0] == len(sb) - 2
+        if ca or cb:  # the contracted axis: both operands padded alike, their padding zeros
+            if not (ca and cb) or (ra or (0, -1))[1] != (rb or (0, -2))[1]:
+                return "contracts an axis whose length differs per input with one whose length does not"
+            return Rule(None)
+        if ra is not None and rb is not None:
+            return "multiplies two values whose lengths differ per input along different axes"
+        if ra is not None:
+            return Rule((rank - 2, ra[1])) if ra[0] == len(sa) - 2 else "batches over a padded axis"
+        assert rb is not None
+        return Rule((rank - 1, rb[1])) if rb[0] == len(sb) - 1 else "batches over a padded axis"
+    if name == "Linear":  # x @ w (+ b): x padded along an axis the product keeps
+        rx = padded[0]
+        if rx is None or any(r is not None for r in padded[1:]) or rx[0] >= len(shapes[0]) - 1:
+            return "applies a weight to a value whose length differs per input along its last axis"
+        return Rule((rx[0] + rank - len(shapes[0]), rx[1]), post=len(shapes) > 2)
+    if name == "Transpose":
+        (r,), n = padded, len(shapes[0])
+        assert r is not None
+        axes = attrs.get("axes")
+        order = list(reversed(range(n))) if axes is None else [a % n for a in axes]
+        return Rule((order.index(r[0]), r[1]))
+    if kind == ELEMENTWISE:
+        outs = {(r[0] + rank - len(s), r[1]) for s, r in zip(shapes, padded) if r is not None}
+        if len(outs) != 1:
+            return "combines values whose lengths differ per input along different axes or lengths"
+        out = outs.pop()
+        for s, r in zip(shapes, padded):  # a plain operand may only broadcast along the padded axis
+            at = out[0] - (rank - len(s))
+            if r is None and 0 <= at < len(s) and s[at] != 1:
+                return "combines a value whose length differs per input with one of a fixed length"
+        every = all(r is not None for r in padded)
+        clean = (
+            name in _ZERO_KEEPING
+            or (name in ("Add", "Sub") and every)
+            or (name == "Div" and padded[0] is not None and padded[1] is None)
+        )
+        return Rule(out, post=not clean)
+    if kind == ALONG_AXIS:
+        (r, *rest), n = padded, len(shapes[0])
+        if r is None or any(x is not None for x in rest):
+            return f"computes {name} with a value whose length differs per input as an attribute"
+        if attrs.get("axis", -1) % n != r[0]:
+            return Rule(r, post=True)
+        if name == "Softmax":
+            return Rule(r, pre=True)
+        if name == "LogSoftmax":
+            return Rule(r, pre=True, post=True)
+        return f"computes {name} along an axis whose length differs per input"
+    if kind == REDUCTION:
+        (r,), n = padded, len(shapes[0])
+        assert r is not None
+        axis = attrs.get("axis")
+        axes = (
+            set(range(n)) if axis is None else {a % n for a in (axis if isinstance(axis, tuple) else (axis,))}
+        )
+        if r[0] in axes:
+            if name == "Sum":
+                return Rule(None)
+            return f"computes {name} along an axis whose length differs per input (it depends on the length)"
+        at = r[0] if attrs.get("keepdims") else r[0] - sum(a < r[0] for a in axes)
+        return Rule((at, r[1]))
+    if name == "GetItem":
+        (r,) = padded
+        assert r is not None
+        index = attrs["index"]
+        items = index if isinstance(index, tuple) else (index,)
+        at_in = at_out = 0
+        for item in items:
+            if isinstance(item, (int, np.integer)):
+                if at_in == r[0]:
+                    break
+                at_in += 1
+            elif isinstance(item, slice):
+                if at_in == r[0]:
+                    if item != slice(None):
+                        break
+                    return Rule((at_out, r[1]))
+                at_in, at_out = at_in + 1, at_out + 1
+            else:
+                break
+        else:
+            return Rule((at_out + r[0] - at_in, r[1]))
+        return "indexes along an axis whose length differs per input"
+    return f"computes {name}, which has no rule for a value whose length differs per input"
+
+
+def mask(key: MaskKey, lengths: np.ndarray, longest: int) -> np.ndarray:
+    """The mask ``key`` over rows whose lengths (along the padded axis) are ``lengths``."""
+    shape = [len(lengths)] + [1] * key.rank
+    shape[1 + key.axis] = longest
+    return np.arange(longest).reshape(shape[1:])[None] < lengths.reshape(-1, *([1] * key.rank))
+
+
+def neg_inf(x: Any, m: np.ndarray) -> Any:
+    """``x`` with its padding (where ``m`` is false) set to ``-inf`` (for a softmax)."""
+    return np.where(m, x, -np.inf)
+
+
+def zeroed(x: Any, m: np.ndarray) -> Any:
+    """``x`` with its padding (where ``m`` is false) set to zero."""
+    return np.where(m, x, 0)
+
+
+class Masking(NamedTuple):
+    """The masks a program over rows applies (see the module docstring): the masks its steps read
+    (step inputs after the per-input values), and per body node the mask of its ``pre``, ``post``
+    and gradient masking."""
+
+    keys: tuple[MaskKey, ...] = ()
+    pre: tuple[tuple[VirtualNode, MaskKey], ...] = ()
+    post: tuple[tuple[VirtualNode, MaskKey], ...] = ()
+    grad: tuple[tuple[VirtualNode, MaskKey], ...] = ()
+
+
+NO_MASKS = Masking()
