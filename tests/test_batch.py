@@ -666,3 +666,30 @@ def test_rows_of_lockstep_loops_have_the_keys_of_the_unrolled_nodes():
                     assert row._key is row.key  # made once
                     checked += 1
     assert checked > 20
+
+
+@pytest.mark.parametrize("axis", [None, 0])
+def test_a_float32_mean_over_inputs_of_different_lengths_stays_float32(axis):
+    """A mean over sentences of different lengths runs as one segment reduction of their
+    concatenation; its values and gradients keep the model's float32 (dividing by the integer
+    lengths once made them float64, and every gradient upstream with them)."""
+    g = vg.VirtualGraph(dtype=np.float32, seed=0)
+    xs = g.input("xs", (None, 3))
+    W = g.parameter("W", (3, 2))
+    loss = vg.sum(vg.mean(vg.tanh(xs @ W), axis=axis))
+    rng = np.random.default_rng(0)
+    feeds = [{"xs": rng.standard_normal((n, 3)).astype(np.float32)} for n in (2, 3, 5)]
+    batch = g.build_batch(feeds, [loss])
+    assert any(n.op is not None and n.op.name == "SegmentSum" for n in batch.graph.nodes())
+    assert all(np.asarray(batch.inputs[i].outputs[0].value).dtype == np.float32 for i in range(3))
+    vg.render.retain_all_grads(batch.graph)
+    batch.backward("mean")
+    assert g.params["W"].grad.dtype == np.float32
+    for n in batch.graph.nodes():  # every value and gradient of the batched graph
+        for x in (n.value, n.grad):
+            assert not isinstance(x, np.ndarray) or x.dtype == np.float32, n
+    alone = []
+    for f in feeds:
+        cg = g.build(f, [loss])
+        alone.append(cg.outputs[0].value)
+    np.testing.assert_allclose(batch.outputs(0), alone, rtol=1e-6)

@@ -337,8 +337,15 @@ def _segment_sum(x: np.ndarray, starts: np.ndarray, sizes: np.ndarray, whole: bo
     if whole:
         out = out.reshape(len(starts), -1).sum(axis=1)
     if mean:
-        out = out / (sizes * (x[0].size if whole else 1)).reshape((-1,) + (1,) * (out.ndim - 1))
+        out = out / _counts(sizes, x, whole, out.ndim)
     return out
+
+
+def _counts(sizes: np.ndarray, x: np.ndarray, whole: bool, ndim: int) -> np.ndarray:
+    """The number of elements each segment's mean divides by, in ``x``'s dtype (an integer array
+    would make a float32 mean float64), shaped to broadcast against an array of ``ndim`` axes."""
+    counts = (sizes * (x[0].size if whole else 1)).astype(x.dtype if x.dtype.kind == "f" else np.float64)
+    return counts.reshape((-1,) + (1,) * (ndim - 1))
 
 
 def _segment_sum_vjp(
@@ -351,7 +358,7 @@ def _segment_sum_vjp(
     mean: bool,
 ) -> np.ndarray:
     if mean:
-        g = g / (sizes * (x[0].size if whole else 1)).reshape((-1,) + (1,) * (g.ndim - 1))
+        g = g / _counts(sizes, x, whole, g.ndim)
     if whole:
         g = g.reshape((-1,) + (1,) * (x.ndim - 1))
     out: np.ndarray = np.broadcast_to(np.repeat(g, sizes, axis=0), x.shape)
