@@ -66,7 +66,9 @@ def own_row(view, v, idx):
     that share one node (a first step from a shared initial state)."""
     found = view._in_program(v, idx)
     if found is not None:
-        return not isinstance(found[0], vg.ComputeNode)
+        instance, _ = view._rows[(v.scope, idx[:-1])]
+        shared = instance.layout.get(v, 0) is None  # (computed once for a step's rows)
+        return not shared and not isinstance(found[0], vg.ComputeNode)
     return isinstance(view._find(v, idx), Row)
 
 
@@ -864,3 +866,37 @@ def test_a_tree_lstm_with_a_sparse_embedding_over_tree_nodes():
         "anomaly mode checks every node as it is made"
     }
     np.testing.assert_allclose(checked.outputs(), expect, **TOL)
+
+
+def test_a_body_node_the_same_for_every_row_has_the_steps_summed_gradient():
+    """A body node reading only values the same for every row (``W.T`` of a shared ``W``) is
+    computed once per step of a program over rows; each input's view of its gradient is the sum
+    over the inputs that ran that step, as the docstring of ``InputView.gradient`` says."""
+
+    def make():
+        g = vg.VirtualGraph(seed=3)
+        xs = g.input("xs", (None, 3))
+        W = g.parameter("W", (2, 3))
+        with g.loop() as L:
+            h = L.carry(np.zeros((1, 2)), name="h")
+            Wt = W.T
+            L.update(h, vg.tanh(L.step(xs).reshape(1, 3) @ Wt + h))
+        return g, [vg.sum(L.final(h) ** 2)], Wt
+
+    rng = np.random.default_rng(0)
+    feeds = [{"xs": rng.standard_normal((n, 3))} for n in (3, 1, 2)]
+    g, outputs, Wt = make()
+    batch = g.build_batch(feeds, outputs, programs=True)
+    assert batch.rows_programs
+    vg.render.retain_all_grads(batch.graph)
+    batch.backward("sum")
+    for t in range(3):
+        want = 0
+        for f in feeds:
+            if len(f["xs"]) <= t:
+                continue
+            cg = g.build(f, outputs, programs=False, cache=False)
+            vg.render.retain_all_grads(cg)
+            cg.backward(cg.outputs[0])
+            want = want + cg.node(Wt, (t,)).grad
+        np.testing.assert_allclose(batch.inputs[0].gradient(Wt, (t,)), want, **TOL)

@@ -281,7 +281,19 @@ def test_a_vector_state_attending_declines_and_computes_the_same():
 )
 def test_random_lengths_batch_sizes_and_attentions(lengths, score, captured, hoist, seed):
     make = partial(seq2seq, score, captured)
-    assert_identical(make, pairs(lengths, seed), expect_rows=None, hoist=hoist)
+    batch = assert_identical(make, pairs(lengths, seed), expect_rows=None, hoist=hoist)
+    assert_rows(batch, "decoder")
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(st.lists(st.integers(1, 8), min_size=1, max_size=6), st.booleans(), st.integers(0, 1000))
+def test_random_forests_attending_over_their_sentences(leaf_counts, hoist, seed):
+    """Random trees (1-8 leaves) and batch compositions, each tree node attending over its own
+    input's sentence: one program over every tree node, the same results as alone."""
+    batch = assert_identical(
+        partial(attending_tree, seed), tree_feeds(leaf_counts, seed), expect_rows=None, hoist=hoist
+    )
+    assert_rows(batch, "tree")
 
 
 # ---------------------------------------------------------------------------- gradients, modes

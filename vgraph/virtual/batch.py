@@ -631,7 +631,9 @@ class InputView:
         node whose inputs were the same for every input (the first step from a shared constant
         state) is computed once for all of them: its gradient is then the sum over the inputs.
         A body node of a loop run as a program over rows keeps its gradient when the loop's
-        outputs do (``retain_all_grads(batch.graph)`` marks them)."""
+        outputs do (``retain_all_grads(batch.graph)`` marks them); one that reads only values
+        the same for every row is computed once per step, and its gradient is the sum over
+        that step's rows (every input's iteration, or tree node, computed in it)."""
         in_program = self._in_program(v, tuple(idx))
         if in_program is not None and not isinstance(in_program[0], (ComputeNode, Row)):
             return cast("np.ndarray | None", in_program[1])
@@ -2462,8 +2464,8 @@ class _RowsProgram(SweptOnce):
                 source = self.index[len(loop.items) + variant.hoisted.index(v)][g]
                 grad = np.array(np.asarray(node.grad)[source])
         elif kept is not None and kept[slot] is not None:
-            gv = kept[slot]
-            grad = np.array(densified(gv)[at])
+            gv = densified(kept[slot])  # (a node the same for every row: computed once, one gradient)
+            grad = np.array(gv if lay is None else gv[at])
         value = value if lay is None else value[at]
         padded = self.padded.get(v)
         if padded is not None:  # without the padding
