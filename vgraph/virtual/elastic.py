@@ -251,7 +251,7 @@ class Elastic:
                 changed.add(s)
             made = tr.by_length.get(n)
             if made is None:
-                decision = dataclasses.replace(cg.decisions[tr.decision], value=n)
+                decision = cg.decisions[tr.decision]._replace(value=n)
                 made = tr.by_length[n] = (_length_op(tr, n), decision)
             tr.guard.op, cg.decisions[tr.decision] = made
             changed.add(tr.guard)

@@ -8,8 +8,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
@@ -41,9 +40,8 @@ from .program import ProgramInstance
 _HOISTED = OPS["Hoisted"]
 
 
-@dataclass(frozen=True)
-class Decision:
-    """A data-dependent structural decision made while unrolling.
+class Decision(NamedTuple):
+    """A data-dependent structural decision made while unrolling (immutable).
 
     Attributes:
         node: the loop or branch.
