@@ -350,3 +350,34 @@ def test_the_rules_say_where_a_result_is_padded_and_what_is_masked():
     assert rule(OPS["Reshape"], {"shape": (7,)}, [(1, 7)], [None], (7,)) == Rule(None)
     m = mask(MaskKey(0, 2, 1), np.array([3, 1]), 4)
     np.testing.assert_array_equal(m, [[[1, 1, 1, 0]], [[1, 0, 0, 0]]])
+
+
+def branching_decoder():
+    """Dot attention whose step then chooses, per pair and step, between two updates by the
+    sign of its target word's first entry: a level's rows split by choice around padded rows."""
+    g = vg.VirtualGraph(seed=4)
+    src, tgt = g.input("src", (None, 1, E)), g.input("tgt", (None, 1, E))
+    We, Wd = g.parameter("We", (E, H)), g.parameter("Wd", (E, H))
+    Ud = g.parameter("Ud", (H, H), init="orthogonal")
+    with g.loop(name="encoder") as L:
+        s = L.carry(np.zeros((1, H)), name="s")
+        s_new = vg.tanh(L.step(src) @ We + s)
+        L.update(s, s_new)
+    enc = L.stack(s_new).reshape(-1, H)
+    with g.loop(name="decoder") as D:
+        h = D.carry(L.final(s), name="h")
+        y = D.step(tgt)
+        context = vg.softmax(h @ enc.T, axis=-1) @ enc
+        z = y @ Wd + h @ Ud
+        h_new = g.branch(
+            lambda y: int(y[0, 0] > 0), [vg.tanh(z + context), vg.sigmoid(z - context) * 0.5], keys=[y]
+        )
+        D.update(h, h_new)
+    return g, [vg.sum(D.final(h) ** 2) + vg.sum(D.stack(h_new))]
+
+
+def test_attention_in_a_body_whose_rows_choose_differently():
+    batch = assert_identical(branching_decoder, pairs(LENGTHS, 3), expect_rows=None)
+    assert_rows(batch, "decoder")
+    (program,) = loop_named(batch, "decoder")
+    assert len(program.steps) > len(program.levels)  # some steps' rows split by their choice
