@@ -495,3 +495,46 @@ def test_branches_run_checks_and_writes_json(tmp_path):
     )
     assert stdout.startswith("correctness: rows = op by op = one at a time")
     assert set(data["ms_per_group"]) == {"rows", "op_by_op", "alone"} and data["batch"] == 4
+
+
+def _float64_arrays(graph):
+    """The keys of the nodes of ``graph`` whose value or gradient is a float64 array."""
+    found = set()
+    for n in graph.nodes():
+        for x in (n.value, n.grad):
+            if isinstance(x, np.ndarray) and x.dtype == np.float64:
+                found.add(str(n.key))
+    return found
+
+
+def test_float32_models_keep_float32_everywhere(dynamic, seq2seq):
+    """The benchmarks' float32 models, built alone and batched, node by node and as programs:
+    no value or gradient becomes float64 (a float64 gradient doubles the backward's time, as a
+    batched mean over lengths once did)."""
+    import vgraph as vg
+
+    tree = dynamic.TreeConfig(vocab=40, embed=6, hidden=5, dtype=np.float32)
+    tagger = dynamic.TaggerConfig(vocab=40, embed=6, hidden=5, mlp=4, dtype=np.float32)
+    s2s = seq2seq.Seq2seqConfig(vocab=30, embed=6, hidden=4, dtype=np.float32)
+    models = [
+        (dynamic.make_tree_lstm(tree), [dynamic.tree_feed(b) for b in dynamic.tree_batches(3, 40, seed=1)]),
+        (
+            dynamic.make_bilstm_tagger(tagger),
+            [dynamic.tagger_feed(b) for b in dynamic.tagger_batches(3, 40, 5, seed=1)],
+        ),
+        (seq2seq.make_seq2seq(s2s), [seq2seq.seq2seq_feed(p) for p in seq2seq.make_pairs(3, 30, seed=1)]),
+    ]
+    for (g, loss), feeds in models:
+        for programs in (False, True):
+            batch = g.build_batch(feeds, loss, programs=programs)
+            vg.render.retain_all_grads(batch.graph)
+            batch.backward("mean")
+            assert not _float64_arrays(batch.graph), (g.name, programs)
+            cg = g.build(feeds[0], loss, programs=programs, cache=False)
+            vg.render.retain_all_grads(cg)
+            cg.backward(cg.outputs[0])
+            assert not _float64_arrays(cg), (g.name, programs)
+            assert all(
+                np.asarray(p.grad).dtype == np.float32 for p in g.params.values() if p.grad is not None
+            )
+            g.params.zero_grad()
