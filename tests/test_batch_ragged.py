@@ -3,8 +3,8 @@ loop — attention over each input's own encoder states ``enc`` ``(S_i, H)``, ``
 input, or a per-input vector of one shape — run as ONE body program over rows and give what the
 plain per-node unroll gives: losses, every gradient, decisions, every body node's value and
 retained gradient, float64, 1e-12 (``test_batch_programs.assert_identical``). Bodies whose result
-depends on the padded length (a mean or a max over the memory, a stacked value of the input's
-length) decline the program, say why, and still compute the same."""
+would depend on the padding with no rule for it (a max over the memory, a stacked value of the
+input's length) decline the program, say why, and still compute the same."""
 
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.usefixtures("float64"), pytest.mark.filterwarnings("error::RuntimeWarning")]
 
 E, H = 3, 4
-SCORES = ("dot", "general", "additive", "log_softmax", "sum")
-DECLINED = ("mean", "max", "stacked_weights")
+SCORES = ("dot", "general", "additive", "log_softmax", "sum", "mean")
+DECLINED = ("max", "stacked_weights")
 #: reductions over the memory of values that are not zero where a shorter memory is padded
-PADDING_TRAPS = ("sum_sigmoid", "entropy", "log_weights")
+PADDING_TRAPS = ("sum_sigmoid", "mean_sigmoid", "entropy", "log_weights")
 
 
 def seq2seq(score="dot", captured=False, seed=3):
@@ -40,12 +40,13 @@ def seq2seq(score="dot", captured=False, seed=3):
     - ``dot``: ``softmax(h @ enc.T) @ enc`` (Luong); ``general``: ``softmax((h @ W) @ enc.T) @ enc``;
     - ``additive``: ``keys = enc @ W1`` outside the loop, ``softmax((tanh(keys + h @ W2) @ v).T)``;
     - ``log_softmax``: ``exp(log_softmax(h @ enc.T)) @ enc``; ``sum``: ``sum(h * enc, axis=0)``;
-    - ``sum_sigmoid``: ``sum(sigmoid(h * enc), axis=0)``; ``entropy``: the ``dot`` attention and the
+      ``mean``: ``mean(h * enc, axis=0)`` (divided by the input's own length);
+    - ``sum_sigmoid`` / ``mean_sigmoid``: ``sum`` / ``mean(sigmoid(h * enc), axis=0)``; ``entropy``: the ``dot`` attention and the
       entropy ``-sum(w * log_softmax(h @ enc.T))`` stacked into the loss (zero padding is not neutral for
       either: 0.5 and ``0 * -inf``); ``log_weights``: the same entropy as ``-sum(w * log(w))``
       with ``w = softmax(h @ enc.T)`` (the log's VJP is ``0 / 0`` in the padding: its gradient
       there must be zeroed before the softmax's VJP sums over the memory);
-    - ``None``: no memory read; declined: ``mean`` / ``max`` over the memory axis, and
+    - ``None``: no memory read; declined: ``max`` over the memory axis, and
       ``stacked_weights`` (the weights ``(1, S)`` stacked: a value of the input's length).
 
     ``captured``: a per-input vector ``c`` ``(1, H)`` (of the source's mean state) added in every
@@ -95,6 +96,8 @@ def seq2seq(score="dot", captured=False, seed=3):
             context = vg.sum(h_new * enc, axis=0, keepdims=True)
         elif score == "sum_sigmoid":
             context = vg.sum(vg.sigmoid(h_new * enc), axis=0, keepdims=True)
+        elif score == "mean_sigmoid":
+            context = vg.mean(vg.sigmoid(h_new * enc), axis=0, keepdims=True)
         elif score == "mean":
             context = vg.mean(h_new * enc, axis=0, keepdims=True)
         elif score == "max":
@@ -181,9 +184,8 @@ def test_memories_of_one_length_for_every_input():
 
 @pytest.mark.parametrize("score", DECLINED)
 def test_bodies_that_depend_on_the_memorys_length_decline_and_compute_the_same(score):
-    """A mean over the memory axis (its divisor is the input's length), a max over it (the padding
-    would compete) and stacked weights (a value of the input's own length): op by op, each input
-    saying why, the same results."""
+    """A max over the memory axis (the padding would compete) and stacked weights (a value of the
+    input's own length): op by op, each input saying why, the same results."""
     batch = assert_identical(partial(seq2seq, score), pairs(LENGTHS, 4), expect_rows=None)
     assert_rows(batch, "encoder")
     assert_declined(batch, "decoder")
@@ -192,7 +194,8 @@ def test_bodies_that_depend_on_the_memorys_length_decline_and_compute_the_same(s
 @pytest.mark.parametrize("score", PADDING_TRAPS)
 def test_reductions_over_the_memory_of_values_not_zero_at_the_padding_are_exact(score):
     """A sigmoid is 0.5 at a zero row and a log-softmax -inf at a masked one: their results' padding
-    is zeroed before a sum over the memory, and the loop still runs over rows."""
+    is zeroed before a sum or a mean over the memory (a mean divides by the input's own length),
+    and the loop still runs over rows."""
     batch = assert_identical(partial(seq2seq, score), pairs(LENGTHS, 7), expect_rows=None)
     assert_rows(batch, "decoder")
 
@@ -323,7 +326,7 @@ def test_without_gradients_attention_over_rows_computes_the_outputs_alone(score)
 
 def test_the_rules_say_where_a_result_is_padded_and_what_is_masked():
     from vgraph.ops import OPS
-    from vgraph.virtual.padded import MaskKey, Rule, mask, rule
+    from vgraph.virtual.padded import MaskKey, Rule, ScaleKey, rule, step_input
 
     R = (1, 0)  # padded along axis 1 of the per-row value, extent 0
     mm = OPS["MatMul"]
@@ -342,14 +345,16 @@ def test_the_rules_say_where_a_result_is_padded_and_what_is_masked():
     assert rule(OPS["Transpose"], {}, [(1, 7)], [R], (7, 1)) == Rule((0, 0))
     assert rule(OPS["Sum"], {"axis": -1}, [(1, 7)], [R], (1,)) == Rule(None)
     assert rule(OPS["Sum"], {"axis": 0}, [(1, 7)], [R], (7,)) == Rule((0, 0))
-    assert "depends on the length" in rule(OPS["Mean"], {"axis": 1}, [(1, 7)], [R], (1,))
+    assert rule(OPS["Mean"], {"axis": 1}, [(1, 7)], [R], (1,)) == Rule(None, scale=0)  # over its own length
+    assert rule(OPS["Mean"], {"axis": 0}, [(1, 7)], [R], (7,)) == Rule((0, 0))
     assert "depends on the length" in rule(OPS["Max"], {"axis": None}, [(1, 7)], [R], ())
     assert rule(OPS["GetItem"], {"index": 0}, [(1, 7)], [R], (7,)) == Rule((0, 0))
     assert "indexes" in rule(OPS["GetItem"], {"index": (0, slice(2))}, [(1, 7)], [R], (2,))
     assert "no rule" in rule(OPS["Reshape"], {"shape": (7,)}, [(1, 7)], [R], (7,))
     assert rule(OPS["Reshape"], {"shape": (7,)}, [(1, 7)], [None], (7,)) == Rule(None)
-    m = mask(MaskKey(0, 2, 1), np.array([3, 1]), 4)
-    np.testing.assert_array_equal(m, [[[1, 1, 1, 0]], [[1, 0, 0, 0]]])
+    m = step_input(MaskKey(0, 2, 1), np.array([3, 1, 4]))
+    np.testing.assert_array_equal(m, [[[1, 1, 1, 0]], [[1, 0, 0, 0]], [[1, 1, 1, 1]]])
+    np.testing.assert_array_equal(step_input(ScaleKey(0, 1), np.array([3, 1, 4])), [[4 / 3], [4], [1]])
 
 
 def branching_decoder():

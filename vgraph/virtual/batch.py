@@ -70,7 +70,7 @@ from .builder import _Builder, _check_structure, _Frame, _iteration_views, _read
 from .graph import one_build_at_a_time
 from .hoist import batched_attrs, check_rows, checks_rows, hoist_loop
 from .nodes import BranchNode, LoopNode, VirtualNode
-from .padded import NO_MASKS, Masking, MaskKey, Padded, mask, rule
+from .padded import NO_MASKS, Masking, MaskKey, Padded, ScaleKey, rule, step_input
 from .program import (
     BodyProgram,
     ProgramRun,
@@ -1430,6 +1430,7 @@ class BatchedBuild:
         pre: dict[VirtualNode, MaskKey] = {}
         post: dict[VirtualNode, MaskKey] = {}
         grad: dict[VirtualNode, MaskKey] = {}
+        scale: dict[VirtualNode, tuple[ScaleKey, ScaleKey]] = {}
         # A hoisted node runs once on its items' rows as the inputs' sequences give them (concatenated
         # in input order): it acts on each row alone, so its rows are then packed as the items' are —
         # by one index, if every item it reads steps the same way (forwards or reversed).
@@ -1496,6 +1497,11 @@ class BatchedBuild:
                 )
                 if isinstance(found, str):
                     return f"{v.describe()} {found}"
+                if found.scale is not None:
+                    scale[v] = (
+                        ScaleKey(found.scale, len(shape[v])),
+                        ScaleKey(found.scale, len(shape[v.inputs[0]])),
+                    )
                 if found.out is not None:
                     padded[v] = found.out
                     key = grad[v] = MaskKey(found.out[1], len(shape[v]), found.out[0])
@@ -1515,8 +1521,16 @@ class BatchedBuild:
             if st.inputs[1] in padded:
                 return f"{st.describe()} stacks a value whose length differs per input"
         plan.padded = padded
-        keys = tuple(dict.fromkeys((*pre.values(), *post.values(), *grad.values())))
-        plan.masking = Masking(keys, tuple(pre.items()), tuple(post.items()), tuple(grad.items()))
+        every: list[MaskKey | ScaleKey] = [*pre.values(), *post.values(), *grad.values()]
+        every += [k for pair in scale.values() for k in pair]
+        keys = tuple(dict.fromkeys(every))
+        plan.masking = Masking(
+            keys,
+            tuple(pre.items()),
+            tuple(post.items()),
+            tuple(grad.items()),
+            tuple((v, *k) for v, k in scale.items()),
+        )
         return plan
 
     def _rows_variant(
@@ -1567,10 +1581,7 @@ class BatchedBuild:
         group_of.update(zip(captured, cap_values))
         instance.own_at = [captured.index(v) for v in plan.own]
         instance.padded, instance.extents = plan.padded, inputs.extents
-        instance.masks = [
-            mask(key, inputs.extents[key.extent], int(inputs.extents[key.extent].max()))
-            for key in plan.masking.keys
-        ]
+        instance.masks = [step_input(key, inputs.extents[key.extent]) for key in plan.masking.keys]
         try:
             for v, attrs in zip(plan.hoisted, plan.hoisted_attrs):
                 group_of[v] = cast(Op, v.op).forward(*[group_of[u] for u in v.inputs], **attrs)

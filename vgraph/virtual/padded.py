@@ -11,14 +11,15 @@ padded and how the padding is kept from reaching a real entry:
   ``exp``, a :func:`vgraph.defop` op) has its result's padding zeroed after it (``post``);
 - a softmax along a padded axis sees ``-inf`` in the padding (``pre``): the padding gets weight
   zero, the real entries the softmax over the input's own length;
-- a product or a sum that contracts a padded axis then adds zeros for the padding;
+- a product or a sum that contracts a padded axis then adds zeros for the padding; a mean along
+  it divides by the longest length, so its result, and the gradient its VJP gives its input,
+  are scaled by the longest over the row's own length (``scale``);
 - in backward, every padded node's gradient has its padding zeroed before its VJPs run, so that
   nothing a VJP computes from the padding (``0 / 0``) reaches a real entry.
 
-Anything else on a padded value — a mean or maximum along its padded axis (the divisor and the
-maximum depend on the length), a reshape, a concatenation, a fused cell, a branch, a carry's
-update, a stacked value — has no rule: the program is declined with the reason, and the loop runs
-op by op across the inputs.
+Anything else on a padded value — a maximum or a variance along its padded axis, a reshape, a
+concatenation, a fused cell, a branch, a carry's update, a stacked value — has no rule: the
+program is declined with the reason, and the loop runs op by op across the inputs.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Rule(NamedTuple):
     out: Padded | None  #: where its result is padded (``None``: it is not)
     pre: bool = False  #: its first input's padding is set to ``-inf`` first (a softmax's)
     post: bool = False  #: its result's padding is zeroed after it
+    scale: int | None = None  #: its result is scaled by longest / length of this extent (a mean's)
 
 
 class MaskKey(NamedTuple):
@@ -56,6 +58,14 @@ class MaskKey(NamedTuple):
     extent: int
     rank: int
     axis: int
+
+
+class ScaleKey(NamedTuple):
+    """Per row, the longest length of extent ``extent`` over the row's own, shaped
+    ``(rows, 1, …, 1)`` to broadcast against per-row values of rank ``rank`` (a mean's factor)."""
+
+    extent: int
+    rank: int
 
 
 def rule(
@@ -136,6 +146,8 @@ def rule(
         if r[0] in axes:
             if name == "Sum":
                 return Rule(None)
+            if name == "Mean":
+                return Rule(None, scale=r[1])
             return f"computes {name} along an axis whose length differs per input (it depends on the length)"
         at = r[0] if attrs.get("keepdims") else r[0] - sum(a < r[0] for a in axes)
         return Rule((at, r[1]))
@@ -164,8 +176,12 @@ def rule(
     return f"computes {name}, which has no rule for a value whose length differs per input"
 
 
-def mask(key: MaskKey, lengths: np.ndarray, longest: int) -> np.ndarray:
-    """The mask ``key`` over rows whose lengths (along the padded axis) are ``lengths``."""
+def step_input(key: MaskKey | ScaleKey, lengths: np.ndarray) -> np.ndarray:
+    """The array ``key`` names, over rows whose lengths (along the padded axis) are ``lengths``:
+    a mask, or a mean's factor (float64: :func:`scaled` casts it to the values' dtype)."""
+    longest = int(lengths.max())
+    if isinstance(key, ScaleKey):
+        return (longest / lengths).reshape(-1, *([1] * key.rank))
     shape = [len(lengths)] + [1] * key.rank
     shape[1 + key.axis] = longest
     return np.arange(longest).reshape(shape[1:])[None] < lengths.reshape(-1, *([1] * key.rank))
@@ -181,15 +197,21 @@ def zeroed(x: Any, m: np.ndarray) -> Any:
     return np.where(m, x, 0)
 
 
-class Masking(NamedTuple):
-    """The masks a program over rows applies (see the module docstring): the masks its steps read
-    (step inputs after the per-input values), and per body node the mask of its ``pre``, ``post``
-    and gradient masking."""
+def scaled(x: Any, factor: np.ndarray) -> Any:
+    """``x`` times a mean's per-row factor (see :class:`ScaleKey`), in ``x``'s dtype."""
+    return x * factor.astype(np.result_type(x), copy=False)
 
-    keys: tuple[MaskKey, ...] = ()
+
+class Masking(NamedTuple):
+    """The masks a program over rows applies (see the module docstring): the masks and factors its
+    steps read (step inputs after the per-input values), and per body node the mask of its
+    ``pre``, ``post`` and gradient masking and the factor of its scaling."""
+
+    keys: tuple[MaskKey | ScaleKey, ...] = ()
     pre: tuple[tuple[VirtualNode, MaskKey], ...] = ()
     post: tuple[tuple[VirtualNode, MaskKey], ...] = ()
     grad: tuple[tuple[VirtualNode, MaskKey], ...] = ()
+    scale: tuple[tuple[VirtualNode, ScaleKey, ScaleKey], ...] = ()  # (node, for its value, its input's)
 
 
 NO_MASKS = Masking()

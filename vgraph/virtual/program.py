@@ -69,7 +69,7 @@ from ..ops import (
     split_vjp,
 )
 from .nodes import BranchNode, LoopNode, VirtualNode
-from .padded import NO_MASKS, Masking, neg_inf, zeroed
+from .padded import NO_MASKS, Masking, neg_inf, scaled, zeroed
 from .rules import at_limit, check_carry, reached_end, run_cond, select_option
 
 if TYPE_CHECKING:
@@ -220,6 +220,7 @@ class _Variant:
         self._attrs = attrs  # (see BodyProgram.variant)
         self.own = own
         self._pre, self._post, self._gmask = dict(masking.pre), dict(masking.post), dict(masking.grad)
+        self._scale = {v: (out, into) for v, out, into in masking.scale}
         # Slots: the record's entries. Inputs first (carries, items, child reads, hoisted rows,
         # per-row captured values, masks), then every computed node, then each lead branch's choice.
         inputs: list[Any] = [*loop.carries, *loop.items, *loop.children, *hoisted, *own, *masking.keys]
@@ -404,6 +405,9 @@ class _Variant:
         if v in self._post:  # (a padded result's padding zeroed)
             env["ZEROED"] = zeroed
             lines.append(f"{pad}s{i} = ZEROED(s{i}, s{self.slot[self._post[v]]})")
+        if v in self._scale:  # (a mean along a padded axis: over each row's own length)
+            env["SCALED"] = scaled
+            lines.append(f"{pad}s{i} = SCALED(s{i}, s{self.slot[self._scale[v][0]]})")
 
     def _demand(self, target: VirtualNode, built: set[VirtualNode]) -> list[VirtualNode]:
         """The computed nodes ``target`` needs that are not built unconditionally, in
@@ -544,6 +548,9 @@ class _Variant:
                 # per-node sweep sums a leaf's: ops.LeadingSumGrad)
                 red = "REDLEAF" if u.kind == "parameter" and not u.attrs.get("sparse_grad") else "RED"
                 lines.append(f"{pad}    d = {red}(d, {self._name(u)}.shape)")
+                if v in self._scale:  # (a mean along a padded axis: its input's rows by their own length)
+                    env["SCALED"] = scaled
+                    lines.append(f"{pad}d = SCALED(d, s{self.slot[self._scale[v][1]]})")
                 for n in range(3):  # (1-based line numbers, for naming the node in an error)
                     self.back_lines[len(lines) - n] = (v, p)
                 self._route(u, "d", lines, pad, env)
