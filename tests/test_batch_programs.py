@@ -900,3 +900,24 @@ def test_a_body_node_the_same_for_every_row_has_the_steps_summed_gradient():
             cg.backward(cg.outputs[0])
             want = want + cg.node(Wt, (t,)).grad
         np.testing.assert_allclose(batch.inputs[0].gradient(Wt, (t,)), want, **TOL)
+
+
+def test_products_with_each_rows_vector_run_over_rows():
+    """Per-row vectors multiplied with each other (``h @ x_t``, a scalar per row) and a stepped
+    matrix times a shared vector: no attribute batches them, ``hoist.rows_op`` does."""
+
+    def make():
+        g = vg.VirtualGraph(seed=5)
+        xs, ms = g.input("xs", (None, 3)), g.input("ms", (None, 2, 3))
+        W, v = g.parameter("W", (3, 3)), g.parameter("v", (3,))
+        with g.loop() as L:
+            h = L.carry(np.full(3, 0.1), name="h")
+            x, m = L.step(xs), L.step(ms)
+            score = (h @ x).reshape(1)  # (a scalar per row, kept as (1,) to broadcast over rows)
+            L.update(h, vg.tanh(x * score + h @ W + vg.sum(m @ v, keepdims=True)))
+        return g, [vg.sum(L.final(h) ** 2)]
+
+    rng = np.random.default_rng(2)
+    feeds = [{"xs": rng.standard_normal((n, 3)), "ms": rng.standard_normal((n, 2, 3))} for n in (3, 1, 4)]
+    batch = assert_identical(make, feeds)
+    assert all(not view.interpreted for view in batch.inputs)

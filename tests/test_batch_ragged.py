@@ -225,10 +225,12 @@ def test_the_benchmarks_seq2seq_model(pad_to):
 # ---------------------------------------------------------------------------- a recursion
 
 
-def attending_tree(seed=5, row=True):
+def attending_tree(seed=5, form="row"):
     """A tree RNN whose node function attends over its input's sentence (the leaves' word
     vectors ``(S_i, 3)`` mapped by a parameter outside the recursion): ``S_i`` differs per input.
-    ``row``: the state a row ``(1, 3)`` (else a vector ``(3,)``)."""
+    ``form``: the state a row ``(1, 3)`` (``"row"``), or a vector ``(3,)`` scored as
+    ``pre @ memory.T`` (``"vector"``) or ``memory @ pre`` (``"matvec"``)."""
+    row = form == "row"
     g = vg.VirtualGraph(seed=seed)
     children, words = g.input("children", (None, 2)), g.input("words", (None, 3))
     sentence = g.input("sentence", (None, 3))
@@ -240,7 +242,8 @@ def attending_tree(seed=5, row=True):
         if row:
             x = x.reshape(1, 3)
         pre = x @ W + vg.concat([r.child(h, 0), r.child(h, 1)], axis=-1) @ U  # (1, 3) or (3,)
-        weights = vg.softmax(pre @ memory.T, axis=-1)  # (1, S) or (S,)
+        scores = memory @ pre if form == "matvec" else pre @ memory.T  # (1, S) or (S,)
+        weights = vg.softmax(scores, axis=-1)
         h_new = vg.tanh(pre + weights @ memory)
         r.update(h, h_new)
     s = r.stack(h_new)
@@ -263,12 +266,16 @@ def test_a_recursion_attending_over_each_inputs_sentence_runs_over_tree_nodes(ho
     assert_rows(batch, "tree")
 
 
-def test_a_vector_state_attending_declines_and_computes_the_same():
-    """A vector times each row's own matrix (``(3,) @ (3, S)``) has no batching rule over rows
-    (numpy would pair every vector with every matrix): the recursion says so and runs op by op."""
-    batch = assert_identical(partial(attending_tree, row=False), tree_feeds([4, 1, 3]), expect_rows=None)
-    reasons = interpreted(batch, "tree")
-    assert reasons and all("<MatMul" in why for _, _, why in reasons), reasons
+@pytest.mark.parametrize("hoist", [True, False])
+@pytest.mark.parametrize("form", ["vector", "matvec"])
+def test_a_vector_state_attending_runs_over_tree_nodes(form, hoist):
+    """A vector times each row's own matrix (``(3,) @ (3, S)``, ``(S,) @ (S, 3)``): numpy would
+    pair every row's vector with every row's matrix, so it runs as one-row matrices
+    (``hoist.rows_op``) — over rows, the same results."""
+    batch = assert_identical(
+        partial(attending_tree, form=form), tree_feeds([4, 1, 3, 6]), expect_rows=None, hoist=hoist
+    )
+    assert_rows(batch, "tree")
 
 
 # ---------------------------------------------------------------------------- random structures
@@ -289,12 +296,17 @@ def test_random_lengths_batch_sizes_and_attentions(lengths, score, captured, hoi
 
 
 @settings(max_examples=20, deadline=None, derandomize=True)
-@given(st.lists(st.integers(1, 8), min_size=1, max_size=6), st.booleans(), st.integers(0, 1000))
-def test_random_forests_attending_over_their_sentences(leaf_counts, hoist, seed):
+@given(
+    st.lists(st.integers(1, 8), min_size=1, max_size=6),
+    st.sampled_from(["row", "vector", "matvec"]),
+    st.booleans(),
+    st.integers(0, 1000),
+)
+def test_random_forests_attending_over_their_sentences(leaf_counts, form, hoist, seed):
     """Random trees (1-8 leaves) and batch compositions, each tree node attending over its own
     input's sentence: one program over every tree node, the same results as alone."""
     batch = assert_identical(
-        partial(attending_tree, seed), tree_feeds(leaf_counts, seed), expect_rows=None, hoist=hoist
+        partial(attending_tree, seed, form), tree_feeds(leaf_counts, seed), expect_rows=None, hoist=hoist
     )
     assert_rows(batch, "tree")
 
@@ -334,6 +346,9 @@ def test_the_rules_say_where_a_result_is_padded_and_what_is_masked():
     assert rule(mm, {}, [(1, 7), (7, 4)], [R, (0, 0)], (1, 4)) == Rule(None)  # weights @ enc
     assert "contracts" in rule(mm, {}, [(1, 7), (7, 4)], [R, None], (1, 4))
     assert "contracts" in rule(mm, {}, [(1, 7), (7, 4)], [R, (0, 1)], (1, 4))  # another length
+    assert rule(mm, {}, [(4,), (4, 7)], [None, R], (7,)) == Rule((0, 0))  # a vector times enc.T
+    assert rule(mm, {}, [(7, 4), (4,)], [(0, 0), None], (7,)) == Rule((0, 0))  # enc @ a vector
+    assert rule(mm, {}, [(7,), (7, 4)], [(0, 0), (0, 0)], (4,)) == Rule(None)  # weights @ enc
     assert rule(OPS["Softmax"], {"axis": -1}, [(1, 7)], [R], (1, 7)) == Rule(R, pre=True)
     assert rule(OPS["LogSoftmax"], {"axis": -1}, [(1, 7)], [R], (1, 7)) == Rule(R, pre=True, post=True)
     assert rule(OPS["Softmax"], {"axis": 0}, [(1, 7)], [R], (1, 7)) == Rule(R, post=True)

@@ -989,3 +989,41 @@ def test_every_builtin_op_declared_elementwise_is_hoisted():
     _, hoisted = assert_identical(g, feed, [loss], loss)
     groups = {k.type for k in hoisted._nodes if k.type.endswith("*")}
     assert {"Maximum*", "Minimum*", "Clip*", "Sqrt*", "Add*"} <= groups, groups
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "sa", "sb"),
+    [
+        ((3,), (3, 4), True, True),  # a vector times a matrix, each copy its own
+        ((4, 3), (3,), True, True),
+        ((3,), (3,), True, True),
+        ((4, 3), (3,), False, True),  # a shared matrix times each copy's vector
+        ((3,), (3,), False, True),
+        ((4, 3), (3,), True, False),  # each copy's matrix times a shared vector
+        ((3,), (3,), True, False),
+    ],
+)
+def test_rows_op_multiplies_each_copys_vector(a, b, sa, sb):
+    """hoist.rows_op: copies of a product with a vector run as one op give each copy's product,
+    and its VJPs each copy's gradients (summed over the copies for a shared operand)."""
+    from vgraph.ops import OPS, densified
+    from vgraph.virtual.hoist import batched_attrs, rows_op
+
+    mm = OPS["MatMul"]
+    assert batched_attrs(mm, {}, [a, b], [sa, sb], 5) is None  # (numpy alone would pair them wrong)
+    op = rows_op(mm, [a, b], [sa, sb])
+    assert op is not None
+    rng = np.random.default_rng(0)
+    n = 5
+    A = rng.standard_normal((n, *a) if sa else a)
+    B = rng.standard_normal((n, *b) if sb else b)
+    out = op.forward(A, B)
+    want = np.stack([np.matmul(A[k] if sa else A, B[k] if sb else B) for k in range(n)])
+    np.testing.assert_allclose(out, want, rtol=1e-13)
+    g = rng.standard_normal(out.shape)
+    for p, (x, stacked) in enumerate(((A, sa), (B, sb))):
+        got = densified(op.vjps[p](g, out, A, B))
+        if not stacked and got.shape != x.shape:  # (a shared operand's: the engine sums the copies)
+            got = got.reshape(-1, *x.shape).sum(axis=0)
+        parts = [densified(mm.vjps[p](g[k], want[k], A[k] if sa else A, B[k] if sb else B)) for k in range(n)]
+        np.testing.assert_allclose(got, np.stack(parts) if stacked else np.sum(parts, axis=0), rtol=1e-12)

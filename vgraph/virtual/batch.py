@@ -68,7 +68,7 @@ from ..ops import ALONG_AXIS, CELL, ELEMENTWISE, OPS, Op, OpResultError, densifi
 from ..workspace import computing, gc_paused
 from .builder import _Builder, _check_structure, _Frame, _iteration_views, _read_children, _stepped_sequences
 from .graph import one_build_at_a_time
-from .hoist import batched_attrs, check_rows, checks_rows, hoist_loop
+from .hoist import batched_attrs, check_rows, checks_rows, hoist_loop, rows_op
 from .nodes import BranchNode, LoopNode, VirtualNode
 from .padded import NO_MASKS, Masking, MaskKey, Padded, ScaleKey, rule, step_input
 from .program import (
@@ -1485,7 +1485,10 @@ class BatchedBuild:
             if v not in shape:
                 return f"{v.describe()} was not computed in any choice of options"
             # (-1: the number of rows differs from one iteration to the next)
-            grouped = batched_attrs(op, attrs, [shape[u] for u in v.inputs], [x == 0 for x in ins], -1)
+            shapes, stacked = [shape[u] for u in v.inputs], [x == 0 for x in ins]
+            grouped = batched_attrs(op, attrs, shapes, stacked, -1)
+            if grouped is None and (over_rows := rows_op(op, shapes, stacked)) is not None:
+                plan.ops[v], grouped = over_rows, attrs
             if grouped is None or (op.name == "Reshape" and -1 in tuple(attrs["shape"])):
                 return f"{v.describe()} ({op.name}) does not compute each row alone"
             if not _same_attrs(grouped, attrs):
@@ -1556,7 +1559,7 @@ class BatchedBuild:
                 if any(vjp_of(cast(Op, v.op), p) is not None and u in needs for p, u in enumerate(v.inputs)):
                     needs.add(v)
         return program.variant(
-            tuple(plan.hoisted), frozenset(needs), plan.attrs, tuple(plan.own), plan.masking
+            tuple(plan.hoisted), frozenset(needs), plan.attrs, tuple(plan.own), plan.masking, plan.ops
         )
 
     def _start_rows(self, instance: _RowsProgram, plan: _RowsPlan, inputs: _RowsInputs) -> str | None:
@@ -2517,7 +2520,17 @@ def _step_error(variant: Any, e: Exception, inputs: list[int], idx: tuple[int, .
 class _RowsPlan:
     """How a body runs on rows (:meth:`BatchedBuild._rows_plan`)."""
 
-    __slots__ = ("attrs", "direction", "hoisted", "hoisted_attrs", "layout", "masking", "own", "padded")
+    __slots__ = (
+        "attrs",
+        "direction",
+        "hoisted",
+        "hoisted_attrs",
+        "layout",
+        "masking",
+        "ops",
+        "own",
+        "padded",
+    )
 
     def __init__(self) -> None:
         #: body node -> 0 (rows along axis 0), 1 (a fused cell's: axis 1), None (shared by all rows)
@@ -2527,6 +2540,7 @@ class _RowsPlan:
         self.hoisted: list[VirtualNode] = []  # run once over every input's rows
         self.hoisted_attrs: list[dict[str, Any]] = []
         self.attrs: dict[VirtualNode, dict[str, Any]] = {}  # ops whose attributes change on rows
+        self.ops: dict[VirtualNode, Op] = {}  # ops run as another op on rows (hoist.rows_op)
         self.own: list[VirtualNode] = []  # captured values each input has its own of (step inputs)
         self.padded: dict[VirtualNode, Padded] = {}  # body nodes padded along an axis (.padded)
         self.masking = NO_MASKS

@@ -35,7 +35,7 @@ import numpy as np
 from ..compute import ComputeNode, NodeKey
 from ..errors import OpDefinitionError
 from ..modes import is_anomaly_enabled
-from ..ops import ALONG_AXIS, CELL, ELEMENTWISE, OPS, REDUCTION, Op
+from ..ops import ALONG_AXIS, CELL, ELEMENTWISE, OPS, REDUCTION, Op, densified
 
 if TYPE_CHECKING:
     from .builder import _Builder, _Frame
@@ -132,6 +132,62 @@ def batched_attrs(
         axes = tuple(reversed(range(rank))) if axes is None else tuple(a % rank for a in axes)
         return {**attrs, "axes": (0, *(a + 1 for a in axes))}
     return None
+
+
+def rows_op(op: Op, shapes: Sequence[tuple[int, ...]], stacked: Sequence[bool]) -> Op | None:
+    """An op computing many copies of ``op`` at once (inputs ``stacked`` along a new axis 0, as
+    :func:`batched_attrs` says) where no attributes can: a product with a vector, each copy its
+    own (``(K,) @ (K, N)``, ``(M, K) @ (K,)``, ``(K,) @ (K,)``), where numpy would pair every
+    copy's vector with every copy's matrix. It runs the copies' vectors as one-row (or one-column)
+    matrices, as ``np.matmul`` does for one copy. ``None`` for anything else."""
+    if op.name != "MatMul" or op.user or not any(stacked):
+        return None
+    (a, b), (sa, sb) = shapes, stacked
+    if len(a) + len(b) > 3:  # (a matrix times a matrix: batched_attrs's)
+        return None
+    row, column = sa and len(a) == 1, sb and len(b) == 1
+    if not (row or column):  # a stacked matrix times a shared vector: numpy pairs them right
+        return op
+    return _vector_products[(row, column)]
+
+
+def _vector_product(row: bool, column: bool) -> Op:
+    """``MatMul`` over copies whose left operand is a vector (``row``: read as ``(n, 1, K)``)
+    and/or whose right one is (``column``: read as ``(n, K, 1)``)."""
+
+    def widen(a: Any, b: Any) -> tuple[Any, Any]:
+        return (a[:, None, :] if row else a), (b[:, :, None] if column else b)
+
+    def narrow(x: Any) -> Any:
+        if row and column:
+            return x[:, 0, 0]
+        return x[:, 0] if row else x[..., 0]
+
+    def unnarrow(x: Any) -> Any:  # (the product's shape, from its value or gradient)
+        if row and column:
+            return x[:, None, None]
+        return x[:, None] if row else x[..., None]
+
+    def forward(a: Any, b: Any) -> Any:
+        return narrow(_MATMUL.forward(*widen(a, b)))
+
+    def vjp(p: int) -> Any:
+        inner = cast(tuple[Any, ...], _MATMUL.vjps)[p]
+        widened = row if p == 0 else column
+
+        def grad(g: Any, ans: Any, a: Any, b: Any) -> Any:
+            wa, wb = widen(a, b)
+            d = densified(inner(unnarrow(g), unnarrow(ans), wa, wb))
+            if not widened:
+                return d
+            return d[:, 0] if p == 0 else d[..., 0]
+
+        return grad
+
+    return Op("MatMulRows", forward, (vjp(0), vjp(1)), arity=2)
+
+
+_vector_products = {(r, c): _vector_product(r, c) for r, c in ((True, False), (False, True), (True, True))}
 
 
 def checks_rows(op: Op) -> bool:

@@ -84,8 +84,12 @@ def rule(
     rank = len(out_shape)
     if name == "MatMul":
         (sa, sb), (ra, rb) = shapes, padded
-        if len(sa) < 2 or len(sb) < 2:
-            return "multiplies a vector whose length differs per input"
+        # A vector operand acts as numpy makes it: a one-row matrix on the left, a one-column one
+        # on the right (its axis 0 the matrix's axis 1, resp. 0), the new axis dropped after.
+        if len(sa) == 1:
+            sa, ra = (1, *sa), (None if ra is None else (1, ra[1]))
+        if len(sb) == 1:
+            sb, rb = (*sb, 1), rb
         ca = ra is not None and ra[0] == len(sa) - 1
         cb = rb is not None and rb[0] == len(sb) - 2
         if ca or cb:  # the contracted axis: both operands padded alike, their padding zeros
@@ -94,9 +98,11 @@ def rule(
             return Rule(None)
         if ra is not None and rb is not None:
             return "multiplies two values whose lengths differ per input along different axes"
-        if ra is not None:
-            return Rule((rank - 2, ra[1])) if ra[0] == len(sa) - 2 else "batches over a padded axis"
-        assert rb is not None
+        if ra is not None:  # along the rows of a: the result's second-to-last axis (last if b is a vector)
+            if ra[0] != len(sa) - 2:
+                return "batches over a padded axis"
+            return Rule((rank - 2 if len(shapes[1]) > 1 else rank - 1, ra[1]))
+        assert rb is not None  # along the columns of b: the result's last axis
         return Rule((rank - 1, rb[1])) if rb[0] == len(sb) - 1 else "batches over a padded axis"
     if name == "Linear":  # x @ w (+ b): x padded along an axis the product keeps
         rx = padded[0]

@@ -179,23 +179,26 @@ class BodyProgram:
         attrs: dict[VirtualNode, dict[str, Any]] | None = None,
         own: tuple[VirtualNode, ...] = (),
         masking: Masking = NO_MASKS,
+        ops: dict[VirtualNode, Op] | None = None,
     ) -> _Variant:
         """The steps for a run that hoists ``hoisted`` and needs gradients for the inputs and
         captured values in ``needs`` (compiled on first use). ``attrs``: the attributes body
         nodes' ops run with instead of their declared ones (a program over rows, where an op's
         axes move by one: :func:`.hoist.batched_attrs`). ``own``: captured values each row has
         its own of, read as step inputs after the hoisted nodes, then ``masking``'s masks
-        (:mod:`.padded`)."""
+        (:mod:`.padded`). ``ops``: the ops body nodes run instead of their declared ones (on
+        rows, where no attributes can say it: :func:`.hoist.rows_op`)."""
         key = (
             hoisted,
             needs,
             tuple(sorted((v.id, v.type, repr(a)) for v, a in attrs.items())) if attrs else (),
             own,
             masking,
+            tuple(sorted((v.id, v.type, op.name) for v, op in ops.items())) if ops else (),
         )
         found = self._variants.get(key)
         if found is None:
-            found = self._variants[key] = _Variant(self, hoisted, needs, attrs or {}, own, masking)
+            found = self._variants[key] = _Variant(self, hoisted, needs, attrs or {}, own, masking, ops or {})
         return found
 
 
@@ -213,8 +216,10 @@ class _Variant:
         attrs: dict[VirtualNode, dict[str, Any]],
         own: tuple[VirtualNode, ...] = (),
         masking: Masking = NO_MASKS,
+        ops: dict[VirtualNode, Op] | None = None,
     ):
         loop = program.loop
+        self._ops = ops or {}  # (see BodyProgram.variant)
         self.program = program
         self.hoisted = hoisted
         self._attrs = attrs  # (see BodyProgram.variant)
@@ -332,6 +337,10 @@ class _Variant:
         """The attributes body node ``v``'s op runs with in these steps."""
         return self._attrs.get(v, v.attrs)
 
+    def op(self, v: VirtualNode) -> Op:
+        """The op body node ``v`` runs in these steps (its declared one, or one over rows)."""
+        return self._ops.get(v) or cast(Op, v.op)
+
     def _name(self, u: VirtualNode) -> str:
         if u in self.slot:
             return f"s{self.slot[u]}"
@@ -390,7 +399,7 @@ class _Variant:
                     self._emit(u, lines, env, pad + "    ", built, guard=True)
                 lines.append(f"{pad}    s{i} = {self._name(option)}")
             return
-        op, attrs = cast(Op, v.op), self.attrs(v)
+        op, attrs = self.op(v), self.attrs(v)
         index = basic_view_index(op, attrs)
         if index is not None:  # a view (what GetItem's forward does, without the call)
             env[f"x{i}"] = index
@@ -506,7 +515,7 @@ class _Variant:
             if v in self._gmask:  # (a padded node's: nothing from its padding reaches a real entry)
                 env["ZEROED"] = zeroed
                 lines.append(f"{pad}g{i} = ZEROED(g{i}, s{self.slot[self._gmask[v]]})")
-            op, attrs = cast(Op, v.op), self.attrs(v)
+            op, attrs = self.op(v), self.attrs(v)
             index = basic_view_index(op, attrs)
             if index is not None and v.inputs[0] in buffered:  # its gradient added into the buffer
                 k = self.slot[v.inputs[0]]
