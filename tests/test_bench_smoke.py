@@ -538,3 +538,29 @@ def test_float32_models_keep_float32_everywhere(dynamic, seq2seq):
                 np.asarray(p.grad).dtype == np.float32 for p in g.params.values() if p.grad is not None
             )
             g.params.zero_grad()
+
+
+@pytest.mark.parametrize(
+    ("schedule", "order"),
+    [
+        ("interleaved", ["a1", "b1", "b2", "a2", "a1", "b1", "b2", "a2"]),
+        ("blocked", ["a1", "a2", "b1", "b2", "b1", "b2", "a1", "a2"]),
+    ],
+)
+def test_a_pass_orders_its_columns_steps_by_schedule(dynamic, schedule, order):
+    """Interleaved: the columns alternate batch by batch (order reversed every batch); blocked:
+    each column runs a whole round in turn (order reversed every round)."""
+    seen = []
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        def step(self, batch):
+            seen.append(f"{self.name}{batch}")
+            return 0.0, {k: (0.001, 0.001) for k in dynamic.PHASES}
+
+    cols = {"a": lambda cfg, data: Fake("a"), "b": lambda cfg, data: Fake("b")}
+    out = dynamic._timed_pass(cols, None, [1, 2], rounds=2, warmup=0, schedule=schedule)
+    assert seen == order
+    assert all(len(out[n]["wall"]) == 2 for n in cols)

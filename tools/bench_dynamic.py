@@ -1644,30 +1644,45 @@ def peak_step_memory(make: Callable[[], Runner], batch: Any) -> float:
     return float(held + peak)
 
 
+#: How a pass orders its columns' steps: ``"interleaved"`` alternates the columns batch by batch
+#: (order reversed every batch), ``"blocked"`` runs each column through a whole round's batches
+#: in turn (order reversed every round), as training one model does — see docs/performance.md,
+#: "Known measurement traps": a column's step right after another column's runs colder caches.
+SCHEDULES = ("interleaved", "blocked")
+
+
 def _timed_pass(
-    cols: dict[str, Callable[[Any, Any], Runner]], cfg: Any, data: list[Any], rounds: int, warmup: int
+    cols: dict[str, Callable[[Any, Any], Runner]],
+    cfg: Any,
+    data: list[Any],
+    rounds: int,
+    warmup: int,
+    schedule: str = "interleaved",
 ) -> dict[str, dict[str, Any]]:
-    """Time the columns ``cols`` together: ``rounds`` passes over the batches, the columns
-    alternating batch by batch (order reversed every batch), each a plain training step; then one
-    more pass splits a vgraph column's build from its forward (see :func:`run_config`). Returns
-    per column its per-round phase sums (wall and CPU seconds), the losses seen and, for a vgraph
-    runner, its graphs' node counts. The runners are dropped on return."""
+    """Time the columns ``cols`` together: ``rounds`` passes over the batches, each step a plain
+    training step, ordered as ``schedule`` says (:data:`SCHEDULES`); then one more pass splits a
+    vgraph column's build from its forward (see :func:`run_config`). Returns per column its
+    per-round phase sums (wall and CPU seconds), the losses seen and, for a vgraph runner, its
+    graphs' node counts. The runners are dropped on return."""
     runners = {name: make(cfg, data) for name, make in cols.items()}
     names = list(runners)
     for i in range(warmup):
         for name in names:
             runners[name].step(data[i % len(data)])
     out: dict[str, dict[str, Any]] = {n: {"wall": [], "cpu": [], "losses": []} for n in names}
-    for _ in range(rounds):
+    for r in range(rounds):
         sums = {n: dict.fromkeys(PHASES, 0.0) for n in names}
         cpus = {n: dict.fromkeys(PHASES, 0.0) for n in names}
-        for j, batch in enumerate(data):
-            for name in names if j % 2 == 0 else names[::-1]:
-                loss, phases = runners[name].step(batch)
-                out[name]["losses"].append(loss)
-                for k in PHASES:
-                    sums[name][k] += phases[k][0]
-                    cpus[name][k] += phases[k][1]
+        if schedule == "blocked":
+            steps = [(n, b) for n in (names if r % 2 == 0 else names[::-1]) for b in data]
+        else:
+            steps = [(n, b) for j, b in enumerate(data) for n in (names if j % 2 == 0 else names[::-1])]
+        for name, batch in steps:
+            loss, phases = runners[name].step(batch)
+            out[name]["losses"].append(loss)
+            for k in PHASES:
+                sums[name][k] += phases[k][0]
+                cpus[name][k] += phases[k][1]
         for n in names:
             out[n]["wall"].append(sums[n])
             out[n]["cpu"].append(cpus[n])
@@ -1701,7 +1716,13 @@ TORCH_PAIRS = (
 
 
 def run_config(
-    task: Task, cfg: Any, rounds: int, warmup: int, quick: bool, torch_columns: bool = True
+    task: Task,
+    cfg: Any,
+    rounds: int,
+    warmup: int,
+    quick: bool,
+    torch_columns: bool = True,
+    schedule: str = "interleaved",
 ) -> dict[str, Any]:
     """Time every applicable column of ``task`` on ``cfg``, in one or two passes of
     :func:`_timed_pass` (the columns of a pass alternate batch by batch, so load changes hit them
@@ -1735,12 +1756,14 @@ def run_config(
     batched = [n for n in cols if n.startswith("batch")]
     second_pass = batched + [n for n in cols if n.startswith("torch_batch")]
     ref = "sparse" if "sparse" in cols else "vgraph"
-    timed = _timed_pass({n: m for n, m in cols.items() if n not in second_pass}, cfg, data, rounds, warmup)
+    timed = _timed_pass(
+        {n: m for n, m in cols.items() if n not in second_pass}, cfg, data, rounds, warmup, schedule
+    )
     ref_times = timed.get(ref)
     if batched:
         gc.collect()  # the first pass's models are gone
         second = _timed_pass(
-            {n: cols[n] for n in [ref, *second_pass] if n in cols}, cfg, data, rounds, warmup
+            {n: cols[n] for n in [ref, *second_pass] if n in cols}, cfg, data, rounds, warmup, schedule
         )
         ref_times = second.pop(ref, None)
         timed.update(second)
@@ -1865,6 +1888,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-torch", action="store_true", help="leave out the PyTorch columns")
     ap.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default="interleaved",
+        help="columns alternate batch by batch (default) or round by round (each column's steps "
+        "back to back, as one model trains)",
+    )
+    ap.add_argument(
         "--dense-embeddings",
         action="store_true",
         help="tagger and tree: the batch32 and torch columns with dense embedding gradients and Adam "
@@ -1880,7 +1910,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = os.environ.get("OPENBLAS_NUM_THREADS", "default")
     print(
         f"vgraph dynamic-task benchmark  {started:%Y-%m-%d %H:%M UTC}  numpy {np.__version__}  "
-        f"{os.cpu_count()} CPUs  BLAS threads {threads}  rounds {rounds} (+{warmup} warm-up steps)\n"
+        f"{os.cpu_count()} CPUs  BLAS threads {threads}  rounds {rounds} (+{warmup} warm-up steps), {args.schedule}\n"
     )
     torch = load_torch(not args.no_torch)
     if torch is None:
@@ -1908,7 +1938,9 @@ def main(argv: list[str] | None = None) -> int:
             for cfg in task.configs(args.quick):
                 if args.dense_embeddings and hasattr(cfg, "sparse_updates"):
                     cfg.sparse_updates = False
-                rows.append(run_config(task, cfg, rounds, warmup, args.quick, torch is not None))
+                rows.append(
+                    run_config(task, cfg, rounds, warmup, args.quick, torch is not None, args.schedule)
+                )
                 print(f"  measured {name} {task.label(cfg)}", file=sys.stderr)
     except BenchmarkMismatch as e:
         print(f"\nBENCHMARK ABORTED: {e}", file=sys.stderr)
@@ -1926,7 +1958,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch_threads": None if torch is None else torch.get_num_threads(),
             "loadavg_at_start": loadavg_start,
         },
-        "config": {"quick": args.quick, "dense_embeddings": args.dense_embeddings, "rounds": rounds, "warmup": warmup, "lr": LR, "dtype": np.dtype(DTYPE).name,
+        "config": {"quick": args.quick, "dense_embeddings": args.dense_embeddings, "rounds": rounds, "warmup": warmup, "lr": LR, "dtype": np.dtype(DTYPE).name, "schedule": args.schedule,
                    "statistic": "median over rounds; phases per batch"},
         "correctness": checks,
         "rows": rows,
