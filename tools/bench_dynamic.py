@@ -94,7 +94,7 @@ Usage::
 
     PYTHONPATH=. python3 tools/bench_dynamic.py [--quick] [--json out.json] [--tasks lstm_lm ...]
                                                 [--rounds N] [--blas-threads N] [--no-torch]
-                                                [--dense-embeddings]
+                                                [--dense-embeddings] [--schedule interleaved|blocked]
 """
 
 from __future__ import annotations

@@ -77,6 +77,7 @@ Usage::
     PYTHONPATH=. python3 tools/bench_seq2seq.py [--quick] [--json out.json] [--rounds N]
                                                 [--embeddings sparse|dense|both] [--vocab N]
                                                 [--blas-threads N] [--no-torch]
+                                                [--schedule interleaved|blocked]
 """
 
 from __future__ import annotations
@@ -608,6 +609,12 @@ def main(argv: list[str] | None = None) -> int:
         "--blas-threads", metavar="N", help="BLAS threads (default 1); read before numpy is imported"
     )
     ap.add_argument("--no-torch", action="store_true", help="leave out the PyTorch columns")
+    ap.add_argument(
+        "--schedule",
+        choices=bd.SCHEDULES,
+        default="interleaved",
+        help="columns alternate pair by pair (default) or round by round (bench_dynamic.py's --schedule)",
+    )
     args = ap.parse_args(argv)
     rounds = args.rounds if args.rounds is not None else (1 if args.quick else 5)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
@@ -646,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         print()
         for cfg in the_task.configs(args.quick):
-            row = bd.run_config(the_task, cfg, rounds, warmup, args.quick, torch is not None)
+            row = bd.run_config(the_task, cfg, rounds, warmup, args.quick, torch is not None, args.schedule)
             add_ratios(row)
             rows.append(row)
             print(f"  measured seq2seq {the_task.label(cfg)}", file=sys.stderr)
@@ -691,6 +698,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "config": {
             "quick": args.quick,
+            "schedule": args.schedule,
             "embeddings": args.embeddings,
             "vocab": rows[0]["settings"]["vocab"] if rows else args.vocab,
             "rounds": rounds,
