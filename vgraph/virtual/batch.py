@@ -2258,6 +2258,7 @@ class _RowsProgram(SweptOnce):
         run = ProgramRun()
         self.steps, self.choices = [], []
         records, kids, reads, slots = run.records, self.kids, self.reads, self.update_slots
+        chain, no_carries = self.chain, [None] * nc
         for level, pred in zip(self.levels, self.preds):
             pending: list[tuple[Any, Any, dict[BranchNode, int]]] = [(level, pred, {})]
             while pending:
@@ -2270,7 +2271,8 @@ class _RowsProgram(SweptOnce):
                 try:
                     record = step(
                         len(records),
-                        *[h[pred] for h in hist],
+                        # (a recursion reads its carries only through its children: _by_depth)
+                        *([h[pred] for h in hist] if chain else no_carries),
                         *at[:ni],
                         *[hist[k][kids[ids, slot]] for k, slot in reads],
                         *at[ni:],
