@@ -26,10 +26,11 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.usefixtures("float64"), pytest.mark.filterwarnings("error::RuntimeWarning")]
 
 E, H = 3, 4
-SCORES = ("dot", "general", "additive", "log_softmax", "sum", "mean")
-DECLINED = ("max", "stacked_weights")
-#: reductions over the memory of values that are not zero where a shorter memory is padded
-PADDING_TRAPS = ("sum_sigmoid", "mean_sigmoid", "entropy", "log_weights")
+SCORES = ("dot", "general", "additive", "log_softmax", "sum", "mean", "max")
+DECLINED = ("stacked_weights",)
+#: reductions over the memory of values that are not zero where a shorter memory is padded, and
+#: extremes the zero padding would win (every real value below zero for the maximum)
+PADDING_TRAPS = ("sum_sigmoid", "mean_sigmoid", "entropy", "log_weights", "max_negative", "min_positive")
 
 
 def seq2seq(score="dot", captured=False, seed=3):
@@ -40,14 +41,16 @@ def seq2seq(score="dot", captured=False, seed=3):
     - ``dot``: ``softmax(h @ enc.T) @ enc`` (Luong); ``general``: ``softmax((h @ W) @ enc.T) @ enc``;
     - ``additive``: ``keys = enc @ W1`` outside the loop, ``softmax((tanh(keys + h @ W2) @ v).T)``;
     - ``log_softmax``: ``exp(log_softmax(h @ enc.T)) @ enc``; ``sum``: ``sum(h * enc, axis=0)``;
-      ``mean``: ``mean(h * enc, axis=0)`` (divided by the input's own length);
+      ``mean``: ``mean(h * enc, axis=0)`` (divided by the input's own length); ``max``:
+      ``max(h * enc, axis=0)``; ``max_negative`` / ``min_positive``: the maximum of values all
+      below zero, the minimum of values all above it (the zero padding would win either);
     - ``sum_sigmoid`` / ``mean_sigmoid``: ``sum`` / ``mean(sigmoid(h * enc), axis=0)``; ``entropy``: the ``dot`` attention and the
       entropy ``-sum(w * log_softmax(h @ enc.T))`` stacked into the loss (zero padding is not neutral for
       either: 0.5 and ``0 * -inf``); ``log_weights``: the same entropy as ``-sum(w * log(w))``
       with ``w = softmax(h @ enc.T)`` (the log's VJP is ``0 / 0`` in the padding: its gradient
       there must be zeroed before the softmax's VJP sums over the memory);
-    - ``None``: no memory read; declined: ``max`` over the memory axis, and
-      ``stacked_weights`` (the weights ``(1, S)`` stacked: a value of the input's length).
+    - ``None``: no memory read; declined: ``stacked_weights`` (the weights ``(1, S)`` stacked: a
+      value of the input's length).
 
     ``captured``: a per-input vector ``c`` ``(1, H)`` (of the source's mean state) added in every
     step. Returns ``(g, [loss])``; the loops are named ``encoder`` and ``decoder``."""
@@ -102,6 +105,10 @@ def seq2seq(score="dot", captured=False, seed=3):
             context = vg.mean(h_new * enc, axis=0, keepdims=True)
         elif score == "max":
             context = vg.max(h_new * enc, axis=0, keepdims=True)
+        elif score == "max_negative":
+            context = vg.max(-vg.exp(h_new * enc), axis=0, keepdims=True)
+        elif score == "min_positive":
+            context = vg.min(vg.exp(h_new * enc), axis=0, keepdims=True)
         else:
             context = h_new
         out = vg.tanh(attn(vg.concat([context, h_new], axis=-1)))
@@ -184,8 +191,8 @@ def test_memories_of_one_length_for_every_input():
 
 @pytest.mark.parametrize("score", DECLINED)
 def test_bodies_that_depend_on_the_memorys_length_decline_and_compute_the_same(score):
-    """A max over the memory axis (the padding would compete) and stacked weights (a value of the
-    input's own length): op by op, each input saying why, the same results."""
+    """Stacked weights (a value of the input's own length): op by op, each input saying why, the
+    same results."""
     batch = assert_identical(partial(seq2seq, score), pairs(LENGTHS, 4), expect_rows=None)
     assert_rows(batch, "encoder")
     assert_declined(batch, "decoder")
@@ -349,8 +356,8 @@ def test_the_rules_say_where_a_result_is_padded_and_what_is_masked():
     assert rule(mm, {}, [(4,), (4, 7)], [None, R], (7,)) == Rule((0, 0))  # a vector times enc.T
     assert rule(mm, {}, [(7, 4), (4,)], [(0, 0), None], (7,)) == Rule((0, 0))  # enc @ a vector
     assert rule(mm, {}, [(7,), (7, 4)], [(0, 0), (0, 0)], (4,)) == Rule(None)  # weights @ enc
-    assert rule(OPS["Softmax"], {"axis": -1}, [(1, 7)], [R], (1, 7)) == Rule(R, pre=True)
-    assert rule(OPS["LogSoftmax"], {"axis": -1}, [(1, 7)], [R], (1, 7)) == Rule(R, pre=True, post=True)
+    assert rule(OPS["Softmax"], {"axis": -1}, [(1, 7)], [R], (1, 7)) == Rule(R, pre=-np.inf)
+    assert rule(OPS["LogSoftmax"], {"axis": -1}, [(1, 7)], [R], (1, 7)) == Rule(R, pre=-np.inf, post=True)
     assert rule(OPS["Softmax"], {"axis": 0}, [(1, 7)], [R], (1, 7)) == Rule(R, post=True)
     assert rule(OPS["Mul"], {}, [(1, 7), ()], [R, None], (1, 7)) == Rule(R)  # zero stays zero
     assert rule(OPS["Add"], {}, [(1, 7), (1, 1)], [R, None], (1, 7)) == Rule(R, post=True)
@@ -362,7 +369,9 @@ def test_the_rules_say_where_a_result_is_padded_and_what_is_masked():
     assert rule(OPS["Sum"], {"axis": 0}, [(1, 7)], [R], (7,)) == Rule((0, 0))
     assert rule(OPS["Mean"], {"axis": 1}, [(1, 7)], [R], (1,)) == Rule(None, scale=0)  # over its own length
     assert rule(OPS["Mean"], {"axis": 0}, [(1, 7)], [R], (7,)) == Rule((0, 0))
-    assert "depends on the length" in rule(OPS["Max"], {"axis": None}, [(1, 7)], [R], ())
+    assert rule(OPS["Max"], {"axis": None}, [(1, 7)], [R], ()) == Rule(None, pre=-np.inf, pre_vjp=True)
+    assert rule(OPS["Min"], {"axis": 1}, [(1, 7)], [R], (1,)) == Rule(None, pre=np.inf, pre_vjp=True)
+    assert "depends on the length" in rule(OPS["Var"], {"axis": 1}, [(1, 7)], [R], (1,))
     assert rule(OPS["GetItem"], {"index": 0}, [(1, 7)], [R], (7,)) == Rule((0, 0))
     assert "indexes" in rule(OPS["GetItem"], {"index": (0, slice(2))}, [(1, 7)], [R], (2,))
     assert "no rule" in rule(OPS["Reshape"], {"shape": (7,)}, [(1, 7)], [R], (7,))
@@ -401,3 +410,26 @@ def test_attention_in_a_body_whose_rows_choose_differently():
     assert_rows(batch, "decoder")
     (program,) = loop_named(batch, "decoder")
     assert len(program.steps) > len(program.levels)  # some steps' rows split by their choice
+
+
+def test_a_maximum_whose_ties_are_at_zero_splits_its_gradient_among_real_entries_only():
+    """``max(m + c)`` over each input's memory, whose maximum is exactly 0 at several of its
+    rows: the maximum's VJP shares the gradient among the entries equal to it, and the zero
+    padding must not be among them (its VJP reads the input with the padding at -inf too)."""
+
+    def make():
+        g = vg.VirtualGraph(seed=0)
+        xs, m = g.input("xs", (None, 3)), g.input("m", (None, 3))
+        c = g.parameter("c", (3,), init=vg.nn.init.constant(0.5))
+        with g.loop(name="decoder") as L:
+            h = L.carry(np.zeros(3), name="h")
+            L.update(h, vg.tanh(L.step(xs) + h + vg.max(m + c, axis=0)))
+        return g, [vg.sum(L.final(h))]
+
+    feeds = []
+    for n, ties in ((4, 2), (2, 1), (6, 3)):
+        memory = np.full((n, 3), -1.0)
+        memory[:ties] = -0.5  # (m + c = 0 exactly there)
+        feeds.append({"xs": np.full((2, 3), 0.1), "m": memory})
+    batch = assert_identical(make, feeds, expect_rows=None)
+    assert_rows(batch, "decoder")

@@ -1427,7 +1427,7 @@ class BatchedBuild:
         layout.update((v, 0 if v in own else None) for v in program.captured)
         plan.own = [v for v in program.captured if v in own]
         padded: dict[VirtualNode, Padded] = dict(inputs.padded)
-        pre: dict[VirtualNode, MaskKey] = {}
+        pre: dict[VirtualNode, tuple[MaskKey, float, bool]] = {}
         post: dict[VirtualNode, MaskKey] = {}
         grad: dict[VirtualNode, MaskKey] = {}
         scale: dict[VirtualNode, tuple[ScaleKey, ScaleKey]] = {}
@@ -1505,14 +1505,14 @@ class BatchedBuild:
                         ScaleKey(found.scale, len(shape[v])),
                         ScaleKey(found.scale, len(shape[v.inputs[0]])),
                     )
+                if found.pre is not None:
+                    r0 = padded[v.inputs[0]]
+                    pre[v] = (MaskKey(r0[1], len(shape[v.inputs[0]]), r0[0]), found.pre, found.pre_vjp)
                 if found.out is not None:
                     padded[v] = found.out
                     key = grad[v] = MaskKey(found.out[1], len(shape[v]), found.out[0])
                     if found.post:
                         post[v] = key
-                    if found.pre:
-                        r0 = padded[v.inputs[0]]
-                        pre[v] = MaskKey(r0[1], len(shape[v.inputs[0]]), r0[0])
         for c in loop.carries:
             if layout[loop.updates[c]] != 0:
                 return f"the update of {c.describe()} is the same for every input"
@@ -1524,12 +1524,13 @@ class BatchedBuild:
             if st.inputs[1] in padded:
                 return f"{st.describe()} stacks a value whose length differs per input"
         plan.padded = padded
-        every: list[MaskKey | ScaleKey] = [*pre.values(), *post.values(), *grad.values()]
+        every: list[MaskKey | ScaleKey] = [k for k, _, _ in pre.values()]
+        every += [*post.values(), *grad.values()]
         every += [k for pair in scale.values() for k in pair]
         keys = tuple(dict.fromkeys(every))
         plan.masking = Masking(
             keys,
-            tuple(pre.items()),
+            tuple((v, *p) for v, p in pre.items()),
             tuple(post.items()),
             tuple(grad.items()),
             tuple((v, *k) for v, k in scale.items()),

@@ -10,14 +10,15 @@ padded and how the padding is kept from reaching a real entry:
 - every padded value is *clean*, zero in its padding: an op whose result may not be (``x + b``,
   ``exp``, a :func:`vgraph.defop` op) has its result's padding zeroed after it (``post``);
 - a softmax along a padded axis sees ``-inf`` in the padding (``pre``): the padding gets weight
-  zero, the real entries the softmax over the input's own length;
+  zero, the real entries the softmax over the input's own length; so does a maximum along it
+  (``+inf`` a minimum), its VJP too, which finds the entries equal to the result;
 - a product or a sum that contracts a padded axis then adds zeros for the padding; a mean along
   it divides by the longest length, so its result, and the gradient its VJP gives its input,
   are scaled by the longest over the row's own length (``scale``);
 - in backward, every padded node's gradient has its padding zeroed before its VJPs run, so that
   nothing a VJP computes from the padding (``0 / 0``) reaches a real entry.
 
-Anything else on a padded value — a maximum or a variance along its padded axis, a reshape, a
+Anything else on a padded value — a variance or an arg-max along its padded axis, a reshape, a
 concatenation, a fused cell, a branch, a carry's update, a stacked value — has no rule: the
 program is declined with the reason, and the loop runs op by op across the inputs.
 """
@@ -46,7 +47,8 @@ class Rule(NamedTuple):
     """How one op node acts on padded inputs."""
 
     out: Padded | None  #: where its result is padded (``None``: it is not)
-    pre: bool = False  #: its first input's padding is set to ``-inf`` first (a softmax's)
+    pre: float | None = None  #: what its first input's padding is set to first (a softmax's ``-inf``)
+    pre_vjp: bool = False  #: … for its VJP too (a maximum's, which looks for the result's entries)
     post: bool = False  #: its result's padding is zeroed after it
     scale: int | None = None  #: its result is scaled by longest / length of this extent (a mean's)
 
@@ -138,9 +140,9 @@ def rule(
         if attrs.get("axis", -1) % n != r[0]:
             return Rule(r, post=True)
         if name == "Softmax":
-            return Rule(r, pre=True)
+            return Rule(r, pre=-np.inf)
         if name == "LogSoftmax":
-            return Rule(r, pre=True, post=True)
+            return Rule(r, pre=-np.inf, post=True)
         return f"computes {name} along an axis whose length differs per input"
     if kind == REDUCTION:
         (r,), n = padded, len(shapes[0])
@@ -154,6 +156,8 @@ def rule(
                 return Rule(None)
             if name == "Mean":
                 return Rule(None, scale=r[1])
+            if name in ("Max", "Min"):  # (the padding never the extreme)
+                return Rule(None, pre=-np.inf if name == "Max" else np.inf, pre_vjp=True)
             return f"computes {name} along an axis whose length differs per input (it depends on the length)"
         at = r[0] if attrs.get("keepdims") else r[0] - sum(a < r[0] for a in axes)
         return Rule((at, r[1]))
@@ -193,9 +197,9 @@ def step_input(key: MaskKey | ScaleKey, lengths: np.ndarray) -> np.ndarray:
     return np.arange(longest).reshape(shape[1:])[None] < lengths.reshape(-1, *([1] * key.rank))
 
 
-def neg_inf(x: Any, m: np.ndarray) -> Any:
-    """``x`` with its padding (where ``m`` is false) set to ``-inf`` (for a softmax)."""
-    return np.where(m, x, -np.inf)
+def filled(x: Any, m: np.ndarray, value: float) -> Any:
+    """``x`` with its padding (where ``m`` is false) set to ``value`` (``-inf`` for a softmax)."""
+    return np.where(m, x, value)
 
 
 def zeroed(x: Any, m: np.ndarray) -> Any:
@@ -214,7 +218,7 @@ class Masking(NamedTuple):
     ``pre``, ``post`` and gradient masking and the factor of its scaling."""
 
     keys: tuple[MaskKey | ScaleKey, ...] = ()
-    pre: tuple[tuple[VirtualNode, MaskKey], ...] = ()
+    pre: tuple[tuple[VirtualNode, MaskKey, float, bool], ...] = ()  # (node, mask, value, for its VJP too)
     post: tuple[tuple[VirtualNode, MaskKey], ...] = ()
     grad: tuple[tuple[VirtualNode, MaskKey], ...] = ()
     scale: tuple[tuple[VirtualNode, ScaleKey, ScaleKey], ...] = ()  # (node, for its value, its input's)

@@ -69,7 +69,7 @@ from ..ops import (
     split_vjp,
 )
 from .nodes import BranchNode, LoopNode, VirtualNode
-from .padded import NO_MASKS, Masking, neg_inf, scaled, zeroed
+from .padded import NO_MASKS, Masking, filled, scaled, zeroed
 from .rules import at_limit, check_carry, reached_end, run_cond, select_option
 
 if TYPE_CHECKING:
@@ -224,7 +224,8 @@ class _Variant:
         self.hoisted = hoisted
         self._attrs = attrs  # (see BodyProgram.variant)
         self.own = own
-        self._pre, self._post, self._gmask = dict(masking.pre), dict(masking.post), dict(masking.grad)
+        self._pre = {v: (key, value, vjp) for v, key, value, vjp in masking.pre}
+        self._post, self._gmask = dict(masking.post), dict(masking.grad)
         self._scale = {v: (out, into) for v, out, into in masking.scale}
         # Slots: the record's entries. Inputs first (carries, items, child reads, hoisted rows,
         # per-row captured values, masks), then every computed node, then each lead branch's choice.
@@ -408,8 +409,7 @@ class _Variant:
         env[f"f{i}"] = partial(op.forward, **attrs) if attrs else op.forward
         names = [self._name(u) for u in v.inputs]
         if v in self._pre:  # (a softmax along a padded axis: its padding -inf)
-            env["NEGINF"] = neg_inf
-            names[0] = f"NEGINF({names[0]}, s{self.slot[self._pre[v]]})"
+            names[0] = self._filled(v, names[0], env)
         lines.append(f"{pad}s{i} = f{i}({', '.join(names)})")
         if v in self._post:  # (a padded result's padding zeroed)
             env["ZEROED"] = zeroed
@@ -417,6 +417,12 @@ class _Variant:
         if v in self._scale:  # (a mean along a padded axis: over each row's own length)
             env["SCALED"] = scaled
             lines.append(f"{pad}s{i} = SCALED(s{i}, s{self.slot[self._scale[v][0]]})")
+
+    def _filled(self, v: VirtualNode, name: str, env: dict[str, Any]) -> str:
+        """The expression of ``v``'s first input ``name`` with its padding filled (:mod:`.padded`)."""
+        key, value, _ = self._pre[v]
+        env["FILLED"], env[f"fill{self.slot[v]}"] = filled, value
+        return f"FILLED({name}, s{self.slot[key]}, fill{self.slot[v]})"
 
     def _demand(self, target: VirtualNode, built: set[VirtualNode]) -> list[VirtualNode]:
         """The computed nodes ``target`` needs that are not built unconditionally, in
@@ -526,7 +532,10 @@ class _Variant:
                 for n in range(3):
                     self.back_lines[len(lines) - n] = (v, 0)
                 continue
-            args = ", ".join(self._name(u) for u in v.inputs)
+            names = [self._name(u) for u in v.inputs]
+            if v in self._pre and self._pre[v][2]:  # (a maximum's VJP reads its filled input)
+                names[0] = self._filled(v, names[0], env)
+            args = ", ".join(names)
             wanted = self._wanted(v)
             joint = joint_vjp(op) if len(wanted) > 1 else None
             if joint is not None:  # one call for all the inputs' gradients
