@@ -105,6 +105,16 @@ def test_autobatch_equals_one_at_a_time_and_learns():
     assert r["final_loss"] < 0.5, r
 
 
+def test_attention_over_memories_of_different_lengths_batched_and_learns():
+    r = run("attention", ["--steps", "100", "--batch", "16", "--progress", "off"])
+    # A batched step (the decoder one program over rows, memories padded and masked) equals
+    # building the inputs one at a time (float64): observed 7e-15.
+    assert r["difference"] < 1e-12, r
+    # Observed: held-out accuracy 1.000 (chance 0.125); loss 2.1 -> about 0.02.
+    assert r["accuracy"] > 0.8, r
+    assert r["final_loss"] < r["first_loss"] / 4, r
+
+
 def test_tree_lstm_learns_what_a_bag_of_tokens_cannot():
     r = run("tree_lstm", ["--steps", "250", "--test", "200", "--no-render", "--progress", "off"])
     # Observed: root accuracy Tree-LSTM 0.545, bag of tokens 0.275, majority 0.23, chance 0.1;
