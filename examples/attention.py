@@ -22,12 +22,16 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 import vgraph as vg
 from vgraph import losses, nn, optim
 from vgraph.tbptt import Progress
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from autobatch import largest_difference, step_alone  # (the same float64 check and one-at-a-time step)
 
 
 def build_model(
@@ -81,27 +85,15 @@ def step_batched(
     return batch.backward(reduction)
 
 
-def step_alone(g: vg.VirtualGraph, loss: vg.VirtualNode, feeds: list[dict]) -> float:
-    """The same, building the inputs one at a time (gradients accumulate)."""
-    return sum(g.build(feed, loss).backward(loss) for feed in feeds)
-
-
 def check_identical(args: argparse.Namespace) -> float:
-    """Largest difference between a batched and a one-at-a-time step, in float64."""
-    previous = vg.get_default_dtype()
-    vg.set_default_dtype(np.float64)
-    try:
-        rng = np.random.default_rng(args.seed + 1)
-        feeds = dictionaries(rng, 8, args.keys, args.values, args.min_len, args.max_len)
-        grads = []
-        for step in (step_batched, step_alone):
-            g, loss, _ = build_model(args.keys, args.values, args.dim, args.seed)
-            value = step(g, loss, feeds)
-            grads.append((value, {k: np.array(p.grad) for k, p in g.params.items()}))
-        (v1, g1), (v2, g2) = grads
-        return max([abs(v1 - v2)] + [float(np.abs(g1[k] - g2[k]).max()) for k in g1])
-    finally:
-        vg.set_default_dtype(previous)
+    """Largest difference between a batched step (the decoder over rows) and a one-at-a-time
+    step, in float64 (``autobatch.largest_difference``)."""
+    feeds = dictionaries(
+        np.random.default_rng(args.seed + 1), 8, args.keys, args.values, args.min_len, args.max_len
+    )
+    return largest_difference(
+        lambda: build_model(args.keys, args.values, args.dim, args.seed)[:2], feeds, step_batched
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:

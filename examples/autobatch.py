@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -65,21 +66,31 @@ def step_alone(g: vg.VirtualGraph, loss: vg.VirtualNode, feeds: list[dict]) -> f
     return sum(g.build(feed, loss).backward(loss) for feed in feeds)
 
 
-def check_identical(args: argparse.Namespace) -> float:
-    """Largest difference between a batched and a one-at-a-time step, in float64."""
+def largest_difference(
+    make: Callable[[], tuple[vg.VirtualGraph, vg.VirtualNode]],
+    feeds: list[dict],
+    batched: Callable[[vg.VirtualGraph, vg.VirtualNode, list[dict]], float] = step_batched,
+) -> float:
+    """Largest difference between a ``batched`` step and a one-at-a-time step (the loss, every
+    gradient), each on a fresh model from ``make()`` built in float64."""
     previous = vg.get_default_dtype()
     vg.set_default_dtype(np.float64)
     try:
-        feeds = sentences(np.random.default_rng(args.seed + 1), 8, args.vocab, args.min_len, args.max_len)
         grads = []
-        for step in (step_batched, step_alone):
-            g, loss = build_model(args.vocab, args.embed, args.hidden, args.seed)
+        for step in (batched, step_alone):
+            g, loss = make()
             value = step(g, loss, feeds)
             grads.append((value, {k: np.array(p.grad) for k, p in g.params.items()}))
         (v1, g1), (v2, g2) = grads
         return max([abs(v1 - v2)] + [float(np.abs(g1[k] - g2[k]).max()) for k in g1])
     finally:
         vg.set_default_dtype(previous)
+
+
+def check_identical(args: argparse.Namespace) -> float:
+    """Largest difference between a batched and a one-at-a-time step, in float64."""
+    feeds = sentences(np.random.default_rng(args.seed + 1), 8, args.vocab, args.min_len, args.max_len)
+    return largest_difference(lambda: build_model(args.vocab, args.embed, args.hidden, args.seed), feeds)
 
 
 def main(argv: list[str] | None = None) -> dict:
