@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import vgraph as vg
 from vgraph import functions as F
@@ -602,3 +604,67 @@ def test_row_updates_write_in_place_only_when_no_read_value_is_alive(make_opt):
             np.testing.assert_array_equal(cg.forward(y), 2.0 * W.value[[1, 4]].sum())
         results.append(np.array(W.value))
     np.testing.assert_array_equal(results[0], results[1])
+
+
+# -- add_at: np.add.at's additions, fast for wide rows -------------------------------------------
+
+
+@given(
+    n=st.integers(1, 40),
+    width=st.sampled_from([(1,), (3,), (64,), (8, 16), (130,)]),
+    k=st.integers(0, 300),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    negative=st.booleans(),
+    broadcast=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=150, deadline=None)
+def test_add_at_makes_np_add_at_s_additions_bit_for_bit(n, width, k, dtype, negative, broadcast, seed):
+    """Repeated rows (each summed in the order given), negative rows, values broadcast over the
+    index: the same bits as ``np.add.at``, on both sides of the flat path's threshold."""
+    from vgraph.ops import add_at
+
+    rng = np.random.default_rng(seed)
+    index = rng.integers(-n if negative else 0, n, size=k)
+    shape = (1, *width) if broadcast else (k, *width)
+    values = rng.standard_normal(shape).astype(dtype) * 10.0 ** rng.integers(-8, 8, size=shape)
+    acc = rng.standard_normal((n, *width)).astype(dtype)
+    want = acc.copy()
+    np.add.at(want, index, values)
+    add_at(acc, index, values)
+    assert acc.dtype == want.dtype
+    assert np.array_equal(acc.view(np.uint8), want.view(np.uint8))
+
+
+def test_add_at_falls_back_to_np_add_at_for_what_its_flat_path_does_not_take():
+    from vgraph.ops import add_at
+
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal((600, 128))
+    index = rng.integers(0, 50, size=600)
+    # a non-contiguous accumulator (a flat view would be a copy): written in place all the same
+    base = np.zeros((50, 256))
+    acc = base[:, ::2]
+    add_at(acc, index, values)
+    want = np.zeros((50, 128))
+    np.add.at(want, index, values)
+    assert np.array_equal(base[:, ::2], want) and not base[:, 1::2].any()
+    # a tuple index, a float32 accumulator receiving float64 values (numpy's casting)
+    acc32, want32 = np.zeros((50, 128), np.float32), np.zeros((50, 128), np.float32)
+    add_at(acc32, index, values)
+    np.add.at(want32, index, values)
+    assert np.array_equal(acc32, want32)
+    where = (index, np.arange(600) % 128)
+    got, want = np.zeros((50, 128)), np.zeros((50, 128))
+    add_at(got, where, values[:, 0])
+    np.add.at(want, where, values[:, 0])
+    assert np.array_equal(got, want)
+    # out of range, past either end: np.add.at's IndexError, and nothing added
+    for bad in (50, -51):
+        acc = np.zeros((50, 128))
+        with pytest.raises(IndexError):
+            add_at(acc, np.r_[index, bad], np.vstack([values, values[:1]]))
+        assert not acc.any()
+    # values that do not fit the index: np.add.at's ValueError
+    with pytest.raises(ValueError):
+        add_at(np.zeros((50, 128)), index, values[:, :64])

@@ -46,6 +46,7 @@ from .ops import (
     _tanh_vjp,
     _tie_share,
     _validated_op,
+    add_at,
     unbroadcast,
 )
 from .workspace import gc_paused
@@ -60,7 +61,7 @@ from .workspace import gc_paused
 def _scatter(g: np.ndarray, shape: tuple[int, ...], index: Any) -> np.ndarray:
     """``g`` added at ``index`` of a zero array of ``shape`` (repeated indices accumulate)."""
     out = np.zeros(shape, dtype=g.dtype)
-    np.add.at(out, index, g)
+    add_at(out, index, g)
     return out
 
 

@@ -594,7 +594,7 @@ class IndexedGrad(LazyGrad):
         if self.basic:
             acc[self.index] += self.g
         else:
-            np.add.at(acc, self.index, self.g)  # integer arrays may repeat rows: accumulate
+            add_at(acc, self.index, self.g)  # integer arrays may repeat rows: accumulate
 
     def merge(self, other: LazyGrad) -> LazyGrad | np.ndarray:
         if _whole_row(self):  # the first of an iteration's rows: collect the rows (StepRowsGrad)
@@ -765,13 +765,54 @@ class RowSparseGrad(LazyGrad):
         )
 
 
+def add_at(acc: np.ndarray, index: Any, values: Any) -> None:
+    """``np.add.at(acc, index, values)``: the same additions in the same order, hence the same bits,
+    and faster where ``index`` is an integer array of rows of ``acc`` and the rows are wide.
+
+    numpy's fast path for ``ufunc.at`` is one-dimensional: rows added through the general path
+    cost about 14 ns an element against 2.5 through the fast one (an embedding's gradient of 600
+    words of width 128: 0.95 ms against 0.21). So such rows are added as one flat index over
+    ``acc``'s elements, each element still receiving its additions in the order of ``index``.
+    Below about a thousand elements the general path's lower fixed cost wins; any other index
+    (a tuple, basic indexing, a non-contiguous ``acc``) goes to ``np.add.at`` as is, as does an
+    index out of range (which it reports).
+    """
+    if (
+        type(index) is np.ndarray
+        and index.dtype.kind in "iu"
+        and acc.ndim > 1
+        and acc.flags.c_contiguous
+        and index.size * (width := acc.size // max(acc.shape[0], 1)) >= _FLAT_ADD_AT_MIN
+    ):
+        n = acc.shape[0]
+        lo, hi = int(index.min()), int(index.max())
+        if -n <= lo and hi < n:
+            rows = index.reshape(-1, 1)
+            if lo < 0:
+                rows = np.where(rows < 0, rows + n, rows)
+            try:
+                vals = np.broadcast_to(values, (*index.shape, *acc.shape[1:]))
+            except ValueError:
+                pass  # (np.add.at says what does not fit)
+            else:
+                flat = (rows * width + np.arange(width)).reshape(-1)
+                np.add.at(acc.reshape(-1), flat, vals.reshape(-1))
+                return
+    np.add.at(acc, index, values)
+
+
+#: Elements (index size x row width) from which :func:`add_at` adds rows as one flat index.
+_FLAT_ADD_AT_MIN = 1024
+
+
 def _coalesce(
     n_rows: int, indices: list[np.ndarray], values: list[np.ndarray], dtype: Any
 ) -> tuple[np.ndarray, np.ndarray]:
     """Sorted distinct rows and their summed values from (possibly repeated) ``indices``.
 
-    Repeated rows are summed with ``np.add.at`` into zeros, in the order given: the same additions
-    in the same order as the dense gradient's (``IndexedGrad.add_into``), hence the same bits.
+    Repeated rows are summed with ``np.add.at`` (:func:`add_at`) into zeros, in the order given:
+    the same additions in the same order as the dense gradient's (``IndexedGrad.add_into``), hence
+    the same bits.
     (Sorting and ``np.add.reduceat`` is faster but sums in another order.)
     """
     idx = indices[0] if len(indices) == 1 else np.concatenate(indices)
@@ -782,7 +823,7 @@ def _coalesce(
     if rows.size == idx.size:  # no repeats: a buffered add (0 + v, as the dense gradient's)
         out[inverse] += vals
     else:
-        np.add.at(out, inverse, vals)
+        add_at(out, inverse, vals)
     return rows, out
 
 
@@ -821,7 +862,7 @@ class _RowChunks(LazyGrad):
 
     def add_into(self, acc: np.ndarray) -> None:
         for idx, vals in zip(self.indices, self.values):
-            np.add.at(acc, idx, vals)
+            add_at(acc, idx, vals)
 
 
 def add_grads_sparse(acc: Any, g: Any) -> Any:
@@ -1762,7 +1803,7 @@ class RowsGrad(LazyGrad):
             if len(set(at)) == len(at):
                 acc[at] += rows
             else:
-                np.add.at(acc, at, rows)  # a repeated row accumulates in order
+                add_at(acc, np.array(at), rows)  # a repeated row accumulates in order
             return
         for path, p in pairs:
             if path:

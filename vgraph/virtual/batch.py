@@ -64,7 +64,7 @@ from ..errors import (
 )
 from ..modes import detect_anomaly as detect_anomaly_mode
 from ..modes import is_anomaly_enabled, is_grad_enabled, no_grad, programs_mode
-from ..ops import ALONG_AXIS, CELL, ELEMENTWISE, OPS, Op, OpResultError, densified, row_at
+from ..ops import ALONG_AXIS, CELL, ELEMENTWISE, OPS, Op, OpResultError, add_at, densified, row_at
 from ..workspace import computing, gc_paused
 from .builder import _Builder, _check_structure, _Frame, _iteration_views, _read_children, _stepped_sequences
 from .graph import one_build_at_a_time
@@ -2395,7 +2395,7 @@ class _RowsProgram(SweptOnce):
                     if chain:
                         grads[k][pred] += d
                     else:
-                        np.add.at(grads[k], pred, d)
+                        add_at(grads[k], pred, d)
             for r, (k, slot) in enumerate(self.reads):
                 d = res[nc + ni + r]
                 if d is None:
@@ -2407,9 +2407,9 @@ class _RowsProgram(SweptOnce):
                     real = at < N
                     grads[k][at[real]] += d[real]
                     if self.init_needs[k] and not real.all():  # (an initial row is many rows' child)
-                        np.add.at(grads[k], at[~real], d[~real])
+                        add_at(grads[k], at[~real], d[~real])
                 else:
-                    np.add.at(grads[k], at, d)
+                    add_at(grads[k], at, d)
             for i in range(ns):
                 d = res[nc + (i if i < ni else nr + i)]
                 if d is None:
@@ -2429,7 +2429,7 @@ class _RowsProgram(SweptOnce):
                 if type(who) is slice:
                     own_grad[o][who] += densified(d)
                 else:  # (a recursion's level: many rows of one input)
-                    np.add.at(own_grad[o], who, densified(d))
+                    add_at(own_grad[o], who, densified(d))
         self.kept = kept if keep else None
         for i, rows in enumerate(step_grad):  # back to the sources' rows (each read at most once)
             if rows is not None:
