@@ -460,6 +460,30 @@ def test_loops_a_program_over_rows_cannot_run_fall_back_and_say_why(model, reaso
     assert d2 == d0
 
 
+def test_show_program_prints_a_program_over_rows_for_the_batch_and_each_input():
+    g, outputs = rnn()
+    rng = np.random.default_rng(0)
+    feeds = [{"xs": rng.normal(size=(n, 2)), "h0": rng.normal(size=3)} for n in (3, 1, 4)]
+    (loop,) = [v for v in g.nodes if isinstance(v, vg.LoopNode)]
+    batch = g.build_batch(feeds, outputs, programs=True)
+    text = vg.show_program(batch, loop)
+    assert text.startswith(f"# body program of {loop.describe(())}, over the rows of 3 inputs' instances\n")
+    assert "def make_step(" in text and "def make_back(" in text
+    assert all(vg.show_program(view, loop) == text for view in batch.inputs)
+    assert batch.inputs[1].programs == {(loop, ()): batch.rows_programs[0]}
+    with pytest.raises(
+        vg.BuildError, match=r"<Loop:1> did not run as a body program \(built with programs=False"
+    ):
+        vg.show_program(g.build_batch(feeds, outputs, programs=False), loop)
+    g, outputs, feeds = while_loop()  # declined: the reason, as for one input
+    (loop,) = [v for v in g.nodes if isinstance(v, vg.LoopNode)]
+    batch = g.build_batch(feeds, outputs, programs=True)
+    assert not batch.inputs[0].programs
+    for cg in (batch, batch.inputs[2]):
+        with pytest.raises(vg.BuildError, match=r"did not run as a body program: its trip count is decided"):
+            vg.show_program(cg, loop)
+
+
 @pytest.mark.parametrize("model", [per_input_capture, branch_loop])
 def test_values_of_each_inputs_own_are_rows(model):
     """A body reading a value from outside its loop that differs per input (of one shape) runs

@@ -603,6 +603,14 @@ class InputView:
         return _ASK
 
     # -- what users read
+    @property
+    def programs(self) -> dict[tuple[LoopNode, tuple[int, ...]], _RowsProgram]:
+        """This input's loop instances that ran as one body program over the rows of the batch's
+        inputs, by ``(loop, iteration path)`` (as :attr:`UnrolledGraph.programs`; shared with the
+        other inputs whose instances ran in the same program); print one with
+        ``vg.show_program(view, loop, idx)``."""
+        return {key: program for key, (program, _) in self._rows.items()}
+
     def trip_count(self, loop: LoopNode, idx: tuple[int, ...] = ()) -> int:
         """How many iterations ``loop`` ran for this input in iteration path ``idx``."""
         return self._decision(loop, idx, "iterations")

@@ -1477,8 +1477,13 @@ def show_program(cg: Any, loop: LoopNode, idx: tuple[int, ...] = ()) -> str:
     build ``cg``: its forward step and its backward step (tracebacks through them show the same
     lines), with what its slots ``sN`` and captured values ``kN`` are.
 
+    In a batched build (``g.build_batch``) one program runs the instances of many inputs at once,
+    over rows: pass the input whose instance it is (``batch.inputs[i]``), or the whole build for
+    the first input whose instance ran as a program.
+
     Args:
-        cg: an unrolled graph in which ``loop`` ran as a body program.
+        cg: an unrolled graph (``g.build``), a batched build or one of its inputs, in which
+            ``loop`` ran as a body program.
         loop: the loop (or recursion) node.
         idx: the iteration path of the loop instance (``()`` for a top-level loop).
 
@@ -1486,13 +1491,17 @@ def show_program(cg: Any, loop: LoopNode, idx: tuple[int, ...] = ()) -> str:
         The source, as text (``print(vg.show_program(cg, loop))``).
 
     Raises:
-        BuildError: that loop instance did not run as a program (``cg.interpreted`` says why).
+        BuildError: that loop instance did not run as a program (``cg.interpreted``, or a batched
+            input's, says why).
     """
-    instance = getattr(cg, "programs", {}).get((loop, tuple(idx)))
+    idx = tuple(idx)
+    views = getattr(cg, "inputs", None)  # a batched build: its inputs, first to last
+    views = views if isinstance(views, list) else [cg]
+    instance = next((p for v in views if (p := getattr(v, "programs", {}).get((loop, idx)))), None)
     if instance is None:
-        why = [r for lp, i, r in getattr(cg, "interpreted", ()) if lp is loop and i == tuple(idx)]
+        why = [r for v in views for lp, i, r in getattr(v, "interpreted", ()) if lp is loop and i == idx]
         reason = f": {why[0]}" if why else " (built with programs=False, or not built)"
-        raise BuildError(f"{loop.describe(tuple(idx))} did not run as a body program{reason}")
+        raise BuildError(f"{loop.describe(idx)} did not run as a body program{reason}")
     variant = instance.variant
     legend = [f"#   s{i} = {v.describe()}" for v, i in variant.slot.items()]
     legend += [f"#   s{i} = the option {b.describe()} chose" for b, i in variant.choice.items()]
@@ -1501,9 +1510,11 @@ def show_program(cg: Any, loop: LoopNode, idx: tuple[int, ...] = ()) -> str:
         legend.append(
             "# computed once over all iterations: " + ", ".join(v.describe() for v in variant.hoisted)
         )
+    rows = getattr(instance, "rows", None)  # a program over the rows of a batch's inputs
+    over = "" if rows is None else f", over the rows of {len(rows)} inputs' instances"
     return "\n".join(
         [
-            f"# body program of {loop.describe(tuple(idx))}",
+            f"# body program of {loop.describe(idx)}{over}",
             *legend,
             "",
             variant.forward_source,
