@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import tracemalloc
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ import pytest
 from test_programs import assert_identical
 
 import vgraph as vg
-from vgraph import workspace
+from vgraph import ops, workspace
 from vgraph.ops import RowsProductGrad
 from vgraph.virtual import program
 
@@ -138,14 +139,87 @@ def test_the_lm_as_a_program_equals_the_per_node_unroll():
     assert_identical(g, lm_feed(7, 3, H=6), loss)
 
 
-def test_rows_written_in_place_change_no_bit(monkeypatch):
+def test_an_elman_rnn_as_a_program_equals_the_per_node_unroll():
+    g, loss = elman()
+    assert_identical(g, elman_feed(8), loss)
+
+
+def elman(I=3, H=5):
+    """``h = tanh(x_t @ W_x + h @ W_h + b)`` (``x_t @ W_x`` hoisted), no fused cell: the gradient
+    of the hoisted row passes unchanged through the two additions from the ``tanh``'s VJP."""
+    g = vg.VirtualGraph(seed=2)
+    xs = g.input("xs", (None, 2, I))
+    W_x = g.parameter("W_x", (I, H))
+    W_h = g.parameter("W_h", (H, H), init="orthogonal")
+    b = g.parameter("b", (H,), init="normal")
+    with g.loop() as L:
+        h = L.carry(np.zeros((2, H)), name="h")
+        h_new = vg.tanh(L.step(xs) @ W_x + h @ W_h + b)
+        L.update(h, h_new)
+    return g, vg.sum(L.stack(h_new) ** 2)
+
+
+def elman_feed(T, I=3, seed=0):
+    return {"xs": np.random.default_rng(seed).normal(size=(T, 2, I))}
+
+
+def test_an_elman_steps_rows_are_read_by_the_bias_and_the_tied_weight_from_the_buffer():
+    """The step copies the ``tanh``'s gradient into its row of ``x_t @ W_x``'s buffer as soon as
+    it is complete, and hands the row on through the additions: the bias and ``W_h`` collect the
+    rows of the one buffer (which ``W_h``'s product then reads as its stack, no copy), with one
+    collector each for all the iterations (no lazy gradient made and merged per iteration)."""
+    T = 6
+    g, loss = elman()
+    cg = g.build(elman_feed(T), loss, cache=False)
+    (instance,) = cg.programs.values()
+    seen = {}
+    hoisted = program.ProgramInstance._backward_hoisted
+
+    def spy(self, run, collected, seqs, caps, seq_grad, accs, keep):
+        (h,) = self.variant.rowed
+        names = [v.name for v in self.variant.captured]
+        seen["buffer"] = buffer = collected[h].buf
+        seen["rows"] = collected[h].rows  # (the buffer's rows, as the steps were handed them)
+        seen["W_h"] = w_h = accs[names.index("W_h")].g
+        seen["b"] = accs[names.index("b")].g
+        seen["stack"] = ops._rows_stack(w_h.g[::-1], buffer.dtype, own=False)  # (within the sweep)
+        return hoisted(self, run, collected, seqs, caps, seq_grad, accs, keep)
+
+    made = {"products": 0, "sums": 0}
+    product_init, sum_init = ops.RowsProductGrad.__init__, ops.LeadingSumGrad.__init__
+
+    def count(kind, init):
+        def counted(self, *args):
+            made[kind] += 1
+            init(self, *args)
+
+        return counted
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(program.ProgramInstance, "_backward_hoisted", spy)
+        m.setattr(ops.RowsProductGrad, "__init__", count("products", product_init))
+        m.setattr(ops.LeadingSumGrad, "__init__", count("sums", sum_init))
+        cg.backward(cg.outputs[0])
+    buffer, w_h, bias = seen["buffer"], seen["W_h"], seen["b"]
+    assert isinstance(w_h, RowsProductGrad) and isinstance(bias, ops.LeadingSumGrad)
+    rows = seen["rows"]
+    assert all(r.base is buffer for r in rows)
+    assert all(a is r for a, r in zip(w_h.g[::-1], rows, strict=True))  # (collected last first)
+    assert all(a is r for a, r in zip(bias.parts[::-1], rows, strict=True))
+    assert seen["stack"] is buffer
+    # one collector per weight for the loop (W_x's product over all iterations, made after it, too)
+    assert made == {"products": 2, "sums": 1}, made
+
+
+@pytest.mark.parametrize(("model", "feed"), [(lstm_lm, lm_feed(9, 4, H=5)), (elman, elman_feed(7))])
+def test_rows_written_in_place_change_no_bit(monkeypatch, model, feed):
     """The steps' copies into the buffer and the readers' reading the copy: the same loss and
     gradients, bit for bit, as the steps that return their VJP's arrays (copied after the step)."""
-    feed = lm_feed(9, 4, H=5)
-    value, grads = gradients(*lstm_lm(H=5), feed)
+    make = partial(model, H=5)
+    value, grads = gradients(*make(), feed)
     monkeypatch.setattr(program, "_into_row", lambda row, g: g)
     monkeypatch.setattr(program, "_into_row_joint", lambda J, p, row: J)
-    value_off, grads_off = gradients(*lstm_lm(H=5), feed)  # (a new graph: its steps compiled anew)
+    value_off, grads_off = gradients(*make(), feed)  # (a new graph: its steps compiled anew)
     assert np.asarray(value).tobytes() == np.asarray(value_off).tobytes()
     assert grads.keys() == grads_off.keys()
     for k in grads:

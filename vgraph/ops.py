@@ -1081,6 +1081,16 @@ def _rows_buffer(parts: list[np.ndarray], dtype: Any) -> np.ndarray | None:
     return buffer
 
 
+def share_rows(buffer: np.ndarray, rows: list[np.ndarray]) -> None:
+    """Within this backward sweep, let the collectors whose parts are exactly ``rows`` (the rows
+    of ``buffer``, in order: a loop's gradient rows, written into one buffer by its backward
+    steps) read ``buffer`` as their stack (:func:`_rows_stack`)
+    instead of stacking them. Nothing outside a sweep."""
+    starts = _sweep.row_starts
+    if starts is not None and rows:
+        starts[id(rows[0])] = (buffer, rows)
+
+
 #: The largest stack of gradient rows :func:`_rows_stack` keeps for the rest of its sweep. Keeping
 #: one alive until the sweep's last reader costs one more gradient-sized array at the end of the
 #: sweep; beyond this size (a long loop's rows), the copies it saves are not worth that memory.

@@ -2352,7 +2352,7 @@ class _RowsProgram(SweptOnce):
         nr = len(self.reads)
         caps = values[nc + ns :]
         accs = [_Acc(sp) for sp in self.sparse]
-        back = variant._make_back(*caps, *[a.add for a in accs])
+        back = variant._make_back(*caps, *accs)
         N = len(self.owner)
         # per carry: the gradient of every row's update, and of the inputs' initial rows
         grads = [np.zeros(h.shape, dtype=_grad_dtype(h)) for h in run.history]

@@ -56,16 +56,20 @@ from ..errors import BackwardError, BuildError, NonFiniteError, StructureChanged
 from ..modes import is_anomaly_enabled
 from ..ops import (
     CELL,
+    INLINE_VJPS,
     VJP,
     LazyGrad,
+    LeadingSumGrad,
     Op,
     OpResultError,
+    RowsProductGrad,
     add_grads,
     add_grads_sparse,
     basic_view_index,
     densified,
     joint_vjp,
     reduce_grad,
+    share_rows,
     split_vjp,
 )
 from .nodes import BranchNode, LoopNode, VirtualNode
@@ -446,8 +450,8 @@ class _Variant:
     # -- the backward step
     def _backward_source(self) -> tuple[str, dict[str, Any]]:
         """``back(KEEP, record, g_updates…, g_stacked…, parts…, rows…)`` returns the gradients of
-        the inputs' slots (``None`` where none reached); captured values' gradients go to
-        ``A<j>(g)``. ``parts``: per slot of :attr:`prepped`, this iteration's records-only part of
+        the inputs' slots (``None`` where none reached); captured values' gradients go to their
+        collectors ``A<j>`` (:class:`_Acc`). ``parts``: per slot of :attr:`prepped`, this iteration's records-only part of
         its split VJP (``None`` or left out: the joint VJP is called whole). ``rows``: per hoisted
         node of :attr:`rowed`, this iteration's row of the buffer its gradient is collected in
         (``None`` or left out: none); the step copies the gradient into it and returns the row."""
@@ -461,6 +465,8 @@ class _Variant:
             "ZEROS": np.zeros,
             "INTO": _into_row,
             "INTO_J": _into_row_joint,
+            "RowsProductGrad": RowsProductGrad,
+            "LeadingSumGrad": LeadingSumGrad,
         }
         grad = self.grad_slots
         caps = ", ".join(
@@ -490,6 +496,7 @@ class _Variant:
         self.rowed = [h for h, v in enumerate(self.hoisted) if v in grad and routes[v] == 1]
         self._row_arg = {self.hoisted[h]: f"o{k}" for k, h in enumerate(self.rowed)}
         seeds += [f"{name}=None" for name in self._row_arg.values()]
+        early = self._early_rows(routes)
         lines = [f"def make_back({caps}):" if caps else "def make_back():"]
         lines.append(f"    def back(KEEP, r{', ' + ', '.join(seeds) if seeds else ''}):")
         record = ", ".join(f"s{i}" for i in range(self.size))
@@ -518,6 +525,8 @@ class _Variant:
                 continue
             lines.append(f"{pad}if type(g{i}) is not ndarray and isinstance(g{i}, LazyGrad):")
             lines.append(f"{pad}    g{i} = g{i}.dense()")
+            if v in early:  # (the row its gradient becomes, read from here on: see _early_rows)
+                lines.append(f"{pad}g{i} = INTO({early[v]}, g{i})")
             if v in self._gmask:  # (a padded node's: nothing from its padding reaches a real entry)
                 env["ZEROED"] = zeroed
                 lines.append(f"{pad}g{i} = ZEROED(g{i}, s{self.slot[self._gmask[v]]})")
@@ -556,22 +565,48 @@ class _Variant:
             for p in wanted:
                 u = v.inputs[p]
                 f = cast(VJP, vjp_of(op, p))
+                # a weight's or a bias's next use in the loop: collected as the engine's sweeps
+                # collect it (ops.INLINE_VJPS), without making a lazy gradient to merge
+                leaf = u.kind == "parameter" and not u.attrs.get("sparse_grad") and u not in self.slot
+                inline = INLINE_VJPS.get(f) if joint is None and v not in self._scale else None
+                at = pad
+                if inline == "rows product" and leaf and u in self.needs and p == 1:
+                    # (_matmul_vjp_b's hot path and RowsProductGrad.merge, written out)
+                    acc, a, b = f"A{self.captured[u]}.g", names[0], names[1]
+                    lines.append(
+                        f"{pad}if type({acc}) is RowsProductGrad and {a}.ndim == 2 and {b}.ndim == 2:"
+                    )
+                    lines.append(f"{pad}    {acc}.a.append({a})")
+                    lines.append(f"{pad}    {acc}.g.append(g{i})")
+                    lines.append(f"{pad}else:")
+                    at = pad + "    "
                 if joint is not None:
-                    lines.append(f"{pad}d = J[{p}]")
+                    lines.append(f"{at}d = J[{p}]")
+                elif inline == "pass":
+                    lines.append(f"{at}d = g{i}")
                 else:
                     env[f"b{i}_{p}"] = partial(f, **attrs) if attrs else f
-                    lines.append(f"{pad}d = b{i}_{p}(g{i}, s{i}, {args})")
-                lines.append(f"{pad}if d.shape != {self._name(u)}.shape:")
+                    lines.append(f"{at}d = b{i}_{p}(g{i}, s{i}, {args})")
+                lines.append(f"{at}if d.shape != {self._name(u)}.shape:")
                 # a parameter's broadcast contributions are summed once, when all are in (as the
                 # per-node sweep sums a leaf's: ops.LeadingSumGrad)
-                red = "REDLEAF" if u.kind == "parameter" and not u.attrs.get("sparse_grad") else "RED"
-                lines.append(f"{pad}    d = {red}(d, {self._name(u)}.shape)")
+                if leaf and u in self.needs:  # (LeadingSumGrad.merge, written out)
+                    acc = f"A{self.captured[u]}"
+                    lines.append(f"{at}    if not (type({acc}.g) is LeadingSumGrad and {acc}.g.absorb(d)):")
+                    lines.append(f"{at}        {acc}.add(REDLEAF(d, {self._name(u)}.shape))")
+                    lines.append(f"{at}else:")
+                    lines.append(f"{at}    {acc}.add(d)")
+                    for n in range(6):  # (1-based line numbers, for naming the node in an error)
+                        self.back_lines[len(lines) - n] = (v, p)
+                    continue
+                red = "REDLEAF" if leaf else "RED"
+                lines.append(f"{at}    d = {red}(d, {self._name(u)}.shape)")
                 if v in self._scale:  # (a mean along a padded axis: its input's rows by their own length)
                     env["SCALED"] = scaled
-                    lines.append(f"{pad}d = SCALED(d, s{self.slot[self._scale[v][1]]})")
+                    lines.append(f"{at}d = SCALED(d, s{self.slot[self._scale[v][1]]})")
                 for n in range(3):  # (1-based line numbers, for naming the node in an error)
                     self.back_lines[len(lines) - n] = (v, p)
-                self._route(u, "d", lines, pad, env)
+                self._route(u, "d", lines, at, env)
         back = ", ".join(f"g{self.slot[v]}" if v in grad else "None" for v in self.inputs)
         every = ", ".join(f"g{self.slot[v]}" if v in grad else "None" for v in (*self.inputs, *self.computed))
         lines.append("        if KEEP:  # every slot's gradient too (views that retain theirs)")
@@ -579,6 +614,37 @@ class _Variant:
         lines.append(f"        return ({back}{',' if self.inputs else ''})")
         lines.append("    return back")
         return "\n".join(lines) + "\n", env
+
+    def _early_rows(self, routes: Counter[VirtualNode]) -> dict[VirtualNode, str]:
+        """Per computed node whose gradient passes unchanged to a hoisted node's row (``h`` in
+        ``tanh(h + s @ W + b)``: through additions, each the only place its input's gradient comes
+        from), the argument naming that row: the step copies the node's gradient into the row as
+        soon as it is complete, and what reads it from there on (the bias's and the tied weight's
+        collectors, the hoisted node) reads the row. So the collectors' rows are the rows of one
+        buffer, which they read as their stack without stacking them (``ops.share_rows``)."""
+        readers: dict[VirtualNode, list[tuple[VirtualNode, int]]] = {}
+        for v in self.computed:
+            if v in self.grad_slots and not isinstance(v, BranchNode):
+                for p in self._wanted(v):
+                    readers.setdefault(v.inputs[p], []).append((v, p))
+        early: dict[VirtualNode, str] = {}
+        for h, row in self._row_arg.items():
+            top = h
+            while routes[top] == 1 and len(readers.get(top, ())) == 1:
+                ((v, p),) = readers[top]
+                f = vjp_of(self.op(v), p)
+                if (
+                    INLINE_VJPS.get(f) != "pass"
+                    or (len(self._wanted(v)) > 1 and joint_vjp(self.op(v)) is not None)
+                    or v in self._scale
+                    or v in self._gmask
+                    or v in self._pre
+                ):
+                    break
+                top = v
+            if top is not h:
+                early[top] = row
+        return early
 
     def _wanted(self, v: VirtualNode) -> list[int]:
         """The inputs of op node ``v`` whose gradient the backward step computes."""
@@ -645,9 +711,9 @@ class _Variant:
             j = self.captured[u]
             if g.startswith(("u", "q")):
                 lines.append(f"{pad}if {g} is not None:")
-                lines.append(f"{pad}    A{j}({g})")
+                lines.append(f"{pad}    A{j}.add({g})")
             else:
-                lines.append(f"{pad}A{j}({g})")
+                lines.append(f"{pad}A{j}.add({g})")
 
 
 def vjp_of(op: Op, p: int) -> VJP | None:
@@ -741,6 +807,9 @@ class _HoistedGrad:
         self.rows: list[np.ndarray] = list(self.buf)
         self.reached = False  # some iteration gave a gradient
         self.exact = True  # every row so far is a copy of an array of its shape and dtype
+        # The rows are the gradient rows other collectors get too, where the steps pass them on
+        # (a bias's, a tied weight's: see _Variant._early_rows): they read them as one buffer.
+        share_rows(self.buf, self.rows)
 
     def put(self, t: int, g: Any) -> None:
         """Iteration ``t``'s gradient (``None``: none reached it)."""
@@ -1056,7 +1125,7 @@ class ProgramInstance(SweptOnce):
         caps = values[first_cap:]
         seqs = values[nc : nc + ns]
         accs = [_Acc(self.sparse[j]) for j in range(ncap)]
-        back = variant._make_back(*caps, *[a.add for a in accs])
+        back = variant._make_back(*caps, *accs)
         T = run.trips
         nf = len(program.finals)
         # seeds: finals by carry, stacked values by row
