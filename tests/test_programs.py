@@ -370,6 +370,50 @@ def test_a_wrong_custom_vjp_in_a_program_is_named_by_its_node_iteration_and_inpu
     assert all(np.array_equal(p.grad, grads[k]) for k, p in g.params.items())
 
 
+def test_a_vjp_raising_in_the_generated_sweep_is_named_by_its_node_and_iteration(defop):
+    """The backward steps run as one generated sweep (``make_sweep``) where nothing retains a body
+    node's gradient: an exception a VJP raises there names the node, its iteration and the input,
+    as the per-node sweep's does, and no gradient is half-added."""
+    from test_custom_ops import softsign
+
+    state = {"bad": False}
+
+    def vjp(g, ans, x):
+        if state["bad"]:
+            raise FloatingPointError("overflow in the gradient")
+        return g / (1 + np.abs(x)) ** 2
+
+    op = defop("Softsign", softsign, vjp)
+    g = vg.VirtualGraph(seed=0)
+    xs = g.input("xs", (None, 2, 3))
+    Wx, Wh = g.parameter("Wx", (3, 4)), g.parameter("Wh", (4, 4))
+    with g.loop(name="time") as L:
+        h = L.carry(np.zeros((2, 4)), name="h")
+        xw = L.step(xs) @ Wx + h @ Wh  # (reads the carry: in every step)
+        u = op(xw)
+        L.update(h, u)
+    loss = (L.final(h) ** 2).mean()
+    cg = g.build({"xs": np.random.default_rng(0).normal(size=(5, 2, 3))}, loss, programs=True, cache=False)
+    (instance,) = cg.programs.values()
+    assert instance.variant._make_sweep is not None
+    swept = []
+    make = instance.variant._make_sweep
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(instance.variant, "_make_sweep", lambda *a: swept.append(1) or make(*a))
+        cg.backward(loss)
+    assert swept == [1]
+    grads = {k: np.array(p.grad) for k, p in g.params.items()}
+    cg.forward()
+    state["bad"] = True
+    with pytest.raises(  # (in the last iteration: the sweep's first)
+        vg.BackwardError,
+        match=rf"^<Softsign:{u.id}@4>: the VJP of Softsign with respect to its input <Add:{xw.id}@4> failed: "
+        r"FloatingPointError: overflow in the gradient$",
+    ):
+        cg.backward(loss)
+    assert all(np.array_equal(p.grad, grads[k]) for k, p in g.params.items())
+
+
 def test_an_error_in_a_program_step_is_the_per_node_unrolls_error():
     """A failing step unrolls the loop node by node, which raises the error naming the node."""
     g = vg.VirtualGraph(seed=0)
@@ -702,6 +746,7 @@ def test_a_fused_cells_backward_step_buffers_its_views_and_calls_its_joint_vjp_o
     feed = {"xs": np.ones((3, 1, 2)), "ys": np.zeros(3, dtype=int)}
     cg = g.build(feed, loss, programs=True)
     source = vg.show_program(cg, next(iter(cg.programs))[0])
+    source = source.split("def make_sweep(")[0]  # (the backward step; the sweep repeats its lines)
     assert source.count("J = j") == 1  # the cell's four input gradients from one call
     assert "d = b" in source  # (the other ops' VJPs, one call per input)
     # h', c' (and the two reads of raw[0:2]) are views of the cell's value: their gradients go into one buffer, unless

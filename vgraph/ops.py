@@ -1351,7 +1351,7 @@ def _matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     run one product per leading index: 6-14x slower for a (T, B, I) stack)."""
     if b.ndim == 2 and a.ndim > 2:
         return np.reshape(a.reshape(-1, a.shape[-1]) @ b, (*a.shape[:-1], b.shape[-1]))
-    out: np.ndarray = np.matmul(a, b)
+    out: np.ndarray = a @ b  # (np.matmul itself, without the 0.5 µs of parsing a ufunc call's arguments)
     return out
 
 

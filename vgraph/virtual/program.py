@@ -74,7 +74,7 @@ from ..ops import (
 )
 from .nodes import BranchNode, LoopNode, VirtualNode
 from .padded import NO_MASKS, Masking, filled, scaled, zeroed
-from .rules import at_limit, check_carry, reached_end, run_cond, select_option
+from .rules import at_limit, check_carry, first_count_stop, reached_end, run_cond, select_option
 
 if TYPE_CHECKING:
     from .plan import _Plan
@@ -279,8 +279,12 @@ class _Variant:
         self.forward_source, fwd_env = self._forward_source()
         self.back_lines: dict[int, tuple[VirtualNode, int]] = {}
         self.backward_source, bwd_env = self._backward_source()
-        self._make_step = _compile(self.forward_source, fwd_env, "make_step", loop)
-        self._make_back = _compile(self.backward_source, bwd_env, "make_back", loop)
+        forward = _compile(self.forward_source, fwd_env, loop)
+        self._make_step = forward["make_step"]
+        self._make_run: Callable[..., Any] | None = forward.get("make_run")
+        backward = _compile(self.backward_source, bwd_env, loop)
+        self._make_back = backward["make_back"]
+        self._make_sweep: Callable[..., Any] | None = backward.get("make_sweep")
         self.back_file = self._make_back.__code__.co_filename
 
     # -- analysis
@@ -355,26 +359,84 @@ class _Variant:
 
     # -- the forward step
     def _forward_source(self) -> tuple[str, dict[str, Any]]:
+        """``make_step`` (one iteration: ``step(t, inputs…)`` returns its record) and, for a loop
+        (not a recursion) whose every input is a carry or an iteration's row, ``make_run``: the
+        iterations themselves, the step's lines inlined in the loop (see :meth:`_run_lines`)."""
         env: dict[str, Any] = {}
         args = ", ".join(f"s{self.slot[v]}" for v in self.inputs)
         caps = ", ".join(f"k{j}" for j in range(len(self.captured)))
-        lines = [f"def make_step(SELECT, {caps}):" if caps else "def make_step(SELECT):"]
-        lines.append(f"    def step(t{', ' + args if args else ''}):")
+        body: list[str] = []
         eager = self.program.eager
         later = [v for v in self.computed if v not in eager]
         if later:
-            lines.append("        " + " = ".join(f"s{self.slot[v]}" for v in later) + " = None")
+            body.append(" = ".join(f"s{self.slot[v]}" for v in later) + " = None")
         for ch in self.choice.values():
-            lines.append(f"        s{ch} = -1")
+            body.append(f"s{ch} = -1")
         built: set[VirtualNode] = set(self.inputs)
         for v in self.computed:
             if v in eager:
-                self._emit(v, lines, env, "        ", built, guard=False)
+                self._emit(v, body, env, "", built, guard=False)
                 built.add(v)
-        record = ", ".join(f"s{i}" for i in range(self.size))
-        lines.append(f"        return ({record},)")
+        record = f"({', '.join(f's{i}' for i in range(self.size))},)"
+        lines = [f"def make_step(SELECT, {caps}):" if caps else "def make_step(SELECT):"]
+        lines.append(f"    def step(t{', ' + args if args else ''}):")
+        lines += [f"        {line}" for line in body]
+        lines.append(f"        return {record}")
         lines.append("    return step")
+        lines += self._run_lines(body, record, caps)
         return "\n".join(lines) + "\n", env
+
+    def _run_lines(self, body: list[str], record: str, caps: str) -> list[str]:
+        """``make_run(SELECT, CHECK, k…)`` → ``run(t, check_at, RECORDS, STOP, UNTIL, carries…,
+        SEQ<slot>…)``: from iteration ``t`` on, each iteration's record appended to ``RECORDS``
+        and its carries updated, until ``STOP(t, carries…)`` (asked from iteration ``check_at``
+        on: the loop rules before an iteration) or ``UNTIL(t, carries…)`` (after one, if given)
+        says so; returns the iterations run and the carries. ``SEQ<slot>``: the rows of a
+        stepped item or hoisted node, by iteration. A carry whose update changes its shape or
+        dtype goes to ``CHECK(t, k, old, new)`` (which raises, or allows a first update that
+        widens it). The same lines as the step's, without a call and a record per iteration
+        handed back and forth: what the driver runs where it can (none for a recursion, whose
+        children's rows the driver gathers, nor on rows of a batch)."""
+        loop = self.program.loop
+        if (
+            loop.children
+            or self.own
+            or len(self.inputs) != len(loop.carries) + len(loop.items) + len(self.hoisted)
+        ):
+            return []
+        carries = [f"s{self.slot[c]}" for c in loop.carries]
+        stepped = [self.slot[v] for v in (*loop.items, *self.hoisted)]
+        state = ", ".join(carries) + ("," if len(carries) == 1 else "")
+        params = ["t", "check_at", "RECORDS", "STOP", "UNTIL", *carries, *(f"SEQ{i}" for i in stepped)]
+        lines = ["", f"def make_run(SELECT, CHECK{', ' + caps if caps else ''}):"]
+        lines.append(f"    def run({', '.join(params)}):")
+        lines.append("        while True:")
+        lines.append(f"            if t >= check_at and STOP(t, {state}):")
+        lines.append("                break")
+        lines += [f"            s{i} = SEQ{i}[t]" for i in stepped]
+        lines += [f"            {line}" for line in body]
+        lines.append(f"            RECORDS.append({record})")
+        for k, c in enumerate(loop.carries):
+            u = loop.updates[c]
+            new = f"s{self.slot[u]}" if u in self.slot else f"k{self.captured[u]}"
+            lines.append(
+                f"            if {new}.shape != {carries[k]}.shape or {new}.dtype != {carries[k]}.dtype:"
+            )
+            lines.append(f"                CHECK(t, {k}, {carries[k]}, {new})")
+        if carries:  # (all at once: an update may read another carry's old value)
+            news = [
+                f"s{self.slot[loop.updates[c]]}"
+                if loop.updates[c] in self.slot
+                else f"k{self.captured[loop.updates[c]]}"
+                for c in loop.carries
+            ]
+            lines.append(f"            {', '.join(carries)} = {', '.join(news)}")
+        lines.append("            t += 1")
+        lines.append(f"            if UNTIL is not None and UNTIL(t - 1, {state}):")
+        lines.append("                break")
+        lines.append(f"        return t, ({state})")
+        lines.append("    return run")
+        return lines
 
     def _emit(
         self,
@@ -607,13 +669,78 @@ class _Variant:
                 for n in range(3):  # (1-based line numbers, for naming the node in an error)
                     self.back_lines[len(lines) - n] = (v, p)
                 self._route(u, "d", lines, at, env)
+        body_at = 3 if slots else 2  # (the step's lines after the record's unpacking)
+        body = lines[body_at:]
         back = ", ".join(f"g{self.slot[v]}" if v in grad else "None" for v in self.inputs)
         every = ", ".join(f"g{self.slot[v]}" if v in grad else "None" for v in (*self.inputs, *self.computed))
         lines.append("        if KEEP:  # every slot's gradient too (views that retain theirs)")
         lines.append(f"            return ({back}{',' if self.inputs else ''}), ({every},)")
         lines.append(f"        return ({back}{',' if self.inputs else ''})")
         lines.append("    return back")
+        self._sweep_lines(lines, body, body_at, caps, record, env)
         return "\n".join(lines) + "\n", env
+
+    def _sweep_lines(
+        self, lines: list[str], body: list[str], body_at: int, caps: str, record: str, env: dict[str, Any]
+    ) -> None:
+        """Append ``make_sweep(k…, A…, VJPERR)`` → ``sweep(T, RECORDS, u…, Q…, P…, O…, H…, ITEM)``
+        to ``lines``: the backward steps of iterations ``T - 1`` down to ``0`` of a loop (not a
+        recursion), the step's lines inlined, each iteration's carry gradients the next one's
+        seeds ``u``; returns what reaches iteration 0's carries. ``Q<k>``: a stacked value's
+        gradient rows (or ``None``); ``P<n>``: a split VJP's parts (:class:`_Parts`); ``O<k>``:
+        a hoisted node's buffer rows; ``H<h>``: the collector of each hoisted node whose
+        gradient the steps give (:class:`_HoistedGrad`); ``ITEM(i, t, g)`` takes a stepped
+        item's gradient. An exception from a VJP becomes ``VJPERR(e, t)`` (:meth:`failed_vjp`
+        finds the node by these lines too). What the driver runs where nothing retains a body
+        node's gradient (no ``KEEP``) and anomaly mode is off."""
+        loop = self.program.loop
+        if (
+            loop.children
+            or self.own
+            or len(self.inputs) != len(loop.carries) + len(loop.items) + len(self.hoisted)
+        ):
+            return
+        grad = self.grad_slots
+        carries = [f"u{k}" for k in range(len(loop.carries))]
+        stacked = range(len(self.program.stacked))
+        parts = range(len(self.prepped))
+        rowed = range(len(self.rowed))
+        collected = [h for h, stepped in enumerate(self.stepped_grads) if stepped]
+        env["VGraphError"] = VGraphError
+        params = ["T", "RECORDS", *carries, *(f"Q{k}" for k in stacked), *(f"P{n}" for n in parts)]
+        params += [*(f"O{k}" for k in rowed), *(f"H{h}" for h in collected), "ITEM"]
+        lines.append("")
+        lines.append(f"def make_sweep({caps + ', ' if caps else ''}VJPERR):")
+        lines.append(f"    def sweep({', '.join(params)}):")
+        lines.append("        for t in range(T - 1, -1, -1):")
+        lines.append(f"            ({record},) = RECORDS[t]")
+        lines += [f"            q{k} = None if Q{k} is None else Q{k}[t]" for k in stacked]
+        for n in parts:  # (the previous part let go before the next is asked for: see _Parts.at)
+            lines += [f"            p{n} = None", f"            p{n} = P{n}.at(t)"]
+        lines += [f"            o{k} = O{k}[t]" for k in rowed]
+        lines.append("            try:")
+        start = len(lines)
+        lines += [f"        {line}" for line in body]
+        for n in range(len(body)):  # (1-based line numbers of the same VJP calls, moved)
+            where = self.back_lines.get(body_at + n + 1)
+            if where is not None:
+                self.back_lines[start + n + 1] = where
+        lines.append("            except VGraphError:")
+        lines.append("                raise")
+        lines.append("            except Exception as e:")
+        lines.append("                raise VJPERR(e, t) from e")
+        for k, c in enumerate(loop.carries):
+            lines.append(f"            u{k} = {f'g{self.slot[c]}' if c in grad else 'None'}")
+        for i, item in enumerate(loop.items):
+            if item in grad:
+                g = f"g{self.slot[item]}"
+                lines.append(f"            if {g} is not None:")
+                lines.append(f"                ITEM({i}, t, {g})")
+        for h in collected:
+            v = self.hoisted[h]
+            lines.append(f"            H{h}.put(t, {f'g{self.slot[v]}' if v in grad else 'None'})")
+        lines.append(f"        return ({', '.join(carries)}{',' if carries else ''})")
+        lines.append("    return sweep")
 
     def _early_rows(self, routes: Counter[VirtualNode]) -> dict[VirtualNode, str]:
         """Per computed node whose gradient passes unchanged to a hoisted node's row (``h`` in
@@ -754,14 +881,15 @@ def _into_row_joint(J: tuple[Any, ...], p: int, row: np.ndarray | None) -> tuple
     return tuple([out if x is d else x for x in J])
 
 
-def _compile(source: str, env: dict[str, Any], name: str, loop: LoopNode) -> Callable[..., Any]:
-    """Compile generated ``source`` (registered with :mod:`linecache`, so tracebacks show it)."""
+def _compile(source: str, env: dict[str, Any], loop: LoopNode) -> dict[str, Any]:
+    """Compile generated ``source`` (registered with :mod:`linecache`, so tracebacks show it);
+    returns the names it defines."""
     filename = f"<vgraph program {next(_counter)}: {loop.describe()}>"
     lines = source.splitlines(keepends=True)
     linecache.cache[filename] = (len(source), None, lines, filename)
     scope = dict(env)
     exec(compile(source, filename, "exec"), scope)
-    return cast(Callable[..., Any], scope[name])
+    return scope
 
 
 class _Acc:
@@ -1034,6 +1162,10 @@ class ProgramInstance(SweptOnce):
         items = [list(seq[::-1] if rev else seq) for seq, rev in zip(seqs, self.item_reverse)]
         stepped = [*items, *(list(group) for group in hoisted_groups)]
         n_items = len(items)
+        if rows is None and self.variant._make_run is not None:  # the iterations in generated code
+            run.trips, finals = self._run(run, length, init, stepped, caps)
+            run.finals = list(finals)
+            return run
         t = 0
         while True:
             if reached_end(loop, t, length):
@@ -1067,6 +1199,43 @@ class ProgramInstance(SweptOnce):
         run.trips = t
         run.finals = state
         return run
+
+    def _run(
+        self,
+        run: ProgramRun,
+        length: int | None,
+        init: list[Any],
+        stepped: list[list[Any]],
+        caps: Sequence[Any],
+    ) -> tuple[int, tuple[Any, ...]]:
+        """The iterations by the variant's ``make_run``, with the loop rules (:mod:`.rules`) as
+        its callbacks: asked before every iteration where a ``while_`` condition decides, else
+        only from the first iteration at which a count could stop the loop."""
+        loop, idx, names = self.loop, self.idx, self.names
+
+        def stop(t: int, *state: Any) -> bool:
+            if reached_end(loop, t, length):
+                return True
+            if loop.cond is not None and not run_cond(loop, idx, t, names, state):
+                return True
+            if at_limit(loop, idx, t):
+                run.capped = True
+                return True
+            return False
+
+        def until(t: int, *state: Any) -> bool:
+            return run_cond(loop, idx, t, names, state, until=True)
+
+        def check(t: int, k: int, old: Any, new: Any) -> None:
+            by = _Described(self, loop.updates[loop.carries[k]], t)
+            check_carry(loop, idx, t, names[k], old, new, by)
+
+        run_steps = cast(Callable[..., Any], self.variant._make_run)(self._select, check, *caps)
+        check_at = 0 if loop.cond is not None else first_count_stop(loop, length)
+        out: tuple[int, tuple[Any, ...]] = run_steps(
+            0, check_at, run.records, stop, None if loop.until is None else until, *init, *stepped
+        )
+        return out
 
     def rerun(self, *values: Any) -> ProgramRun:
         """:meth:`forward` for a forward of the graph: the decisions must be those of the build
@@ -1163,55 +1332,61 @@ class ProgramInstance(SweptOnce):
             keep = {}  # (every slot's gradient, to check)
         late = {variant.slot[v] for v in (*items, *variant.hoisted)}
         parts = [_Parts(run.records, slot, prep) for slot, prep in variant.prepped]
-        p: list[Any] = []  # this iteration's parts
-        for t in range(T - 1, -1, -1):
-            if pending is not None:
-                u = pending[t]
-                for k in range(nc):  # the carry reads of iteration t + 1 read iteration t's update
-                    if carry_in[k] is not None:
-                        u[k] = carry_in[k] if u[k] is None else add_grads(u[k], carry_in[k])
-            else:
-                u = carry_in
-            q = [None if s is None else s[t] for s in stack_seed]
-            p.clear()  # (a new block of parts is made with the last one let go: see _Parts.at)
-            p.extend([part.at(t) for part in parts])
-            o = [rows_h[t] for rows_h in step_rows]
-            try:
-                if keep is None:
-                    res = back(False, run.records[t], *u, *q, *p, *o)
+
+        def item(i: int, t: int, d: Any) -> None:  # a stepped item's gradient, into its sequence's
+            if seq_grad[i] is None:
+                seq_grad[i] = np.zeros(np.shape(seqs[i]), dtype=_grad_dtype(seqs[i]))
+            _add_row(seq_grad[i], length - 1 - t if self.item_reverse[i] else t, d)
+
+        if rows is None and keep is None and variant._make_sweep is not None:  # (generated: see _sweep_lines)
+            sweep = variant._make_sweep(*caps, *accs, self._vjp_error)
+            stepped = [hg for hg in hoisted_grads if hg is not None]
+            carry_in = list(sweep(T, run.records, *carry_in, *stack_seed, *parts, *step_rows, *stepped, item))
+        else:  # (the driver runs the steps: a recursion, retained gradients, anomaly mode)
+            p: list[Any] = []  # this iteration's parts
+            for t in range(T - 1, -1, -1):
+                if pending is not None:
+                    u = pending[t]
+                    for k in range(nc):  # the carry reads of iteration t + 1 read iteration t's update
+                        if carry_in[k] is not None:
+                            u[k] = carry_in[k] if u[k] is None else add_grads(u[k], carry_in[k])
                 else:
-                    res, every = back(True, run.records[t], *u, *q, *p, *o)
-            except VGraphError:
-                raise
-            except Exception as e:
-                raise self._vjp_error(e, t) from e
-            if keep is not None:
-                for slot, view in keep.get(t, ()):
-                    if slot not in late:  # (items' and hoisted nodes' are complete only later)
-                        _retain(view, every[slot])
-                if check:
-                    self._check_grads(every, t)
-            carry_in = list(res[:nc])
-            for i in range(ni):
-                d = res[nc + i]
-                if d is None:
-                    continue
-                if seq_grad[i] is None:
-                    seq_grad[i] = np.zeros(np.shape(seqs[i]), dtype=_grad_dtype(seqs[i]))
-                at = length - 1 - t if self.item_reverse[i] else t
-                _add_row(seq_grad[i], at, d)
-            if rows is not None:
-                row = rows[t]
-                for r, (k, slot) in enumerate(self.reads):
-                    d = res[nc + ni + r]
-                    if d is None:
-                        continue
-                    c = row[slot]
-                    target = cast(list[list[Any]], pending)[c] if c >= 0 else init_grad
-                    target[k] = d if target[k] is None else add_grads(target[k], d)
-            for h, hg in enumerate(hoisted_grads):
-                if hg is not None:
-                    hg.put(t, res[nc + ni + nr + h])
+                    u = carry_in
+                q = [None if s is None else s[t] for s in stack_seed]
+                p.clear()  # (a new block of parts is made with the last one let go: see _Parts.at)
+                p.extend([part.at(t) for part in parts])
+                o = [rows_h[t] for rows_h in step_rows]
+                try:
+                    if keep is None:
+                        res = back(False, run.records[t], *u, *q, *p, *o)
+                    else:
+                        res, every = back(True, run.records[t], *u, *q, *p, *o)
+                except VGraphError:
+                    raise
+                except Exception as e:
+                    raise self._vjp_error(e, t) from e
+                if keep is not None:
+                    for slot, view in keep.get(t, ()):
+                        if slot not in late:  # (items' and hoisted nodes' are complete only later)
+                            _retain(view, every[slot])
+                    if check:
+                        self._check_grads(every, t)
+                carry_in = list(res[:nc])
+                for i in range(ni):
+                    if res[nc + i] is not None:
+                        item(i, t, res[nc + i])
+                if rows is not None:
+                    row = rows[t]
+                    for r, (k, slot) in enumerate(self.reads):
+                        d = res[nc + ni + r]
+                        if d is None:
+                            continue
+                        c = row[slot]
+                        target = cast(list[list[Any]], pending)[c] if c >= 0 else init_grad
+                        target[k] = d if target[k] is None else add_grads(target[k], d)
+                for h, hg in enumerate(hoisted_grads):
+                    if hg is not None:
+                        hg.put(t, res[nc + ni + nr + h])
         for k in range(nc):  # what reaches iteration 0's carry reads: the initial values
             if carry_in[k] is not None:
                 init_grad[k] = carry_in[k] if init_grad[k] is None else add_grads(init_grad[k], carry_in[k])

@@ -20,6 +20,13 @@ def reached_end(loop: LoopNode, t: int, length: int | None) -> bool:
     return (loop.times is not None and t >= loop.times) or (length is not None and t >= length)
 
 
+def first_count_stop(loop: LoopNode, length: int | None) -> int:
+    """The first iteration before which ``loop`` may stop by count — ``times=``, the length of
+    what it steps through (:func:`reached_end`) or ``max_iters`` (:func:`at_limit`): a runner of
+    a loop without ``while_`` asks those rules there, and need not before."""
+    return min(n for n in (loop.times, length, loop.max_iters) if n is not None)
+
+
 def at_limit(loop: LoopNode, idx: tuple[int, ...], t: int) -> bool:
     """Whether iteration ``t`` would pass ``loop``'s ``max_iters``: ``True`` if the loop stops
     there (``on_limit="stop"``: a cap, recorded as a decision by the caller).
