@@ -856,3 +856,27 @@ def test_gather_rows_vjps_of_interleaved_nodes_pick_their_own_rows():
     assert first.pairs == [((1,), 0), ((3,), 2)]
     assert other.pairs == [((2,), 1)]
     assert second.pairs == [((0,), 1)]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_vjp_written_into_an_array_gives_the_vjps_bits_or_declines(dtype):
+    """``ops.VJPS_INTO``: ``into(out, g, ans, x)`` writes the VJP's result into ``out`` with the
+    same bits, or returns ``None`` and writes nothing where the arrays do not match."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 5)).astype(dtype)
+    ans, g = np.tanh(x), rng.standard_normal((3, 5)).astype(dtype)
+    for vjp, into in ops.VJPS_INTO.items():
+        want = vjp(g, ans, x)
+        out = np.empty_like(ans)
+        assert into(out, g, ans, x) is out and out.tobytes() == want.tobytes()
+        other = np.full((3, 5), 7.0, dtype=np.float32 if dtype == np.float64 else np.float64)
+        for bad in (
+            (None, g),  # no array to write into
+            (other, g),  # another dtype
+            (np.full((1, 5), 7.0, dtype), g),  # another shape
+            (np.full((3, 5), 7.0, dtype), g[:1]),  # a gradient broadcast over the rows
+            (np.full((3, 5), 7.0, dtype), g.astype(other.dtype)),
+        ):
+            out, grad = bad
+            assert into(out, grad, ans, x) is None
+            assert out is None or (out == 7.0).all()

@@ -211,6 +211,30 @@ def test_an_elman_steps_rows_are_read_by_the_bias_and_the_tied_weight_from_the_b
     assert made == {"products": 2, "sums": 1}, made
 
 
+def test_a_tanh_gradient_passed_on_to_a_row_is_computed_in_it(monkeypatch):
+    """``ops.VJPS_INTO``: the ``tanh``'s VJP writes the gradient that becomes the hoisted node's
+    row straight into the row — nothing is copied into the buffer (with the same bits: see
+    test_rows_written_in_place_change_no_bit)."""
+    copies = []
+    into_row = program._into_row
+
+    def counted(row, g):
+        out = into_row(row, g)
+        if out is row and g is not row:
+            copies.append(g.shape)
+        return out
+
+    monkeypatch.setattr(program, "_into_row", counted)
+    g, loss = elman()
+    cg = g.build(elman_feed(6), loss, cache=False)  # (its steps compiled with the counting copy)
+    cg.backward(cg.outputs[0])
+    assert copies == []
+    monkeypatch.setattr(program, "VJPS_INTO", {})  # without: each iteration's gradient copied in
+    g, loss = elman()
+    g.build(elman_feed(6), loss, cache=False).backward(loss)
+    assert len(copies) == 6
+
+
 @pytest.mark.parametrize(("model", "feed"), [(lstm_lm, lm_feed(9, 4, H=5)), (elman, elman_feed(7))])
 def test_rows_written_in_place_change_no_bit(monkeypatch, model, feed):
     """The steps' copies into the buffer and the readers' reading the copy: the same loss and

@@ -1284,6 +1284,25 @@ def _tanh_vjp(g: np.ndarray, ans: np.ndarray, x: np.ndarray) -> np.ndarray:
     return out
 
 
+def _tanh_vjp_into(out: np.ndarray | None, g: Any, ans: np.ndarray, x: Any) -> np.ndarray | None:
+    """:func:`_tanh_vjp`'s result written into ``out`` — the same operations in place, so the
+    same bits — or ``None`` (nothing written) where ``g``, ``ans`` and ``out`` are not arrays of
+    one shape and dtype (or no ``out`` is given)."""
+    if (
+        out is None
+        or type(g) is not np.ndarray
+        or g.dtype != ans.dtype
+        or g.shape != ans.shape
+        or out.dtype != ans.dtype
+        or out.shape != ans.shape
+    ):
+        return None
+    np.multiply(ans, ans, out=out)
+    np.subtract(1, out, out=out)
+    np.multiply(out, g, out=out)
+    return out
+
+
 defop("Tanh", np.tanh, _tanh_vjp, kind=ELEMENTWISE)
 
 
@@ -1920,7 +1939,7 @@ def _tanh_vjp_row(g: np.ndarray, ans: np.ndarray, row_sum: Any) -> np.ndarray | 
     copy, so no ``.grad`` shares the buffer's memory.)"""
     buffers, starts = _sweep.rows, _sweep.row_starts  # (set together by sweep_scope)
     if starts is None or type(g) is not np.ndarray or g.dtype != ans.dtype or g.shape != ans.shape:
-        return None
+        return None  # (before looking up a buffer: see _tanh_vjp_into)
     assert buffers is not None
     group = row_sum.parents[ROW_SUMS[row_sum.op.forward]]
     which = (group, row_sum.key.type, row_sum.key.id)  # (two sums may read one group's rows)
@@ -1932,15 +1951,19 @@ def _tanh_vjp_row(g: np.ndarray, ans: np.ndarray, row_sum: Any) -> np.ndarray | 
         entry = buffers[which] = (workspace.empty(value.shape, value.dtype), [None] * len(value))
     buffer, written = entry
     t = row_sum.attrs["index"]
-    out: np.ndarray = buffer[t]
-    np.multiply(ans, ans, out=out)
-    np.subtract(1, out, out=out)
-    np.multiply(out, g, out=out)
+    out = cast(np.ndarray, _tanh_vjp_into(buffer[t], g, ans, None))
     written[t] = out
     if t == 0:  # (what _rows_buffer finds the entry by: a stack's first part)
         starts[id(out)] = entry
     return out
 
+
+#: VJPs that can write their result into a given array: ``into(out, g, ans, *xs, **attrs)`` returns
+#: ``out`` (the VJP's result, the same bits) or ``None`` where it cannot (another shape or dtype,
+#: or ``out`` is ``None``).
+#: A body program's backward step has one write the gradient it passes on to a loop's row of a
+#: hoisted node straight into that row (vgraph.virtual.program), instead of copying it there.
+VJPS_INTO: dict[Any, Callable[..., np.ndarray | None]] = {_tanh_vjp: _tanh_vjp_into}
 
 #: Forwards and VJPs whose effect compiled sweeps (vgraph.tape) write out inline instead of calling
 #: them, by kind. Forward "row": ``x[attrs["index"]]``; "row + product": ``rows[attrs["index"]] +

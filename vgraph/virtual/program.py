@@ -58,6 +58,7 @@ from ..ops import (
     CELL,
     INLINE_VJPS,
     VJP,
+    VJPS_INTO,
     LazyGrad,
     LeadingSumGrad,
     Op,
@@ -631,7 +632,7 @@ class _Variant:
                 # collect it (ops.INLINE_VJPS), without making a lazy gradient to merge
                 leaf = u.kind == "parameter" and not u.attrs.get("sparse_grad") and u not in self.slot
                 inline = INLINE_VJPS.get(f) if joint is None and v not in self._scale else None
-                at = pad
+                at, first = pad, len(lines)
                 if inline == "rows product" and leaf and u in self.needs and p == 1:
                     # (_matmul_vjp_b's hot path and RowsProductGrad.merge, written out)
                     acc, a, b = f"A{self.captured[u]}.g", names[0], names[1]
@@ -642,10 +643,19 @@ class _Variant:
                     lines.append(f"{pad}    {acc}.g.append(g{i})")
                     lines.append(f"{pad}else:")
                     at = pad + "    "
+                into = VJPS_INTO.get(f) if joint is None and routes[u] == 1 else None
                 if joint is not None:
                     lines.append(f"{at}d = J[{p}]")
                 elif inline == "pass":
                     lines.append(f"{at}d = g{i}")
+                elif (
+                    into is not None and u in early
+                ):  # (its input's only gradient, the row's: see _early_rows)
+                    env[f"b{i}_{p}"] = partial(f, **attrs) if attrs else f
+                    env[f"i{i}_{p}"] = partial(into, **attrs) if attrs else into
+                    lines.append(f"{at}d = i{i}_{p}({early[u]}, g{i}, s{i}, {args})")
+                    lines.append(f"{at}if d is None:")
+                    lines.append(f"{at}    d = b{i}_{p}(g{i}, s{i}, {args})")
                 else:
                     env[f"b{i}_{p}"] = partial(f, **attrs) if attrs else f
                     lines.append(f"{at}d = b{i}_{p}(g{i}, s{i}, {args})")
@@ -658,16 +668,18 @@ class _Variant:
                     lines.append(f"{at}        {acc}.add(REDLEAF(d, {self._name(u)}.shape))")
                     lines.append(f"{at}else:")
                     lines.append(f"{at}    {acc}.add(d)")
-                    for n in range(6):  # (1-based line numbers, for naming the node in an error)
-                        self.back_lines[len(lines) - n] = (v, p)
+                    for n in range(
+                        first, len(lines)
+                    ):  # (1-based line numbers, for naming the node in an error)
+                        self.back_lines[n + 1] = (v, p)
                     continue
                 red = "REDLEAF" if leaf else "RED"
                 lines.append(f"{at}    d = {red}(d, {self._name(u)}.shape)")
                 if v in self._scale:  # (a mean along a padded axis: its input's rows by their own length)
                     env["SCALED"] = scaled
                     lines.append(f"{at}d = SCALED(d, s{self.slot[self._scale[v][1]]})")
-                for n in range(3):  # (1-based line numbers, for naming the node in an error)
-                    self.back_lines[len(lines) - n] = (v, p)
+                for n in range(first, len(lines)):  # (1-based line numbers, for naming the node in an error)
+                    self.back_lines[n + 1] = (v, p)
                 self._route(u, "d", lines, at, env)
         body_at = 3 if slots else 2  # (the step's lines after the record's unpacking)
         body = lines[body_at:]
