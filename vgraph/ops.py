@@ -2127,20 +2127,23 @@ def _sigmoid_into(out: np.ndarray, x: np.ndarray | None = None) -> None:
     out *= 0.5
 
 
-#: Per (dtype, batch axes): the LSTM gates' ``(scale, shift)`` as ``(4, 1, …, 1)`` arrays, so that
-#: one pass over the four activation slabs computes sigmoid for i, f, o and tanh for g:
+#: Per (dtype, batch axes, H): the LSTM gates' ``(scale, shift)`` as ``(4, 1, …, 1, H)`` arrays, so
+#: that one pass over the four activation slabs computes sigmoid for i, f, o and tanh for g:
 #: ``(tanh(scale * z) + shift) * scale`` is ``(tanh(z / 2) + 1) / 2`` (the Sigmoid op's arithmetic)
-#: where scale = 1/2, shift = 1, and ``tanh(z)`` exactly where scale = 1, shift = 0.
-_LSTM_AFFINE: dict[tuple[np.dtype[Any], int], tuple[np.ndarray, np.ndarray]] = {}
+#: where scale = 1/2, shift = 1, and ``tanh(z)`` exactly where scale = 1, shift = 0. (Full rows of
+#: ``H``, not ``(4, 1, …, 1)``: numpy broadcasts a length-1 last axis slowly, and on a batch of
+#: one row — a sentence at a time — the three passes then broadcast nothing: 4-5 µs of a step's
+#: 16 at H = 50.)
+_LSTM_AFFINE: dict[tuple[np.dtype[Any], int, int], tuple[np.ndarray, np.ndarray]] = {}
 
 
-def _lstm_affine(dtype: np.dtype[Any], batch_ndim: int) -> tuple[np.ndarray, np.ndarray]:
-    key = (dtype, batch_ndim)
+def _lstm_affine(dtype: np.dtype[Any], batch_ndim: int, H: int) -> tuple[np.ndarray, np.ndarray]:
+    key = (dtype, batch_ndim, H)
     found = _LSTM_AFFINE.get(key)
     if found is None:
-        shape = (4,) + (1,) * (batch_ndim + 1)
-        scale = np.array([0.5, 0.5, 1.0, 0.5], dtype=dtype).reshape(shape)
-        shift = np.array([1.0, 1.0, 0.0, 1.0], dtype=dtype).reshape(shape)
+        shape = (4,) + (1,) * batch_ndim + (H,)
+        scale = np.repeat(np.array([0.5, 0.5, 1.0, 0.5], dtype=dtype), H).reshape(shape)
+        shift = np.repeat(np.array([1.0, 1.0, 0.0, 1.0], dtype=dtype), H).reshape(shape)
         scale.flags.writeable = shift.flags.writeable = False
         found = _LSTM_AFFINE[key] = (scale, shift)
     return found
@@ -2155,10 +2158,13 @@ def _lstm_cell(
         batch, H = _cell_shapes("LSTMCell", 4, c, xw=xw, hw=hw, b=b)
     s = np.empty((6, *batch, H), dtype=np.result_type(xw, hw, b, c))
     z = xw + hw
-    z = np.add(z, b, out=z) if b.ndim == 1 or b.shape[:-1] == z.shape[:-1] else z + b
+    if b.ndim == 1 and z.ndim == 2:  # (a bias as one row: numpy adds a vector to rows slowly)
+        np.add(z, b[None], out=z)
+    else:
+        z = np.add(z, b, out=z) if b.ndim == 1 or b.shape[:-1] == z.shape[:-1] else z + b
     # The activations go gate-major into their slabs, all four in each pass (see _LSTM_AFFINE).
     act = s[2:]
-    scale, shift = _lstm_affine(s.dtype, len(batch))
+    scale, shift = _lstm_affine(s.dtype, len(batch), H)
     np.multiply(_gate_major(z, 4, H, len(batch)), scale, out=act)
     np.tanh(act, out=act)
     act += shift
@@ -2222,7 +2228,10 @@ def _gru_cell(
 ) -> np.ndarray:  # fmt: skip
     batch, H = _cell_shapes("GRUCell", 3, h, xw=xw, hw=hw, b_x=b_x, b_h=b_h)
     s = np.empty((4, *batch, H), dtype=np.result_type(xw, hw, b_x, b_h, h))
-    gx, gh = xw + b_x, hw + b_h
+    if xw.ndim == hw.ndim == 2 and b_x.ndim == b_h.ndim == 1:  # (biases as rows: see _lstm_cell)
+        gx, gh = xw + b_x[None], hw + b_h[None]
+    else:
+        gx, gh = xw + b_x, hw + b_h
     gxg, ghg = _gate_major(gx, 3, H, len(batch)), _gate_major(gh, 3, H, len(batch))
     r, z, n = s[1], s[2], s[3]
     np.add(gxg[0:2], ghg[0:2], out=s[1:3])  # r, z = sigmoid(gx + gh)
