@@ -565,8 +565,9 @@ class _Variant:
         record = ", ".join(f"s{i}" for i in range(self.size))
         lines.append(f"        ({record},) = r")
         slots = [v for v in (*self.inputs, *self.computed) if v in grad]
+        cleared = "".join(f"g{self.slot[v]} = " for v in slots) + "None"  # (every slot's gradient)
         if slots:
-            lines.append("        " + " = ".join(f"g{self.slot[v]}" for v in slots) + " = None")
+            lines.append(f"        {cleared}")
         # seeds: the gradient of each carry's update and of each stacked value
         outs = [(loop.updates[c], f"u{k}") for k, c in enumerate(loop.carries)]
         outs += [(s.inputs[1], f"q{k}") for k, s in enumerate(self.program.stacked)]
@@ -689,11 +690,18 @@ class _Variant:
         lines.append(f"            return ({back}{',' if self.inputs else ''}), ({every},)")
         lines.append(f"        return ({back}{',' if self.inputs else ''})")
         lines.append("    return back")
-        self._sweep_lines(lines, body, body_at, caps, record, env)
+        self._sweep_lines(lines, body, body_at, caps, record, cleared, env)
         return "\n".join(lines) + "\n", env
 
     def _sweep_lines(
-        self, lines: list[str], body: list[str], body_at: int, caps: str, record: str, env: dict[str, Any]
+        self,
+        lines: list[str],
+        body: list[str],
+        body_at: int,
+        caps: str,
+        record: str,
+        cleared: str,
+        env: dict[str, Any],
     ) -> None:
         """Append ``make_sweep(k…, A…, VJPERR)`` → ``sweep(T, RECORDS, u…, Q…, P…, O…, H…, ITEM)``
         to ``lines``: the backward steps of iterations ``T - 1`` down to ``0`` of a loop (not a
@@ -725,6 +733,9 @@ class _Variant:
         lines.append(f"def make_sweep({caps + ', ' if caps else ''}VJPERR):")
         lines.append(f"    def sweep({', '.join(params)}):")
         lines.append("        for t in range(T - 1, -1, -1):")
+        # (the previous iteration's gradients let go first, as a step's are when it returns: before
+        # a new block of parts is computed)
+        lines.append(f"            d = J = {cleared}")
         lines.append(f"            ({record},) = RECORDS[t]")
         lines += [f"            q{k} = None if Q{k} is None else Q{k}[t]" for k in stacked]
         for n in parts:  # (the previous part let go before the next is asked for: see _Parts.at)
