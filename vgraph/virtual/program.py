@@ -399,11 +399,7 @@ class _Variant:
         handed back and forth: what the driver runs where it can (none for a recursion, whose
         children's rows the driver gathers, nor on rows of a batch)."""
         loop = self.program.loop
-        if (
-            loop.children
-            or self.own
-            or len(self.inputs) != len(loop.carries) + len(loop.items) + len(self.hoisted)
-        ):
+        if not self._runs_whole():
             return []
         carries = [f"s{self.slot[c]}" for c in loop.carries]
         stepped = [self.slot[v] for v in (*loop.items, *self.hoisted)]
@@ -417,20 +413,11 @@ class _Variant:
         lines += [f"            s{i} = SEQ{i}[t]" for i in stepped]
         lines += [f"            {line}" for line in body]
         lines.append(f"            RECORDS.append({record})")
-        for k, c in enumerate(loop.carries):
-            u = loop.updates[c]
-            new = f"s{self.slot[u]}" if u in self.slot else f"k{self.captured[u]}"
-            lines.append(
-                f"            if {new}.shape != {carries[k]}.shape or {new}.dtype != {carries[k]}.dtype:"
-            )
-            lines.append(f"                CHECK(t, {k}, {carries[k]}, {new})")
+        news = [self._name(loop.updates[c]) for c in loop.carries]
+        for k, (old, new) in enumerate(zip(carries, news)):
+            lines.append(f"            if {new}.shape != {old}.shape or {new}.dtype != {old}.dtype:")
+            lines.append(f"                CHECK(t, {k}, {old}, {new})")
         if carries:  # (all at once: an update may read another carry's old value)
-            news = [
-                f"s{self.slot[loop.updates[c]]}"
-                if loop.updates[c] in self.slot
-                else f"k{self.captured[loop.updates[c]]}"
-                for c in loop.carries
-            ]
             lines.append(f"            {', '.join(carries)} = {', '.join(news)}")
         lines.append("            t += 1")
         lines.append(f"            if UNTIL is not None and UNTIL(t - 1, {state}):")
@@ -514,8 +501,8 @@ class _Variant:
     def _backward_source(self) -> tuple[str, dict[str, Any]]:
         """``back(KEEP, record, g_updates…, g_stacked…, parts…, rows…)`` returns the gradients of
         the inputs' slots (``None`` where none reached); captured values' gradients go to their
-        collectors ``A<j>`` (:class:`_Acc`). ``parts``: per slot of :attr:`prepped`, this iteration's records-only part of
-        its split VJP (``None`` or left out: the joint VJP is called whole). ``rows``: per hoisted
+        collectors ``A<j>`` (:class:`_Acc`). ``parts``: per slot of :attr:`prepped`, this
+        iteration's records-only part of its split VJP (``None`` or left out: the joint VJP is called whole). ``rows``: per hoisted
         node of :attr:`rowed`, this iteration's row of the buffer its gradient is collected in
         (``None`` or left out: none); the step copies the gradient into it and returns the row."""
         loop = self.program.loop
@@ -649,9 +636,7 @@ class _Variant:
                     lines.append(f"{at}d = J[{p}]")
                 elif inline == "pass":
                     lines.append(f"{at}d = g{i}")
-                elif (
-                    into is not None and u in early
-                ):  # (its input's only gradient, the row's: see _early_rows)
+                elif into is not None and u in early:  # (u's only gradient, the row's: _early_rows)
                     env[f"b{i}_{p}"] = partial(f, **attrs) if attrs else f
                     env[f"i{i}_{p}"] = partial(into, **attrs) if attrs else into
                     lines.append(f"{at}d = i{i}_{p}({early[u]}, g{i}, s{i}, {args})")
@@ -669,9 +654,7 @@ class _Variant:
                     lines.append(f"{at}        {acc}.add(REDLEAF(d, {self._name(u)}.shape))")
                     lines.append(f"{at}else:")
                     lines.append(f"{at}    {acc}.add(d)")
-                    for n in range(
-                        first, len(lines)
-                    ):  # (1-based line numbers, for naming the node in an error)
+                    for n in range(first, len(lines)):  # (1-based: naming the node in an error)
                         self.back_lines[n + 1] = (v, p)
                     continue
                 red = "REDLEAF" if leaf else "RED"
@@ -679,7 +662,7 @@ class _Variant:
                 if v in self._scale:  # (a mean along a padded axis: its input's rows by their own length)
                     env["SCALED"] = scaled
                     lines.append(f"{at}d = SCALED(d, s{self.slot[self._scale[v][1]]})")
-                for n in range(first, len(lines)):  # (1-based line numbers, for naming the node in an error)
+                for n in range(first, len(lines)):  # (1-based: naming the node in an error)
                     self.back_lines[n + 1] = (v, p)
                 self._route(u, "d", lines, at, env)
         body_at = 3 if slots else 2  # (the step's lines after the record's unpacking)
@@ -714,11 +697,7 @@ class _Variant:
         finds the node by these lines too). What the driver runs where nothing retains a body
         node's gradient (no ``KEEP``) and anomaly mode is off."""
         loop = self.program.loop
-        if (
-            loop.children
-            or self.own
-            or len(self.inputs) != len(loop.carries) + len(loop.items) + len(self.hoisted)
-        ):
+        if not self._runs_whole():
             return
         grad = self.grad_slots
         carries = [f"u{k}" for k in range(len(loop.carries))]
@@ -764,6 +743,14 @@ class _Variant:
             lines.append(f"            H{h}.put(t, {f'g{self.slot[v]}' if v in grad else 'None'})")
         lines.append(f"        return ({', '.join(carries)}{',' if carries else ''})")
         lines.append("    return sweep")
+
+    def _runs_whole(self) -> bool:
+        """Whether the driver can hand the iterations to generated code (``make_run``,
+        ``make_sweep``): a loop whose every step input is a carry, a stepped item or a hoisted
+        node's row — not a recursion (children gathered per tree node) nor rows of a batch."""
+        loop = self.program.loop
+        n_inputs = len(loop.carries) + len(loop.items) + len(self.hoisted)
+        return not loop.children and not self.own and len(self.inputs) == n_inputs
 
     def _early_rows(self, routes: Counter[VirtualNode]) -> dict[VirtualNode, str]:
         """Per computed node whose gradient passes unchanged to a hoisted node's row (``h`` in
@@ -1149,7 +1136,7 @@ class ProgramInstance(SweptOnce):
         """Run the program on the loop node's parents' values (at build time, and again when a
         forward finds a parent changed): the loop rules between steps, the records kept.
         ``groups``: the hoisted nodes' values, when the build has computed them already."""
-        loop, idx, nc, ns = self.loop, self.idx, self.n_carries, self.n_seqs
+        loop, nc, ns = self.loop, self.n_carries, self.n_seqs
         init = list(values[:nc])
         seqs = values[nc : nc + ns]
         kids_value = values[nc + ns] if self.has_kids else None
@@ -1176,7 +1163,7 @@ class ProgramInstance(SweptOnce):
         hoisted_groups = run.hoisted
         step = self.variant._make_step(self._select, *caps)
         records = run.records
-        update_src, names = self.update_src, self.names
+        update_src = self.update_src
         state = init
         history: list[list[Any]] = []
         reads = self.reads
@@ -1189,14 +1176,10 @@ class ProgramInstance(SweptOnce):
             run.trips, finals = self._run(run, length, init, stepped, caps)
             run.finals = list(finals)
             return run
+        stop, until, check = self._rules(run, length)
         t = 0
         while True:
-            if reached_end(loop, t, length):
-                break
-            if loop.cond is not None and not run_cond(loop, idx, t, names, state):
-                break
-            if at_limit(loop, idx, t):
-                run.capped = True
+            if stop(t, *state):
                 break
             if rows is None:
                 record = step(t, *state, *[s[t] for s in stepped])
@@ -1210,14 +1193,12 @@ class ProgramInstance(SweptOnce):
             for k in range(nc):
                 old, new = state[k], new_state[k]
                 if old.shape != new.shape or old.dtype != new.dtype:
-                    check_carry(
-                        loop, idx, t, names[k], old, new, _Described(self, loop.updates[loop.carries[k]], t)
-                    )
+                    check(t, k, old, new)
             state = new_state
             if rows is not None:
                 history.append(new_state)
             t += 1
-            if loop.until is not None and run_cond(loop, idx, t - 1, names, state, until=True):
+            if loop.until is not None and until(t - 1, *state):
                 break
         run.trips = t
         run.finals = state
@@ -1231,9 +1212,26 @@ class ProgramInstance(SweptOnce):
         stepped: list[list[Any]],
         caps: Sequence[Any],
     ) -> tuple[int, tuple[Any, ...]]:
-        """The iterations by the variant's ``make_run``, with the loop rules (:mod:`.rules`) as
-        its callbacks: asked before every iteration where a ``while_`` condition decides, else
+        """The iterations by the variant's ``make_run``, with the loop rules as its callbacks
+        (:meth:`_rules`): asked before every iteration where a ``while_`` condition decides, else
         only from the first iteration at which a count could stop the loop."""
+        loop = self.loop
+        stop, until, check = self._rules(run, length)
+        run_steps = cast(Callable[..., Any], self.variant._make_run)(self._select, check, *caps)
+        check_at = 0 if loop.cond is not None else first_count_stop(loop, length)
+        out: tuple[int, tuple[Any, ...]] = run_steps(
+            0, check_at, run.records, stop, None if loop.until is None else until, *init, *stepped
+        )
+        return out
+
+    def _rules(
+        self, run: ProgramRun, length: int | None
+    ) -> tuple[Callable[..., bool], Callable[..., bool], Callable[[int, int, Any, Any], None]]:
+        """The loop rules (:mod:`.rules`) between the iterations of ``run``, as
+        ``(stop(t, *carries), until(t, *carries), check(t, k, old, new))``: whether the loop stops
+        before iteration ``t`` (by count, ``while_`` or ``max_iters``: a cap is recorded in
+        ``run``), whether ``until`` stops it after iteration ``t``, and carry ``k``'s update
+        checked where its shape or dtype changed (raises ``ShapeError``)."""
         loop, idx, names = self.loop, self.idx, self.names
 
         def stop(t: int, *state: Any) -> bool:
@@ -1253,12 +1251,7 @@ class ProgramInstance(SweptOnce):
             by = _Described(self, loop.updates[loop.carries[k]], t)
             check_carry(loop, idx, t, names[k], old, new, by)
 
-        run_steps = cast(Callable[..., Any], self.variant._make_run)(self._select, check, *caps)
-        check_at = 0 if loop.cond is not None else first_count_stop(loop, length)
-        out: tuple[int, tuple[Any, ...]] = run_steps(
-            0, check_at, run.records, stop, None if loop.until is None else until, *init, *stepped
-        )
-        return out
+        return stop, until, check
 
     def rerun(self, *values: Any) -> ProgramRun:
         """:meth:`forward` for a forward of the graph: the decisions must be those of the build
