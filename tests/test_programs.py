@@ -73,6 +73,13 @@ def assert_identical(g, feed, loss, hoist=True, expect_programs=True):
     for k in g_plain:
         np.testing.assert_allclose(g_prog[k], g_plain[k], **TOL, err_msg=k)
     assert decisions(prog) == decisions(plain)
+    # retaining every body node's gradient runs the backward steps one by one; without, a loop's
+    # run as one generated sweep (make_sweep): the same loss and parameter gradients
+    _, v_swept, g_swept = run(g, feed, loss, programs=True, hoist=hoist, retain=[])
+    np.testing.assert_allclose(v_swept, v_plain, **TOL)
+    assert g_swept.keys() == g_plain.keys()
+    for k in g_plain:
+        np.testing.assert_allclose(g_swept[k], g_plain[k], **TOL, err_msg=f"{k} (swept)")
     for v, idx, n in unrolled_nodes(plain):
         if v.kind == "final" and prog.trip_count(v.inputs[0], idx):
             # node by node, the final IS the last update's node: compare with that (in a program
