@@ -61,19 +61,10 @@ def gradients(g, loss, feed):
 # ---------------------------------------------------------------------------- memory
 
 
-def test_the_loop_backward_holds_one_copy_of_the_gate_gradient_rows(monkeypatch):
-    """Deterministic (tracemalloc counts bytes allocated, and with recycling off every buffer is
-    allocated anew): the traced peak of the loop node's backward on an LSTM LM step is one set of
-    ``T`` gate-gradient rows ``(B, 4H)`` and a little per-step work. Collecting the rows as the
-    steps' arrays in a list and stacking them after the sweep holds two sets at once (the list
-    stays alive: the tied ``W_h`` and the bias read the same arrays), over 2x the rows' bytes."""
-    T, B, H = 40, 32, 32
-    rows_bytes = T * B * 4 * H * 8
-    g, loss = lstm_lm(H=H)
-    feed = lm_feed(T, B, H=H)
-    monkeypatch.setattr(program._Parts, "BLOCK_BYTES", 1)  # (one iteration's part at a time)
-    limit = workspace.limit()
-    workspace.set_limit(0)  # (every temporary allocated anew, where tracemalloc sees it)
+def loop_backward_peak(monkeypatch, cg) -> int:
+    """The traced peak (bytes) of the loop node's backward in ``cg.backward``, deterministic:
+    tracemalloc counts bytes allocated, and with recycling off every buffer is allocated anew."""
+    assert cg.programs, cg.interpreted
     peaks = []
     backward = program.ProgramInstance.backward
 
@@ -84,19 +75,33 @@ def test_the_loop_backward_holds_one_copy_of_the_gate_gradient_rows(monkeypatch)
         peaks.append(tracemalloc.get_traced_memory()[1] - start)
         return out
 
-    monkeypatch.setattr(program.ProgramInstance, "backward", traced)
+    limit = workspace.limit()
+    workspace.set_limit(0)  # (every temporary allocated anew, where tracemalloc sees it)
     try:
-        cg = g.build(feed, loss, cache=False)
-        assert cg.programs, cg.interpreted
-        tracemalloc.start()
-        try:
-            cg.backward(cg.outputs[0])
-        finally:
-            tracemalloc.stop()
+        with monkeypatch.context() as m:
+            m.setattr(program.ProgramInstance, "backward", traced)
+            tracemalloc.start()
+            try:
+                cg.backward(cg.outputs[0])
+            finally:
+                tracemalloc.stop()
     finally:
         workspace.set_limit(limit)
-    assert len(peaks) == 1
-    assert rows_bytes <= peaks[0] < 1.6 * rows_bytes, (peaks[0], rows_bytes)
+    (peak,) = peaks
+    return peak
+
+
+def test_the_loop_backward_holds_one_copy_of_the_gate_gradient_rows(monkeypatch):
+    """The traced peak of the loop node's backward on an LSTM LM step is one set of ``T``
+    gate-gradient rows ``(B, 4H)`` and a little per-step work. Collecting the rows as the
+    steps' arrays in a list and stacking them after the sweep holds two sets at once (the list
+    stays alive: the tied ``W_h`` and the bias read the same arrays), over 2x the rows' bytes."""
+    T, B, H = 40, 32, 32
+    rows_bytes = T * B * 4 * H * 8
+    g, loss = lstm_lm(H=H)
+    monkeypatch.setattr(program._Parts, "BLOCK_BYTES", 1)  # (one iteration's part at a time)
+    peak = loop_backward_peak(monkeypatch, g.build(lm_feed(T, B, H=H), loss, cache=False))
+    assert rows_bytes <= peak < 1.6 * rows_bytes, (peak, rows_bytes)
 
 
 def test_the_generated_sweep_holds_no_more_than_a_step_at_a_time(monkeypatch):
@@ -109,35 +114,12 @@ def test_the_generated_sweep_holds_no_more_than_a_step_at_a_time(monkeypatch):
     g, loss = lstm_lm(H=H)
     feed = lm_feed(T, B, H=H)
     monkeypatch.setattr(program._Parts, "BLOCK_BYTES", 4 * B * 4 * H * 8)  # (a new block every 4 iterations)
-    limit = workspace.limit()
-    workspace.set_limit(0)
-    backward = program.ProgramInstance.backward
-    peaks = {}
-
-    def traced(self, *args):
-        start = tracemalloc.get_traced_memory()[0]
-        tracemalloc.reset_peak()
-        out = backward(self, *args)
-        peaks[self.variant._make_sweep is not None] = tracemalloc.get_traced_memory()[1] - start
-        return out
-
-    monkeypatch.setattr(program.ProgramInstance, "backward", traced)
-    try:
-        for swept in (True, False):
-            cg = g.build(feed, loss, cache=False)
-            (instance,) = cg.programs.values()
-            if not swept:
-                monkeypatch.setattr(instance.variant, "_make_sweep", None)
-            tracemalloc.start()
-            try:
-                cg.backward(cg.outputs[0])
-            finally:
-                tracemalloc.stop()
-    finally:
-        workspace.set_limit(limit)
-    assert set(peaks) == {True, False}
+    swept = loop_backward_peak(monkeypatch, g.build(feed, loss, cache=False))
+    cg = g.build(feed, loss, cache=False)
+    monkeypatch.setattr(next(iter(cg.programs.values())).variant, "_make_sweep", None)
+    stepped = loop_backward_peak(monkeypatch, cg)
     row = B * 4 * H * 8  # (one iteration's gate gradient: what holding an iteration's costs at least)
-    assert peaks[True] < peaks[False] + row // 4, peaks  # (the sweep's few Python objects aside)
+    assert swept < stepped + row // 4, (swept, stepped)  # (the sweep's few Python objects aside)
 
 
 def test_a_fused_cells_joint_gradient_is_read_from_the_buffer_row_by_its_other_readers():
