@@ -1172,14 +1172,19 @@ class ProgramInstance(SweptOnce):
         items = [list(seq[::-1] if rev else seq) for seq, rev in zip(seqs, self.item_reverse)]
         stepped = [*items, *(list(group) for group in hoisted_groups)]
         n_items = len(items)
+        # The loop rules between iterations: asked before every iteration where a while_ decides,
+        # else only from the first iteration at which a count could stop the loop.
+        stop, until, check = self._rules(run, length)
+        check_at = 0 if loop.cond is not None else first_count_stop(loop, length)
         if rows is None and self.variant._make_run is not None:  # the iterations in generated code
-            run.trips, finals = self._run(run, length, init, stepped, caps)
+            run_steps = self.variant._make_run(self._select, check, *caps)
+            until_ = None if loop.until is None else until
+            run.trips, finals = run_steps(0, check_at, records, stop, until_, *init, *stepped)
             run.finals = list(finals)
             return run
-        stop, until, check = self._rules(run, length)
         t = 0
         while True:
-            if stop(t, *state):
+            if t >= check_at and stop(t, *state):
                 break
             if rows is None:
                 record = step(t, *state, *[s[t] for s in stepped])
@@ -1203,26 +1208,6 @@ class ProgramInstance(SweptOnce):
         run.trips = t
         run.finals = state
         return run
-
-    def _run(
-        self,
-        run: ProgramRun,
-        length: int | None,
-        init: list[Any],
-        stepped: list[list[Any]],
-        caps: Sequence[Any],
-    ) -> tuple[int, tuple[Any, ...]]:
-        """The iterations by the variant's ``make_run``, with the loop rules as its callbacks
-        (:meth:`_rules`): asked before every iteration where a ``while_`` condition decides, else
-        only from the first iteration at which a count could stop the loop."""
-        loop = self.loop
-        stop, until, check = self._rules(run, length)
-        run_steps = cast(Callable[..., Any], self.variant._make_run)(self._select, check, *caps)
-        check_at = 0 if loop.cond is not None else first_count_stop(loop, length)
-        out: tuple[int, tuple[Any, ...]] = run_steps(
-            0, check_at, run.records, stop, None if loop.until is None else until, *init, *stepped
-        )
-        return out
 
     def _rules(
         self, run: ProgramRun, length: int | None
