@@ -1084,8 +1084,8 @@ def _rows_buffer(parts: list[np.ndarray], dtype: Any) -> np.ndarray | None:
 def share_rows(buffer: np.ndarray, rows: list[np.ndarray]) -> None:
     """Within this backward sweep, let the collectors whose parts are exactly ``rows`` (the rows
     of ``buffer``, in order: a loop's gradient rows, written into one buffer by its backward
-    steps) read ``buffer`` as their stack (:func:`_rows_stack`)
-    instead of stacking them. Nothing outside a sweep."""
+    steps) read ``buffer`` as their stack (:func:`_rows_stack`) instead of stacking them.
+    Nothing outside a sweep."""
     starts = _sweep.row_starts
     if starts is not None and rows:
         starts[id(rows[0])] = (buffer, rows)
@@ -1939,7 +1939,7 @@ def _tanh_vjp_row(g: np.ndarray, ans: np.ndarray, row_sum: Any) -> np.ndarray | 
     copy, so no ``.grad`` shares the buffer's memory.)"""
     buffers, starts = _sweep.rows, _sweep.row_starts  # (set together by sweep_scope)
     if starts is None or type(g) is not np.ndarray or g.dtype != ans.dtype or g.shape != ans.shape:
-        return None  # (before looking up a buffer: see _tanh_vjp_into)
+        return None  # (checked before a buffer is looked up or made: _tanh_vjp_into then fits)
     assert buffers is not None
     group = row_sum.parents[ROW_SUMS[row_sum.op.forward]]
     which = (group, row_sum.key.type, row_sum.key.id)  # (two sums may read one group's rows)
