@@ -475,6 +475,8 @@ def test_show_program_prints_a_program_over_rows_for_the_batch_and_each_input():
         vg.BuildError, match=r"<Loop:1> did not run as a body program \(built with programs=False"
     ):
         vg.show_program(g.build_batch(feeds, outputs, programs=False), loop)
+    with pytest.raises(vg.BuildError, match=r"pass the build or one of its inputs, not its \.graph\)$"):
+        vg.show_program(batch.graph, loop)  # (the graph of the ops: it knows no programs)
     g, outputs, feeds = while_loop()  # declined: the reason, as for one input
     (loop,) = [v for v in g.nodes if isinstance(v, vg.LoopNode)]
     batch = g.build_batch(feeds, outputs, programs=True)

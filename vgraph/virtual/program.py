@@ -1745,7 +1745,12 @@ def show_program(cg: Any, loop: LoopNode, idx: tuple[int, ...] = ()) -> str:
     instance = next((p for v in views if (p := getattr(v, "programs", {}).get((loop, idx)))), None)
     if instance is None:
         why = [r for v in views for lp, i, r in getattr(v, "interpreted", ()) if lp is loop and i == idx]
-        reason = f": {why[0]}" if why else " (built with programs=False, or not built)"
+        reason = (
+            f": {why[0]}"
+            if why
+            else " (built with programs=False, or not built; of a batched build, pass the build or "
+            "one of its inputs, not its .graph)"
+        )
         raise BuildError(f"{loop.describe(idx)} did not run as a body program{reason}")
     variant = instance.variant
     legend = [f"#   s{i} = {v.describe()}" for v, i in variant.slot.items()]
