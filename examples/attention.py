@@ -109,12 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-len", type=int, default=10, help="most memory slots")
     p.add_argument("--lr", type=float, default=0.03, help="Adam learning rate")
     p.add_argument("--seed", type=int, default=0, help="seeds the model and the data")
-    p.add_argument(
-        "--progress",
-        choices=("auto", "bar", "lines", "off"),
-        default="auto",
-        help="a tqdm bar with rate and ETA (auto: in a terminal, when tqdm is installed), plain lines, or nothing",
-    )
+    Progress.add_option(p)
     args = p.parse_args(argv)
 
     difference = check_identical(args)

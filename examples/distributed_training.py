@@ -50,10 +50,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--checkpoint", type=Path, help="save the training state here after every epoch")
     parser.add_argument("--resume", action="store_true", help="start from --checkpoint if it exists")
-    parser.add_argument(
-        "--progress",
-        choices=("auto", "bar", "lines", "off"),
-        default="auto",
+    Progress.add_option(
+        parser,
         help="progress on rank 0: a tqdm bar (auto: in a terminal, when tqdm is installed), plain lines, or nothing",
     )
     args = parser.parse_args(argv)

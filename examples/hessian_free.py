@@ -254,12 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the data")
     parser.add_argument("--out", default="out", help="where the plot goes")
-    parser.add_argument(
-        "--progress",
-        choices=("auto", "bar", "lines", "off"),
-        default="auto",
-        help="a tqdm bar (auto: in a terminal, when tqdm is installed), plain lines, or nothing",
-    )
+    Progress.add_option(parser)
     args = parser.parse_args(argv)
 
     test = adding_batch(np.random.default_rng(args.seed + 1000), 512, args.seq)

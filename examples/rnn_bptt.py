@@ -177,12 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch", type=int, default=16, help="windows per step")
     parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial parameters and of the data")
-    parser.add_argument(
-        "--progress",
-        choices=("auto", "bar", "lines", "off"),
-        default="auto",
-        help="a tqdm bar with rate and ETA (auto: in a terminal, when tqdm is installed), plain lines, or nothing",
-    )
+    Progress.add_option(parser)
     parser.add_argument("--out", type=Path, default=Path("out"), help="where pictures go")
     parser.add_argument("--no-render", action="store_true", help="skip the pictures")
     args = parser.parse_args(argv)

@@ -89,12 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=400, help="training steps")
     parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial parameters and of the data")
-    parser.add_argument(
-        "--progress",
-        choices=("auto", "bar", "lines", "off"),
-        default="auto",
-        help="a tqdm bar with rate and ETA (auto: in a terminal, when tqdm is installed), plain lines, or nothing",
-    )
+    Progress.add_option(parser)
     args = parser.parse_args(argv)
 
     g, outs = build_model(args.layers, args.hidden, args.seed)

@@ -280,12 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
     parser.add_argument("--test", type=int, default=400, help="held-out trees to evaluate on")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial parameters and of the data")
-    parser.add_argument(
-        "--progress",
-        choices=("auto", "bar", "lines", "off"),
-        default="auto",
-        help="a tqdm bar with rate and ETA (auto: in a terminal, when tqdm is installed), plain lines, or nothing",
-    )
+    Progress.add_option(parser)
     parser.add_argument("--out", type=Path, default=Path("out"), help="where the picture goes")
     parser.add_argument("--no-render", action="store_true", help="skip the picture")
     args = parser.parse_args(argv)

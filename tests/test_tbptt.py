@@ -367,3 +367,25 @@ def test_resume_mid_epoch_in_a_fresh_process_is_bit_for_bit(tmp_path):
         json.loads((tmp_path / f"{name}.npz.losses.json").read_text()) for name in ("straight", "resumed")
     ]
     assert len(losses[0]) == 8 and losses[0] == losses[1]  # 40 steps in chunks of 5; floats exactly equal
+
+
+def test_progress_add_option_offers_the_modes_progress_takes(capsys):
+    """The examples' ``--progress`` option: every choice makes a Progress, ``auto`` by default, an
+    unknown one is refused by the parser."""
+    import argparse
+
+    from vgraph.tbptt import Progress
+
+    parser = argparse.ArgumentParser()
+    Progress.add_option(parser, help="where it goes")
+    assert parser.parse_args([]).progress == "auto"
+    choices = next(a.choices for a in parser._actions if a.dest == "progress")
+    for mode in choices:
+        with Progress(2, mode=parser.parse_args(["--progress", mode]).progress, file=io.StringIO()) as p:
+            p.update(loss=1.0)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--progress", "tqdm"])
+    assert "invalid choice: 'tqdm'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="progress mode must be one of"):
+        Progress(2, mode="tqdm")
+    assert "where it goes" in parser.format_help()

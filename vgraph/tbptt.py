@@ -23,6 +23,7 @@ periodic lines otherwise (logs, CI).
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 import time
@@ -138,6 +139,22 @@ class Progress:
             (:class:`~vgraph.errors.ArgumentValueError`).
         ArgumentError: ``total``/``every`` not ints or ``None`` (a TypeError).
     """
+
+    #: The help of the ``--progress`` option :meth:`add_option` adds.
+    OPTION_HELP = (
+        "a tqdm bar with rate and ETA (auto: in a terminal, when tqdm is installed), plain lines, or nothing"
+    )
+
+    @staticmethod
+    def add_option(parser: argparse.ArgumentParser, help: str = OPTION_HELP) -> None:
+        """Add ``--progress {auto,bar,lines,off}`` (default ``auto``) to a command-line ``parser``:
+        its value is the ``mode`` to make a :class:`Progress` with (the examples' option).
+
+        Args:
+            parser: the parser to add the option to.
+            help: its help text.
+        """
+        parser.add_argument("--progress", choices=_MODES, default="auto", help=help)
 
     def __init__(
         self,
