@@ -1503,9 +1503,7 @@ class BatchedBuild:
                 plan.attrs[v] = grouped
             layout[v] = 1 if op.kind == CELL else 0
             if padded:
-                found = rule(
-                    op, attrs, [shape[u] for u in v.inputs], [padded.get(u) for u in v.inputs], shape[v]
-                )
+                found = rule(op, attrs, shapes, [padded.get(u) for u in v.inputs], shape[v])
                 if isinstance(found, str):
                     return f"{v.describe()} {found}"
                 if found.scale is not None:

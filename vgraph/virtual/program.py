@@ -748,9 +748,8 @@ class _Variant:
         """Whether the driver can hand the iterations to generated code (``make_run``,
         ``make_sweep``): a loop whose every step input is a carry, a stepped item or a hoisted
         node's row — not a recursion (children gathered per tree node) nor rows of a batch."""
-        loop = self.program.loop
-        n_inputs = len(loop.carries) + len(loop.items) + len(self.hoisted)
-        return not loop.children and not self.own and len(self.inputs) == n_inputs
+        loop = self.program.loop  # (no child reads, per-row values or masks among the inputs)
+        return len(self.inputs) == len(loop.carries) + len(loop.items) + len(self.hoisted)
 
     def _early_rows(self, routes: Counter[VirtualNode]) -> dict[VirtualNode, str]:
         """Per computed node whose gradient passes unchanged to a hoisted node's row (``h`` in
