@@ -145,10 +145,10 @@ def resizes(monkeypatch):
             pending.append(list(self.lengths))
         return ok
 
-    def replayed(self, values, seed):
+    def replayed(self, values, seed, **options):
         lengths = list(pending)
         pending.clear()
-        replay(self, values, seed)  # if it raises, the resize does not count
+        replay(self, values, seed, **options)  # if it raises, the resize does not count
         done.extend(lengths)
 
     monkeypatch.setattr(Elastic, "resize", counted)

@@ -44,7 +44,16 @@ from .graph import VirtualGraph
 from .hoist import RowSum, batched_attrs, defer_unread, hoist_loop, row_sums
 from .nodes import BranchNode, LoopNode, VirtualNode
 from .plan import _Plan
-from .program import BodyProgram, ProgramInstance, _seed_vjp, program_for, replayed_node_by_node, vjp_of
+from .program import (
+    BodyProgram,
+    ProgramInstance,
+    ProgramRun,
+    _seed_vjp,
+    fixed_by_shapes,
+    program_for,
+    replayed_node_by_node,
+    vjp_of,
+)
 from .rules import at_limit, check_carry, reached_end, run_cond, select_option
 from .store import _store_name
 from .unrolled import Decision, UnrolledGraph
@@ -410,7 +419,12 @@ class _Builder:
             return e
         instance.run = run
         if seqs:
-            cg.guard(seqs, _length_check(loop, idx, cast(int, length)), NodeKey("LengthCheck", loop.id, idx))
+            check = _length_check(loop, idx, cast(int, length))
+            least = self._resizable(loop, program, hoisted, run)
+            if least:
+                instance.make_resizable(least, values)
+                check = _resizable_length_check(instance)
+            cg.guard(seqs, check, NodeKey("LengthCheck", loop.id, idx))
         if structure:
             cg.guard(structure, _structure_check(loop, idx, kids), NodeKey("StructureCheck", loop.id, idx))
         for t, record in enumerate(run.records):
@@ -419,6 +433,7 @@ class _Builder:
                     cg.decisions.append(Decision(branch, (*idx, t), "option", record[pos]))
         if run.capped:
             cg.decisions.append(Decision(loop, idx, "capped", run.trips))
+        instance.decision_at = len(cg.decisions)
         cg.decisions.append(Decision(loop, idx, "iterations", run.trips))
         call = instance.vjp
         vjps = [partial(call, i) if grad else None for i in range(len(init) + len(seqs))]
@@ -446,6 +461,21 @@ class _Builder:
             )
             env[s] = cg._add_op(out, (node,), None, NodeKey("Stack", s.id, idx), s.name)
         return None
+
+    def _resizable(
+        self, loop: LoopNode, program: BodyProgram, hoisted: Sequence[VirtualNode], run: ProgramRun
+    ) -> int:
+        """The fewest iterations at which a replay may re-run this program instance at another
+        length of its sequences (0: it may not): its trip count follows from that length alone
+        (:func:`.program.fixed_by_shapes`, not capped), its hoisted work does not depend on it (no
+        hoisted reshape), and a fresh build would hoist the same nodes — which it does at any
+        trip count in ``2..max_iters`` if it hoists at all (:meth:`_program_hoists`)."""
+        if loop.structure is not None or run.capped or not fixed_by_shapes(loop, self.plan):
+            return 0
+        if any(cast(Op, v.op).name == "Reshape" for v in hoisted):
+            return 0
+        least = 2 if self.hoist and program.hoistable else 1
+        return least if least <= run.trips <= loop.max_iters else 0
 
     def _program_hoists(
         self,
@@ -622,13 +652,39 @@ def _cond_check(
 
 def _length_check(loop: LoopNode, idx: tuple[int, ...], length: int) -> Callable[..., int]:
     def check(*values: np.ndarray) -> int:
-        for seq, value in zip(loop.sequences, values):
-            if np.ndim(value) == 0 or value.shape[0] != length:
-                raise StructureChangedError(
-                    f"{loop.describe(idx)} steps through {seq.describe()}, whose length is now "
-                    f"{np.shape(value)[:1]} (was {length}); rebuild the compute graph for the new inputs"
-                )
-        return length
+        return _check_length(loop, idx, length, values)
+
+    return check
+
+
+def _check_length(loop: LoopNode, idx: tuple[int, ...], length: int, values: Sequence[np.ndarray]) -> int:
+    """``length``, if every sequence ``loop`` steps through (``values``) has it.
+
+    Raises:
+        StructureChangedError: one has not (the graph's structure no longer fits its inputs).
+    """
+    for seq, value in zip(loop.sequences, values):
+        if np.ndim(value) == 0 or value.shape[0] != length:
+            raise StructureChangedError(
+                f"{loop.describe(idx)} steps through {seq.describe()}, whose length is now "
+                f"{np.shape(value)[:1]} (was {length}); rebuild the compute graph for the new inputs"
+            )
+    return length
+
+
+def _resizable_length_check(instance: ProgramInstance) -> Callable[..., int]:
+    """The length check of a program instance that a cached build's replay may re-run at
+    another length (:meth:`.program.ProgramInstance.takes_length`)."""
+    loop, idx = instance.loop, instance.idx
+
+    def check(*values: np.ndarray) -> int:
+        length = cast(int, instance.length)
+        try:
+            return _check_length(loop, idx, length, values)
+        except StructureChangedError:
+            if not instance.takes_length(values):
+                raise
+            return cast(int, instance.length)
 
     return check
 

@@ -1125,6 +1125,15 @@ class ProgramInstance(SweptOnce):
         self.stack_src = [self._source(s.inputs[1]) for s in program.stacked]
         self.item_reverse = [bool(i.attrs.get("reverse")) for i in loop.items]
         self.reads = [(loop.carries.index(r.inputs[0]), r.attrs["slot"]) for r in loop.children]
+        # A loop whose trip count its sequences' length fixes may be re-run at another length by
+        # a cached build's replay (see :meth:`make_resizable`): the length its guard expects, what its
+        # parents' values were like (ranks and dtypes, and the sequences' rows' shapes), whether
+        # a replay lets the length change now, and where its trip count is in ``cg.decisions``.
+        self.length: int | None = None
+        self.signature: tuple[Any, ...] | None = None
+        self.resizing = False
+        self.least = 0  # (0: not resizable)
+        self.decision_at: int | None = None
 
     def _source(self, u: VirtualNode) -> tuple[bool, int]:
         v = self.variant
@@ -1237,14 +1246,60 @@ class ProgramInstance(SweptOnce):
 
         return stop, until, check
 
+    def make_resizable(self, least: int, values: Sequence[Any]) -> None:
+        """Let a cached build's replay re-run this instance at another length of its sequences
+        (see :meth:`takes_length`), built on parents' ``values``: its trip count must then lie in
+        ``least..loop.max_iters``, as the build's does."""
+        self.least, self.length, self.signature = least, len(values[self.n_carries]), self._signature(values)
+
+    def _signature(self, values: Sequence[Any]) -> tuple[Any, ...]:
+        """What a resized run must find as at the build: each parent's rank and dtype, and the
+        shape of the sequences' rows (what the program's variant and hoisting follow from)."""
+        nc, ns = self.n_carries, self.n_seqs
+        return tuple(
+            (np.shape(v)[1:] if nc <= i < nc + ns else np.ndim(v), getattr(v, "dtype", None))
+            for i, v in enumerate(values)
+        )
+
+    def takes_length(self, values: Sequence[Any]) -> bool:
+        """Whether the replay under way may re-run this instance on sequences ``values`` of
+        another length (and, if so, expect it from now on): the replay is a cached build's
+        (:attr:`resizing`), the sequences share a length, their rows have the shape they had,
+        and a fresh build of that length would run the same program with the same hoisting
+        (its trip count in ``least..max_iters``, so no other rule applies)."""
+        if not (self.resizing and self.least):
+            return False
+        lengths = {np.shape(v)[0] if np.ndim(v) else -1 for v in values}
+        n = lengths.pop()
+        loop = self.loop
+        trips = n if loop.times is None else min(loop.times, n)
+        if lengths or not self.least <= trips <= loop.max_iters:
+            return False
+        signature = cast(tuple[Any, ...], self.signature)[self.n_carries : self.n_carries + self.n_seqs]
+        if any(
+            np.shape(v)[1:] != s or getattr(v, "dtype", None) != d for v, (s, d) in zip(values, signature)
+        ):
+            return False
+        self.length = n
+        return True
+
     def rerun(self, *values: Any) -> ProgramRun:
         """:meth:`forward` for a forward of the graph: the decisions must be those of the build
-        (else the graph no longer describes the inputs: :class:`StructureChangedError`)."""
+        (else the graph no longer describes the inputs: :class:`StructureChangedError`) — but for
+        the trip count of a cached build's replay at another length (:meth:`takes_length`)."""
         old = cast(ProgramRun, self.run)
+        if self.resizing and self._signature(values) != self.signature:
+            raise StructureChangedError(
+                f"{self.loop.describe(self.idx)}: its inputs' ranks or dtypes changed"
+            )
         new = self.forward(*values)
         if is_anomaly_enabled():
             self._check_values(new)
         where = self.loop.describe(self.idx)
+        if self.resizing and new.trips != old.trips and not new.capped:  # (its length check took the length)
+            for key in [k for k in self._views if k[1] >= new.trips]:
+                del self._views[key]  # (not part of the new build, as a resized graph's left-out blocks)
+            old = new
         if new.trips != old.trips or new.capped != old.capped:
             loop = self.loop
             which = "until" if loop.until is not None else "while_" if loop.cond is not None else None

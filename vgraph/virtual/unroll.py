@@ -103,7 +103,8 @@ def build_compute_graph(
         cache: re-run the graph of an earlier build of the same structure instead of unrolling
             again (see :mod:`vgraph.virtual.cache`: the earlier graph object is then superseded),
             or of a build whose stepped sequences were longer, cut to this feed's lengths (see
-            :mod:`vgraph.virtual.elastic`);
+            :mod:`vgraph.virtual.elastic`), or of any lengths where every loop that steps
+            through a sequence ran as a body program (see ``programs``);
             ``False`` always unrolls and leaves the cache alone. A graph with checkpointed loops
             (``checkpoint=``) is never cached: a replay would need the values it dropped.
         hoist: compute loop-body nodes that depend on no carried state for all iterations at
@@ -154,13 +155,14 @@ def build_compute_graph(
         try:
             if cg._elastic is not None and not cg._elastic.resize(cg, values):
                 raise StructureChangedError("a longer sequence than the cached graph's")
+            resize = cg._elastic is None and cg._resizes_by_programs()
             with _anomaly_scope(detect_anomaly):
-                cg._replay(values, [graph.seed, graph._builds])
+                cg._replay(values, [graph.seed, graph._builds], resize=resize)
         except VGraphError:  # another structure (or an error a fresh build reports in context)
             cg = None
         if cg is not None:
             cg._build_number = graph._builds
-            graph._cache.put(ekey if cg._elastic is not None else key, cg, replayed=True)
+            graph._cache.put(ekey if cg._elastic is not None or resize else key, cg, replayed=True)
             graph.latest_build = cg
             graph._builds += 1
             return cg
@@ -194,7 +196,9 @@ def build_compute_graph(
                 known = True
                 if not cg._elastic.analyse(cg):
                     cg._elastic = None
-        graph._cache.put(key if cg._elastic is None else ekey, cg, replayed=known)
+        # kept for any leading lengths if it resizes (elastic, or by its programs), else for these
+        elastic = cg._elastic is not None or cg._resizes_by_programs()
+        graph._cache.put(ekey if elastic else key, cg, replayed=known)
     graph.latest_build = cg
     graph._builds += 1
     return cg

@@ -35,7 +35,7 @@ from .cache import SupersededGraph
 from .elastic import Elastic
 from .graph import VirtualGraph
 from .nodes import BranchNode, LoopNode, VirtualNode
-from .program import ProgramInstance
+from .program import ProgramInstance, ProgramRun
 
 _HOISTED = OPS["Hoisted"]
 
@@ -216,15 +216,44 @@ class UnrolledGraph(ComputeGraph):
         self.__class__ = SupersededGraph  # type: ignore[assignment]
         return new
 
-    def _replay(self, values: Mapping[str, np.ndarray], seed: list[int]) -> None:
+    def _replay(self, values: Mapping[str, np.ndarray], seed: list[int], resize: bool = False) -> None:
         """Recompute every node for new input values, as a fresh build of this structure would:
         in creation order, sampled leaves drawn again (from a generator seeded with ``seed``, made
         only if the graph has any: making one costs about 10 µs) when their turn comes, guards
-        re-checking every recorded decision.
+        re-checking every recorded decision. ``resize``: loops run as programs may take another
+        length of their sequences (:meth:`_resizes_by_programs`), and their trip counts are then
+        recorded anew.
 
         Raises:
             StructureChangedError: the new values lead to another structure.
         """
+        resizing = [p for p in self.programs.values() if p.least] if resize else []
+        for instance in resizing:
+            instance.resizing = True
+        try:
+            self._rerun(values, seed)
+        finally:
+            for instance in resizing:
+                instance.resizing = False
+        for instance in resizing:  # (their trip counts as this replay ran them)
+            at = cast(int, instance.decision_at)
+            trips = cast(ProgramRun, instance.run).trips
+            if self.decisions[at].value != trips:
+                self.decisions[at] = self.decisions[at]._replace(value=trips)
+
+    def _resizes_by_programs(self) -> bool:
+        """Whether a replay may run this graph for inputs of other leading lengths: it has loops
+        run as programs that may take other lengths of their sequences
+        (:meth:`.program.ProgramInstance.takes_length`), and no other loop whose length or tree
+        its guards check (a loop run node by node). A cached build keeps it by its feed's
+        shapes without their leading axis, as it keeps an elastic graph (:mod:`.elastic`)."""
+        resizable = {(loop.id, idx) for (loop, idx), p in self.programs.items() if p.least}
+        return bool(resizable) and all(
+            g.key.type not in ("LengthCheck", "StructureCheck") or (g.key.id, g.key.idx) in resizable
+            for g in self._guards
+        )
+
+    def _rerun(self, values: Mapping[str, np.ndarray], seed: list[int]) -> None:
         for n in self._graded:  # a fresh build's nodes have no gradient and retain none
             n.grad = None
             n.retains_grad = False

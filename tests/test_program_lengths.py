@@ -1,0 +1,171 @@
+"""A cached build whose loops ran as body programs serves every length of its sequences.
+
+A program runs its body over any number of iterations, so once every loop of a graph whose
+length its sequences fix ran as a program, the graph's structure no longer depends on those
+lengths: a cached build re-runs it for a feed of another length instead of building anew
+(``UnrolledGraph._resizes_by_programs``). Identity tests: every such replay gives, bit for bit,
+what a fresh program build of that feed gives, and what the per-node unroll gives (float64,
+1e-12): loss, every parameter gradient, every decision — on recurrent cells, the example models
+and random loop bodies over random sequences of lengths; and the replays did happen.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_batch import model_script_inputs
+from test_hoist import load, loop_bodies, loop_body_model
+from test_programs import cell_model, decisions
+
+import vgraph as vg
+from vgraph.virtual.unrolled import UnrolledGraph
+
+ROOT = Path(__file__).resolve().parent.parent
+TOL = {"rtol": 1e-12, "atol": 1e-12}
+
+pytestmark = pytest.mark.usefixtures("float64")  # tests/conftest.py
+
+
+@pytest.fixture
+def replays(monkeypatch):
+    """The successful replays of cached builds, as ``(resized, lengths)``: whether the replay let
+    programs take another length, and the trip counts it recorded."""
+    done = []
+    replay = UnrolledGraph._replay
+
+    def recorded(self, values, seed, resize=False):
+        replay(self, values, seed, resize=resize)  # if it raises, the build unrolls anew
+        done.append((resize, [d.value for d in self.decisions if d.kind == "iterations"]))
+
+    monkeypatch.setattr(UnrolledGraph, "_replay", recorded)
+    return done
+
+
+def step(g, feed, loss, **build):
+    """One training step's build and backward: ``(graph, loss value, parameter gradients)``."""
+    cg = g.build(feed, loss, **build)
+    g.params.zero_grad()
+    value = cg.backward(cg.outputs[0])
+    grads = {
+        k: np.array(p.grad.dense() if hasattr(p.grad, "dense") else p.grad)
+        for k, p in g.params.items()
+        if p.grad is not None
+    }
+    return cg, value, grads
+
+
+def assert_each_length_as_fresh(g, loss, feeds, hoist=True):
+    """Build ``feeds`` one after another with the cache and programs; each equals a fresh program
+    build bit for bit and the per-node unroll within TOL. Returns the cached builds' graphs."""
+    graphs = []
+    for feed in feeds:
+        cg, value, grads = step(g, feed, loss, programs=True, hoist=hoist)
+        graphs.append(cg)
+        got = (value, grads, decisions(cg))
+        _, fresh, fresh_grads = step(g, feed, loss, programs=True, cache=False, hoist=hoist)
+        plain, plain_value, plain_grads = step(g, feed, loss, programs=False, cache=False, hoist=hoist)
+        assert got[0] == fresh  # bit for bit
+        assert grads.keys() == fresh_grads.keys() == plain_grads.keys()
+        for k in grads:
+            np.testing.assert_array_equal(grads[k], fresh_grads[k], err_msg=k)
+            np.testing.assert_allclose(grads[k], plain_grads[k], **TOL, err_msg=k)
+        np.testing.assert_allclose(value, plain_value, **TOL)
+        assert got[2] == decisions(plain)
+    return graphs
+
+
+def sequences(lengths, B=2, I=3, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"xs": rng.standard_normal((T, B, I)) * 2.0, "ys": rng.integers(0, 3, T * B)} for T in lengths]
+
+
+@pytest.mark.parametrize("kind", ["lstm", "lstm-unfused", "gru"])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("hoist", [True, False])
+def test_a_cached_program_build_replays_at_other_lengths_as_fresh_builds(kind, reverse, hoist, replays):
+    g, loss = cell_model(kind, reverse, None, (2, 3, 4))
+    lengths = [4, 4, 2, 6, 3, 1, 6, 5, 3]  # (1: a hoisting program does not run one iteration)
+    graphs = assert_each_length_as_fresh(g, loss, sequences(lengths), hoist=hoist)
+    # From the third build on (a structure is kept on its second), every length re-ran the
+    # cached graph — but with hoisting, not the one-step build: it unrolled anew, its graph
+    # kept for its own shapes, and the builds after it keep a graph for every length again
+    # from the second one on.
+    resized = [2, 6, 3, 3] if hoist else [2, 6, 3, 1, 6, 5, 3]
+    assert replays == [(True, [n]) for n in resized]
+    loop = next(iter(graphs[-1].programs))[0]
+    assert graphs[-1].trip_count(loop) == 3
+
+
+def test_a_resized_graph_views_its_iterations_and_refuses_another_length_on_a_rerun(replays):
+    g, loss = cell_model("lstm", False, None, (1, 2, 3))
+    feeds = sequences([5, 5, 3], B=1, I=2)
+    g.build(feeds[0], loss, programs=True)
+    cached = g.build(feeds[1], loss, programs=True)
+    loop = next(iter(cached.programs))[0]
+    body = [v for v in loop.body if v.kind == "op"][-1]
+    old = {t: cached.node(body, (t,)) for t in (1, 4)}  # views made before the replay
+    cg = g.build(feeds[2], loss, programs=True)
+    assert replays == [(True, [3])]
+    assert cg.trip_count(loop) == 3
+    assert [d.value for d in cg.decisions if d.kind == "iterations"] == [3]
+    fresh = g.build(feeds[2], loss, programs=True, cache=False)
+    np.testing.assert_array_equal(cg.node(body, (2,)).value, fresh.node(body, (2,)).value)
+    with pytest.raises(vg.BuildError, match="not built in this graph"):
+        cg.node(body, (4,))  # the five-step build's iteration, not this one's
+    view = cg.node(body, (1,))
+    assert view is old[1]  # (a node of the re-used graph belongs to the new build, with its value)
+    np.testing.assert_array_equal(view.value, fresh.node(body, (1,)).value)
+    view.retain_grad()
+    cg.backward(cg.outputs[0])
+    fresh.node(body, (1,)).retain_grad()
+    fresh.backward(fresh.outputs[0])
+    np.testing.assert_array_equal(view.grad, fresh.node(body, (1,)).grad)
+    # a re-run of the graph itself still checks its decisions: another length is another graph
+    cg.feed(sequences([4], B=1, I=2)[0])
+    with pytest.raises(vg.StructureChangedError, match="whose length is now"):
+        cg.forward()
+
+
+def test_the_flagship_rnn_replays_for_other_lengths_of_each_batch_size(replays):
+    g, outs = load(ROOT / "examples" / "rnn_bptt.py").build_model(vocab=5, hidden=4, seed=0)
+    rng = np.random.default_rng(0)
+    feeds = [
+        {"x": np.eye(5)[rng.integers(0, 5, (T, B))], "y": rng.integers(0, 5, (T, B)), "h0": np.zeros((B, 4))}
+        for T, B in [(6, 3), (6, 3), (4, 3), (7, 2), (7, 2), (2, 2), (5, 3)]
+    ]
+    assert_each_length_as_fresh(g, outs["loss"], feeds)
+    # (a batch of another size is another structure: its rows' shape is part of the key)
+    assert replays == [(True, [4]), (True, [2]), (True, [5])]
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "examples" / "models").glob("*.py")), ids=lambda p: p.stem)
+def test_example_models_replayed_at_other_sizes_equal_fresh_builds(script, replays):
+    make, feeds = model_script_inputs(script)
+    g, outputs = make()
+    assert_each_length_as_fresh(g, outputs[0], [feeds[0], *feeds])
+    # sequence loops (the stacked RNN's layers: each layer's) re-run at each length; a branch in
+    # a body or a recursion makes decisions a program checks, so those graphs keep their shapes
+    resized = 3 if script.stem in ("elman_rnn", "stacked_rnn") else 0
+    assert sum(ok for ok, _ in replays) == resized, replays
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(loop_bodies(), st.lists(st.integers(1, 7), min_size=3, max_size=6))
+def test_random_loop_bodies_replayed_at_random_lengths_equal_fresh_builds(body, lengths):
+    g, loss, _ = loop_body_model(body)
+    rng = np.random.default_rng(len(lengths))
+    assert_each_length_as_fresh(g, loss, [{"xs": rng.normal(size=(T, 2, 3))} for T in lengths])
+
+
+def test_a_loop_run_node_by_node_keeps_the_graph_to_its_lengths():
+    """A loop that steps through a sequence node by node checks its length: such a graph is kept
+    by its exact shapes (or resized by .elastic), never re-run for another length by programs."""
+    g, loss = cell_model("lstm-unfused", False, None, (1, 2, 3))
+    feed = sequences([4], B=1, I=2)[0]
+    assert g.build(feed, loss, programs=True)._resizes_by_programs()
+    cg = g.build(feed, loss)  # the default: a loop of no fused cell, cached, runs node by node
+    assert not cg.programs and not cg._resizes_by_programs()
