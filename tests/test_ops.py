@@ -880,3 +880,34 @@ def test_a_vjp_written_into_an_array_gives_the_vjps_bits_or_declines(dtype):
             out, grad = bad
             assert into(out, grad, ans, x) is None
             assert out is None or (out == 7.0).all()
+
+
+@pytest.mark.parametrize("batch", [(), (3,), (2, 3)])
+@pytest.mark.parametrize("given", ["both", "h", "c"])
+def test_a_cells_vjp_from_its_slabs_gradients_equals_its_vjp_of_them_laid_into_zeros(batch, given):
+    """``ops.slab_vjp``: the LSTM cell's joint VJP given the gradients of h' and c' alone (with
+    its split part or without) equals the joint VJP of the output gradient that holds them and
+    zeros elsewhere."""
+    rng = np.random.default_rng(len(batch))
+    H = 4
+    xw, hw = rng.standard_normal((2, *batch, 4 * H))
+    b, c = rng.standard_normal(4 * H), rng.standard_normal((*batch, H))
+    op = ops.OPS["LSTMCell"]
+    indices, with_slabs = ops.slab_vjp(op)
+    assert indices == (0, 1)
+    ans = op.forward(xw, hw, b, c)
+    dh = rng.standard_normal(ans.shape[1:]) if given != "c" else None
+    dc = rng.standard_normal(ans.shape[1:]) if given != "h" else None
+    g = np.zeros_like(ans)
+    for index, d in zip(indices, (dh, dc)):
+        if d is not None:
+            g[index] += d
+    want = ops.joint_vjp(op)(g, ans, xw, hw, b, c)
+    prep = ops.split_vjp(op)[0]
+    part = tuple(x[0] for x in prep(ans[None]))
+    for p in (None, part):
+        got = with_slabs(p, (dh, dc), ans, xw, hw, b, c)
+        assert len(got) == len(want)
+        for x, y in zip(got, want):
+            np.testing.assert_array_equal(x, y)
+    assert ops.slab_vjp(ops.OPS["GRUCell"]) is None and ops.slab_vjp(ops.OPS["Tanh"]) is None

@@ -754,11 +754,16 @@ def test_a_fused_cells_backward_step_buffers_its_views_and_calls_its_joint_vjp_o
     cg = g.build(feed, loss, programs=True)
     source = vg.show_program(cg, next(iter(cg.programs))[0])
     source = source.split("def make_sweep(")[0]  # (the backward step; the sweep repeats its lines)
-    assert source.count("J = j") == 1  # the cell's four input gradients from one call
+    # the cell's four input gradients from one call: given h' and c''s gradients as they are
+    # where nothing else reads its value (ops.slab_vjp), else its value's whole gradient
+    assert source.count("J = v" if extra is None else "J = j") == 1
+    assert source.count("J = ") == 1 + source.count("J = INTO_J")
     assert "d = b" in source  # (the other ops' VJPs, one call per input)
     # h', c' (and the two reads of raw[0:2]) are views of the cell's value: their gradients go into one buffer, unless
-    # the value is also read otherwise (then the views' gradients stay lazy, as node by node)
-    assert source.count("] += g") == {None: 2, "view": 4, "value": 0}[extra]
+    # the value is also read otherwise (then the views' gradients stay lazy, as node by node) — or
+    # they are h' and c' alone, whose gradients the cell's VJP takes apart
+    assert source.count("] += g") == {None: 0, "view": 4, "value": 0}[extra]
+    assert source.count("g5_0 = ") == {None: 2, "view": 0, "value": 0}[extra]  # (and the clearing)
 
 
 @pytest.mark.parametrize("block_bytes", [1, 1000, 1 << 22])

@@ -2022,19 +2022,23 @@ class _SharedVJP:
     until a call with another ``g`` or ``ans`` replaces it: at most one node's gradients are
     held between backward passes. The three are one tuple, read and replaced in one step.
     ``split``: ``(prep, joint_with)`` when ``joint`` is ``joint_with`` of ``prep`` (see
-    :func:`split_vjp`), so that a loop can run ``prep`` over many outputs at once.
+    :func:`split_vjp`), so that a loop can run ``prep`` over many outputs at once. ``slabs``:
+    ``(indices, joint_slabs)``, the joint VJP from the gradients of some slabs of the output
+    alone (see :func:`slab_vjp`).
     """
 
-    __slots__ = ("joint", "memo", "split")
+    __slots__ = ("joint", "memo", "split", "slabs")
 
     def __init__(
         self,
         joint: Callable[..., tuple[Any, ...]],
         split: tuple[Callable[..., tuple[np.ndarray, ...]], Callable[..., tuple[Any, ...]]] | None = None,
+        slabs: tuple[tuple[int, ...], Callable[..., tuple[Any, ...]]] | None = None,
     ) -> None:
         self.joint = joint
         self.memo: tuple[Any, Any, tuple[Any, ...]] = (None, None, ())
         self.split = split  # (prep, joint_with): see split_vjp
+        self.slabs = slabs  # (indices, joint_slabs): see slab_vjp
 
     def vjp(self, i: int, g: Any, ans: Any, *xs: Any, **attrs: Any) -> Any:
         memo = self.memo
@@ -2072,6 +2076,21 @@ def split_vjp(op: Op) -> tuple[Callable[..., tuple[np.ndarray, ...]], Callable[.
     if joint_vjp(op) is None:
         return None
     return cast(_Nth, cast(tuple[Any, ...], vjps)[0]).shared.split
+
+
+def slab_vjp(op: Op) -> tuple[tuple[int, ...], Callable[..., tuple[Any, ...]]] | None:
+    """``(indices, joint_slabs)`` for an op whose output stacks slabs on axis 0 and whose joint
+    VJP can be given the gradients of the slabs at ``indices`` alone (the LSTM cell: ``h'`` at
+    0 and ``c'`` at 1), else ``None``. ``joint_slabs(part, grads, ans, *xs, **attrs)`` takes one
+    gradient per index (``None``: none reached that slab; not all ``None``) and, where the op's
+    joint VJP splits (:func:`split_vjp`), this output's part (``None``: computed) and returns
+    the joint VJP's gradients for the output gradient that is those slabs' and zero elsewhere.
+    A caller whose gradient of the op's value comes only from views of those slabs (a loop body
+    reading ``h'`` and ``c'``) passes them as they are, instead of laying them into zeros."""
+    vjps = op.vjps
+    if joint_vjp(op) is None:
+        return None
+    return cast(_Nth, cast(tuple[Any, ...], vjps)[0]).shared.slabs
 
 
 class _Nth:
@@ -2196,22 +2215,47 @@ def _lstm_cell_grads_with(
     part: tuple[np.ndarray, np.ndarray, np.ndarray], gs: np.ndarray, s: np.ndarray, xw: np.ndarray,
     hw: np.ndarray, b: np.ndarray, c: np.ndarray, gates: tuple[str, ...] = LSTM_GATES,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    return _lstm_grads(part, gs[0], gs[1], gs[2:], s, c)
+
+
+def _lstm_grads(
+    part: tuple[np.ndarray, np.ndarray, np.ndarray], dh: np.ndarray, dc_out: np.ndarray | None,
+    d_act: np.ndarray | None, s: np.ndarray, c: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """The LSTM cell's input gradients from those of h' (``dh``), c' (``dc_out``) and the
+    activations' slabs (``d_act``); ``None``: none reached them."""
     tc, dtc, slope = part
     H = s.shape[-1]
-    dh = gs[0]
     dc = dh * s[5]
     dc *= dtc
-    dc += gs[1]  # the total gradient of c'
+    if dc_out is not None:
+        dc += dc_out  # the total gradient of c'
     # Gradients of the activations i, f, g, o (plus any that reached their slabs) …
     da = np.empty(s[2:].shape, dtype=s.dtype)
     np.multiply(dc, s[4:1:-2], out=da[0:3:2])  # di = dc g, dg = dc i
     np.multiply(dc, c, out=da[1])
     np.multiply(dh, tc, out=da[3])
-    da += gs[2:]
+    if d_act is not None:
+        da += d_act
     # … times their slopes, written in z's column layout.
     dz = np.empty((*s.shape[1:-1], 4 * H), dtype=s.dtype)
     np.multiply(da, slope, out=_gate_major(dz, 4, H, dz.ndim - 1))
     return dz, dz, dz, dc * s[3]
+
+
+def _lstm_cell_grads_slabs(
+    part: tuple[np.ndarray, np.ndarray, np.ndarray] | None, grads: tuple[np.ndarray | None, ...],
+    s: np.ndarray, xw: np.ndarray, hw: np.ndarray, b: np.ndarray, c: np.ndarray,
+    gates: tuple[str, ...] = LSTM_GATES,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """The joint VJP given the gradients of h' and c' alone (see :func:`slab_vjp`)."""
+    dh, dc_out = grads
+    if part is None:
+        tc, dtc, slope = _lstm_cell_prep(s[None])
+        part = (tc[0], dtc[0], slope[0])
+    if dh is None:
+        dh = np.zeros(s.shape[1:], dtype=cast(np.ndarray, dc_out).dtype)
+    return _lstm_grads(part, dh, dc_out, None, s, c)
 
 
 def _lstm_cell_grads(
@@ -2278,7 +2322,9 @@ def _gru_cell_grads(
 defop(
     "LSTMCell",
     _lstm_cell,
-    *_SharedVJP(_lstm_cell_grads, (_lstm_cell_prep, _lstm_cell_grads_with)).vjps(4),
+    *_SharedVJP(
+        _lstm_cell_grads, (_lstm_cell_prep, _lstm_cell_grads_with), ((0, 1), _lstm_cell_grads_slabs)
+    ).vjps(4),
     kind=CELL,
 )
 defop("GRUCell", _gru_cell, *_SharedVJP(_gru_cell_grads).vjps(5), kind=CELL)

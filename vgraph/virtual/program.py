@@ -71,6 +71,7 @@ from ..ops import (
     joint_vjp,
     reduce_grad,
     share_rows,
+    slab_vjp,
     split_vjp,
 )
 from .nodes import BranchNode, LoopNode, VirtualNode
@@ -515,6 +516,7 @@ class _Variant:
             "ZEROS": np.zeros,
             "INTO": _into_row,
             "INTO_J": _into_row_joint,
+            "SLABS": SLABS,
             "RowsProductGrad": RowsProductGrad,
             "LeadingSumGrad": LeadingSumGrad,
         }
@@ -551,16 +553,19 @@ class _Variant:
         lines.append(f"    def back(KEEP, r{', ' + ', '.join(seeds) if seeds else ''}):")
         record = ", ".join(f"s{i}" for i in range(self.size))
         lines.append(f"        ({record},) = r")
-        slots = [v for v in (*self.inputs, *self.computed) if v in grad]
-        cleared = "".join(f"g{self.slot[v]} = " for v in slots) + "None"  # (every slot's gradient)
-        if slots:
-            lines.append(f"        {cleared}")
         # seeds: the gradient of each carry's update and of each stacked value
         outs = [(loop.updates[c], f"u{k}") for k, c in enumerate(loop.carries)]
         outs += [(s.inputs[1], f"q{k}") for k, s in enumerate(self.program.stacked)]
+        buffered = self._buffered(outs)
+        slabbed = self._slabbed(buffered, early)
+        slots = [v for v in (*self.inputs, *self.computed) if v in grad]
+        # (every slot's gradient, and a slabbed slot's per slab)
+        slabs = [f"g{self.slot[u]}_{j}" for u, (indices, _) in slabbed.items() for j in range(len(indices))]
+        cleared = "".join(f"{name} = " for name in [*(f"g{self.slot[v]}" for v in slots), *slabs]) + "None"
+        if slots:
+            lines.append(f"        {cleared}")
         for u, g in outs:
             self._route(u, g, lines, "        ", env)
-        buffered = self._buffered(outs)
         for v in reversed(self.computed):
             if v not in grad:
                 continue
@@ -574,8 +579,9 @@ class _Variant:
                     lines.append(f"{pad}{'if' if k == 0 else 'elif'} s{ch} == {k}:")
                     self._route(option, f"g{i}", lines, pad + "    ", env)
                 continue
-            lines.append(f"{pad}if type(g{i}) is not ndarray and isinstance(g{i}, LazyGrad):")
-            lines.append(f"{pad}    g{i} = g{i}.dense()")
+            if v not in slabbed:  # (a slabbed slot's gradient is SLABS: its slabs' are g<i>_<j>)
+                lines.append(f"{pad}if type(g{i}) is not ndarray and isinstance(g{i}, LazyGrad):")
+                lines.append(f"{pad}    g{i} = g{i}.dense()")
             if v in early:  # (the row its gradient becomes, read from here on: see _early_rows)
                 lines.append(f"{pad}g{i} = INTO({early[v]}, g{i})")
             if v in self._gmask:  # (a padded node's: nothing from its padding reaches a real entry)
@@ -583,6 +589,13 @@ class _Variant:
                 lines.append(f"{pad}g{i} = ZEROED(g{i}, s{self.slot[self._gmask[v]]})")
             op, attrs = self.op(v), self.attrs(v)
             index = basic_view_index(op, attrs)
+            if index is not None and v.inputs[0] in slabbed:  # its gradient is its slab's
+                k, j = self.slot[v.inputs[0]], slabbed[v.inputs[0]][0].index(index)
+                lines.append(f"{pad}g{k}_{j} = g{i} if g{k}_{j} is None else ADD(g{k}_{j}, g{i})")
+                lines.append(f"{pad}g{k} = SLABS")
+                for n in range(2):
+                    self.back_lines[len(lines) - n] = (v, 0)
+                continue
             if index is not None and v.inputs[0] in buffered:  # its gradient added into the buffer
                 k = self.slot[v.inputs[0]]
                 env[f"x{i}"] = index
@@ -598,7 +611,16 @@ class _Variant:
             args = ", ".join(names)
             wanted = self._wanted(v)
             joint = joint_vjp(op) if len(wanted) > 1 else None
-            if joint is not None:  # one call for all the inputs' gradients
+            if v in slabbed:  # one call for all the inputs' gradients, from its slabs'
+                with_slabs = slabbed[v][1]
+                env[f"v{i}"] = partial(with_slabs, **attrs) if attrs else with_slabs
+                given = ", ".join(f"g{i}_{j}" for j in range(len(slabbed[v][0])))
+                lines.append(f"{pad}J = v{i}({prep_arg.get(v, 'None')}, ({given},), s{i}, {args})")
+                self.back_lines[len(lines)] = (v, wanted[0])
+                for p in wanted:
+                    if v.inputs[p] in self._row_arg:
+                        lines.append(f"{pad}J = INTO_J(J, {p}, {self._row_arg[v.inputs[p]]})")
+            elif joint is not None:  # one call for all the inputs' gradients
                 env[f"j{i}"] = partial(joint, **attrs) if attrs else joint
                 if v in prep_arg:
                     with_part = cast(tuple[Any, Callable[..., Any]], split_vjp(op))[1]
@@ -668,7 +690,7 @@ class _Variant:
         body_at = 3 if slots else 2  # (the step's lines after the record's unpacking)
         body = lines[body_at:]
         back = ", ".join(f"g{self.slot[v]}" if v in grad else "None" for v in self.inputs)
-        every = ", ".join(f"g{self.slot[v]}" if v in grad else "None" for v in (*self.inputs, *self.computed))
+        every = ", ".join(self._kept(v, slabbed, env) for v in (*self.inputs, *self.computed))
         lines.append("        if KEEP:  # every slot's gradient too (views that retain theirs)")
         lines.append(f"            return ({back}{',' if self.inputs else ''}), ({every},)")
         lines.append(f"        return ({back}{',' if self.inputs else ''})")
@@ -830,6 +852,50 @@ class _Variant:
         computed = set(self.computed)
         return {u for u in views - other if u in computed}
 
+    def _slabbed(
+        self, buffered: set[VirtualNode], early: dict[VirtualNode, str]
+    ) -> dict[VirtualNode, tuple[tuple[int, ...], Callable[..., tuple[Any, ...]]]]:
+        """The buffered slots (:meth:`_buffered`) whose op's joint VJP takes their views'
+        gradients as they are (``ops.slab_vjp``: a fused LSTM cell's ``h'`` and ``c'``), with the
+        slabs it takes: every view of them is an integer index of one of those slabs, and more
+        than one input wants a gradient. The backward step keeps each slab's gradient (the sum of
+        its views', in the same order) and passes them to that VJP, where the buffer would be
+        zeros with the views' gradients added in (which the VJP then reads whole)."""
+        indices: dict[VirtualNode, list[Any]] = {}
+        for v in self.computed:
+            if (
+                v in self.grad_slots
+                and not isinstance(v, BranchNode)
+                and v.inputs
+                and v.inputs[0] in buffered
+            ):
+                indices.setdefault(v.inputs[0], []).append(basic_view_index(self.op(v), self.attrs(v)))
+        found = {}
+        for u, read in indices.items():
+            slabs = slab_vjp(self.op(u))
+            if slabs is None or u in early or u in self._gmask or len(self._wanted(u)) < 2:
+                continue
+            if all(type(x) is int and x in slabs[0] for x in read):
+                found[u] = slabs
+        return found
+
+    def _kept(
+        self,
+        v: VirtualNode,
+        slabbed: dict[VirtualNode, tuple[tuple[int, ...], Callable[..., tuple[Any, ...]]]],
+        env: dict[str, Any],
+    ) -> str:
+        """The expression of slot ``v``'s gradient that a step returns to views that retain
+        theirs (``KEEP``): a slabbed slot's laid into zeros, as the buffer would hold it."""
+        if v not in self.grad_slots:
+            return "None"
+        i = self.slot[v]
+        if v not in slabbed:
+            return f"g{i}"
+        env["SLAB_G"], env[f"X{i}"] = _slab_grad, slabbed[v][0]
+        given = ", ".join(f"g{i}_{j}" for j in range(len(slabbed[v][0])))
+        return f"(SLAB_G(s{i}, X{i}, ({given},)) if g{i} is SLABS else g{i})"
+
     def _route(self, u: VirtualNode, g: str, lines: list[str], pad: str, env: dict[str, Any]) -> None:
         """Add gradient ``g`` (a name; may be ``None`` at run time for a seed) to ``u``'s."""
         if u in self.slot:
@@ -876,6 +942,23 @@ def _into_row(row: np.ndarray | None, g: Any) -> Any:
         return g
     np.copyto(row, g)
     return row
+
+
+#: What a backward step holds as the gradient of a slot whose slabs' gradients it keeps apart
+#: (:meth:`_Variant._slabbed`): the slot has one.
+SLABS = object()
+
+
+def _slab_grad(ans: np.ndarray, indices: tuple[int, ...], grads: tuple[Any, ...]) -> np.ndarray | None:
+    """The gradient of ``ans`` that is ``grads`` at slabs ``indices`` (axis 0) and zero elsewhere
+    (``None`` if none reached any)."""
+    out = None
+    for index, g in zip(indices, grads):
+        if g is not None:
+            if out is None:
+                out = np.zeros(ans.shape, dtype=g.dtype)
+            out[index] += g
+    return out
 
 
 def _into_row_joint(J: tuple[Any, ...], p: int, row: np.ndarray | None) -> tuple[Any, ...]:
