@@ -678,13 +678,9 @@ def _resizable_length_check(instance: ProgramInstance) -> Callable[..., int]:
     loop, idx = instance.loop, instance.idx
 
     def check(*values: np.ndarray) -> int:
-        length = cast(int, instance.length)
-        try:
-            return _check_length(loop, idx, length, values)
-        except StructureChangedError:
-            if not instance.takes_length(values):
-                raise
+        if instance.resizing and instance.takes_length(values):
             return cast(int, instance.length)
+        return _check_length(loop, idx, cast(int, instance.length), values)
 
     return check
 

@@ -1346,10 +1346,10 @@ class ProgramInstance(SweptOnce):
 
     def takes_length(self, values: Sequence[Any]) -> bool:
         """Whether the replay under way may re-run this instance on sequences ``values`` of
-        another length (and, if so, expect it from now on): the replay is a cached build's
-        (:attr:`resizing`), the sequences share a length, their rows have the shape they had,
-        and a fresh build of that length would run the same program with the same hoisting
-        (its trip count in ``least..max_iters``, so no other rule applies)."""
+        their length, the build's or another (and, if so, expect it from now on): the replay is
+        a cached build's (:attr:`resizing`), the sequences share a length, their rows have the
+        shape they had, and a fresh build of that length would run the same program with the
+        same hoisting (its trip count in ``least..max_iters``, so no other rule applies)."""
         if not (self.resizing and self.least):
             return False
         lengths = {np.shape(v)[0] if np.ndim(v) else -1 for v in values}
