@@ -161,11 +161,54 @@ def test_random_loop_bodies_replayed_at_random_lengths_equal_fresh_builds(body, 
     assert_each_length_as_fresh(g, loss, [{"xs": rng.normal(size=(T, 2, 3))} for T in lengths])
 
 
-def test_a_loop_run_node_by_node_keeps_the_graph_to_its_lengths():
-    """A loop that steps through a sequence node by node checks its length: such a graph is kept
-    by its exact shapes (or resized by .elastic), never re-run for another length by programs."""
+def test_a_graph_whose_loop_lengths_decide_more_keeps_to_its_shapes():
+    """A loop that steps through a sequence node by node checks its length, and a program whose
+    trip count a condition decides (or whose iterations branch) checks its decisions: such a
+    graph is kept by its exact shapes (or resized by .elastic), never re-run for another length."""
     g, loss = cell_model("lstm-unfused", False, None, (1, 2, 3))
     feed = sequences([4], B=1, I=2)[0]
     assert g.build(feed, loss, programs=True)._resizes_by_programs()
     cg = g.build(feed, loss)  # the default: a loop of no fused cell, cached, runs node by node
     assert not cg.programs and not cg._resizes_by_programs()
+    g = vg.VirtualGraph(seed=1)
+    xs = g.input("xs", (None, 2))
+    with g.loop(until=lambda t, s: float(s["h"].sum()) > 3.0) as L:
+        h = L.carry(np.zeros(2), name="h")
+        L.update(h, h + vg.tanh(L.step(xs)))
+    cg = g.build({"xs": np.ones((9, 2))}, vg.sum(L.final(h)), programs=True)
+    assert cg.programs and not cg._resizes_by_programs()
+
+
+def capped_model(on_limit):
+    """An LSTM over a stepped sequence, at most four steps (``max_iters=4``)."""
+    g = vg.VirtualGraph(seed=3)
+    xs = g.input("xs", (None, 1, 2))
+    cell = vg.nn.LSTMCell(g, 2, 3, "cell")
+    zeros = g.constant(np.zeros((1, 3)), name="zeros")
+    with g.loop(max_iters=4, on_limit=on_limit) as L:
+        h, c = L.carry(zeros, name="h"), L.carry(zeros, name="c")
+        h_new, c_new = cell(L.step(xs), (h, c))
+        L.update(h, h_new)
+        L.update(c, c_new)
+    return g, vg.sum(L.stack(h_new))
+
+
+@pytest.mark.parametrize("on_limit", ["raise", "stop"])
+def test_a_length_past_max_iters_is_not_replayed_but_built_as_fresh(on_limit, replays):
+    """A replay takes another length only where a fresh build would run the same rules: a
+    sequence longer than ``max_iters`` raises, or is capped, exactly as a fresh build does."""
+    g, loss = capped_model(on_limit)
+    feeds = [{"xs": np.full((T, 1, 2), 0.1 * T)} for T in (3, 3, 2, 6, 4)]
+    for feed in feeds:
+        if feed["xs"].shape[0] > 4 and on_limit == "raise":
+            for cache in (True, False):
+                with pytest.raises(vg.LoopLimitError):
+                    g.build(feed, loss, programs=True, cache=cache)
+            continue
+        cg = g.build(feed, loss, programs=True)
+        fresh = g.build(feed, loss, programs=True, cache=False)
+        assert cg.outputs[0].value == fresh.outputs[0].value
+        assert decisions(cg) == decisions(fresh)
+    # the two-step build re-ran the cached graph; the six-step one did not (the capped build
+    # is not resizable: the four-step one after it was built afresh, as its first sighting)
+    assert replays == [(True, [2])]
