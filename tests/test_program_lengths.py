@@ -1,12 +1,14 @@
-"""A cached build whose loops ran as body programs serves every length of its sequences.
+"""A cached build whose loops ran as body programs serves every length of its sequences, and
+every tree of its recursions.
 
-A program runs its body over any number of iterations, so once every loop of a graph whose
-length its sequences fix ran as a program, the graph's structure no longer depends on those
-lengths: a cached build re-runs it for a feed of another length instead of building anew
-(``UnrolledGraph._resizes_by_programs``). Identity tests: every such replay gives, bit for bit,
-what a fresh program build of that feed gives, and what the per-node unroll gives (float64,
-1e-12): loss, every parameter gradient, every decision — on recurrent cells, the example models
-and random loop bodies over random sequences of lengths; and the replays did happen.
+A program runs its body over any number of iterations, so once every loop of a graph whose trip
+count its sequences or its tree decide ran as a program, the graph's structure no longer depends
+on them: a cached build re-runs it for a feed of other lengths or another tree instead of building
+anew (``UnrolledGraph._resizes_by_programs``). Identity tests: every such replay gives, bit for
+bit, what a fresh program build of that feed gives, and what the per-node unroll gives (float64,
+1e-12): loss, every parameter gradient, every decision — on recurrent cells, the example models,
+random loop bodies with and without a branch over random sequences of lengths, and a recursion
+over random trees; and the replays did happen.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_batch import model_script_inputs
 from test_hoist import load, loop_bodies, loop_body_model
-from test_programs import cell_model, decisions
+from test_programs import cell_model, decisions, tree_model, trees
 
 import vgraph as vg
 from vgraph.virtual.unrolled import UnrolledGraph
@@ -147,10 +149,9 @@ def test_example_models_replayed_at_other_sizes_equal_fresh_builds(script, repla
     make, feeds = model_script_inputs(script)
     g, outputs = make()
     assert_each_length_as_fresh(g, outputs[0], [feeds[0], *feeds])
-    # sequence loops (the stacked RNN's layers: each layer's) re-run at each length; a branch in
-    # a body or a recursion makes decisions a program checks, so those graphs keep their shapes
-    resized = 3 if script.stem in ("elman_rnn", "stacked_rnn") else 0
-    assert sum(ok for ok, _ in replays) == resized, replays
+    # every build after the second re-ran the cached graph: sequence loops (the stacked RNN's
+    # layers: each layer's) at each length, a body's branch choosing anew, a recursion on each tree
+    assert [ok for ok, _ in replays] == [True] * 3, replays
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)
@@ -161,10 +162,34 @@ def test_random_loop_bodies_replayed_at_random_lengths_equal_fresh_builds(body, 
     assert_each_length_as_fresh(g, loss, [{"xs": rng.normal(size=(T, 2, 3))} for T in lengths])
 
 
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(
+    loop_bodies(),
+    st.tuples(st.integers(0, 9), st.integers(0, 100)),
+    st.lists(st.integers(1, 7), min_size=3, max_size=5),
+)
+def test_random_bodies_with_a_branch_replayed_at_random_lengths_equal_fresh_builds(body, branch, lengths):
+    """A branch chooses per iteration from the iteration's values: a replay at another length
+    chooses anew and records its choices where the build recorded them."""
+    g, loss, _ = loop_body_model(body, branch=branch)
+    rng = np.random.default_rng(sum(lengths))
+    assert_each_length_as_fresh(g, loss, [{"xs": rng.normal(size=(T, 2, 3))} for T in lengths])
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(st.lists(trees(), min_size=3, max_size=5))
+def test_a_recursion_replayed_on_random_trees_equals_fresh_builds(forest):
+    """A recursion run as a program runs any tree: a cached build re-runs the graph on each new
+    tree (a one-node tree is built afresh: a hoisting program runs at least two nodes)."""
+    g, loss = tree_model()
+    feeds = [{"children": c, "tokens": t, "is_leaf": leaf} for c, t, leaf in forest]
+    assert_each_length_as_fresh(g, loss, feeds)
+
+
 def test_a_graph_whose_loop_lengths_decide_more_keeps_to_its_shapes():
     """A loop that steps through a sequence node by node checks its length, and a program whose
-    trip count a condition decides (or whose iterations branch) checks its decisions: such a
-    graph is kept by its exact shapes (or resized by .elastic), never re-run for another length."""
+    trip count a condition decides checks it: such a graph is kept by its exact shapes (or
+    resized by .elastic), never re-run for another length."""
     g, loss = cell_model("lstm-unfused", False, None, (1, 2, 3))
     feed = sequences([4], B=1, I=2)[0]
     assert g.build(feed, loss, programs=True)._resizes_by_programs()

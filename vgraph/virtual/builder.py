@@ -49,14 +49,13 @@ from .program import (
     ProgramInstance,
     ProgramRun,
     _seed_vjp,
-    fixed_by_shapes,
     program_for,
     replayed_node_by_node,
     vjp_of,
 )
 from .rules import at_limit, check_carry, reached_end, run_cond, select_option
 from .store import _store_name
-from .unrolled import Decision, UnrolledGraph
+from .unrolled import Decision, UnrolledGraph, program_decisions
 
 _GETITEM, _STACK, _HOISTED, _BRANCH = OPS["GetItem"], OPS["Stack"], OPS["Hoisted"], OPS["Branch"]
 
@@ -418,27 +417,28 @@ class _Builder:
         except Exception as e:
             return e
         instance.run = run
+        graded = variant.graded(run)
+        least = self._resizable(loop, program, hoisted, run) if seqs or structure else 0
+        if least:
+            instance.make_resizable(least, values, graded)
         if seqs:
             check = _length_check(loop, idx, cast(int, length))
-            least = self._resizable(loop, program, hoisted, run)
-            if least:
-                instance.make_resizable(least, values)
-                check = _resizable_length_check(instance)
-            cg.guard(seqs, check, NodeKey("LengthCheck", loop.id, idx))
+            cg.guard(
+                seqs,
+                _resizable_length_check(instance) if least else check,
+                NodeKey("LengthCheck", loop.id, idx),
+            )
         if structure:
-            cg.guard(structure, _structure_check(loop, idx, kids), NodeKey("StructureCheck", loop.id, idx))
-        for t, record in enumerate(run.records):
-            for branch, pos in variant.choice.items():
-                if record[pos] >= 0:
-                    cg.decisions.append(Decision(branch, (*idx, t), "option", record[pos]))
-        if run.capped:
-            cg.decisions.append(Decision(loop, idx, "capped", run.trips))
-        instance.decision_at = len(cg.decisions)
-        cg.decisions.append(Decision(loop, idx, "iterations", run.trips))
+            check = _structure_check(loop, idx, kids)
+            if least:
+                check = _resizable_structure_check(instance, check)
+            cg.guard(structure, check, NodeKey("StructureCheck", loop.id, idx))
+        start = len(cg.decisions)
+        cg.decisions += program_decisions(instance, run)
+        instance.decisions = (start, len(cg.decisions))
         call = instance.vjp
         vjps = [partial(call, i) if grad else None for i in range(len(init) + len(seqs))]
         vjps += [None] * len(structure)
-        graded = variant.graded(run)
         vjps += [
             partial(call, len(vjps) + j) if v in needs and graded[j] else None
             for j, v in enumerate(program.captured)
@@ -466,11 +466,12 @@ class _Builder:
         self, loop: LoopNode, program: BodyProgram, hoisted: Sequence[VirtualNode], run: ProgramRun
     ) -> int:
         """The fewest iterations at which a replay may re-run this program instance at another
-        length of its sequences (0: it may not): its trip count follows from that length alone
-        (:func:`.program.fixed_by_shapes`, not capped), its hoisted work does not depend on it (no
+        length of its sequences or on another tree (0: it may not): its trip count follows from
+        them (no ``while_``/``until``; not capped), its hoisted work does not depend on it (no
         hoisted reshape), and a fresh build would hoist the same nodes — which it does at any
-        trip count in ``2..max_iters`` if it hoists at all (:meth:`_program_hoists`)."""
-        if loop.structure is not None or run.capped or not fixed_by_shapes(loop, self.plan):
+        trip count in ``2..max_iters`` if it hoists at all (:meth:`_program_hoists`). Branches
+        in the body choose again per iteration, and the replay records their choices anew."""
+        if loop.cond is not None or loop.until is not None or run.capped:
             return 0
         if any(cast(Op, v.op).name == "Reshape" for v in hoisted):
             return 0
@@ -683,6 +684,23 @@ def _resizable_length_check(instance: ProgramInstance) -> Callable[..., int]:
         return _check_length(loop, idx, cast(int, instance.length), values)
 
     return check
+
+
+def _resizable_structure_check(instance: ProgramInstance, check: Callable[..., int]) -> Callable[..., int]:
+    """``check`` (a :func:`_structure_check`) for a recursion run as a program that a cached
+    build's replay may re-run on another tree (:meth:`.program.ProgramInstance.takes_count`),
+    once :func:`_check_structure` has found it well formed."""
+    loop, idx = instance.loop, instance.idx
+
+    def resizable(value: np.ndarray) -> int:
+        if instance.resizing:
+            length = instance.length if instance.n_seqs else None  # (its length check's, run first)
+            n = len(_check_structure(loop, idx, value, length))
+            if instance.takes_count(n):
+                return n
+        return check(value)
+
+    return resizable
 
 
 def _iteration_views(

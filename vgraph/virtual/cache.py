@@ -10,9 +10,9 @@ masks) exactly as a fresh build would, and re-runs every node in creation order;
 decisions (trip counts, branch choices, recursion structures) are guards, re-checked on the way.
 If one says the structure differs, the build unrolls afresh — callers never see the difference.
 A graph whose loops step through sequences is kept by its feed's shapes *without* their leading
-axis, and serves every length up to its own (see :mod:`.elastic`) — or every length, where each
-of those loops ran as a body program, which runs any number of iterations
-(:meth:`~.program.ProgramInstance.takes_length`).
+axis, and serves every length up to its own (see :mod:`.elastic`) — or every length and every
+tree, where each of those loops and recursions ran as a body program, which runs any number of
+iterations (:meth:`~.program.ProgramInstance.takes_length`).
 
 What an earlier graph means afterwards: the graph object a build returned is *superseded* when a
 later build of the same key takes its nodes over (whether or not the structure turned out the

@@ -1208,15 +1208,17 @@ class ProgramInstance(SweptOnce):
         self.stack_src = [self._source(s.inputs[1]) for s in program.stacked]
         self.item_reverse = [bool(i.attrs.get("reverse")) for i in loop.items]
         self.reads = [(loop.carries.index(r.inputs[0]), r.attrs["slot"]) for r in loop.children]
-        # A loop whose trip count its sequences' length fixes may be re-run at another length by
-        # a cached build's replay (see :meth:`make_resizable`): the length its guard expects, what its
-        # parents' values were like (ranks and dtypes, and the sequences' rows' shapes), whether
-        # a replay lets the length change now, and where its trip count is in ``cg.decisions``.
+        # A loop whose trip count its sequences or its tree decide may be re-run on others by a
+        # cached build's replay (see :meth:`make_resizable`): the length its guards expect, what its
+        # parents' values were like (ranks and dtypes, and the sequences' rows' shapes), which
+        # captured values its run read where a gradient flows, whether a replay lets the length
+        # change now, and where its decisions are in ``cg.decisions`` (start, stop).
         self.length: int | None = None
         self.signature: tuple[Any, ...] | None = None
+        self.graded: list[bool] = []
         self.resizing = False
         self.least = 0  # (0: not resizable)
-        self.decision_at: int | None = None
+        self.decisions = (0, 0)
 
     def _source(self, u: VirtualNode) -> tuple[bool, int]:
         v = self.variant
@@ -1329,11 +1331,13 @@ class ProgramInstance(SweptOnce):
 
         return stop, until, check
 
-    def make_resizable(self, least: int, values: Sequence[Any]) -> None:
-        """Let a cached build's replay re-run this instance at another length of its sequences
-        (see :meth:`takes_length`), built on parents' ``values``: its trip count must then lie in
-        ``least..loop.max_iters``, as the build's does."""
-        self.least, self.length, self.signature = least, len(values[self.n_carries]), self._signature(values)
+    def make_resizable(self, least: int, values: Sequence[Any], graded: list[bool]) -> None:
+        """Let a cached build's replay re-run this instance at another length of its sequences or
+        on another tree (see :meth:`takes_length`, :meth:`takes_count`), built on parents'
+        ``values`` with ``graded`` (:meth:`_Variant.graded` of its run): its trip count must then
+        lie in ``least..loop.max_iters``, as the build's does."""
+        self.least, self.signature, self.graded = least, self._signature(values), graded
+        self.length = len(values[self.n_carries])  # (the first sequence's, or the children array's)
 
     def _signature(self, values: Sequence[Any]) -> tuple[Any, ...]:
         """What a resized run must find as at the build: each parent's rank and dtype, and the
@@ -1350,18 +1354,22 @@ class ProgramInstance(SweptOnce):
         a cached build's (:attr:`resizing`), the sequences share a length, their rows have the
         shape they had, and a fresh build of that length would run the same program with the
         same hoisting (its trip count in ``least..max_iters``, so no other rule applies)."""
-        if not (self.resizing and self.least):
-            return False
         lengths = {np.shape(v)[0] if np.ndim(v) else -1 for v in values}
         n = lengths.pop()
-        loop = self.loop
-        trips = n if loop.times is None else min(loop.times, n)
-        if lengths or not self.least <= trips <= loop.max_iters:
-            return False
         signature = cast(tuple[Any, ...], self.signature)[self.n_carries : self.n_carries + self.n_seqs]
-        if any(
+        if lengths or any(
             np.shape(v)[1:] != s or getattr(v, "dtype", None) != d for v, (s, d) in zip(values, signature)
         ):
+            return False
+        return self.takes_count(n)
+
+    def takes_count(self, n: int) -> bool:
+        """Whether the replay under way may re-run this instance over ``n`` sequence steps or
+        tree nodes (and, if so, expect them from now on): :meth:`takes_length`'s rule on the
+        trip count alone."""
+        loop = self.loop
+        trips = n if loop.times is None else min(loop.times, n)
+        if not (self.resizing and self.least and self.least <= trips <= loop.max_iters):
             return False
         self.length = n
         return True
@@ -1379,8 +1387,11 @@ class ProgramInstance(SweptOnce):
         if is_anomaly_enabled():
             self._check_values(new)
         where = self.loop.describe(self.idx)
-        if self.resizing and new.trips != old.trips and not new.capped:  # (its length check took the length)
-            for key in [k for k in self._views if k[1] >= new.trips]:
+        if self.resizing:  # (its guards took the length or tree): another run, its choices its own
+            if new.capped or self.variant.graded(new) != self.graded:
+                raise StructureChangedError(f"{where}: its run reads other values than the build's")
+            records = new.records
+            for key in [(s, t) for s, t in self._views if t >= new.trips or records[t][s] is None]:
                 del self._views[key]  # (not part of the new build, as a resized graph's left-out blocks)
             old = new
         if new.trips != old.trips or new.capped != old.capped:

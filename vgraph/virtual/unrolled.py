@@ -68,6 +68,23 @@ def find_decision(
     return None
 
 
+def program_decisions(instance: ProgramInstance, run: ProgramRun) -> list[Decision]:
+    """The decisions of a loop instance run as a program, as a build node by node records them:
+    its branches' choices iteration by iteration, a cap, its trip count."""
+    loop, idx = instance.loop, instance.idx
+    choice = instance.variant.choice.items()
+    made = [
+        Decision(branch, (*idx, t), "option", record[pos])
+        for t, record in enumerate(run.records)
+        for branch, pos in choice
+        if record[pos] >= 0
+    ]
+    if run.capped:
+        made.append(Decision(loop, idx, "capped", run.trips))
+    made.append(Decision(loop, idx, "iterations", run.trips))
+    return made
+
+
 class UnrolledGraph(ComputeGraph):
     """The ComputeGraph of one unrolled VirtualGraph, with its outputs and decisions.
 
@@ -235,18 +252,20 @@ class UnrolledGraph(ComputeGraph):
         finally:
             for instance in resizing:
                 instance.resizing = False
-        for instance in resizing:  # (their trip counts as this replay ran them)
-            at = cast(int, instance.decision_at)
-            trips = cast(ProgramRun, instance.run).trips
-            if self.decisions[at].value != trips:
-                self.decisions[at] = self.decisions[at]._replace(value=trips)
+        shift = 0  # (their decisions as this replay ran them, in the place the build made them)
+        for instance in sorted(resizing, key=lambda p: p.decisions[0]):
+            start, stop = instance.decisions[0] + shift, instance.decisions[1] + shift
+            made = program_decisions(instance, cast(ProgramRun, instance.run))
+            self.decisions[start:stop] = made
+            instance.decisions = (start, start + len(made))
+            shift += len(made) - (stop - start)
 
     def _resizes_by_programs(self) -> bool:
         """Whether a replay may run this graph for inputs of other leading lengths: it has loops
-        run as programs that may take other lengths of their sequences
-        (:meth:`.program.ProgramInstance.takes_length`), and no other loop whose length or tree
-        its guards check (a loop run node by node). A cached build keeps it by its feed's
-        shapes without their leading axis, as it keeps an elastic graph (:mod:`.elastic`)."""
+        run as programs that may take other lengths of their sequences or other trees
+        (:meth:`.program.ProgramInstance.takes_length`, ``takes_count``), and no other loop whose
+        length or tree its guards check (a loop run node by node). A cached build keeps it by its
+        feed's shapes without their leading axis, as it keeps an elastic graph (:mod:`.elastic`)."""
         resizable = {(loop.id, idx) for (loop, idx), p in self.programs.items() if p.least}
         return bool(resizable) and all(
             g.key.type not in ("LengthCheck", "StructureCheck") or (g.key.id, g.key.idx) in resizable
