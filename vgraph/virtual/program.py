@@ -1377,7 +1377,8 @@ class ProgramInstance(SweptOnce):
     def rerun(self, *values: Any) -> ProgramRun:
         """:meth:`forward` for a forward of the graph: the decisions must be those of the build
         (else the graph no longer describes the inputs: :class:`StructureChangedError`) — but for
-        the trip count of a cached build's replay at another length (:meth:`takes_length`)."""
+        the trip count and choices of a cached build's replay on other lengths or another tree
+        (:meth:`takes_length`, :meth:`takes_count`)."""
         old = cast(ProgramRun, self.run)
         if self.resizing and self._signature(values) != self.signature:
             raise StructureChangedError(

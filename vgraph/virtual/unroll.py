@@ -103,8 +103,9 @@ def build_compute_graph(
         cache: re-run the graph of an earlier build of the same structure instead of unrolling
             again (see :mod:`vgraph.virtual.cache`: the earlier graph object is then superseded),
             or of a build whose stepped sequences were longer, cut to this feed's lengths (see
-            :mod:`vgraph.virtual.elastic`), or of any lengths where every loop that steps
-            through a sequence ran as a body program (see ``programs``);
+            :mod:`vgraph.virtual.elastic`), or of any lengths and trees where every loop that
+            steps through a sequence and every recursion ran as a body program (see
+            ``programs``);
             ``False`` always unrolls and leaves the cache alone. A graph with checkpointed loops
             (``checkpoint=``) is never cached: a replay would need the values it dropped.
         hoist: compute loop-body nodes that depend on no carried state for all iterations at

@@ -237,9 +237,9 @@ class UnrolledGraph(ComputeGraph):
         """Recompute every node for new input values, as a fresh build of this structure would:
         in creation order, sampled leaves drawn again (from a generator seeded with ``seed``, made
         only if the graph has any: making one costs about 10 µs) when their turn comes, guards
-        re-checking every recorded decision. ``resize``: loops run as programs may take another
-        length of their sequences (:meth:`_resizes_by_programs`), and their trip counts are then
-        recorded anew.
+        re-checking every recorded decision. ``resize``: loops run as programs may take other
+        lengths of their sequences or other trees (:meth:`_resizes_by_programs`), and their
+        decisions (choices, trip counts) are then recorded anew.
 
         Raises:
             StructureChangedError: the new values lead to another structure.
