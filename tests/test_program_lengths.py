@@ -237,3 +237,36 @@ def test_a_length_past_max_iters_is_not_replayed_but_built_as_fresh(on_limit, re
     # the two-step build re-ran the cached graph; the six-step one did not (the capped build
     # is not resizable: the four-step one after it was built afresh, as its first sighting)
     assert replays == [(True, [2])]
+
+
+def dropout_tagger():
+    """An LSTM over embedded tokens with dropout on the embeddings (a mask drawn per build,
+    outside the loop, shaped by the sentence's length)."""
+    g = vg.VirtualGraph(seed=11)
+    tokens = g.input("tokens", (None, 1))
+    emb = vg.nn.Embedding(g, 12, 3, "emb")
+    cell = vg.nn.LSTMCell(g, 3, 4, "cell")
+    zeros = g.constant(np.zeros((1, 4)), name="zeros")
+    x = vg.nn.Dropout(g, 0.3)(emb(tokens))
+    with g.loop() as L:
+        h, c = L.carry(zeros, name="h"), L.carry(zeros, name="c")
+        h_new, c_new = cell(L.step(x), (h, c))
+        L.update(h, h_new)
+        L.update(c, c_new)
+    return g, vg.sum(L.stack(h_new) ** 2)
+
+
+def test_a_replay_at_another_length_draws_the_masks_a_fresh_build_draws(replays):
+    """Sampled values outside the loop (dropout) are drawn again at the new length, from the
+    build's own generator: the same masks, losses and gradients as a graph built afresh every
+    time with the same sequence of builds."""
+    (g, loss), (fresh_g, fresh_loss) = dropout_tagger(), dropout_tagger()
+    rng = np.random.default_rng(0)
+    for T in (5, 5, 3, 8, 2):
+        feed = {"tokens": rng.integers(0, 12, (T, 1))}
+        _, value, grads = step(g, feed, loss, programs=True)
+        _, want, want_grads = step(fresh_g, feed, fresh_loss, programs=True, cache=False)
+        assert value == want
+        for k in want_grads:
+            np.testing.assert_array_equal(grads[k], want_grads[k], err_msg=k)
+    assert replays == [(True, [3]), (True, [8]), (True, [2])]
