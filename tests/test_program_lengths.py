@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_batch import model_script_inputs
 from test_hoist import load, loop_bodies, loop_body_model
-from test_programs import cell_model, decisions, tree_model, trees
+from test_programs import cell_model, decisions, param_grads, tree_model, trees
 
 import vgraph as vg
 from vgraph.virtual.unrolled import UnrolledGraph
@@ -52,12 +52,7 @@ def step(g, feed, loss, **build):
     cg = g.build(feed, loss, **build)
     g.params.zero_grad()
     value = cg.backward(cg.outputs[0])
-    grads = {
-        k: np.array(p.grad.dense() if hasattr(p.grad, "dense") else p.grad)
-        for k, p in g.params.items()
-        if p.grad is not None
-    }
-    return cg, value, grads
+    return cg, value, param_grads(g)
 
 
 def assert_each_length_as_fresh(g, loss, feeds, hoist=True):

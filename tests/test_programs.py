@@ -54,12 +54,16 @@ def run(g, feed, loss, programs, hoist=True, retain=None):
             node.retain_grad()
     g.params.zero_grad()
     value = cg.backward(cg.outputs[0])
-    grads = {
+    return cg, value, param_grads(g)
+
+
+def param_grads(g):
+    """Every parameter's gradient (dense, a copy) by name, of those that have one."""
+    return {
         k: np.array(p.grad.dense() if hasattr(p.grad, "dense") else p.grad)
         for k, p in g.params.items()
         if p.grad is not None
     }
-    return cg, value, grads
 
 
 def assert_identical(g, feed, loss, hoist=True, expect_programs=True):
