@@ -2084,7 +2084,8 @@ def slab_vjp(op: Op) -> tuple[tuple[int, ...], Callable[..., tuple[Any, ...]]] |
     0 and ``c'`` at 1), else ``None``. ``joint_slabs(part, grads, ans, *xs, **attrs)`` takes one
     gradient per index (``None``: none reached that slab; not all ``None``) and, where the op's
     joint VJP splits (:func:`split_vjp`), this output's part (``None``: computed) and returns
-    the joint VJP's gradients for the output gradient that is those slabs' and zero elsewhere.
+    the joint VJP's gradients for the output gradient that is those slabs' and zero elsewhere;
+    given ``out=``, an array, it writes input 0's gradient into it where it fits (the same bits).
     A caller whose gradient of the op's value comes only from views of those slabs (a loop body
     reading ``h'`` and ``c'``) passes them as they are, instead of laying them into zeros."""
     vjps = op.vjps
@@ -2220,10 +2221,11 @@ def _lstm_cell_grads_with(
 
 def _lstm_grads(
     part: tuple[np.ndarray, np.ndarray, np.ndarray], dh: np.ndarray, dc_out: np.ndarray | None,
-    d_act: np.ndarray | None, s: np.ndarray, c: np.ndarray,
+    d_act: np.ndarray | None, s: np.ndarray, c: np.ndarray, out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
     """The LSTM cell's input gradients from those of h' (``dh``), c' (``dc_out``) and the
-    activations' slabs (``d_act``); ``None``: none reached them."""
+    activations' slabs (``d_act``); ``None``: none reached them. The pre-activations' gradient
+    (that of ``xw``, ``hw`` and ``b``) is written into ``out`` where its shape and dtype fit."""
     tc, dtc, slope = part
     H = s.shape[-1]
     dc = dh * s[5]
@@ -2238,7 +2240,9 @@ def _lstm_grads(
     if d_act is not None:
         da += d_act
     # … times their slopes, written in z's column layout.
-    dz = np.empty((*s.shape[1:-1], 4 * H), dtype=s.dtype)
+    shape = (*s.shape[1:-1], 4 * H)
+    fits = type(out) is np.ndarray and out.shape == shape and out.dtype == s.dtype
+    dz = cast(np.ndarray, out) if fits else np.empty(shape, dtype=s.dtype)
     np.multiply(da, slope, out=_gate_major(dz, 4, H, dz.ndim - 1))
     return dz, dz, dz, dc * s[3]
 
@@ -2246,7 +2250,7 @@ def _lstm_grads(
 def _lstm_cell_grads_slabs(
     part: tuple[np.ndarray, np.ndarray, np.ndarray] | None, grads: tuple[np.ndarray | None, ...],
     s: np.ndarray, xw: np.ndarray, hw: np.ndarray, b: np.ndarray, c: np.ndarray,
-    gates: tuple[str, ...] = LSTM_GATES,
+    gates: tuple[str, ...] = LSTM_GATES, out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
     """The joint VJP given the gradients of h' and c' alone (see :func:`slab_vjp`)."""
     dh, dc_out = grads
@@ -2255,7 +2259,7 @@ def _lstm_cell_grads_slabs(
         part = (tc[0], dtc[0], slope[0])
     if dh is None:
         dh = np.zeros(s.shape[1:], dtype=cast(np.ndarray, dc_out).dtype)
-    return _lstm_grads(part, dh, dc_out, None, s, c)
+    return _lstm_grads(part, dh, dc_out, None, s, c, out)
 
 
 def _lstm_cell_grads(

@@ -615,7 +615,9 @@ class _Variant:
                 with_slabs = slabbed[v][1]
                 env[f"v{i}"] = partial(with_slabs, **attrs) if attrs else with_slabs
                 given = ", ".join(f"g{i}_{j}" for j in range(len(slabbed[v][0])))
-                lines.append(f"{pad}J = v{i}({prep_arg.get(v, 'None')}, ({given},), s{i}, {args})")
+                row = self._row_arg.get(v.inputs[0])  # (input 0's gradient written into its row)
+                out_arg = f", out={row}" if row is not None else ""
+                lines.append(f"{pad}J = v{i}({prep_arg.get(v, 'None')}, ({given},), s{i}, {args}{out_arg})")
                 self.back_lines[len(lines)] = (v, wanted[0])
                 for p in wanted:
                     if v.inputs[p] in self._row_arg:
