@@ -915,7 +915,7 @@ def test_a_cells_vjp_from_its_slabs_gradients_equals_its_vjp_of_them_laid_into_z
     out = np.full_like(xw, 7.0)
     got = with_slabs(part, (dh, dc), ans, xw, hw, b, c, out=out)
     assert got[0] is out and out.tobytes() == plain.tobytes()
-    wrong = np.full(xw.shape[:-1] + (1,), 7.0)
+    wrong = np.full((*xw.shape[:-1], 1), 7.0)
     got = with_slabs(part, (dh, dc), ans, xw, hw, b, c, out=wrong)
     assert got[0] is not wrong and (wrong == 7.0).all() and got[0].tobytes() == plain.tobytes()
     assert ops.slab_vjp(ops.OPS["GRUCell"]) is None and ops.slab_vjp(ops.OPS["Tanh"]) is None

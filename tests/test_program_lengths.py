@@ -265,3 +265,25 @@ def test_a_replay_at_another_length_draws_the_masks_a_fresh_build_draws(replays)
         for k in want_grads:
             np.testing.assert_array_equal(grads[k], want_grads[k], err_msg=k)
     assert replays == [(True, [3]), (True, [8]), (True, [2])]
+
+
+def test_a_graph_replayed_on_another_tree_reruns_on_that_tree_and_refuses_others(replays):
+    """After a replay on a new tree, the graph describes that tree: a forward after feeding it
+    again recomputes it (equal to a fresh build), another tree raises."""
+    g, loss = tree_model()
+    chain = {  # ((0, 1), 2), 3: a left-leaning tree of three leaves
+        "children": np.array([[-1, -1], [-1, -1], [-1, -1], [0, 1], [3, 2]]),
+        "tokens": np.array([1, 2, 3, 0, 0]),
+        "is_leaf": np.array([1.0, 1.0, 1.0, 0.0, 0.0]),
+    }
+    pair = {"children": np.array([[-1, -1], [-1, -1], [0, 1]]), "tokens": np.array([4, 5, 0]),
+            "is_leaf": np.array([1.0, 1.0, 0.0])}  # fmt: skip
+    for feed in (chain, chain, pair):
+        cg = g.build(feed, loss, programs=True)
+    assert replays == [(True, [3])]
+    want = g.build(pair, loss, programs=True, cache=False).outputs[0].value
+    cg.feed({k: v.copy() for k, v in pair.items()})
+    assert cg.forward() == want
+    cg.feed(chain)
+    with pytest.raises(vg.StructureChangedError):
+        cg.forward()

@@ -422,16 +422,12 @@ class _Builder:
         if least:
             instance.make_resizable(least, values, graded)
         if seqs:
-            check = _length_check(loop, idx, cast(int, length))
-            cg.guard(
-                seqs,
-                _resizable_length_check(instance) if least else check,
-                NodeKey("LengthCheck", loop.id, idx),
+            check = (
+                _resizable_length_check(instance) if least else _length_check(loop, idx, cast(int, length))
             )
+            cg.guard(seqs, check, NodeKey("LengthCheck", loop.id, idx))
         if structure:
-            check = _structure_check(loop, idx, kids)
-            if least:
-                check = _resizable_structure_check(instance, check)
+            check = _resizable_structure_check(instance) if least else _structure_check(loop, idx, kids)
             cg.guard(structure, check, NodeKey("StructureCheck", loop.id, idx))
         start = len(cg.decisions)
         cg.decisions += program_decisions(instance, run)
@@ -686,21 +682,22 @@ def _resizable_length_check(instance: ProgramInstance) -> Callable[..., int]:
     return check
 
 
-def _resizable_structure_check(instance: ProgramInstance, check: Callable[..., int]) -> Callable[..., int]:
-    """``check`` (a :func:`_structure_check`) for a recursion run as a program that a cached
-    build's replay may re-run on another tree (:meth:`.program.ProgramInstance.takes_count`),
-    once :func:`_check_structure` has found it well formed."""
+def _resizable_structure_check(instance: ProgramInstance) -> Callable[..., int]:
+    """The structure check of a recursion run as a program that a cached build's replay may
+    re-run on another tree (:meth:`.program.ProgramInstance.takes_count`, once
+    :func:`_check_structure` has found it well formed); otherwise the tree must be the one its
+    run last ran (the build's, or the last replay's)."""
     loop, idx = instance.loop, instance.idx
 
-    def resizable(value: np.ndarray) -> int:
+    def check(value: np.ndarray) -> int:
         if instance.resizing:
             length = instance.length if instance.n_seqs else None  # (its length check's, run first)
             n = len(_check_structure(loop, idx, value, length))
             if instance.takes_count(n):
                 return n
-        return check(value)
+        return _structure_check(loop, idx, np.array(cast(ProgramRun, instance.run).kids))(value)
 
-    return resizable
+    return check
 
 
 def _iteration_views(

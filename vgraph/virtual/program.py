@@ -831,14 +831,14 @@ class _Variant:
                 counts.update(v.inputs[p] for p in self._wanted(v))
         return counts
 
-    def _buffered(self, seeds: list[tuple[VirtualNode, str]]) -> set[VirtualNode]:
+    def _buffered(self, seeds: list[tuple[VirtualNode, str]]) -> dict[VirtualNode, list[Any]]:
         """The computed slots whose gradient comes only from basic-index views of them
-        (``ops.basic_view_index``: the outputs of a fused cell, ``h'`` and ``c'``): the backward
-        step adds those views' gradients into one zero buffer it allocates, instead of
-        collecting lazy indexed gradients and laying them into zeros when the slot's turn comes
-        (the same additions, in the same order)."""
+        (``ops.basic_view_index``: the outputs of a fused cell, ``h'`` and ``c'``), with the
+        indices of those views: the backward step adds those views' gradients into one zero
+        buffer it allocates, instead of collecting lazy indexed gradients and laying them into
+        zeros when the slot's turn comes (the same additions, in the same order)."""
         grad = self.grad_slots
-        views: set[VirtualNode] = set()
+        views: dict[VirtualNode, list[Any]] = {}
         other = {u for u, _ in seeds}
         for v in self.computed:
             if v not in grad:
@@ -847,15 +847,18 @@ class _Variant:
                 other.update(v.options)
                 continue
             op = cast(Op, v.op)
-            view = basic_view_index(op, self.attrs(v)) is not None
+            index = basic_view_index(op, self.attrs(v))
             for p, u in enumerate(v.inputs):
                 if vjp_of(op, p) is not None and u in grad:
-                    (views if view else other).add(u)
+                    if index is None:
+                        other.add(u)
+                    else:
+                        views.setdefault(u, []).append(index)
         computed = set(self.computed)
-        return {u for u in views - other if u in computed}
+        return {u: read for u, read in views.items() if u not in other and u in computed}
 
     def _slabbed(
-        self, buffered: set[VirtualNode], early: dict[VirtualNode, str]
+        self, buffered: dict[VirtualNode, list[Any]], early: dict[VirtualNode, str]
     ) -> dict[VirtualNode, tuple[tuple[int, ...], Callable[..., tuple[Any, ...]]]]:
         """The buffered slots (:meth:`_buffered`) whose op's joint VJP takes their views'
         gradients as they are (``ops.slab_vjp``: a fused LSTM cell's ``h'`` and ``c'``), with the
@@ -863,17 +866,8 @@ class _Variant:
         than one input wants a gradient. The backward step keeps each slab's gradient (the sum of
         its views', in the same order) and passes them to that VJP, where the buffer would be
         zeros with the views' gradients added in (which the VJP then reads whole)."""
-        indices: dict[VirtualNode, list[Any]] = {}
-        for v in self.computed:
-            if (
-                v in self.grad_slots
-                and not isinstance(v, BranchNode)
-                and v.inputs
-                and v.inputs[0] in buffered
-            ):
-                indices.setdefault(v.inputs[0], []).append(basic_view_index(self.op(v), self.attrs(v)))
         found = {}
-        for u, read in indices.items():
+        for u, read in buffered.items():
             slabs = slab_vjp(self.op(u))
             if slabs is None or u in early or u in self._gmask or len(self._wanted(u)) < 2:
                 continue
