@@ -919,3 +919,28 @@ def test_a_cells_vjp_from_its_slabs_gradients_equals_its_vjp_of_them_laid_into_z
     got = with_slabs(part, (dh, dc), ans, xw, hw, b, c, out=wrong)
     assert got[0] is not wrong and (wrong == 7.0).all() and got[0].tobytes() == plain.tobytes()
     assert ops.slab_vjp(ops.OPS["GRUCell"]) is None and ops.slab_vjp(ops.OPS["Tanh"]) is None
+
+
+@pytest.mark.parametrize("name", ["LSTMCell", "GRUCell"])
+@pytest.mark.parametrize("batch", [(), (3,), (2, 3)])
+def test_a_cells_forward_writes_into_an_out_array_that_fits_with_the_same_bits(name, batch):
+    """``ops.forward_into``: the fused cells take ``out=``, write their value there and return it
+    where its shape and dtype fit, and ignore it otherwise; the same bits either way."""
+    rng = np.random.default_rng(len(batch))
+    H = 3
+    op = ops.OPS[name]
+    gates = 4 if name == "LSTMCell" else 3
+    xw, hw = rng.standard_normal((2, *batch, gates * H))
+    state = rng.standard_normal((*batch, H))
+    biases = [rng.standard_normal(gates * H) for _ in range(1 if name == "LSTMCell" else 2)]
+    xs = (xw, hw, *biases, state)
+    plain = op.forward(*xs)
+    out = np.full_like(plain, 7.0)
+    assert op.forward(*xs, out=out) is out and out.tobytes() == plain.tobytes()
+    frozen = np.full_like(plain, 7.0)
+    frozen.flags.writeable = False
+    for wrong in (np.full((1, *plain.shape), 7.0), np.full(plain.shape, 7, dtype=np.float32), frozen):
+        got = op.forward(*xs, out=wrong)
+        assert got is not wrong and (wrong == 7.0).all() and got.tobytes() == plain.tobytes()
+    assert ops.forward_into(op)
+    assert not ops.forward_into(ops.OPS["MatMul"]) and not ops.forward_into(ops.OPS["Tanh"])

@@ -847,3 +847,70 @@ def test_a_last_update_also_stacked_keeps_both_gradients(threshold):
     plain, prog = assert_identical(g, feed, loss)
     final = prog.node(next(v for v in g.nodes if v.kind == "final"))
     np.testing.assert_allclose(final.grad + 0.5, plain.node(chosen, (5,)).grad, **TOL)
+
+
+def stacked_cell_model(kind: str, reverse: bool):
+    """A loop whose fused cell's ``h'`` is stacked as it is (a tagger's direction)."""
+    g = vg.VirtualGraph(seed=7)
+    xs = g.input("xs", (None, 2, 3))
+    zeros = g.constant(np.zeros((2, 4)), name="zeros")
+    cell = nn.GRUCell(g, 3, 4, "cell") if kind == "gru" else nn.LSTMCell(g, 3, 4, "cell")
+    with g.loop() as L:
+        x_t = L.step(xs, reverse=reverse)
+        h = L.carry(zeros, name="h")
+        if kind == "gru":
+            h_new = cell(x_t, h)
+        else:
+            c = L.carry(zeros, name="c")
+            h_new, c_new = cell(x_t, (h, c))
+            L.update(c, c_new)
+        L.update(h, h_new)
+    return g, vg.sum(vg.tanh(L.stack(h_new)) * 0.5)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_loop_computes_a_fused_cell_into_one_buffer_its_backward_and_stacks_read(kind, reverse):
+    """A whole loop's run computes a fused cell's values into one buffer, a row per iteration
+    (``ops.forward_into``): the backward's record part reads the rows as one block, a stack of
+    ``h'`` is a read-only view of them — not copies — and every value and gradient is the per-node
+    unroll's."""
+    from vgraph.virtual import program
+
+    g, loss = stacked_cell_model(kind, reverse)
+    feed = {"xs": np.random.default_rng(4).standard_normal((5, 2, 3))}
+    _, prog = assert_identical(g, feed, loss)
+    (instance,) = prog.programs.values()
+    run = instance.run
+    (slot,) = run.buffers  # the cell's
+    buf = run.buffers[slot]
+    assert buf.shape[0] == 5 and all(r[slot].base is buf for r in run.records)
+    assert np.array_equal(np.stack([r[slot] for r in run.records]), buf)
+    (stacked,) = [n for n in prog.nodes() if n.key.type == "Stack"]
+    assert np.shares_memory(stacked.value, buf) and np.array_equal(stacked.value, buf[:, 0])
+    with pytest.raises(ValueError, match="read-only"):
+        stacked.value[...] = 0.0
+    # a row that is not the buffer's (an op that could not write into it): the values are stacked
+    assert program._rows_of(run, slot, 1, 4) is not None
+    records = list(run.records)
+    run.records[2] = (*run.records[2][:slot], run.records[2][slot].copy(), *run.records[2][slot + 1 :])
+    assert program._rows_of(run, slot, 0, 5) is None and program._rows_of(run, slot, 3, 5) is not None
+    run.records[:] = records
+
+
+def test_a_loop_no_length_bounds_runs_its_cell_without_a_buffer():
+    """A ``while_`` loop over no sequence has no bound on its iterations: its cell's values are
+    arrays of their own, as the per-node unroll's, with the same values and gradients."""
+    g = vg.VirtualGraph(seed=2)
+    x = g.input("x", (1, 3))
+    cell = nn.LSTMCell(g, 3, 3, "cell")
+    zeros = g.constant(np.zeros((1, 3)), name="zeros")
+    with g.loop(while_=lambda t, state: t < 4, max_iters=10) as L:
+        h, c = L.carry(zeros, name="h"), L.carry(zeros, name="c")
+        h_new, c_new = cell(x, (h, c))
+        L.update(h, h_new)
+        L.update(c, c_new)
+    loss = vg.sum(L.stack(h_new) ** 2)
+    _, prog = assert_identical(g, {"x": np.ones((1, 3))}, loss)
+    (instance,) = prog.programs.values()
+    assert instance.run.buffers == {} and instance.run.trips == 4

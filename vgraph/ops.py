@@ -2094,6 +2094,19 @@ def slab_vjp(op: Op) -> tuple[tuple[int, ...], Callable[..., tuple[Any, ...]]] |
     return cast(_Nth, cast(tuple[Any, ...], vjps)[0]).shared.slabs
 
 
+#: The built-in forwards that take ``out=`` (see :func:`forward_into`).
+_FORWARD_INTO: set[Callable[..., Any]] = set()
+
+
+def forward_into(op: Op) -> bool:
+    """Whether ``op``'s forward takes ``out=``: an array sharing no memory with its inputs, into
+    which it writes its value and which it returns, where the value's shape and dtype are the
+    array's (else it ignores it) — the same bits either way. A loop run as a body program passes each iteration's row of one buffer, so
+    that the iterations' values are one array its backward reads as a block (the fused cells'
+    :func:`split_vjp` parts) and its stacked values are views of, not copies stacked anew."""
+    return not op.user and op.forward in _FORWARD_INTO
+
+
 class _Nth:
     """The VJP for input ``i`` of a :class:`_SharedVJP` (a partial that says what it is)."""
 
@@ -2170,13 +2183,14 @@ def _lstm_affine(dtype: np.dtype[Any], batch_ndim: int, H: int) -> tuple[np.ndar
 
 
 def _lstm_cell(
-    xw: np.ndarray, hw: np.ndarray, b: np.ndarray, c: np.ndarray, gates: tuple[str, ...] = LSTM_GATES
-) -> np.ndarray:
+    xw: np.ndarray, hw: np.ndarray, b: np.ndarray, c: np.ndarray, gates: tuple[str, ...] = LSTM_GATES,
+    out: np.ndarray | None = None,
+) -> np.ndarray:  # fmt: skip
     if c.ndim == 2 and xw.shape == hw.shape == (c.shape[0], 4 * c.shape[1]) and b.shape == xw.shape[1:]:
         batch, H = c.shape[:1], c.shape[1]  # the hot path: (B, H) rows and a bias vector
     else:
         batch, H = _cell_shapes("LSTMCell", 4, c, xw=xw, hw=hw, b=b)
-    s = np.empty((6, *batch, H), dtype=np.result_type(xw, hw, b, c))
+    s = _cell_out(out, (6, *batch, H), np.result_type(xw, hw, b, c))
     z = xw + hw
     if b.ndim == 1 and z.ndim == 2:  # (a bias as one row: numpy adds a vector to rows slowly)
         np.add(z, b[None], out=z)
@@ -2196,6 +2210,14 @@ def _lstm_cell(
     np.tanh(s[1], out=s[0])
     s[0] *= o
     return s
+
+
+def _cell_out(out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+    """A cell's output array: ``out`` where it is one of that shape and dtype (see
+    :func:`forward_into`), else a new one."""
+    if type(out) is np.ndarray and out.shape == shape and out.dtype == dtype and out.flags.writeable:
+        return out
+    return np.empty(shape, dtype=dtype)
 
 
 def _lstm_cell_prep(states: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -2272,10 +2294,10 @@ def _lstm_cell_grads(
 
 def _gru_cell(
     xw: np.ndarray, hw: np.ndarray, b_x: np.ndarray, b_h: np.ndarray, h: np.ndarray,
-    gates: tuple[str, ...] = GRU_GATES,
+    gates: tuple[str, ...] = GRU_GATES, out: np.ndarray | None = None,
 ) -> np.ndarray:  # fmt: skip
     batch, H = _cell_shapes("GRUCell", 3, h, xw=xw, hw=hw, b_x=b_x, b_h=b_h)
-    s = np.empty((4, *batch, H), dtype=np.result_type(xw, hw, b_x, b_h, h))
+    s = _cell_out(out, (4, *batch, H), np.result_type(xw, hw, b_x, b_h, h))
     if xw.ndim == hw.ndim == 2 and b_x.ndim == b_h.ndim == 1:  # (biases as rows: see _lstm_cell)
         gx, gh = xw + b_x[None], hw + b_h[None]
     else:
@@ -2332,6 +2354,7 @@ defop(
     kind=CELL,
 )
 defop("GRUCell", _gru_cell, *_SharedVJP(_gru_cell_grads).vjps(5), kind=CELL)
+_FORWARD_INTO.update((_lstm_cell, _gru_cell))
 
 
 # ---------------------------------------------------------------------------- fused losses

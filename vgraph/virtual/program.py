@@ -68,6 +68,7 @@ from ..ops import (
     add_grads_sparse,
     basic_view_index,
     densified,
+    forward_into,
     joint_vjp,
     reduce_grad,
     share_rows,
@@ -278,6 +279,19 @@ class _Variant:
                     readers.append(self.slot[v])
         self.needs = needs
         self.grad_slots = self._grad_slots(needs)
+        # The slots a whole loop's run writes into one buffer per run, a row per iteration (ops
+        # whose forward takes out=: ops.forward_into), and the slots that are basic views of
+        # another's value (slot -> (its input's slot, the index)).
+        self.into: set[VirtualNode] = set()
+        self.views: dict[int, tuple[int, Any]] = {}
+        for v in computed:
+            if isinstance(v, BranchNode):
+                continue
+            index = basic_view_index(self.op(v), self.attrs(v))
+            if index is not None and v.inputs[0] in self.slot:
+                self.views[self.slot[v]] = (self.slot[v.inputs[0]], index)
+            elif self._runs_whole() and forward_into(self.op(v)) and not self._masked(v):
+                self.into.add(v)
         self.forward_source, fwd_env = self._forward_source()
         self.back_lines: dict[int, tuple[VirtualNode, int]] = {}
         self.backward_source, bwd_env = self._backward_source()
@@ -352,6 +366,10 @@ class _Variant:
         """The op body node ``v`` runs in these steps (its declared one, or one over rows)."""
         return self._ops.get(v) or cast(Op, v.op)
 
+    def _masked(self, v: VirtualNode) -> bool:
+        """Whether ``v``'s input or value is filled, zeroed or scaled around its op (:mod:`.padded`)."""
+        return v in self._pre or v in self._post or v in self._scale
+
     def _name(self, u: VirtualNode) -> str:
         if u in self.slot:
             return f"s{self.slot[u]}"
@@ -374,10 +392,12 @@ class _Variant:
             body.append(" = ".join(f"s{self.slot[v]}" for v in later) + " = None")
         for ch in self.choice.values():
             body.append(f"s{ch} = -1")
+        run_body = list(body)
         built: set[VirtualNode] = set(self.inputs)
         for v in self.computed:
             if v in eager:
                 self._emit(v, body, env, "", built, guard=False)
+                self._emit(v, run_body, env, "", built, guard=False, into=self.into)
                 built.add(v)
         record = f"({', '.join(f's{i}' for i in range(self.size))},)"
         lines = [f"def make_step(SELECT, {caps}):" if caps else "def make_step(SELECT):"]
@@ -385,18 +405,21 @@ class _Variant:
         lines += [f"        {line}" for line in body]
         lines.append(f"        return {record}")
         lines.append("    return step")
-        lines += self._run_lines(body, record, caps)
+        lines += self._run_lines(run_body, record, caps)
         return "\n".join(lines) + "\n", env
 
     def _run_lines(self, body: list[str], record: str, caps: str) -> list[str]:
-        """``make_run(SELECT, CHECK, k…)`` → ``run(t, check_at, RECORDS, STOP, UNTIL, carries…,
-        SEQ<slot>…)``: from iteration ``t`` on, each iteration's record appended to ``RECORDS``
+        """``make_run(SELECT, CHECK, INTO, k…)`` → ``run(t, check_at, RECORDS, STOP, UNTIL,
+        carries…, SEQ<slot>…)``: from iteration ``t`` on, each iteration's record appended to ``RECORDS``
         and its carries updated, until ``STOP(t, carries…)`` (asked from iteration ``check_at``
         on: the loop rules before an iteration) or ``UNTIL(t, carries…)`` (after one, if given)
         says so; returns the iterations run and the carries. ``SEQ<slot>``: the rows of a
         stepped item or hoisted node, by iteration. A carry whose update changes its shape or
         dtype goes to ``CHECK(t, k, old, new)`` (which raises, or allows a first update that
-        widens it). The same lines as the step's, without a call and a record per iteration
+        widens it). A slot of :attr:`into` is computed into row ``t`` of its buffer ``O<slot>``,
+        which ``INTO(slot, t, value)`` makes from the first value (``(buffer, buffer[t])``, or a
+        stand-in whose rows are ``None``). The same lines as the step's, without a call and a
+        record per iteration
         handed back and forth: what the driver runs where it can (none for a recursion, whose
         children's rows the driver gathers, nor on rows of a batch)."""
         loop = self.program.loop
@@ -406,8 +429,10 @@ class _Variant:
         stepped = [self.slot[v] for v in (*loop.items, *self.hoisted)]
         state = ", ".join(carries) + ("," if len(carries) == 1 else "")
         params = ["t", "check_at", "RECORDS", "STOP", "UNTIL", *carries, *(f"SEQ{i}" for i in stepped)]
-        lines = ["", f"def make_run(SELECT, CHECK{', ' + caps if caps else ''}):"]
+        lines = ["", f"def make_run(SELECT, CHECK, INTO{', ' + caps if caps else ''}):"]
         lines.append(f"    def run({', '.join(params)}):")
+        if self.into:
+            lines.append("        " + " = ".join(f"O{self.slot[v]}" for v in self.into) + " = None")
         lines.append("        while True:")
         lines.append(f"            if t >= check_at and STOP(t, {state}):")
         lines.append("                break")
@@ -435,9 +460,11 @@ class _Variant:
         pad: str,
         built: set[VirtualNode],
         guard: bool,
+        into: set[VirtualNode] | frozenset[VirtualNode] = frozenset(),
     ) -> None:
         """Emit the computation of ``v`` (a guard ``if sN is None`` where it may be built already
-        in this iteration, by an option chosen before)."""
+        in this iteration, by an option chosen before); a node of ``into`` into its buffer's row
+        (see :meth:`_run_lines`)."""
         i = self.slot[v]
         if guard:
             lines.append(f"{pad}if s{i} is None:")
@@ -452,7 +479,7 @@ class _Variant:
             for k, option in enumerate(v.options):
                 lines.append(f"{pad}{'if' if k == 0 else 'elif'} s{ch} == {k}:")
                 for u in self._demand(option, built):
-                    self._emit(u, lines, env, pad + "    ", built, guard=True)
+                    self._emit(u, lines, env, pad + "    ", built, guard=True, into=into)
                 lines.append(f"{pad}    s{i} = {self._name(option)}")
             return
         op, attrs = self.op(v), self.attrs(v)
@@ -465,6 +492,12 @@ class _Variant:
         names = [self._name(u) for u in v.inputs]
         if v in self._pre:  # (a softmax along a padded axis: its padding -inf)
             names[0] = self._filled(v, names[0], env)
+        if v in into:
+            lines.append(f"{pad}if O{i} is None:")
+            lines.append(f"{pad}    O{i}, s{i} = INTO({i}, t, f{i}({', '.join(names)}))")
+            lines.append(f"{pad}else:")
+            lines.append(f"{pad}    s{i} = f{i}({', '.join(names)}, out=O{i}[t])")
+            return
         lines.append(f"{pad}s{i} = f{i}({', '.join(names)})")
         if v in self._post:  # (a padded result's padding zeroed)
             env["ZEROED"] = zeroed
@@ -1070,16 +1103,14 @@ class _Parts:
     and at most a block held. ``None`` for the iterations of a block whose values cannot be
     stacked (an option not chosen): their steps call the joint VJP whole."""
 
-    __slots__ = ("records", "slot", "prep", "lo", "rows")
+    __slots__ = ("run", "records", "slot", "prep", "lo", "rows")
 
     #: The most bytes of one slot's values stacked for one ``prep`` call.
     BLOCK_BYTES = 1 << 22
 
-    def __init__(
-        self, records: list[tuple[Any, ...]], slot: int, prep: Callable[..., tuple[np.ndarray, ...]]
-    ):
-        self.records, self.slot, self.prep = records, slot, prep
-        self.lo = len(records)  # rows holds iterations lo, lo + 1, ... of the current block
+    def __init__(self, run: ProgramRun, slot: int, prep: Callable[..., tuple[np.ndarray, ...]]):
+        self.run, self.records, self.slot, self.prep = run, run.records, slot, prep
+        self.lo = len(self.records)  # rows holds iterations lo, lo + 1, ... of the current block
         self.rows: list[Any] = []
 
     def at(self, t: int) -> Any:
@@ -1090,8 +1121,11 @@ class _Parts:
             first = self.records[t][self.slot]
             size = first.nbytes if type(first) is np.ndarray else 1
             lo = max(0, t + 1 - max(1, self.BLOCK_BYTES // max(1, size)))
+            block = _rows_of(self.run, self.slot, lo, t + 1)
             values = [r[self.slot] for r in self.records[lo : t + 1]]
-            if type(first) is np.ndarray and all(
+            if block is not None:  # (the iterations' values are rows of one buffer: no stacking)
+                self.rows = list(zip(*self.prep(block)))
+            elif type(first) is np.ndarray and all(
                 type(x) is np.ndarray and x.shape == first.shape and x.dtype == first.dtype for x in values
             ):
                 self.rows = list(zip(*self.prep(np.stack(values))))
@@ -1099,6 +1133,49 @@ class _Parts:
                 self.rows = [None] * len(values)
             self.lo = lo
         return self.rows[t - self.lo]
+
+
+class _NoRows:
+    """The buffer of a slot whose run could not have one (see :func:`_into`): every row ``None``,
+    so the op makes its own arrays."""
+
+    __slots__ = ()
+
+    def __getitem__(self, t: int) -> None:
+        return None
+
+
+_NO_ROWS = _NoRows()
+
+
+def _into(run: ProgramRun, cap: int) -> Callable[[int, int, Any], tuple[Any, Any]]:
+    """``INTO`` of a whole loop's generated run (see :meth:`_Variant._run_lines`): a slot's buffer
+    of ``cap`` rows (the most iterations the run can have), made from its first value (at
+    iteration ``t``), kept in ``run.buffers``; a stand-in if the value is no array or no bound is
+    known (a loop that no sequence or ``times`` bounds)."""
+
+    def into(slot: int, t: int, value: Any) -> tuple[Any, Any]:
+        if type(value) is not np.ndarray or t >= cap:
+            return _NO_ROWS, value
+        buf = np.empty((cap, *value.shape), dtype=value.dtype)
+        buf[t] = value
+        run.buffers[slot] = buf
+        return buf, buf[t]
+
+    return into
+
+
+def _rows_of(run: ProgramRun, slot: int, lo: int, hi: int) -> np.ndarray | None:
+    """The values of ``slot`` in iterations ``lo .. hi - 1`` as one block of its buffer's rows,
+    if each is its row (an op writes into its row only where the value fits it), else ``None``."""
+    buf = run.buffers.get(slot)
+    if buf is None or not all(type(x := r[slot]) is np.ndarray and x.base is buf for r in run.records[lo:hi]):
+        return None
+    return buf[lo:hi]
+
+
+def _index_tuple(index: Any) -> tuple[Any, ...]:
+    return index if isinstance(index, tuple) else (index,)
 
 
 def _select_step(idx: tuple[int, ...]) -> Callable[[BranchNode, int, tuple[Any, ...]], int]:
@@ -1137,10 +1214,15 @@ class ProgramRun:
     """One forward run of a loop instance's program: the records of its iterations and its
     outputs. The value of the loop's compute node."""
 
-    __slots__ = ("records", "finals", "hoisted", "trips", "capped", "history", "kids", "shape", "dtype")
+    __slots__ = (
+        "records", "finals", "hoisted", "trips", "capped", "history", "kids", "buffers", "shape", "dtype"
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.records: list[tuple[Any, ...]] = []
+        # per slot the run computed into one buffer (_Variant.into): the buffer, a row per
+        # iteration (an iteration's value is its row where it fitted: see _rows_of)
+        self.buffers: dict[int, np.ndarray] = {}
         self.finals: list[Any] = []
         self.hoisted: list[Any] = []  # each hoisted node's value for all iterations
         self.trips = 0
@@ -1266,7 +1348,9 @@ class ProgramInstance(SweptOnce):
         stop, until, check = self._rules(run, length)
         check_at = 0 if loop.cond is not None else first_count_stop(loop, length)
         if rows is None and self.variant._make_run is not None:  # the iterations in generated code
-            run_steps = self.variant._make_run(self._select, check, *caps)
+            bound = [n for n in (loop.times, length) if n is not None]
+            into = _into(run, min(bound) if bound else 0)
+            run_steps = self.variant._make_run(self._select, check, into, *caps)
             until_ = None if loop.until is None else until
             run.trips, finals = run_steps(0, check_at, records, stop, until_, *init, *stepped)
             run.finals = list(finals)
@@ -1424,9 +1508,18 @@ class ProgramInstance(SweptOnce):
     def stacked(self, j: int, caps: Sequence[Any]) -> Callable[[ProgramRun], Any]:
         in_record, i = self.stack_src[j]
 
+        view = self.variant.views.get(i, (i, None)) if in_record else None
+
         def value(run: ProgramRun) -> Any:
             if not run.records:
                 raise BuildError(f"{self.loop.describe(self.idx)} ran no iteration, nothing to stack")
+            if view is not None:  # the iterations' rows of a buffer (or views of them): a view
+                block = _rows_of(run, view[0], 0, run.trips)
+                if block is not None:
+                    index = (slice(None), *_index_tuple(view[1])) if view[1] is not None else None
+                    out = block if index is None else block[index]
+                    out.flags.writeable = False  # (the records' values: the backward reads them)
+                    return out
             return np.stack([r[i] for r in run.records] if in_record else [caps[i]] * run.trips)
 
         return value
@@ -1477,7 +1570,7 @@ class ProgramInstance(SweptOnce):
         if check and keep is None:
             keep = {}  # (every slot's gradient, to check)
         late = {variant.slot[v] for v in (*items, *variant.hoisted)}
-        parts = [_Parts(run.records, slot, prep) for slot, prep in variant.prepped]
+        parts = [_Parts(run, slot, prep) for slot, prep in variant.prepped]
 
         def item(i: int, t: int, d: Any) -> None:  # a stepped item's gradient, into its sequence's
             if seq_grad[i] is None:
