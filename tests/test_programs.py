@@ -914,3 +914,22 @@ def test_a_loop_no_length_bounds_runs_its_cell_without_a_buffer():
     _, prog = assert_identical(g, {"x": np.ones((1, 3))}, loss)
     (instance,) = prog.programs.values()
     assert instance.run.buffers == {} and instance.run.trips == 4
+
+
+def test_a_loop_capped_by_max_iters_has_a_buffer_of_as_many_rows():
+    """``max_iters`` bounds the buffer too: a loop over 9 steps capped at 4 computes its cell into
+    4 rows, with the per-node unroll's values, gradients and cap decision."""
+    g = vg.VirtualGraph(seed=5)
+    xs = g.input("xs", (None, 1, 3))
+    cell = nn.LSTMCell(g, 3, 2, "cell")
+    zeros = g.constant(np.zeros((1, 2)), name="zeros")
+    with g.loop(max_iters=4, on_limit="stop") as L:
+        x_t = L.step(xs)
+        h, c = L.carry(zeros, name="h"), L.carry(zeros, name="c")
+        h_new, c_new = cell(x_t, (h, c))
+        L.update(h, h_new)
+        L.update(c, c_new)
+    loss = vg.sum(L.stack(h_new) ** 2)
+    _, prog = assert_identical(g, {"xs": np.random.default_rng(1).standard_normal((9, 1, 3))}, loss)
+    (instance,) = prog.programs.values()
+    assert instance.run.trips == 4 and [b.shape[0] for b in instance.run.buffers.values()] == [4]

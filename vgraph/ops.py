@@ -2101,9 +2101,10 @@ _FORWARD_INTO: set[Callable[..., Any]] = set()
 def forward_into(op: Op) -> bool:
     """Whether ``op``'s forward takes ``out=``: an array sharing no memory with its inputs, into
     which it writes its value and which it returns, where the value's shape and dtype are the
-    array's (else it ignores it) — the same bits either way. A loop run as a body program passes each iteration's row of one buffer, so
-    that the iterations' values are one array its backward reads as a block (the fused cells'
-    :func:`split_vjp` parts) and its stacked values are views of, not copies stacked anew."""
+    array's (else it ignores it) — the same bits either way. A loop run as a body program passes
+    each iteration's row of one buffer, so that the iterations' values are one array, which its
+    backward reads as a block (the fused cells' :func:`split_vjp` parts) and its stacked values
+    are views of, not copies stacked anew."""
     return not op.user and op.forward in _FORWARD_INTO
 
 

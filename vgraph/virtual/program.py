@@ -283,13 +283,13 @@ class _Variant:
         # whose forward takes out=: ops.forward_into), and the slots that are basic views of
         # another's value (slot -> (its input's slot, the index)).
         self.into: set[VirtualNode] = set()
-        self.views: dict[int, tuple[int, Any]] = {}
+        self.view_of: dict[int, tuple[int, Any]] = {}
         for v in computed:
             if isinstance(v, BranchNode):
                 continue
             index = basic_view_index(self.op(v), self.attrs(v))
             if index is not None and v.inputs[0] in self.slot:
-                self.views[self.slot[v]] = (self.slot[v.inputs[0]], index)
+                self.view_of[self.slot[v]] = (self.slot[v.inputs[0]], index)
             elif self._runs_whole() and forward_into(self.op(v)) and not self._masked(v):
                 self.into.add(v)
         self.forward_source, fwd_env = self._forward_source()
@@ -410,8 +410,8 @@ class _Variant:
 
     def _run_lines(self, body: list[str], record: str, caps: str) -> list[str]:
         """``make_run(SELECT, CHECK, INTO, k…)`` → ``run(t, check_at, RECORDS, STOP, UNTIL,
-        carries…, SEQ<slot>…)``: from iteration ``t`` on, each iteration's record appended to ``RECORDS``
-        and its carries updated, until ``STOP(t, carries…)`` (asked from iteration ``check_at``
+        carries…, SEQ<slot>…)``: from iteration ``t`` on, each iteration's record appended to
+        ``RECORDS`` and its carries updated, until ``STOP(t, carries…)`` (asked from iteration ``check_at``
         on: the loop rules before an iteration) or ``UNTIL(t, carries…)`` (after one, if given)
         says so; returns the iterations run and the carries. ``SEQ<slot>``: the rows of a
         stepped item or hoisted node, by iteration. A carry whose update changes its shape or
@@ -419,9 +419,8 @@ class _Variant:
         widens it). A slot of :attr:`into` is computed into row ``t`` of its buffer ``O<slot>``,
         which ``INTO(slot, t, value)`` makes from the first value (``(buffer, buffer[t])``, or a
         stand-in whose rows are ``None``). The same lines as the step's, without a call and a
-        record per iteration
-        handed back and forth: what the driver runs where it can (none for a recursion, whose
-        children's rows the driver gathers, nor on rows of a batch)."""
+        record per iteration handed back and forth: what the driver runs where it can (none for
+        a recursion, whose children's rows the driver gathers, nor on rows of a batch)."""
         loop = self.program.loop
         if not self._runs_whole():
             return []
@@ -1099,7 +1098,8 @@ class _HoistedGrad:
 class _Parts:
     """For one slot whose op's joint VJP splits (``ops.split_vjp``), the part its backward reads
     from the records alone, computed by ``prep`` over a block of iterations at a time as the
-    backward sweep reaches them (last first): one call per block instead of one per iteration,
+    backward sweep reaches them (last first; the rows of the run's buffer where the values are
+    those, else the values stacked): one call per block instead of one per iteration,
     and at most a block held. ``None`` for the iterations of a block whose values cannot be
     stacked (an option not chosen): their steps call the joint VJP whole."""
 
@@ -1121,17 +1121,18 @@ class _Parts:
             first = self.records[t][self.slot]
             size = first.nbytes if type(first) is np.ndarray else 1
             lo = max(0, t + 1 - max(1, self.BLOCK_BYTES // max(1, size)))
-            block = _rows_of(self.run, self.slot, lo, t + 1)
-            values = [r[self.slot] for r in self.records[lo : t + 1]]
-            if block is not None:  # (the iterations' values are rows of one buffer: no stacking)
-                self.rows = list(zip(*self.prep(block)))
-            elif type(first) is np.ndarray and all(
-                type(x) is np.ndarray and x.shape == first.shape and x.dtype == first.dtype for x in values
-            ):
-                self.rows = list(zip(*self.prep(np.stack(values))))
-            else:
-                self.rows = [None] * len(values)
             self.lo = lo
+            block = _rows_of(self.run, self.slot, lo, t + 1)  # (rows of the run's buffer: no stack)
+            if block is None:
+                values = [r[self.slot] for r in self.records[lo : t + 1]]
+                if type(first) is not np.ndarray or not all(
+                    type(x) is np.ndarray and x.shape == first.shape and x.dtype == first.dtype
+                    for x in values
+                ):
+                    self.rows = [None] * len(values)
+                    return None
+                block = np.stack(values)
+            self.rows = list(zip(*self.prep(block)))
         return self.rows[t - self.lo]
 
 
@@ -1150,9 +1151,10 @@ _NO_ROWS = _NoRows()
 
 def _into(run: ProgramRun, cap: int) -> Callable[[int, int, Any], tuple[Any, Any]]:
     """``INTO`` of a whole loop's generated run (see :meth:`_Variant._run_lines`): a slot's buffer
-    of ``cap`` rows (the most iterations the run can have), made from its first value (at
-    iteration ``t``), kept in ``run.buffers``; a stand-in if the value is no array or no bound is
-    known (a loop that no sequence or ``times`` bounds)."""
+    of ``cap`` rows (the most iterations the run can have: its sequences, ``times`` and
+    ``max_iters`` bound them), made from its first value (at iteration ``t``), kept in
+    ``run.buffers``; a stand-in if the value is no array or no bound is known (a loop that no
+    sequence or ``times`` bounds: ``max_iters`` alone could be far more than it runs)."""
 
     def into(slot: int, t: int, value: Any) -> tuple[Any, Any]:
         if type(value) is not np.ndarray or t >= cap:
@@ -1349,7 +1351,7 @@ class ProgramInstance(SweptOnce):
         check_at = 0 if loop.cond is not None else first_count_stop(loop, length)
         if rows is None and self.variant._make_run is not None:  # the iterations in generated code
             bound = [n for n in (loop.times, length) if n is not None]
-            into = _into(run, min(bound) if bound else 0)
+            into = _into(run, min(*bound, loop.max_iters) if bound else 0)  # (rows for every trip)
             run_steps = self.variant._make_run(self._select, check, into, *caps)
             until_ = None if loop.until is None else until
             run.trips, finals = run_steps(0, check_at, records, stop, until_, *init, *stepped)
@@ -1508,7 +1510,7 @@ class ProgramInstance(SweptOnce):
     def stacked(self, j: int, caps: Sequence[Any]) -> Callable[[ProgramRun], Any]:
         in_record, i = self.stack_src[j]
 
-        view = self.variant.views.get(i, (i, None)) if in_record else None
+        view = self.variant.view_of.get(i, (i, None)) if in_record else None
 
         def value(run: ProgramRun) -> Any:
             if not run.records:
