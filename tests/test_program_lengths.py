@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_batch import model_script_inputs
 from test_hoist import load, loop_bodies, loop_body_model
-from test_programs import cell_model, decisions, param_grads, tree_model, trees
+from test_programs import cell_model, decisions, param_grads, stacked_cell_model, tree_model, trees
 
 import vgraph as vg
 from vgraph.virtual.unrolled import UnrolledGraph
@@ -287,3 +287,21 @@ def test_a_graph_replayed_on_another_tree_reruns_on_that_tree_and_refuses_others
     cg.feed(chain)
     with pytest.raises(vg.StructureChangedError):
         cg.forward()
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_replay_at_another_length_computes_the_cell_into_a_buffer_of_that_length(kind, replays):
+    """A resized replay runs the program anew: its cell's values go into a buffer of the new
+    length, and the stack of ``h'`` read from it is the fresh build's, bit for bit."""
+    g, loss = stacked_cell_model(kind, False)
+    rng = np.random.default_rng(3)
+    feeds = [{"xs": rng.standard_normal((T, 2, 3))} for T in (5, 5, 7, 3)]
+    cg = assert_each_length_as_fresh(g, loss, feeds)[-1]  # (the others superseded by it)
+    assert replays == [(True, [7]), (True, [3])]
+    (instance,) = cg.programs.values()
+    (buf,) = instance.run.buffers.values()
+    (stacked,) = [n for n in cg.nodes() if n.key.type == "Stack"]
+    fresh = g.build(feeds[-1], loss, programs=True, cache=False)
+    (fresh_stacked,) = [n for n in fresh.nodes() if n.key.type == "Stack"]
+    assert buf.shape[0] == 3 and np.shares_memory(stacked.value, buf)
+    np.testing.assert_array_equal(stacked.value, fresh_stacked.value)

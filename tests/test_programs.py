@@ -884,8 +884,7 @@ def test_a_loop_computes_a_fused_cell_into_one_buffer_its_backward_and_stacks_re
     run = instance.run
     (slot,) = run.buffers  # the cell's
     buf = run.buffers[slot]
-    assert buf.shape[0] == 5 and all(r[slot].base is buf for r in run.records)
-    assert np.array_equal(np.stack([r[slot] for r in run.records]), buf)
+    assert buf.shape[0] == 5 and all(r[slot].base is buf for r in run.records)  # (values: above)
     (stacked,) = [n for n in prog.nodes() if n.key.type == "Stack"]
     assert np.shares_memory(stacked.value, buf) and np.array_equal(stacked.value, buf[:, 0])
     with pytest.raises(ValueError, match="read-only"):

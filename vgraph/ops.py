@@ -2191,7 +2191,7 @@ def _lstm_cell(
         batch, H = c.shape[:1], c.shape[1]  # the hot path: (B, H) rows and a bias vector
     else:
         batch, H = _cell_shapes("LSTMCell", 4, c, xw=xw, hw=hw, b=b)
-    s = _cell_out(out, (6, *batch, H), np.result_type(xw, hw, b, c))
+    s = _out_or_new(out, (6, *batch, H), np.result_type(xw, hw, b, c))
     z = xw + hw
     if b.ndim == 1 and z.ndim == 2:  # (a bias as one row: numpy adds a vector to rows slowly)
         np.add(z, b[None], out=z)
@@ -2213,9 +2213,9 @@ def _lstm_cell(
     return s
 
 
-def _cell_out(out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
-    """A cell's output array: ``out`` where it is one of that shape and dtype (see
-    :func:`forward_into`), else a new one."""
+def _out_or_new(out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+    """The array a cell's forward or VJP writes its result into: ``out`` where it is a writable
+    array of that shape and dtype (see :func:`forward_into`, :func:`slab_vjp`), else a new one."""
     if type(out) is np.ndarray and out.shape == shape and out.dtype == dtype and out.flags.writeable:
         return out
     return np.empty(shape, dtype=dtype)
@@ -2263,9 +2263,7 @@ def _lstm_grads(
     if d_act is not None:
         da += d_act
     # … times their slopes, written in z's column layout.
-    shape = (*s.shape[1:-1], 4 * H)
-    fits = type(out) is np.ndarray and out.shape == shape and out.dtype == s.dtype
-    dz = cast(np.ndarray, out) if fits else np.empty(shape, dtype=s.dtype)
+    dz = _out_or_new(out, (*s.shape[1:-1], 4 * H), s.dtype)
     np.multiply(da, slope, out=_gate_major(dz, 4, H, dz.ndim - 1))
     return dz, dz, dz, dc * s[3]
 
@@ -2278,8 +2276,7 @@ def _lstm_cell_grads_slabs(
     """The joint VJP given the gradients of h' and c' alone (see :func:`slab_vjp`)."""
     dh, dc_out = grads
     if part is None:
-        tc, dtc, slope = _lstm_cell_prep(s[None])
-        part = (tc[0], dtc[0], slope[0])
+        part = _lstm_part(s)
     if dh is None:
         dh = np.zeros(s.shape[1:], dtype=cast(np.ndarray, dc_out).dtype)
     return _lstm_grads(part, dh, dc_out, None, s, c, out)
@@ -2289,8 +2286,13 @@ def _lstm_cell_grads(
     gs: np.ndarray, s: np.ndarray, xw: np.ndarray, hw: np.ndarray, b: np.ndarray, c: np.ndarray,
     gates: tuple[str, ...] = LSTM_GATES,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    return _lstm_cell_grads_with(_lstm_part(s), gs, s, xw, hw, b, c)
+
+
+def _lstm_part(s: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_lstm_cell_prep`'s part of one output ``s``."""
     tc, dtc, slope = _lstm_cell_prep(s[None])
-    return _lstm_cell_grads_with((tc[0], dtc[0], slope[0]), gs, s, xw, hw, b, c)
+    return tc[0], dtc[0], slope[0]
 
 
 def _gru_cell(
@@ -2298,7 +2300,7 @@ def _gru_cell(
     gates: tuple[str, ...] = GRU_GATES, out: np.ndarray | None = None,
 ) -> np.ndarray:  # fmt: skip
     batch, H = _cell_shapes("GRUCell", 3, h, xw=xw, hw=hw, b_x=b_x, b_h=b_h)
-    s = _cell_out(out, (4, *batch, H), np.result_type(xw, hw, b_x, b_h, h))
+    s = _out_or_new(out, (4, *batch, H), np.result_type(xw, hw, b_x, b_h, h))
     if xw.ndim == hw.ndim == 2 and b_x.ndim == b_h.ndim == 1:  # (biases as rows: see _lstm_cell)
         gx, gh = xw + b_x[None], hw + b_h[None]
     else:

@@ -281,15 +281,17 @@ class _Variant:
         self.grad_slots = self._grad_slots(needs)
         # The slots a whole loop's run writes into one buffer per run, a row per iteration (ops
         # whose forward takes out=: ops.forward_into), and the slots that are basic views of
-        # another's value (slot -> (its input's slot, the index)).
+        # another's value (slot -> (its input's slot, the index of the iterations' stack of
+        # the views in the stack of that input's values)).
         self.into: set[VirtualNode] = set()
-        self.view_of: dict[int, tuple[int, Any]] = {}
+        self.view_of: dict[int, tuple[int, tuple[Any, ...]]] = {}
         for v in computed:
             if isinstance(v, BranchNode):
                 continue
             index = basic_view_index(self.op(v), self.attrs(v))
             if index is not None and v.inputs[0] in self.slot:
-                self.view_of[self.slot[v]] = (self.slot[v.inputs[0]], index)
+                items = index if isinstance(index, tuple) else (index,)
+                self.view_of[self.slot[v]] = (self.slot[v.inputs[0]], (slice(None), *items))
             elif self._runs_whole() and forward_into(self.op(v)) and not self._masked(v):
                 self.into.add(v)
         self.forward_source, fwd_env = self._forward_source()
@@ -1176,10 +1178,6 @@ def _rows_of(run: ProgramRun, slot: int, lo: int, hi: int) -> np.ndarray | None:
     return buf[lo:hi]
 
 
-def _index_tuple(index: Any) -> tuple[Any, ...]:
-    return index if isinstance(index, tuple) else (index,)
-
-
 def _select_step(idx: tuple[int, ...]) -> Callable[[BranchNode, int, tuple[Any, ...]], int]:
     def select(branch: BranchNode, t: int, values: tuple[Any, ...]) -> int:
         return select_option(branch, (*idx, t), values)
@@ -1350,8 +1348,8 @@ class ProgramInstance(SweptOnce):
         stop, until, check = self._rules(run, length)
         check_at = 0 if loop.cond is not None else first_count_stop(loop, length)
         if rows is None and self.variant._make_run is not None:  # the iterations in generated code
-            bound = [n for n in (loop.times, length) if n is not None]
-            into = _into(run, min(*bound, loop.max_iters) if bound else 0)  # (rows for every trip)
+            bounded = loop.times is not None or length is not None  # (max_iters alone: see _into)
+            into = _into(run, first_count_stop(loop, length) if bounded else 0)
             run_steps = self.variant._make_run(self._select, check, into, *caps)
             until_ = None if loop.until is None else until
             run.trips, finals = run_steps(0, check_at, records, stop, until_, *init, *stepped)
@@ -1509,19 +1507,17 @@ class ProgramInstance(SweptOnce):
 
     def stacked(self, j: int, caps: Sequence[Any]) -> Callable[[ProgramRun], Any]:
         in_record, i = self.stack_src[j]
-
-        view = self.variant.view_of.get(i, (i, None)) if in_record else None
+        # (a stacked slot read from a buffer: its own, or the one it is a view of)
+        source, index = self.variant.view_of.get(i, (i, ())) if in_record else (None, ())
 
         def value(run: ProgramRun) -> Any:
             if not run.records:
                 raise BuildError(f"{self.loop.describe(self.idx)} ran no iteration, nothing to stack")
-            if view is not None:  # the iterations' rows of a buffer (or views of them): a view
-                block = _rows_of(run, view[0], 0, run.trips)
-                if block is not None:
-                    index = (slice(None), *_index_tuple(view[1])) if view[1] is not None else None
-                    out = block if index is None else block[index]
-                    out.flags.writeable = False  # (the records' values: the backward reads them)
-                    return out
+            block = None if source is None else _rows_of(run, source, 0, run.trips)
+            if block is not None:  # the iterations' rows of a buffer (or views of them): a view
+                out: np.ndarray = block[index]
+                out.flags.writeable = False  # (the records' values: the backward reads them)
+                return out
             return np.stack([r[i] for r in run.records] if in_record else [caps[i]] * run.trips)
 
         return value
