@@ -934,3 +934,23 @@ def test_a_loop_capped_by_max_iters_has_a_buffer_of_as_many_rows():
     _, prog = assert_identical(g, {"xs": np.random.default_rng(1).standard_normal((9, 1, 3))}, loss)
     (instance,) = prog.programs.values()
     assert instance.run.trips == 4 and [b.shape[0] for b in instance.run.buffers.values()] == [4]
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_a_carry_its_first_update_widens_runs_as_a_program(B):
+    """A learnable ``(1, H)`` initial state becomes ``(B, H)`` in the first iteration (allowed,
+    rules.widens): the loop still runs as a program, equal to node by node. (The check that
+    allows it once built its error message eagerly, which failed in a first run and sent such
+    loops node by node.)"""
+    g = vg.VirtualGraph(seed=1)
+    xs = g.input("xs", (None, B, 3))
+    h0 = g.parameter("h0", (1, 4), init=vg.nn.init.normal(0.5))
+    cell = nn.RNNCell(g, 3, 4, "cell")
+    with g.loop() as L:
+        h = L.carry(h0, name="h")
+        h_new = cell(L.step(xs), h)
+        L.update(h, h_new)
+    loss = vg.sum(L.stack(h_new) ** 2)
+    _, prog = assert_identical(g, {"xs": np.random.default_rng(B).normal(size=(5, B, 3))}, loss)
+    assert prog.interpreted == []
+    assert [n.shape for n in (prog.node(h, (0,)), prog.node(h, (1,)))] == [(1, 4), (B, 4)]

@@ -1810,14 +1810,15 @@ class ProgramInstance(SweptOnce):
     def _resolve(self, v: VirtualNode, t: int) -> ComputeNode | tuple[VirtualNode, int]:
         """What body node ``v`` is in iteration ``t``: the node a carry or child read reads (an
         initial value, a captured value), or the computed node and iteration it comes from."""
-        run = cast(ProgramRun, self.run)
+        run = self.run
+        trips, kids = (0, None) if run is None else (run.trips, run.kids)  # (None: its first run, running)
         variant, loop = self.variant, self.loop
-        while 0 <= t < run.trips:
+        while 0 <= t < trips:
             if v in variant.captured:  # a tied parameter or a constant of the body, or from outside
                 return self.captured_nodes[variant.captured[v]]
             if v.kind == "child":
                 k = loop.carries.index(v.inputs[0])
-                c = cast(list[list[int]], run.kids)[t][v.attrs["slot"]]
+                c = cast(list[list[int]], kids)[t][v.attrs["slot"]]
                 if c < 0:
                     return self.init_nodes[k]
                 v, t = loop.updates[v.inputs[0]], c
@@ -1909,13 +1910,17 @@ class ProgramInstance(SweptOnce):
 
 
 class _Described:
-    """Describes a body node in an iteration for an error message, without making its view."""
+    """Describes a body node in an iteration for an error message, without making its view —
+    when the message is made: a carry's first update that widens it is checked, and allowed, in
+    every run."""
+
+    __slots__ = ("instance", "t", "v")
 
     def __init__(self, instance: ProgramInstance, v: VirtualNode, t: int) -> None:
-        self.text = instance.describe(v, t)
+        self.instance, self.v, self.t = instance, v, t
 
     def describe(self) -> str:
-        return self.text
+        return self.instance.describe(self.v, self.t)
 
 
 def _finite(x: Any) -> bool:
