@@ -183,6 +183,27 @@ def test_a_bilstm_tagger_with_reversed_steps():
     assert not any(v.interpreted for v in batch.inputs)
 
 
+def bidirectional_tagger(kind="lstm", H=3, E=4, V=20, tags=5):
+    """The tagger with both directions as one loop (nn.Bidirectional: stacked weights)."""
+    g = vg.VirtualGraph(seed=4)
+    tokens = g.input("tokens", (None, 1))
+    labels = g.input("tags", (None,))
+    emb = vg.nn.Embedding(g, V, E, "emb")
+    make = {"lstm": vg.nn.LSTMCell, "gru": vg.nn.GRUCell}[kind]
+    both = vg.nn.Bidirectional(make(g, E, H, "fwd"), make(g, E, H, "bwd"))
+    features = both(emb(tokens)).reshape(-1, 2 * H)
+    return g, [vg.losses.cross_entropy(vg.nn.Linear(g, 2 * H, tags, "out")(vg.tanh(features)), labels)]
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_bidirectional_tagger_runs_over_rows(kind):
+    """Sentences of different lengths, each with its own pair of directions: one program over
+    the rows of every sentence's pair, equal to op by op and to each sentence alone."""
+    batch = assert_identical(partial(bidirectional_tagger, kind), tagger_feeds([4, 1, 7, 4, 2]))
+    assert len(batch.rows_programs) == 1
+    assert not any(v.interpreted for v in batch.inputs)
+
+
 # ---------------------------------------------------------------------------- random lengths
 
 

@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 
 import vgraph as vg
 from vgraph import nn
+from vgraph.ops import OPS
+from vgraph.virtual.hoist import batched_attrs
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = {"rtol": 1e-12, "atol": 1e-12}
@@ -195,6 +197,52 @@ def test_the_library_cells_add_their_bias_in_the_hoisted_group(cell):
     _, hoisted = assert_identical(g, feed, [loss], loss)
     groups = sorted(k.type for k in hoisted._nodes if k.type.endswith("*"))
     assert groups == ["Add*", "Item*", "MatMul*"]
+
+
+@pytest.mark.parametrize("cell", ["rnn", "lstm", "gru"])
+def test_a_stack_of_weights_times_stepped_rows_is_hoisted(cell):
+    """nn.Bidirectional's body: each direction's rows ``x_t`` ``(2, B, I)`` times its own weight of
+    a stack ``(2, I, n)`` — hoisted as one ``(T, 2, B, I) @ (2, I, n)`` product (the iterations'
+    axis does not meet the stack's), with the same values and gradients as plain; rows of a lower
+    rank than the stack (which numpy would pair with every weight) are not hoisted."""
+    assert batched_attrs(OPS["MatMul"], {}, [(2, 1, 3), (2, 3, 4)], [True, False], 5) == {}
+    assert batched_attrs(OPS["MatMul"], {}, [(1, 3), (2, 3, 4)], [True, False], 5) is None
+    g = vg.VirtualGraph(dtype=np.float64, seed=0)
+    x = g.input("x", shape=(None, 2, 3))
+    make = {"rnn": nn.RNNCell, "lstm": nn.LSTMCell, "gru": nn.GRUCell}[cell]
+    out = nn.Bidirectional(make(g, 3, 4, "fwd"), make(g, 3, 4, "bwd"))(x)
+    loss = vg.sum(vg.tanh(out) * np.arange(8.0))
+    feed = {"x": np.random.default_rng(0).normal(size=(5, 2, 3))}
+    _, hoisted = assert_identical(g, feed, [loss], loss)
+    group = [n for k, n in hoisted._nodes.items() if k.type == "MatMul*"]
+    assert [n.shape for n in group] == [(5, 2, 2, {"rnn": 4, "lstm": 16, "gru": 12}[cell])]
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "sa", "sb", "groups"),
+    [
+        ((2, 1, 3), (2, 3, 4), True, False, True),  # rows of each copy times their weight of a stack
+        ((1, 3), (2, 3, 4), True, False, False),  # numpy would pair every row with every weight
+        ((3,), (3, 4), True, False, True),
+        ((5, 3), (3, 4), False, True, True),  # a shared matrix times each copy's weight
+        ((2, 5, 3), (3, 4), False, True, False),  # ... of a higher rank: its axes meet the copies'
+        ((5, 3), (3, 4), True, True, True),  # both stacked, the same rank: their new axes meet
+        ((2, 5, 3), (3, 4), True, True, False),  # of different ranks: they would not
+        ((2, 5, 3), (2, 3, 4), True, True, True),
+    ],
+)
+def test_a_product_is_computed_for_many_copies_only_where_numpy_pairs_them_right(a, b, sa, sb, groups):
+    """batched_attrs for MatMul: where it groups copies, the grouped product is each copy's
+    product (checked with numpy); where numpy would pair them otherwise, it refuses."""
+    n = 3
+    attrs = batched_attrs(OPS["MatMul"], {}, [a, b], [sa, sb], n)
+    assert (attrs is not None) == groups
+    if groups:
+        rng = np.random.default_rng(0)
+        xa = rng.normal(size=(n, *a) if sa else a)
+        xb = rng.normal(size=(n, *b) if sb else b)
+        each = np.stack([(xa[k] if sa else xa) @ (xb[k] if sb else xb) for k in range(n)])
+        np.testing.assert_allclose(xa @ xb, each, rtol=1e-12)
 
 
 def test_times_shorter_than_the_sequence_hoists_only_the_steps_that_run():

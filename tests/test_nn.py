@@ -637,3 +637,122 @@ def test_truncated_bptt_eval_mode_only_evaluates():
         np.testing.assert_array_equal(g.params[k].value, v)
     with pytest.raises(ValueError):
         truncated_bptt(g, [], loss, {"h0": h_final}, {"c0": np.zeros(1)})
+
+
+# --- Bidirectional ------------------------------------------------------------------------------
+
+CELLS = {"rnn": nn.RNNCell, "lstm": nn.LSTMCell, "gru": nn.GRUCell}
+
+
+def _bidirectional(kind, fused=True, bi=True, batch=B, seed=0):
+    """A float64 model reading a cell's states in both directions, with nn.Bidirectional (``bi``)
+    or as two loops written out; random biases. Returns ``(graph, loss)``."""
+    g = vg.VirtualGraph(dtype=np.float64, seed=seed)
+    xs = g.input("xs", (None, batch, I))
+    extra = {} if kind == "rnn" else {"fused": fused}
+    fwd, bwd = CELLS[kind](g, I, H, "fwd", **extra), CELLS[kind](g, I, H, "bwd", **extra)
+    if bi:
+        out = nn.Bidirectional(fwd, bwd)(xs)
+    else:
+        zeros = g.constant(np.zeros((1, H)))
+
+        def run(seq, cell):
+            with g.loop() as L:
+                x_t, h = L.step(seq), L.carry(zeros, name="h")
+                if kind == "lstm":
+                    c = L.carry(zeros, name="c")
+                    hn, cn = cell(x_t, (h, c))
+                    L.update(c, cn)
+                else:
+                    hn = cell(x_t, h)
+                L.update(h, hn)
+            return L.stack(hn)
+
+        out = vg.concat([run(xs, fwd), run(xs[::-1], bwd)[::-1]], axis=-1)
+    for name in list(g.params):
+        if ".b" in name:
+            g.params.set_value(name, rand(*g.params[name].shape, seed=16 + len(name)) * 0.5)
+    loss = vg.sum(vg.tanh(out) * rand(1, batch, 2 * H, seed=3))
+    return g, loss
+
+
+def _grads(g):
+    return {k: np.array(p.grad) for k, p in g.params.items()}
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize(
+    ("kind", "fused"), [("rnn", True), ("lstm", True), ("lstm", False), ("gru", True), ("gru", False)]
+)
+def test_bidirectional_equals_two_loops(kind, fused, batch):
+    """One loop over both directions (the cells' weights stacked) gives the two loops' loss and
+    every parameter's gradient (float64, 1e-12)."""
+    feed = {"xs": rand(6, batch, I, seed=1)}
+    got = []
+    for bi in (True, False):
+        g, loss = _bidirectional(kind, fused, bi, batch)
+        cg = g.build(feed, loss)
+        got.append((cg.backward(cg.outputs[0]), _grads(g)))
+        assert sum(v.kind == "loop" for v in g.nodes) == (1 if bi else 2)
+    (v_bi, g_bi), (v_two, g_two) = got
+    assert v_bi == pytest.approx(v_two, rel=1e-12)
+    assert g_bi.keys() == g_two.keys() == {f"{d}.{p}" for d in ("fwd", "bwd") for p in _param_names(kind)}
+    for k in g_two:
+        np.testing.assert_allclose(g_bi[k], g_two[k], rtol=1e-12, atol=1e-12, err_msg=k)
+
+
+def _param_names(kind):
+    return ("W_x", "W_h", "b_x", "b_h") if kind == "gru" else ("W_x", "W_h", "b")
+
+
+def test_bidirectional_lstm_matches_numpy():
+    """The result against hand-written numpy: row t is the forward cell after xs[0..t] next to the
+    backward cell after xs[T-1..t]."""
+    g, loss = _bidirectional("lstm")
+    xs = g.nodes[0]
+    out = next(v for v in g.nodes if v.op is not None and v.op.name == "Concat")
+    x = rand(5, B, I, seed=2)
+    got = g.build({"xs": x}, out).forward()
+    assert xs.name == "xs" and got.shape == (5, B, 2 * H)
+    for d, order in (("fwd", range(5)), ("bwd", range(4, -1, -1))):
+        h = c = np.zeros((B, H))
+        for t in order:
+            h, c = np_lstm(x[t], h, c, P(g, f"{d}.W_x"), P(g, f"{d}.W_h"), P(g, f"{d}.b"))
+            np.testing.assert_allclose(got[t][:, :H] if d == "fwd" else got[t][:, H:], h, rtol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["rnn", "lstm", "gru"])
+def test_bidirectional_gradients_agree_with_finite_differences(kind):
+    g, loss = _bidirectional(kind)
+    cg = g.build({"xs": rand(4, B, I, seed=5)}, loss)
+    vg.gradcheck(cg.outputs[0], g.params.parameters())
+
+
+def test_bidirectional_refuses_what_it_cannot_run():
+    g = vg.VirtualGraph(dtype=np.float64)
+    lstm, lstm2 = nn.LSTMCell(g, I, H, "a"), nn.LSTMCell(g, I, H, "b")
+    with pytest.raises(TypeError, match="must be an RNNCell, LSTMCell or GRUCell, got Linear"):
+        nn.Bidirectional(nn.Linear(g, I, H, "lin"), lstm)
+    with pytest.raises(TypeError, match="of one kind, got LSTMCell and GRUCell"):
+        nn.Bidirectional(lstm, nn.GRUCell(g, I, H, "gru"))
+    with pytest.raises(ValueError, match="hidden_size differ \\(4 and 5\\)"):
+        nn.Bidirectional(lstm, nn.LSTMCell(g, I, 5, "c"))
+    with pytest.raises(ValueError, match="fused differ"):
+        nn.Bidirectional(lstm, nn.LSTMCell(g, I, H, "d", fused=False))
+    with pytest.raises(ValueError, match="different graphs"):
+        nn.Bidirectional(lstm, nn.LSTMCell(vg.VirtualGraph(), I, H, "e"))
+    xs = g.input("xs", (None, B, I))
+    with g.loop() as L:
+        inner = nn.LSTMCell(g, I, H, "inner", share=True)
+        h = L.carry(np.zeros((B, H)), name="h")
+        L.update(h, inner(L.step(xs), (h, h))[0])
+    with pytest.raises(ValueError, match=r"inner\.W_x.* is declared in a loop body"):
+        nn.Bidirectional(inner, lstm)
+    bi = nn.Bidirectional(lstm, lstm2)
+    for x, what in (
+        (g.input("flat", (None, I)), r"must be \(T, B, input_size\), got .*flat.* of shape \(None, 3\)"),
+        (g.input("free"), r"got .*free.* of shape unknown"),
+        (g.input("wide", (None, B, I + 1)), "xs has 4 features, the cells take 3"),
+    ):
+        with pytest.raises(ValueError, match=what):
+            bi(x)

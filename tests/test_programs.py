@@ -954,3 +954,28 @@ def test_a_carry_its_first_update_widens_runs_as_a_program(B):
     _, prog = assert_identical(g, {"xs": np.random.default_rng(B).normal(size=(5, B, 3))}, loss)
     assert prog.interpreted == []
     assert [n.shape for n in (prog.node(h, (0,)), prog.node(h, (1,)))] == [(1, 4), (B, 4)]
+
+
+@settings(max_examples=24, deadline=None, derandomize=True)
+@given(
+    st.sampled_from(["rnn", "lstm", "lstm-unfused", "gru", "gru-unfused"]),
+    st.integers(1, 6),
+    st.tuples(st.integers(1, 3), st.integers(1, 4), st.integers(1, 4)),
+    st.integers(0, 1000),
+)
+def test_random_bidirectional_cells_as_programs_equal_the_per_node_unroll(kind, T, sizes, seed):
+    """nn.Bidirectional's one loop over both directions (stacked weights: their products hoisted
+    and their gradients collected as one batched product): the same loss, gradients, values,
+    retained gradients and decisions as node by node, hoisted or not."""
+    B, I, H = sizes
+    g = vg.VirtualGraph(seed=seed)
+    xs = g.input("xs", (None, B, I))
+    name, _, unfused = kind.partition("-")
+    make = {"rnn": nn.RNNCell, "lstm": nn.LSTMCell, "gru": nn.GRUCell}[name]
+    extra = {} if name == "rnn" else {"fused": not unfused}
+    out = nn.Bidirectional(make(g, I, H, "fwd", **extra), make(g, I, H, "bwd", **extra))(xs)
+    loss = vg.sum(vg.tanh(out) * np.linspace(-1.0, 1.0, 2 * H))
+    feed = {"xs": np.random.default_rng(seed).standard_normal((T, B, I)) * 2.0}
+    for hoist in (True, False):
+        _, prog = assert_identical(g, feed, loss, hoist=hoist)
+        assert prog.interpreted == []

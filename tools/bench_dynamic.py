@@ -652,6 +652,9 @@ class TaggerConfig:
     #: the batch32 and torch columns: sparse embedding gradients and lazy Adam / SparseAdam (True,
     #: the default) or dense embedding gradients and Adam (``--dense-embeddings``)
     sparse_updates: bool = True
+    #: the ``bidirectional`` column: both directions as one loop (``nn.Bidirectional``) instead
+    #: of two loops, as DyNet's benchmark writes them
+    bidirectional: bool = False
     dtype: Any = DTYPE
     seed: int = 0
 
@@ -678,9 +681,13 @@ def make_bilstm_tagger(cfg: TaggerConfig) -> tuple[vg.VirtualGraph, vg.VirtualNo
             L.update(c, c_new)
         return L.stack(h_new)  # (T, 1, H)
 
-    forward = run(embedded, cells["fwd"], "forward")
-    backward = run(embedded[::-1], cells["bwd"], "backward")[::-1]
-    features = vg.concat([forward, backward], axis=-1).reshape(-1, 2 * H)  # (T, 2H)
+    if cfg.bidirectional:
+        both = nn.Bidirectional(cells["fwd"], cells["bwd"])(embedded)  # (T, 1, 2H)
+    else:
+        forward = run(embedded, cells["fwd"], "forward")
+        backward = run(embedded[::-1], cells["bwd"], "backward")[::-1]
+        both = vg.concat([forward, backward], axis=-1)
+    features = both.reshape(-1, 2 * H)  # (T, 2H)
     loss = losses.cross_entropy(out(vg.tanh(mlp(features))), tags)
     return g, loss
 
@@ -721,6 +728,12 @@ def tagger_sparse(cfg: TaggerConfig, data: Any) -> VgraphRunner:
 def tagger_programs(cfg: TaggerConfig, data: Any) -> VgraphRunner:
     """The ``sparse`` column with its loops run as body programs."""
     g, loss = make_bilstm_tagger(TaggerConfig(**{**vars(cfg), "sparse": True}))
+    return VgraphRunner(g, loss, tagger_feed, lazy=True, programs=True)
+
+
+def tagger_bidirectional(cfg: TaggerConfig, data: Any) -> VgraphRunner:
+    """The ``programs`` column with both directions as one loop (``nn.Bidirectional``)."""
+    g, loss = make_bilstm_tagger(TaggerConfig(**{**vars(cfg), "sparse": True, "bidirectional": True}))
     return VgraphRunner(g, loss, tagger_feed, lazy=True, programs=True)
 
 
@@ -1462,14 +1475,17 @@ def check_torch_tagger() -> dict[str, Any]:
     items = [b for b in tagger_batches(12, 30, 5, seed=3) if b.words >= 2][:6]
     for sparse in (True, False):
         cfg = TaggerConfig(vocab=30, embed=4, hidden=3, mlp=4, tags=5, sparse=sparse, dtype=np.float64)
-        for n, programs in ((1, False), (3, False), (3, True)):  # (batch32, batch32_programs)
-            g, loss = make_bilstm_tagger(cfg)
+        # (batch32, batch32_programs; the bidirectional column: one loop for both directions)
+        for n, programs, bi in ((1, False, False), (3, False, False), (3, True, False), (1, True, True)):
+            g, loss = make_bilstm_tagger(TaggerConfig(**{**vars(cfg), "bidirectional": bi}))
             updates = [items[:n], items[n : 2 * n]]
             kind = "sparse" if sparse else "dense"
-            what = f"bilstm_tagger torch ({kind}, {n} sentence(s){', programs' if programs else ''})"
+            how = f"{', programs' if programs else ''}{', nn.Bidirectional' if bi else ''}"
+            what = f"bilstm_tagger torch ({kind}, {n} sentence(s){how})"
             model = TorchTagger(cfg, sparse)
             errs = torch_agrees(what, g, loss, tagger_feed, model, updates, sparse, programs=programs)
-            out[f"{kind}_{n}{'_programs' if programs else ''}"] = max(errs.values())
+            name = f"{kind}_{n}{'_programs' if programs else ''}{'_bidirectional' if bi else ''}"
+            out[name] = max(errs.values())
     return out
 
 
@@ -1577,6 +1593,7 @@ TASKS: dict[str, Task] = {
             "vgraph": (tagger_vgraph, _always),
             "sparse": (tagger_sparse, _always),
             "programs": (tagger_programs, _always),
+            "bidirectional": (tagger_bidirectional, _always),
             "batch32": (tagger_batched, _always),
             "batch32_programs": (tagger_batched_programs, _always),
             "torch": (tagger_torch, _always),

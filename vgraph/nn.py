@@ -26,6 +26,7 @@ The initialisers of :mod:`vgraph.init` are re-exported here (``nn.init.orthogona
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 from typing import Any, cast
@@ -52,6 +53,7 @@ from .modes import int_arg
 from .virtual import VirtualGraph, VirtualNode
 
 __all__ = [
+    "Bidirectional",
     "Dropout",
     "Embedding",
     "GRUCell",
@@ -422,6 +424,116 @@ class GRUCell(Module):
         z = F.sigmoid(gx[..., H : 2 * H] + gh[..., H : 2 * H])
         n = F.tanh(gx[..., 2 * H : 3 * H] + r * gh[..., 2 * H : 3 * H])
         return n + z * (h - n)  # = (1 - z) * n + z * h, without a constant
+
+
+#: The recurrent cells :class:`Bidirectional` runs.
+_Cell = RNNCell | LSTMCell | GRUCell
+
+
+class Bidirectional:
+    """A recurrent cell run over a sequence in both directions, as one loop: the encoder of a
+    tagger or of a translation model (PyTorch's ``nn.LSTM(bidirectional=True)``, DyNet's
+    ``BiRNNBuilder``).
+
+    ::
+
+        bi = nn.Bidirectional(nn.LSTMCell(g, 128, 50, "fwd"), nn.LSTMCell(g, 128, 50, "bwd"))
+        out = bi(xs)      # xs (T, B, 128) -> (T, B, 100)
+
+    Row ``t`` of the result is the forward cell's ``h`` after reading ``xs[0] … xs[t]`` next to
+    the backward cell's after reading ``xs[T-1] … xs[t]``: the same values as two loops, one
+    stepping through ``xs`` with ``forward`` and one through ``xs[::-1]`` with ``backward``, whose
+    stacked states are reversed and concatenated (to rounding: the products are grouped
+    differently). It is faster: the two cells' parameters are stacked on a new leading axis
+    (``(2, ...)``; biases ``(2, 1, n)``), and each iteration computes both directions' products
+    and cell in one numpy call each, where two loops make two (the BiLSTM tagger of
+    ``tools/bench_dynamic.py`` about 20% faster a sentence). In the unrolled graph the loop is one
+    ``<Loop:…>`` whose body nodes hold both directions along their leading axis (``[0]``
+    forward, ``[1]`` backward); the parameters stay the cells' own (``fwd.W_x`` …), and their
+    gradients reach them through the stacks.
+
+    Args:
+        forward, backward: two cells of the same kind (:class:`RNNCell`, :class:`LSTMCell` or
+            :class:`GRUCell`) and sizes, declared in the same graph outside any loop body.
+        name: the loop's name (default ``"bidirectional"``).
+
+    Raises:
+        TypeError: a cell that is not one of those kinds, or two of different kinds.
+        ValueError: cells of different sizes or settings, from different graphs, or with
+            parameters declared in a loop body.
+    """
+
+    def __init__(self, forward: _Cell, backward: _Cell, name: str = "bidirectional") -> None:
+        kinds = (RNNCell, LSTMCell, GRUCell)
+        for what, cell in (("forward", forward), ("backward", backward)):
+            if type(cell) not in kinds:
+                raise TypeError(
+                    f"Bidirectional: {what} must be an RNNCell, LSTMCell or GRUCell, got {type(cell).__name__}"
+                )
+        if type(forward) is not type(backward):
+            raise TypeError(
+                f"Bidirectional: the cells must be of one kind, got {type(forward).__name__} and "
+                f"{type(backward).__name__}"
+            )
+        if forward.graph is not backward.graph:
+            raise ValueError("Bidirectional: the two cells are declared in different graphs")
+        settings = ("input_size", "hidden_size", "fused", "nonlinearity")
+        for k in settings:
+            a, b = getattr(forward, k, None), getattr(backward, k, None)
+            if a != b:
+                raise ValueError(f"Bidirectional: the cells' {k} differ ({a!r} and {b!r})")
+        for cell in (forward, backward):
+            inner = [v for v in cell.declared.values() if v.scope is not None]
+            if inner:
+                raise ValueError(
+                    f"Bidirectional: {inner[0].describe()} is declared in a loop body; construct "
+                    "the cells outside any loop"
+                )
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"Bidirectional: name must be a non-empty string, got {name!r}")
+        self.forward, self.backward, self.name = forward, backward, name
+
+    def __call__(self, xs: Any) -> Any:
+        """Run both directions over ``xs`` ``(T, B, input_size)``; returns ``(T, B, 2 *
+        hidden_size)``, the forward states in the first ``hidden_size`` columns. The states start
+        at zero.
+
+        Raises:
+            ValueError: ``xs`` is declared with another number of axes than three (or none
+                known), or with another last axis than ``input_size``.
+        """
+        fwd, bwd = self.forward, self.backward
+        g = fwd.graph
+        xs = g._as_node(xs)
+        shape = xs.shape
+        if shape is None or len(shape) != 3:
+            raise ValueError(
+                f"Bidirectional: xs must be (T, B, input_size), got {xs.describe()} of shape "
+                f"{'unknown' if shape is None else shape}: declare the input with its shape"
+            )
+        if shape[2] is not None and shape[2] != fwd.input_size:
+            raise ValueError(f"Bidirectional: xs has {shape[2]} features, the cells take {fwd.input_size}")
+        # Both cells as one: a copy of the forward cell whose parameters are the two cells' stacked
+        # (a bias (2, 1, n): it broadcasts against the (2, B, n) rows).
+        both = copy.copy(fwd)
+        for local, p in fwd.declared.items():
+            stacked = F.stack([p, bwd.declared[local]])
+            setattr(both, local, stacked if len(p.shape or ()) > 1 else stacked.reshape(2, 1, -1))
+        H = fwd.hidden_size
+        zeros = g.constant(np.zeros((2, 1, H), dtype=g.dtype), name=f"{self.name}.h0")
+        pairs = F.stack([xs, xs[::-1]], axis=1)  # (T, 2, B, I): row t is xs[t] and xs[T-1-t]
+        with g.loop(name=self.name) as L:
+            x_t = L.step(pairs)
+            if isinstance(both, LSTMCell):
+                h, c = L.carry(zeros, name="h"), L.carry(zeros, name="c")
+                h_new, c_new = both(x_t, (h, c))
+                L.update(c, c_new)
+            else:
+                h = L.carry(zeros, name="h")
+                h_new = both(x_t, h)
+            L.update(h, h_new)
+        states = L.stack(h_new)  # (T, 2, B, H)
+        return F.concat([states[:, 0], states[:, 1][::-1]], axis=-1)
 
 
 class Embedding(Module):

@@ -999,6 +999,62 @@ class RowsProductGrad(LazyGrad):
         return super().merge(other)
 
 
+class StackedProductGrad(LazyGrad):
+    """``sum_k swapaxes(a_k) @ g_k`` over ``a_k`` ``(..., rows, I)`` and ``g_k`` ``(..., rows, H)``
+    with the same leading axes as the weight: the gradient of a stack of weights ``W`` ``(..., I,
+    H)`` in ``x @ W``, each weight multiplying its own rows (several cells computed as one, e.g.
+    the two directions of a bidirectional RNN), collected over every use and computed as one
+    batched product of the uses' rows when the weight's turn comes — as :class:`RowsProductGrad`
+    does for one weight, instead of a dense ``(..., I, H)`` array per use."""
+
+    __slots__ = ("a", "g", "total")
+
+    def __init__(self, a: np.ndarray, g: np.ndarray) -> None:
+        super().__init__((*a.shape[:-2], a.shape[-1], g.shape[-1]), np.result_type(a, g))
+        self.a = [a]
+        self.g = [g]
+        self.total: np.ndarray | None = None  # the products of uses let go by compact(), summed
+
+    def dense(self) -> np.ndarray:
+        a, g = self.a, self.g
+        out: np.ndarray
+        if not a:
+            assert self.total is not None  # (made with a use; emptied only by compact)
+            out = self.total.copy()
+            return out
+        per = max(1, RowsProductGrad.BLOCK_ROWS // max(1, a[0].shape[-2]))  # uses a block
+        for i in range(0, len(a), per):  # uses first to last, a block's rows as one product
+            rows = a[i] if len(a[i : i + per]) == 1 else np.concatenate(a[i : i + per], axis=-2)
+            grads = g[i] if len(g[i : i + per]) == 1 else np.concatenate(g[i : i + per], axis=-2)
+            product = np.swapaxes(rows, -1, -2) @ grads
+            if i == 0:
+                out = product
+            else:
+                out += product
+        if self.total is not None:
+            out += self.total
+        return out
+
+    def add_into(self, acc: np.ndarray) -> None:
+        acc += self.dense()
+
+    def compact(self) -> None:
+        """As :meth:`RowsProductGrad.compact`: the uses so far become one total."""
+        if self.a:
+            self.total = self.dense()
+            self.a.clear()
+            self.g.clear()
+
+    def merge(self, other: LazyGrad) -> LazyGrad | np.ndarray:
+        if type(other) is StackedProductGrad and other.shape == self.shape:
+            self.a.extend(other.a)
+            self.g.extend(other.g)
+            if other.total is not None:
+                self.total = other.total if self.total is None else self.total + other.total
+            return self
+        return super().merge(other)
+
+
 def _stacked(parts: list[np.ndarray]) -> np.ndarray:
     """The rows of 2-D ``parts`` concatenated, into a recycled buffer (a temporary: see
     :mod:`vgraph.workspace`)."""
@@ -1428,6 +1484,8 @@ def _matmul_vjp(g: np.ndarray, a: np.ndarray, b: np.ndarray, wrt: int) -> Any:
         # Every use of a weight in a loop contributes a_t^T g_t: collect them and compute one
         # (T*rows)-row product when the weight's turn comes (see RowsProductGrad).
         return RowsProductGrad(a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1]))
+    if wrt == 1 and b.ndim > 2 and a.shape[:-2] == b.shape[:-2]:  # a stack of weights, each its rows
+        return StackedProductGrad(a, g)
     # General case: promote 1-D operands to matrices as np.matmul does, then undo it.
     a2 = a[None, :] if a.ndim == 1 else a
     b2 = b[:, None] if b.ndim == 1 else b

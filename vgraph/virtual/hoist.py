@@ -88,9 +88,14 @@ def batched_attrs(
     rank = max(len(s) for s in shapes)
     if name == "MatMul":
         (a, b), (sa, sb) = shapes, stacked
-        if sb:  # batched right operand: both must be matrices (a may be shared)
-            return attrs if len(b) >= 2 and (len(a) >= 2 or not sa) else None
-        return attrs if len(b) == 2 and len(a) >= 1 else None  # (T, ..., I) @ (I, H)
+        if sb:  # batched right operand, a matrix or a stack of them; a stacked too (its new axis
+            # meets b's: the same rank) or shared (its axes must not meet b's new one)
+            return attrs if len(b) >= 2 and (len(a) == len(b) if sa else len(a) <= len(b)) else None
+        if len(b) == 2:
+            return attrs if len(a) >= 1 else None  # (T, ..., I) @ (I, H)
+        # a stack of matrices (..., I, H), each multiplying its own rows (..., rows, I): the new
+        # axis must not meet the stack's axes
+        return attrs if len(b) > 2 and len(a) >= len(b) else None
     if name == "Linear":  # x @ w + b: as the product, with the bias (the product's last axes) shared
         return None if stacked[2] else batched_attrs(_MATMUL, attrs, shapes[:2], stacked[:2], count)
     if name == "Take":  # a shared table looked up with stepped indices
