@@ -299,10 +299,17 @@ def test_dynamic_quick_json_run(tmp_path):
         assert torch_columns == (expected if HAVE_TORCH else set()), r["task"]
         if HAVE_TORCH and expected:
             compared = {
-                "bilstm_tagger": {"sparse", "batch32", "batch32_programs"},
-                "tree_lstm": {"sparse", "batch32", "batch32_programs"},
+                "bilstm_tagger": {
+                    "sparse",
+                    "programs",
+                    "bidirectional",
+                    "batch32",
+                    "batch32_programs",
+                    "batch32_bidirectional",
+                },
+                "tree_lstm": {"sparse", "programs", "batch32", "batch32_programs"},
             }
-            assert set(r["ratio_vs_torch"]) == compared.get(r["task"], {"vgraph"}), r["task"]
+            assert set(r["ratio_vs_torch"]) == compared.get(r["task"], {"vgraph", "programs"}), r["task"]
             for vg_name, vt in r["ratio_vs_torch"].items():
                 assert vt["wall"] == pytest.approx(
                     r["columns"][vg_name]["ms_per_batch"] / r["columns"][vt["torch"]]["ms_per_batch"]
@@ -444,7 +451,7 @@ def test_seq2seq_quick_json_run(tmp_path):
         assert all(sp["over"] == "vgraph" and sp["wall"] > 0 for sp in r["batch_speedup"].values())
         assert r["batch_target_met"] == (r["batch_speedup"]["batch32_programs"]["wall"] >= 3.0)
         if HAVE_TORCH:
-            assert set(r["ratio_vs_torch"]) == {"vgraph"} | batched
+            assert set(r["ratio_vs_torch"]) == {"vgraph", "programs"} | batched
             for vg_name, vt in r["ratio_vs_torch"].items():
                 assert vt["wall"] == pytest.approx(
                     r["columns"][vg_name]["ms_per_batch"] / r["columns"][vt["torch"]]["ms_per_batch"]

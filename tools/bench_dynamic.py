@@ -918,6 +918,14 @@ def tagger_batched_programs(cfg: TaggerConfig, data: Any) -> VgraphRunner:
     return AutobatchRunner(g, loss, tagger_feed, len(data), lazy=cfg.sparse_updates, programs=True)
 
 
+def tagger_batched_bidirectional(cfg: TaggerConfig, data: Any) -> VgraphRunner:
+    """The ``batch32_programs`` column with both directions as one loop (``nn.Bidirectional``)."""
+    g, loss = make_bilstm_tagger(
+        TaggerConfig(**{**vars(cfg), "sparse": cfg.sparse_updates, "bidirectional": True})
+    )
+    return AutobatchRunner(g, loss, tagger_feed, len(data), lazy=cfg.sparse_updates, programs=True)
+
+
 def tree_batched_programs(cfg: TreeConfig, data: Any) -> VgraphRunner:
     """The ``batch32`` column with the recursion run as one body program over the group's tree
     nodes, level by level (``build_batch(..., programs=True)``)."""
@@ -1476,7 +1484,13 @@ def check_torch_tagger() -> dict[str, Any]:
     for sparse in (True, False):
         cfg = TaggerConfig(vocab=30, embed=4, hidden=3, mlp=4, tags=5, sparse=sparse, dtype=np.float64)
         # (batch32, batch32_programs; the bidirectional column: one loop for both directions)
-        for n, programs, bi in ((1, False, False), (3, False, False), (3, True, False), (1, True, True)):
+        for n, programs, bi in (
+            (1, False, False),
+            (3, False, False),
+            (3, True, False),
+            (1, True, True),
+            (3, True, True),
+        ):
             g, loss = make_bilstm_tagger(TaggerConfig(**{**vars(cfg), "bidirectional": bi}))
             updates = [items[:n], items[n : 2 * n]]
             kind = "sparse" if sparse else "dense"
@@ -1596,6 +1610,7 @@ TASKS: dict[str, Task] = {
             "bidirectional": (tagger_bidirectional, _always),
             "batch32": (tagger_batched, _always),
             "batch32_programs": (tagger_batched_programs, _always),
+            "batch32_bidirectional": (tagger_batched_bidirectional, _always),
             "torch": (tagger_torch, _always),
             "torch_batch32": (tagger_torch_batched, _always),
         },
@@ -1729,6 +1744,9 @@ TORCH_PAIRS = (
     ("sparse", "torch"),
     ("batch32", "torch_batch32"),
     ("batch32_programs", "torch_batch32"),
+    ("programs", "torch"),
+    ("bidirectional", "torch"),
+    ("batch32_bidirectional", "torch_batch32"),
 )
 
 
@@ -1833,8 +1851,11 @@ def run_config(
         vg_col, torch_col = result["columns"].get(vg_name), result["columns"].get(torch_name)
         if vg_name == "vgraph" and "sparse" in result["columns"] and getattr(cfg, "sparse_updates", False):
             vg_col = None  # the sparse column is the one with the same embedding updates
-        if vg_name == "sparse" and not getattr(cfg, "sparse_updates", True):
-            vg_col = None
+        sparse_only = (
+            ("sparse", "programs", "bidirectional") if isinstance(cfg, (TaggerConfig, TreeConfig)) else ()
+        )
+        if vg_name in sparse_only and not getattr(cfg, "sparse_updates", True):
+            vg_col = None  # (these columns' embedding updates are sparse, PyTorch's dense)
         if vg_col is not None and torch_col is not None:
             result.setdefault("ratio_vs_torch", {})[vg_name] = {
                 "torch": torch_name,
