@@ -1024,9 +1024,8 @@ class StackedProductGrad(LazyGrad):
             return out
         per = max(1, RowsProductGrad.BLOCK_ROWS // max(1, a[0].shape[-2]))  # uses a block
         for i in range(0, len(a), per):  # uses first to last, a block's rows as one product
-            rows = a[i] if len(a[i : i + per]) == 1 else np.concatenate(a[i : i + per], axis=-2)
-            grads = g[i] if len(g[i : i + per]) == 1 else np.concatenate(g[i : i + per], axis=-2)
-            product = np.swapaxes(rows, -1, -2) @ grads
+            rows, grads = a[i : i + per], g[i : i + per]
+            product = np.swapaxes(_joined(rows), -1, -2) @ _joined(grads)
             if i == 0:
                 out = product
             else:
@@ -1053,6 +1052,11 @@ class StackedProductGrad(LazyGrad):
                 self.total = other.total if self.total is None else self.total + other.total
             return self
         return super().merge(other)
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    """``parts`` (``(..., rows, n)``, the same leading axes) as one array of all their rows."""
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-2)
 
 
 def _stacked(parts: list[np.ndarray]) -> np.ndarray:
