@@ -202,6 +202,16 @@ def test_a_bidirectional_tagger_runs_over_rows(kind):
     batch = assert_identical(partial(bidirectional_tagger, kind), tagger_feeds([4, 1, 7, 4, 2]))
     assert len(batch.rows_programs) == 1
     assert not any(v.interpreted for v in batch.inputs)
+    # the stacks of the two cells' parameters are the same for every sentence: computed once,
+    # read by the program as shared weights (not one copy a row), the input product hoisted
+    # over every sentence's every step
+    assert batch.rows_programs[0].own_at == []
+    assert sum(k.startswith("Stack:") and n == 5 for k, n in batch.groups) == len(_param_names(kind))
+    assert any(k.startswith("MatMul*") and n == 5 for k, n in batch.groups), batch.groups
+
+
+def _param_names(kind):
+    return ("W_x", "W_h", "b_x", "b_h") if kind == "gru" else ("W_x", "W_h", "b")
 
 
 # ---------------------------------------------------------------------------- random lengths

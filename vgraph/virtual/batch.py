@@ -598,9 +598,9 @@ class InputView:
             return _ASK
         if op.name in _PASS:
             return parents[0]
-        if op is _STACK and attrs == {"axis": 0}:  # loop.stack: this input's rows, gathered once
-            return self.batch._stack(list(parents), key)
-        return _ASK
+        if op is _STACK and attrs == {"axis": 0} and any(type(p) is Row for p in parents):
+            return self.batch._stack(list(parents), key)  # loop.stack: this input's rows, gathered once
+        return _ASK  # (a stack of whole nodes — parameters, say — is asked: the same for every input, once)
 
     # -- what users read
     @property
