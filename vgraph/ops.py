@@ -991,11 +991,7 @@ class RowsProductGrad(LazyGrad):
 
     def merge(self, other: LazyGrad) -> LazyGrad | np.ndarray:
         if isinstance(other, RowsProductGrad):  # self is one node's pending gradient: extend it
-            self.a.extend(other.a)
-            self.g.extend(other.g)
-            if other.total is not None:
-                self.total = other.total if self.total is None else self.total + other.total
-            return self
+            return _take_uses(self, other)
         return super().merge(other)
 
 
@@ -1046,12 +1042,20 @@ class StackedProductGrad(LazyGrad):
 
     def merge(self, other: LazyGrad) -> LazyGrad | np.ndarray:
         if type(other) is StackedProductGrad and other.shape == self.shape:
-            self.a.extend(other.a)
-            self.g.extend(other.g)
-            if other.total is not None:
-                self.total = other.total if self.total is None else self.total + other.total
-            return self
+            return _take_uses(self, other)
         return super().merge(other)
+
+
+def _take_uses(
+    acc: RowsProductGrad | StackedProductGrad, other: RowsProductGrad | StackedProductGrad
+) -> LazyGrad:
+    """``acc`` (a :class:`RowsProductGrad` or :class:`StackedProductGrad`) extended by the uses
+    and compacted total of ``other``, of the same kind: their sum."""
+    acc.a.extend(other.a)
+    acc.g.extend(other.g)
+    if other.total is not None:
+        acc.total = other.total if acc.total is None else acc.total + other.total
+    return acc
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray:
