@@ -265,6 +265,16 @@ def test_random_tagger_lengths(lengths, seed):
     assert_identical(bilstm, tagger_feeds(lengths, seed))
 
 
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(
+    st.lists(st.integers(1, 6), min_size=1, max_size=8),
+    st.integers(0, 1000),
+    st.sampled_from(["lstm", "gru"]),
+)
+def test_random_bidirectional_tagger_lengths(lengths, seed, kind):
+    assert_identical(partial(bidirectional_tagger, kind), tagger_feeds(lengths, seed))
+
+
 # ---------------------------------------------------------------------------- gradients, modes
 
 
