@@ -709,11 +709,10 @@ def test_bidirectional_lstm_matches_numpy():
     """The result against hand-written numpy: row t is the forward cell after xs[0..t] next to the
     backward cell after xs[T-1..t]."""
     g, loss = _bidirectional("lstm")
-    xs = g.nodes[0]
     out = next(v for v in g.nodes if v.op is not None and v.op.name == "Concat")
     x = rand(5, B, I, seed=2)
     got = g.build({"xs": x}, out).forward()
-    assert xs.name == "xs" and got.shape == (5, B, 2 * H)
+    assert got.shape == (5, B, 2 * H)
     for d, order in (("fwd", range(5)), ("bwd", range(4, -1, -1))):
         h = c = np.zeros((B, H))
         for t in order:
@@ -749,6 +748,12 @@ def test_bidirectional_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match=r"inner\.W_x.* is declared in a loop body"):
         nn.Bidirectional(inner, lstm)
     bi = nn.Bidirectional(lstm, lstm2)
+    declared = len(g.nodes)
+    with pytest.raises(TypeError, match="a node of the cells' graph, got ndarray"):
+        bi(np.zeros((2, B, I)))
+    with pytest.raises(TypeError, match="a node of the cells' graph, got <Input:1> 'x'"):
+        bi(vg.VirtualGraph().input("x", (None, B, I)))
+    assert len(g.nodes) == declared  # a refused call declares nothing
     for x, what in (
         (g.input("flat", (None, I)), r"must be \(T, B, input_size\), got .*flat.* of shape \(None, 3\)"),
         (g.input("free"), r"got .*free.* of shape unknown"),
